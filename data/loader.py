@@ -1,0 +1,350 @@
+"""``build_data``: the one entry point train.py calls for its training and validation batches.
+
+Every format yields the same thing: ``(x, y)`` int64 CPU tensors of shape ``(B, T)`` where
+``y`` is ``x`` shifted left by one token (both cut from one window of ``T + 1`` tokens).
+
+mmap and default (exact resume)
+    The training split is cut into non-overlapping windows: window ``i`` of a shard starts at
+    token ``i * T`` and spans ``T + 1`` tokens, so each token is predicted once per epoch. For
+    epoch ``e`` all windows are put in one order (a permutation seeded by ``(seed, e)``, or file
+    order with ``data.sampling=sequential``); rank ``r`` of ``W`` takes every W-th window
+    starting at ``r`` (the remainder is dropped so all ranks take the same number of steps), and
+    cuts its windows into consecutive batches. Batch ``g`` of the stream (counting across
+    epochs) is a pure function of ``(seed, rank, W, B, T, g)``; DataLoader worker ``w`` of ``N``
+    computes batches ``g = w, w + N, ...`` and the DataLoader hands them back in order, so the
+    stream is the same for any number of workers. The stream's state is the count of batches
+    *handed to the caller* (batches that workers prefetched are not counted), and a resumed
+    stream continues with exactly the next batch.
+
+Each batch is checked against the model's vocabulary; an id outside it is an error naming the
+shard file. Shards that fail their checks on open either stop the run (``data.on_bad_shard=
+error``) or are skipped and named in the description line (``skip``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from data.config import DataConfig
+from data.errors import DataError
+from data.shards import DatasetMeta, TokenShard, read_meta
+
+STATE_VERSION = 1
+
+
+# ------------------------------------------------------------------------------------ the bundle
+
+
+@dataclass
+class DataBundle:
+    train: "TrainStream"
+    val: "ValSource"
+    description: str  # one line for the log
+    skipped_shards: list[str] = field(default_factory=list)  # "path: reason" for each skipped shard
+
+
+def build_data(
+    cfg: DataConfig, *, seq_len: int, micro_batch_size: int, seed: int, rank: int, world_size: int, vocab_size: int
+) -> DataBundle:
+    """Open (or, for data.format=default, build once and cache) the dataset and return its streams."""
+    if seq_len < 1 or micro_batch_size < 1:
+        raise DataError(f"seq_len and micro_batch_size must be >= 1, got {seq_len} and {micro_batch_size}")
+    if not 0 <= rank < world_size:
+        raise DataError(f"rank {rank} is outside world_size {world_size}")
+    if cfg.format == "webdataset":
+        from data.webdataset_loader import build_webdataset_data
+
+        return build_webdataset_data(
+            cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, rank=rank,
+            world_size=world_size, vocab_size=vocab_size,
+        )
+    meta = _open_mmap_dataset(cfg)
+    _check_vocab(meta, vocab_size)
+    layout = dict(seq_len=seq_len, batch_size=micro_batch_size, rank=rank, world_size=world_size, vocab_size=vocab_size)
+    train_shards, skipped = open_shards(meta.files("train"), vocab_size, cfg.verify, cfg.on_bad_shard)
+    val_shards, skipped_val = open_shards(meta.files("val"), vocab_size, cfg.verify, cfg.on_bad_shard)
+    train_set = MmapBatches(
+        train_shards, seed=seed, shuffle=cfg.sampling == "random", drop_last=cfg.drop_last, split_name="train", **layout
+    )
+    val_set = MmapBatches(val_shards, seed=seed, shuffle=False, drop_last=True, split_name="val", **layout)
+    train = TrainStream(train_set, cfg, seed=seed, rank=rank)
+    val = ValSource(val_set)
+    skipped = skipped + skipped_val
+    description = (
+        f"data: format={cfg.format} path={meta.root} tokenizer={meta.tokenizer} (vocab {meta.vocab_size}, "
+        f"eot {meta.eot_id}) | train {train_set.token_count:,} tokens in {len(train_shards)} shard(s), "
+        f"{train_set.batches_per_epoch:,} batches/epoch/rank of {micro_batch_size}x{seq_len} "
+        f"({cfg.sampling}) | val {val_set.token_count:,} tokens, {val_set.batches_per_epoch:,} batches/rank | "
+        f"workers={cfg.num_workers}"
+    )
+    if skipped:
+        description += f" | SKIPPED {len(skipped)} bad shard(s): {skipped[0]}" + (" ..." if len(skipped) > 1 else "")
+    return DataBundle(train=train, val=val, description=description, skipped_shards=skipped)
+
+
+def _open_mmap_dataset(cfg: DataConfig) -> DatasetMeta:
+    if cfg.format == "default":
+        from data.default_corpus import ensure_default_corpus
+
+        root = ensure_default_corpus(cfg.cache_dir, cfg.default_corpus_max_mb, cfg.val_fraction)
+    else:
+        root = Path(cfg.path)
+    meta = read_meta(root)
+    if meta.format != "mmap":
+        raise DataError(f"{root} holds a {meta.format} dataset but data.format={cfg.format}; set data.format={meta.format}")
+    return meta
+
+
+def _check_vocab(meta: DatasetMeta, vocab_size: int) -> None:
+    if meta.vocab_size > vocab_size:
+        raise DataError(
+            f"{meta.root}: tokenizer {meta.tokenizer} has {meta.vocab_size} ids but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size >= {meta.vocab_size}"
+        )
+
+
+def open_shards(paths: list[Path], vocab_size: int, verify: str, on_bad: str) -> tuple[list[TokenShard], list[str]]:
+    """Open and check each shard; a bad one raises, or with on_bad='skip' is left out and reported."""
+    shards, skipped = [], []
+    for path in paths:
+        try:
+            shard = TokenShard(path)
+            if verify == "full":
+                shard.verify()
+            if len(shard) and shard.header.max_token_id >= vocab_size:
+                raise DataError(
+                    f"{path}: token id {shard.header.max_token_id} is outside model.vocab_size={vocab_size}"
+                )
+        except DataError as e:
+            if on_bad != "skip":
+                raise
+            skipped.append(str(e))
+            continue
+        shards.append(shard)
+    return shards, skipped
+
+
+# ---------------------------------------------------------------------------- mmap batch source
+
+
+class MmapBatches(IterableDataset):
+    """Batch ``g`` of a rank's stream over memory-mapped shards; iterable from DataLoader workers.
+
+    Holds only paths and small arrays, so it pickles cheaply to spawned workers; the memmaps are
+    reopened lazily in whichever process reads them.
+    """
+
+    def __init__(self, shards: list[TokenShard], *, seq_len: int, batch_size: int, rank: int, world_size: int,
+                 vocab_size: int, seed: int, shuffle: bool, drop_last: bool, split_name: str):
+        self.paths = [str(s.path) for s in shards]
+        self.seq_len, self.batch_size, self.vocab_size = seq_len, batch_size, vocab_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.shuffle, self.drop_last, self.split_name = shuffle, drop_last, split_name
+        self.token_count = sum(len(s) for s in shards)
+        windows = [max(0, (len(s) - 1) // seq_len) for s in shards]
+        self.window_starts = np.concatenate([[0], np.cumsum(windows, dtype=np.int64)]).tolist()
+        self.total_windows = self.window_starts[-1]
+        self.windows_per_rank = self.total_windows // world_size
+        full, partial = divmod(self.windows_per_rank, batch_size)
+        self.batches_per_epoch = full + (1 if partial and not drop_last else 0)
+        if self.batches_per_epoch == 0:
+            where = ", ".join(self.paths[:3]) + (" ..." if len(self.paths) > 3 else "") or "no shards"
+            raise DataError(
+                f"{split_name} split ({where}) is too small: {self.token_count:,} tokens make "
+                f"{self.total_windows} windows of {seq_len + 1} tokens, {self.windows_per_rank} per rank "
+                f"over {world_size} rank(s), fewer than one batch of {batch_size}; use more data or a "
+                f"smaller seq_len / micro_batch_size"
+            )
+        self._shards: list[TokenShard] | None = None
+        self._order_epoch = -1
+        self._order: np.ndarray | None = None
+        self.start_batch = 0
+
+    def identity(self) -> dict:
+        """What a saved stream position depends on; a resume must match it."""
+        return {
+            "kind": "mmap", "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+            "batch_size": self.batch_size, "seq_len": self.seq_len, "total_windows": self.total_windows,
+            "shuffle": self.shuffle, "drop_last": self.drop_last,
+        }
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_shards"], state["_order"], state["_order_epoch"] = None, None, -1
+        return state
+
+    def _rank_windows(self, epoch: int) -> np.ndarray:
+        """This rank's windows of one epoch, in the order they are batched."""
+        if epoch != self._order_epoch:
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(self.total_windows)
+            else:
+                order = np.arange(self.total_windows)
+            self._order = order[self.rank :: self.world_size][: self.windows_per_rank]
+            self._order_epoch = epoch
+        return self._order
+
+    def window_ids(self, g: int) -> np.ndarray:
+        """Global window ids of batch ``g`` of this rank's stream (g counts across epochs)."""
+        epoch, k = divmod(g, self.batches_per_epoch)
+        return self._rank_windows(epoch)[k * self.batch_size : (k + 1) * self.batch_size]
+
+    def batch(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._shards is None:
+            self._shards = [TokenShard(p) for p in self.paths]
+        ids = self.window_ids(g)
+        T = self.seq_len
+        buf = np.empty((len(ids), T + 1), dtype=np.int64)
+        for row, window in enumerate(ids.tolist()):
+            shard = bisect.bisect_right(self.window_starts, window) - 1
+            start = (window - self.window_starts[shard]) * T
+            buf[row] = self._shards[shard].tokens[start : start + T + 1]
+        if buf.max() >= self.vocab_size or buf.min() < 0:
+            self._raise_bad_token(buf, ids)
+        tokens = torch.from_numpy(buf)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def _raise_bad_token(self, buf: np.ndarray, ids: np.ndarray) -> None:
+        row = int(np.argmax((buf >= self.vocab_size).any(axis=1) | (buf < 0).any(axis=1)))
+        shard = bisect.bisect_right(self.window_starts, int(ids[row])) - 1
+        bad = int(buf[row][(buf[row] >= self.vocab_size) | (buf[row] < 0)][0])
+        raise DataError(
+            f"{self.paths[shard]}: token id {bad} is outside model.vocab_size={self.vocab_size} "
+            f"(corrupt shard, or a dataset prepared with a different tokenizer)"
+        )
+
+    # The resumable-stream protocol TrainStream drives (shared with the WebDataset source).
+
+    def initial_state(self) -> dict:
+        return {"position": 0}
+
+    def set_start(self, state: dict) -> None:
+        self.start_batch = int(state["position"])
+
+    def advance(self, state: dict, cursor: int) -> dict:
+        return {"position": int(cursor)}
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        g = self.start_batch + worker
+        while True:  # epochs repeat forever; the trainer decides when to stop
+            x, y = self.batch(g)
+            yield x, y, g + 1  # the stream position after this batch
+            g += workers
+
+
+# ------------------------------------------------------------------------------- train stream
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: seed Python and NumPy from the worker's torch seed.
+
+    DataLoader gives worker ``w`` the torch seed ``base_seed + w`` with ``base_seed`` drawn from
+    the loader's own generator (seeded from the run seed and rank), so augmentation-style
+    randomness in workers is reproducible and differs between workers.
+    """
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+class TrainStream:
+    """Infinite iterator of training batches with a resumable position.
+
+    Wraps a batch dataset whose iterator yields ``(x, y, cursor)``; ``cursor`` describes the
+    reading position just after that batch. The stream folds each cursor into its state as it
+    hands the batch to the caller, so batches prefetched by workers never leak into the state.
+    The dataset supplies ``identity()``, ``initial_state()``, ``set_start(state)`` and
+    ``advance(state, cursor)``.
+    """
+
+    def __init__(self, dataset: IterableDataset, cfg: DataConfig, *, seed: int, rank: int):
+        self._dataset = dataset
+        self._cfg = cfg
+        self._seed, self._rank = seed, rank
+        self._state = dataset.initial_state()
+        self._iterator = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self._dataset.batches_per_epoch
+
+    def _make_iterator(self):
+        self._dataset.set_start(self._state)
+        cfg = self._cfg
+        workers = cfg.num_workers
+        extra = {}
+        if workers > 0:
+            extra = dict(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor,
+                         worker_init_fn=seed_worker, timeout=cfg.timeout)
+        loader = DataLoader(
+            self._dataset,
+            batch_size=None,  # the dataset yields whole batches
+            num_workers=workers,
+            pin_memory=bool(cfg.pin_memory and torch.cuda.is_available()),
+            # A private generator: creating the iterator must not consume the global torch RNG.
+            generator=torch.Generator().manual_seed(self._seed * 1_000_003 + self._rank),
+            **extra,
+        )
+        return iter(loader)
+
+    def __iter__(self) -> "TrainStream":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._iterator is None:
+            self._iterator = self._make_iterator()
+        x, y, cursor = next(self._iterator)
+        self._state = self._dataset.advance(self._state, cursor)
+        return x, y
+
+    def state_dict(self) -> dict:
+        """Plain ints, strings, lists and dicts (safe for ``torch.load(weights_only=True)``)."""
+        return {"version": STATE_VERSION, "identity": self._dataset.identity(), **copy.deepcopy(self._state)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise DataError(f"data stream state version {state.get('version')} is not {STATE_VERSION}: cannot resume it")
+        mine = self._dataset.identity()
+        theirs = state.get("identity", {})
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            pretty = ", ".join(f"{k}: saved {a} now {b}" for k, (a, b) in sorted(diff.items()))
+            raise DataError(f"cannot resume the data stream: the data layout changed ({pretty})")
+        self.close()
+        self._state = {k: copy.deepcopy(v) for k, v in state.items() if k not in ("version", "identity")}
+
+    def close(self) -> None:
+        """Stop worker processes (they restart on the next batch)."""
+        self._iterator = None  # the DataLoader iterator shuts its workers down when collected
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+class ValSource:
+    """Deterministic validation batches: ``batches(n)`` yields the same first n batches every call.
+
+    Read in the calling process (no workers): rank r takes every W-th window in file order.
+    """
+
+    def __init__(self, dataset: MmapBatches):
+        self._dataset = dataset
+
+    @property
+    def num_batches(self) -> int:
+        return self._dataset.batches_per_epoch
+
+    def batches(self, n: int):
+        """The first ``min(n, num_batches)`` batches of this rank's share of the validation split."""
+        for g in range(min(n, self.num_batches)):
+            yield self._dataset.batch(g)

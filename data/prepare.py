@@ -1,0 +1,307 @@
+"""Turn text into token datasets: the logic behind ``tools/prepare_data.py``.
+
+Inputs (in the order given; folders are walked in sorted order):
+- a text file: one document, or one per paragraph / line with ``text_split``;
+- a folder: every file matching ``glob`` (default ``**/*.txt``), each read as above, except that
+  ``.jsonl`` and ``.parquet`` files are read as below;
+- JSONL (``.jsonl``): one JSON object per line, the document in ``text_field``;
+- Parquet (``.parquet``, via pyarrow): the ``text_field`` column, read a record batch at a time.
+
+Documents are tokenized in worker processes (``imap`` keeps their order), each followed by the
+tokenizer's end-of-text token. Document ``i`` goes to the validation split when the running
+count ``round(i * val_fraction)`` steps up, so about ``val_fraction`` of documents, evenly spread,
+are held out. Output is deterministic: the same inputs and options give the same bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from data.errors import DataError
+from data.shards import META_FILE, TokenShardWriter, write_meta
+from data.tokenizer import build_tokenizer
+
+TEXT_SPLITS = ("file", "paragraph", "line")
+OUTPUTS = ("mmap", "webdataset")
+
+
+@dataclass
+class PrepareOptions:
+    inputs: list[str]
+    out_dir: str
+    output: str = "mmap"  # mmap | webdataset
+    tokenizer: str = "byte"
+    val_fraction: float = 0.05
+    text_field: str = "text"
+    text_split: str = "file"
+    glob: str = "**/*.txt"
+    workers: int = 1
+    shard_tokens: int = 100_000_000  # mmap: tokens per shard file (documents are never split)
+    seq_len: int = 1024  # webdataset: each sample holds seq_len + 1 tokens
+    samples_per_shard: int = 10_000  # webdataset
+    wds_encoding: str = "raw"  # raw | npy
+    overwrite: bool = False
+    progress: bool = True
+
+    def validate(self) -> None:
+        if not self.inputs:
+            raise DataError("no inputs given: pass text files, folders, .jsonl or .parquet files")
+        if self.output not in OUTPUTS:
+            raise DataError(f"unknown output {self.output!r}; valid: {', '.join(OUTPUTS)}")
+        if self.text_split not in TEXT_SPLITS:
+            raise DataError(f"unknown text split {self.text_split!r}; valid: {', '.join(TEXT_SPLITS)}")
+        if not 0.0 < self.val_fraction < 0.5:
+            raise DataError(f"val fraction must be in (0, 0.5), got {self.val_fraction}")
+        for key in ("workers", "shard_tokens", "seq_len", "samples_per_shard"):
+            if getattr(self, key) < 1:
+                raise DataError(f"{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass
+class SplitSummary:
+    documents: int = 0
+    tokens: int = 0
+    shards: int = 0
+    samples: int = 0  # webdataset only
+    dropped_tail_tokens: int = 0  # webdataset only
+
+
+# ------------------------------------------------------------------------------------- reading
+
+
+def expand_inputs(inputs: list[str], glob: str) -> list[Path]:
+    files = []
+    for spec in inputs:
+        path = Path(spec)
+        if path.is_dir():
+            found = sorted(p for p in path.glob(glob) if p.is_file() and not p.name.startswith("."))
+            if not found:
+                raise DataError(f"folder {path} has no files matching {glob!r}; pass --glob")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise DataError(f"input {spec} does not exist")
+    return files
+
+
+def iter_documents(files: list[Path], text_field: str, text_split: str) -> Iterator[str]:
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
+            yield from _jsonl_documents(path, text_field)
+        elif suffix == ".parquet":
+            yield from _parquet_documents(path, text_field)
+        else:
+            yield from _text_documents(path, text_split)
+
+
+def _text_documents(path: Path, text_split: str) -> Iterator[str]:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}") from e
+    if text_split == "file":
+        parts = [text]
+    elif text_split == "line":
+        parts = text.splitlines()
+    else:
+        parts = [p.strip("\n") for p in text.split("\n\n")]
+    yield from (p for p in parts if p.strip())
+
+
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
+            if not isinstance(record, dict) or text_field not in record:
+                fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise DataError(f"{path}:{lineno}: no field {text_field!r} (found {fields}); set --text-field")
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, expected a string")
+            if text:
+                yield text
+
+
+def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise DataError(f"reading {path} needs pyarrow: pip install pyarrow") from e
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid and OSError for broken files
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from e
+    columns = pf.schema_arrow.names
+    if text_field not in columns:
+        raise DataError(f"{path}: no column {text_field!r} (columns: {columns}); set --text-field")
+    try:
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                if text:
+                    yield text if isinstance(text, str) else str(text)
+    except Exception as e:
+        raise DataError(f"{path}: corrupt Parquet data ({e})") from e
+
+
+# ---------------------------------------------------------------------------------- tokenizing
+
+_worker_tokenizer = None  # set once per pool worker by _init_worker (process-local, not shared state)
+
+
+def _init_worker(spec: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = build_tokenizer(spec)
+
+
+def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
+    return [_worker_tokenizer.encode(t) for t in texts]
+
+
+def _chunks(items: Iterator[str], size: int) -> Iterator[list[str]]:
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
+
+
+def encoded_documents(docs: Iterator[str], spec: str, workers: int) -> Iterator[np.ndarray]:
+    """Token arrays of the documents, in order, tokenized by ``workers`` processes."""
+    if workers <= 1:
+        tok = build_tokenizer(spec)
+        for text in docs:
+            yield tok.encode(text)
+        return
+    with multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+        for encoded in pool.imap(_encode_chunk, _chunks(docs, 64), chunksize=1):
+            yield from encoded
+
+
+def is_validation_index(i: int, val_fraction: float) -> bool:
+    return round((i + 1) * val_fraction) > round(i * val_fraction)
+
+
+# ----------------------------------------------------------------------------------- writing
+
+
+class _MmapSplitWriter:
+    def __init__(self, out: Path, split: str, vocab_size: int, eot_id: int, shard_tokens: int):
+        self.out, self.split, self.vocab_size, self.eot_id, self.shard_tokens = out, split, vocab_size, eot_id, shard_tokens
+        self.entries: list[dict] = []
+        self._writer: TokenShardWriter | None = None
+        self._docs = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        if self._writer is None:
+            name = f"{self.split}-{len(self.entries):06d}.bin"
+            self._writer = TokenShardWriter(self.out / name, self.vocab_size, self.eot_id)
+            self._docs = 0
+        self._writer.add_document(ids)
+        self._docs += 1
+        if self._writer.token_count >= self.shard_tokens:
+            self._finish_shard()
+
+    def _finish_shard(self) -> None:
+        path = self._writer.close()
+        self.entries.append({"file": path.name, "tokens": self._writer.token_count, "documents": self._docs})
+        self._writer = None
+
+    def close(self) -> list[dict]:
+        if self._writer is not None:
+            self._finish_shard()
+        return self.entries
+
+
+def _clear_previous_output(out: Path, overwrite: bool) -> None:
+    ours = [out / META_FILE, *out.glob("train-*.bin"), *out.glob("val-*.bin"),
+            *out.glob("train/shard-*.tar"), *out.glob("val/shard-*.tar")]
+    existing = [p for p in ours if p.exists()]
+    if existing and not overwrite:
+        raise DataError(f"{out} already holds a prepared dataset ({existing[0].name}, ...); pass --overwrite or another --out")
+    for p in existing:
+        p.unlink()
+    others = [p for p in out.iterdir() if p.name not in ("train", "val")] if out.exists() else []
+    if others and not existing:
+        raise DataError(f"{out} is not empty ({others[0].name}, ...); choose an empty or new output directory")
+
+
+def prepare(opts: PrepareOptions) -> dict[str, SplitSummary]:
+    """Tokenize the inputs into ``opts.out_dir``; returns per-split counts."""
+    opts.validate()
+    tok = build_tokenizer(opts.tokenizer)  # fails fast (e.g. tiktoken needing a download)
+    files = expand_inputs(opts.inputs, opts.glob)
+    out = Path(opts.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _clear_previous_output(out, opts.overwrite)
+    writers = _make_writers(opts, out, tok.vocab_size, tok.eot_id)
+    summary = {"train": SplitSummary(), "val": SplitSummary()}
+    docs = iter_documents(files, opts.text_field, opts.text_split)
+    encoded = encoded_documents(docs, opts.tokenizer, opts.workers)
+    bar = _progress(opts.progress)
+    for i, ids in enumerate(encoded):
+        split = "val" if is_validation_index(i, opts.val_fraction) else "train"
+        if opts.output == "webdataset":
+            writers[split].add_document(ids, tok.eot_id)
+        else:
+            writers[split].add(ids)
+        summary[split].documents += 1
+        summary[split].tokens += len(ids) + 1
+        bar.update(1)
+    bar.close()
+    if summary["train"].documents == 0:
+        raise DataError(f"no documents found in {', '.join(opts.inputs)} (all empty?)")
+    splits, extra = _close_writers(opts, writers, summary)
+    unit = f"samples of {opts.seq_len + 1} tokens" if opts.output == "webdataset" else "tokens"
+    for split in ("train", "val"):
+        if not splits[split]:
+            raise DataError(
+                f"the {split} split has no {unit} ({summary[split].documents} document(s), {summary[split].tokens} "
+                f"tokens); add data, change --val-fraction, split text into more documents with --text-split "
+                f"paragraph|line" + (", or lower --seq-len" if opts.output == "webdataset" else "")
+            )
+    write_meta(out, format=opts.output, tokenizer=tok.name, vocab_size=tok.vocab_size, eot_id=tok.eot_id,
+               splits=splits, **extra)
+    return summary
+
+
+def _make_writers(opts: PrepareOptions, out: Path, vocab_size: int, eot_id: int) -> dict:
+    if opts.output == "mmap":
+        return {s: _MmapSplitWriter(out, s, vocab_size, eot_id, opts.shard_tokens) for s in ("train", "val")}
+    from data.wds_format import TokenSampleWriter
+
+    return {
+        s: TokenSampleWriter(out / s, seq_len=opts.seq_len, vocab_size=vocab_size,
+                             samples_per_shard=opts.samples_per_shard, encoding=opts.wds_encoding)
+        for s in ("train", "val")
+    }
+
+
+def _close_writers(opts: PrepareOptions, writers: dict, summary: dict) -> tuple[dict, dict]:
+    splits = {}
+    for split, writer in writers.items():
+        if opts.output == "mmap":
+            splits[split] = writer.close()
+        else:
+            splits[split], summary[split].dropped_tail_tokens = writer.close()
+            summary[split].samples = sum(e["samples"] for e in splits[split])
+        summary[split].shards = len(splits[split])
+    extra = {"seq_len": opts.seq_len, "encoding": opts.wds_encoding} if opts.output == "webdataset" else {}
+    return splits, extra
+
+
+def _progress(enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(unit="doc", desc="tokenizing", disable=not enabled, mininterval=0.5)

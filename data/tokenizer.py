@@ -1,0 +1,152 @@
+"""Tokenizers behind one small interface: encode text to a uint32 array, decode back.
+
+Three kinds, chosen by a spec string:
+
+- ``byte``: the built-in byte-level tokenizer, vocabulary 256. Id 0 (the NUL byte) is the
+  end-of-text token that separates documents, so the vocabulary stays exactly 256 and a uniform
+  guess costs ln(256) nats per token. NUL never occurs in source code or ordinary text; where it
+  does, ``encode`` drops it so 0 can only mean "document ends here".
+- ``tiktoken:<encoding>`` (e.g. ``tiktoken:gpt2``): needs the ``tiktoken`` package and the
+  encoding's BPE file already in its local cache; we never let it download (clear error instead).
+- ``hf:<path/to/tokenizer.json>``: a Hugging Face ``tokenizers`` file on disk.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from data.errors import DataError
+
+
+class Tokenizer(Protocol):
+    name: str  # the spec string that rebuilds this tokenizer
+    vocab_size: int
+    eot_id: int
+
+    def encode(self, text: str | bytes) -> np.ndarray: ...  # uint32 ids, no end-of-text added
+
+    def decode(self, ids) -> str: ...
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """UTF-8 bytes as tokens; NUL (id 0) is reserved as end-of-text."""
+
+    name: str = "byte"
+    vocab_size: int = 256
+    eot_id: int = 0
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        ids = np.frombuffer(raw, dtype=np.uint8)
+        if raw.find(b"\0") >= 0:
+            ids = ids[ids != self.eot_id]
+        return ids.astype(np.uint32)
+
+    def decode(self, ids) -> str:
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() > 255):
+            raise DataError(f"byte tokenizer: ids must be in [0, 255], got range [{arr.min()}, {arr.max()}]")
+        return arr[arr != self.eot_id].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+class TiktokenTokenizer:
+    """A tiktoken encoding, loaded only from the local cache; its <|endoftext|> is the separator."""
+
+    def __init__(self, encoding_name: str):
+        try:
+            import tiktoken
+        except ImportError as e:
+            raise DataError(
+                f"tokenizer tiktoken:{encoding_name} needs the tiktoken package: pip install tiktoken"
+            ) from e
+        self._enc = _load_tiktoken_offline(tiktoken, encoding_name)
+        self.name = f"tiktoken:{encoding_name}"
+        self.vocab_size = int(self._enc.n_vocab)
+        self.eot_id = int(self._enc.eot_token)
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return np.asarray(self._enc.encode_ordinary(text), dtype=np.uint32)
+
+    def decode(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+def _load_tiktoken_offline(tiktoken, encoding_name: str):
+    """Load an encoding without touching the network: tiktoken would otherwise download its file."""
+    import tiktoken.load as tiktoken_load
+
+    def refuse_download(url: str) -> bytes:
+        cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or "<tmp>/data-gym-cache"
+        raise DataError(
+            f"tiktoken encoding {encoding_name!r} is not in the local cache ({cache}) and would need a "
+            f"download from {url}; run tiktoken.get_encoding({encoding_name!r}) once on a machine with "
+            f"network and copy the cache, or use --tokenizer byte / hf:<tokenizer.json>"
+        )
+
+    original = tiktoken_load.read_file
+    tiktoken_load.read_file = refuse_download  # only the cache miss path calls read_file
+    try:
+        return tiktoken.get_encoding(encoding_name)
+    except ValueError as e:
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"unknown tiktoken encoding {encoding_name!r}: {e}") from e
+    finally:
+        tiktoken_load.read_file = original
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json``; the end-of-text token is found by its usual names."""
+
+    EOT_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
+
+    def __init__(self, path: str):
+        file = Path(path)
+        if not file.is_file():
+            raise DataError(f"tokenizer file {path} does not exist (expected a Hugging Face tokenizer.json)")
+        try:
+            from tokenizers import Tokenizer as HFTok
+        except ImportError as e:
+            raise DataError(f"tokenizer hf:{path} needs the tokenizers package: pip install tokenizers") from e
+        try:
+            self._tok = HFTok.from_file(str(file))
+        except Exception as e:  # the Rust side raises its own exception type
+            raise DataError(f"{path} is not a valid tokenizer.json: {e}") from e
+        self.name = f"hf:{file}"
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.eot_id = self._find_eot(path)
+
+    def _find_eot(self, path: str) -> int:
+        for token in self.EOT_NAMES:
+            tid = self._tok.token_to_id(token)
+            if tid is not None:
+                return int(tid)
+        raise DataError(f"{path}: no end-of-text token found (looked for {', '.join(self.EOT_NAMES)})")
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def build_tokenizer(spec: str) -> Tokenizer:
+    """``byte`` | ``tiktoken:<encoding>`` | ``hf:<path/to/tokenizer.json>``."""
+    if spec == "byte":
+        return ByteTokenizer()
+    kind, _, arg = spec.partition(":")
+    if kind == "tiktoken" and arg:
+        return TiktokenTokenizer(arg)
+    if kind == "hf" and arg:
+        return HFTokenizer(arg)
+    raise DataError(f"unknown tokenizer {spec!r}; valid: byte, tiktoken:<encoding>, hf:<path/to/tokenizer.json>")

@@ -1,0 +1,141 @@
+"""WebDataset token samples on disk: the writer, and the safe per-sample decoder.
+
+Each sample is one window of ``seq_len + 1`` tokens stored as ``<key>.u16`` / ``<key>.u32``
+(raw little-endian) or ``<key>.npy``, plus ``<key>.json`` (``{"index", "tokens", "dtype"}``).
+Shards are ``<split>/shard-000000.tar, ...`` written by ``webdataset.ShardWriter`` with a fixed
+owner, mode and mtime so the same input gives the same bytes. Reading uses webdataset's tar
+iterator on a file we open ourselves (its URL opener would also run ``pipe:`` commands), and
+decoding uses ``numpy.frombuffer`` / ``numpy.load(allow_pickle=False)``: never pickle or
+``torch.load``. No torch import here, so preparation stays light.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from data.errors import DataError
+from data.shards import token_dtype
+
+TOKEN_EXTENSIONS = {"u16": np.dtype("<u2"), "u32": np.dtype("<u4")}
+
+
+def import_webdataset():
+    try:
+        import webdataset
+    except ImportError as e:
+        raise DataError("data.format=webdataset needs the webdataset package: pip install webdataset") from e
+    return webdataset
+
+
+# -------------------------------------------------------------------------------------- writing
+
+
+class TokenSampleWriter:
+    """Packs a stream of documents into fixed windows of ``seq_len + 1`` tokens and writes shards."""
+
+    def __init__(self, directory: str | os.PathLike, *, seq_len: int, vocab_size: int, samples_per_shard: int,
+                 encoding: str = "raw"):
+        wds = import_webdataset()
+        if encoding not in ("raw", "npy"):
+            raise DataError(f"webdataset sample encoding must be raw or npy, got {encoding!r}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.seq_len, self.encoding = seq_len, encoding
+        self.dtype = token_dtype(vocab_size)
+        self.extension = "npy" if encoding == "npy" else {2: "u16", 4: "u32"}[self.dtype.itemsize]
+        self._writer = wds.ShardWriter(
+            str(self.directory / "shard-%06d.tar"), maxcount=samples_per_shard, maxsize=float("inf"),
+            verbose=0, encoder=False, mtime=0.0, user="perfgpt", group="perfgpt", mode=0o644,
+        )
+        self._pending: list[np.ndarray] = []
+        self._pending_tokens = 0
+        self.samples = 0
+        self.shard_samples: list[int] = []
+
+    def add_document(self, ids: np.ndarray, eot_id: int) -> None:
+        doc = np.empty(len(ids) + 1, dtype=self.dtype)
+        doc[:-1] = ids
+        doc[-1] = eot_id
+        self._pending.append(doc)
+        self._pending_tokens += doc.size
+        if self._pending_tokens >= self.seq_len + 1:
+            self._flush_windows()
+
+    def _flush_windows(self) -> None:
+        tokens = np.concatenate(self._pending)
+        T = self.seq_len
+        count = (tokens.size - 1) // T
+        for k in range(count):
+            self._write_sample(tokens[k * T : k * T + T + 1])
+        rest = tokens[count * T :]  # the last token of the last window starts the next one
+        self._pending, self._pending_tokens = [rest], rest.size
+
+    def _write_sample(self, window: np.ndarray) -> None:
+        if self.encoding == "npy":
+            buf = io.BytesIO()
+            np.save(buf, window, allow_pickle=False)
+            payload = buf.getvalue()
+        else:
+            payload = window.tobytes()
+        record = {"index": self.samples, "tokens": int(window.size), "dtype": self.dtype.name}
+        self._writer.write({"__key__": f"{self.samples:010d}", self.extension: payload,
+                            "json": json.dumps(record, sort_keys=True).encode()})
+        if self._writer.count == 1:
+            self.shard_samples.append(0)
+        self.shard_samples[-1] += 1
+        self.samples += 1
+
+    def close(self) -> tuple[list[dict], int]:
+        """Finish the shards; returns their meta entries and the count of tail tokens dropped."""
+        dropped = self._pending_tokens if self._pending_tokens > 1 else 0
+        self._writer.close()
+        if not self.shard_samples:  # ShardWriter opened one empty shard up front
+            (self.directory / "shard-000000.tar").unlink(missing_ok=True)
+        entries = [
+            {"file": f"{self.directory.name}/shard-{i:06d}.tar", "samples": n, "tokens": n * (self.seq_len + 1)}
+            for i, n in enumerate(self.shard_samples)
+        ]
+        return entries, dropped
+
+
+# -------------------------------------------------------------------------------------- reading
+
+
+def decode_tokens(sample: dict, url: str, sample_tokens: int) -> np.ndarray:
+    """The token window of one sample, checked for type and length (no pickle, ever)."""
+    key = sample.get("__key__", "?")
+    if "npy" in sample:
+        try:
+            arr = np.load(io.BytesIO(sample["npy"]), allow_pickle=False)
+        except ValueError as e:
+            raise DataError(f"{url}: sample {key}: unreadable .npy ({e})") from e
+        if arr.ndim != 1 or arr.dtype.kind != "u":
+            raise DataError(f"{url}: sample {key}: expected a 1-D unsigned token array, got {arr.dtype} {arr.shape}")
+    else:
+        ext = next((e for e in TOKEN_EXTENSIONS if e in sample), None)
+        if ext is None:
+            found = sorted(k for k in sample if not k.startswith("__"))
+            raise DataError(f"{url}: sample {key} has no token file (.u16, .u32 or .npy), only {found}")
+        raw = sample[ext]
+        if len(raw) % TOKEN_EXTENSIONS[ext].itemsize:
+            raise DataError(f"{url}: sample {key}: .{ext} payload of {len(raw)} bytes is not whole tokens")
+        arr = np.frombuffer(raw, dtype=TOKEN_EXTENSIONS[ext])
+    if arr.size != sample_tokens:
+        raise DataError(f"{url}: sample {key} has {arr.size} tokens, the dataset's samples have {sample_tokens}")
+    return arr
+
+
+def iter_shard_samples(path: str, skip: int):
+    """Samples of one tar shard via webdataset's tar iterator, after the first ``skip``."""
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    with open(path, "rb") as stream:  # opened here: webdataset's gopen would also accept pipe: URLs
+        files = tar_file_expander([{"url": path, "stream": stream}])
+        for index, sample in enumerate(group_by_keys(files)):
+            if index >= skip:
+                yield sample

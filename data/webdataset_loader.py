@@ -1,0 +1,274 @@
+"""The WebDataset loader: tar shards of token windows, split by rank and worker, resumable.
+
+The on-disk sample format and the writer are in ``data/wds_format.py``: each sample is one
+window of ``seq_len + 1`` tokens, decoded without pickle.
+
+Splitting and order (one-pass mode, ``data.resampled=false``)
+    Epoch ``e`` of every reader starts from the same shard order (shuffled with ``(seed, e)``
+    when ``data.shuffle_shards``). Rank ``r`` of ``W`` takes shards ``r, r + W, ...`` (split by
+    node) and DataLoader worker ``w`` of ``N`` takes every N-th of those (split by worker), the
+    same slicing as ``webdataset.split_by_node`` / ``split_by_worker``, done here with the
+    rank passed in explicitly instead of read from environment variables or a process group.
+    Samples then pass through webdataset's shuffle buffer (seeded per rank, worker and epoch)
+    and are batched per worker; the DataLoader interleaves workers' batches in order. Each
+    worker loops over epochs forever, so the training stream never ends. Every rank and worker
+    reads disjoint shards; over an epoch all shards are read once.
+
+Resampled mode (``data.resampled=true``)
+    Each reader draws shards with replacement from the whole list with its own seeded generator,
+    forever. Samples are not disjoint across readers (that is what sampling with replacement
+    means); it suits very large datasets where epochs are meaningless.
+
+Resume granularity: shard plus offset
+    A batch carries its worker's reading position: epoch (or draw count), shard position and the
+    number of samples already read from that shard. The stream's state holds the position of
+    every worker as of the last batch handed to the caller, plus the number of batches, which
+    fixes which worker continues. A resumed stream reopens each worker's shard and skips to the
+    saved offset. With ``data.shuffle_buffer=0`` this is exact: the resumed stream yields exactly
+    the batches an uninterrupted one would have. With a shuffle buffer, the samples sitting in a
+    worker's buffer at save time (at most ``shuffle_buffer`` per worker) are not replayed:
+    nothing is repeated, and those samples come back in the next epoch. The number of workers
+    must stay the same across a resume (it decides the shard split).
+
+Bad shards
+    A truncated or corrupt tar, a sample of the wrong length or dtype, or a token id outside the
+    model's vocabulary raises a DataError naming the shard; with ``data.on_bad_shard=skip`` the
+    rest of that shard is skipped, the skip is counted in the stream state and logged, and a
+    reader whose shards all fail raises instead of spinning.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from data.config import DataConfig
+from data.errors import DataError
+from data.shards import read_meta
+from data.wds_format import decode_tokens, import_webdataset, iter_shard_samples
+
+log = logging.getLogger("perfgpt.data")
+
+
+class WebDatasetBatches(IterableDataset):
+    """Batches from WebDataset shards for one rank; see the module docstring for the contract."""
+
+    def __init__(self, shard_paths: list[str], *, sample_tokens: int, seq_len: int, batch_size: int, rank: int,
+                 world_size: int, num_workers: int, vocab_size: int, seed: int, shuffle_shards: bool,
+                 shuffle_buffer: int, resampled: bool, on_bad_shard: str, total_samples: int):
+        self.paths = list(shard_paths)
+        self.sample_tokens, self.seq_len, self.batch_size = sample_tokens, seq_len, batch_size
+        self.rank, self.world_size, self.readers = rank, world_size, max(1, num_workers)
+        self.vocab_size, self.seed = vocab_size, seed
+        self.shuffle_shards, self.shuffle_buffer, self.resampled = shuffle_shards, shuffle_buffer, resampled
+        self.on_bad_shard = on_bad_shard
+        self.batches_per_epoch = max(1, total_samples // world_size // batch_size)  # an estimate (shards vary)
+        needed = world_size * self.readers
+        if not resampled and len(self.paths) < needed:
+            raise DataError(
+                f"{len(self.paths)} WebDataset shard(s) cannot feed {world_size} rank(s) x {self.readers} reader(s) "
+                f"= {needed}; write smaller shards (tools/prepare_data.py --samples-per-shard) or lower data.num_workers"
+            )
+        self._start: dict = self.initial_state()
+
+    def identity(self) -> dict:
+        return {
+            "kind": "webdataset", "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+            "readers": self.readers, "batch_size": self.batch_size, "seq_len": self.seq_len,
+            "shards": len(self.paths), "shuffle_shards": self.shuffle_shards, "resampled": self.resampled,
+        }
+
+    # ---- resumable-stream protocol (driven by data.loader.TrainStream)
+
+    def initial_state(self) -> dict:
+        return {"batches": 0, "workers": [None] * self.readers, "skipped": 0}
+
+    def set_start(self, state: dict) -> None:
+        self._start = copy.deepcopy(state)
+
+    def advance(self, state: dict, cursor: tuple) -> dict:
+        virtual, position = cursor
+        workers = list(state["workers"])
+        workers[virtual] = position
+        skipped = sum(p["skipped"] for p in workers if p is not None)
+        if skipped > state["skipped"]:
+            log.warning("data: skipped a bad WebDataset shard (%d so far): %s", skipped, position["last_skipped"])
+        return {"batches": state["batches"] + 1, "workers": workers, "skipped": skipped}
+
+    # ---- reading
+
+    def _epoch_shards(self, epoch: int, virtual: int) -> list[str]:
+        order = list(range(len(self.paths)))
+        if self.shuffle_shards:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.paths)).tolist()
+        mine = order[self.rank :: self.world_size][virtual :: self.readers]
+        return [self.paths[i] for i in mine]
+
+    def _resampled_shard(self, virtual: int, draw: int) -> str:
+        rng = np.random.default_rng([self.seed, self.rank, virtual, draw, 1])
+        return self.paths[int(rng.integers(len(self.paths)))]
+
+    def _samples(self, virtual: int, start: dict | None, position: dict):
+        """This reader's samples forever; ``position`` is updated in place as shards are read."""
+        epoch, shard_pos, offset = (0, 0, 0) if start is None else (start["epoch"], start["shard"], start["offset"])
+        empty_draws = 0
+        while True:
+            shards = None if self.resampled else self._epoch_shards(epoch, virtual)
+            whole_epoch = shard_pos == 0 and offset == 0
+            produced_in_epoch = 0
+            while self.resampled or shard_pos < len(shards):
+                path = self._resampled_shard(virtual, shard_pos) if self.resampled else shards[shard_pos]
+                position.update(epoch=epoch, shard=shard_pos, offset=offset)
+                produced_by_shard = 0
+                for sample in self._checked_samples(path, offset, position):
+                    position["offset"] += 1
+                    produced_by_shard += 1
+                    yield sample
+                produced_in_epoch += produced_by_shard
+                empty_draws = 0 if produced_by_shard else empty_draws + 1
+                if self.resampled and empty_draws > max(100, 3 * len(self.paths)):
+                    raise DataError(
+                        f"WebDataset reader {virtual} of rank {self.rank} drew {empty_draws} shards in a row without "
+                        f"a usable sample (last: {path}); the shards are empty or corrupt"
+                    )
+                shard_pos, offset = shard_pos + 1, 0
+                position.update(shard=shard_pos, offset=0)
+            if whole_epoch and produced_in_epoch == 0:
+                raise DataError(
+                    f"WebDataset reader {virtual} of rank {self.rank} got no samples in a whole epoch from "
+                    f"{len(shards)} shard(s) (first: {shards[0] if shards else 'none'}); all empty or skipped"
+                )
+            epoch, shard_pos, offset = epoch + 1, 0, 0
+            position.update(epoch=epoch, shard=0, offset=0)
+
+    def _checked_samples(self, path: str, offset: int, position: dict):
+        try:
+            for sample in iter_shard_samples(path, offset):
+                tokens = decode_tokens(sample, path, self.sample_tokens)
+                if tokens.size and int(tokens.max()) >= self.vocab_size:
+                    raise DataError(
+                        f"{path}: sample {sample.get('__key__')} has token id {int(tokens.max())} outside "
+                        f"model.vocab_size={self.vocab_size}"
+                    )
+                yield tokens
+        except Exception as e:
+            problem = e if isinstance(e, DataError) else DataError(f"{path}: corrupt or truncated WebDataset shard ({e.__class__.__name__}: {e})")
+            if self.on_bad_shard != "skip":
+                raise problem from e
+            position["skipped"] += 1
+            position["last_skipped"] = str(problem)
+
+    def _shuffled(self, samples, virtual: int, start: dict | None):
+        if self.shuffle_buffer <= 1:
+            return samples
+        from webdataset.filters import _shuffle
+
+        resume_point = [] if start is None else [start["epoch"], start["shard"], start["offset"]]
+        rng = random.Random(int(np.random.default_rng([self.seed, self.rank, virtual, *resume_point]).integers(2**63)))
+        return _shuffle(samples, bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)
+
+    def __iter__(self):
+        import_webdataset()
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        # Resuming after b batches: the DataLoader asks worker 0 first, so worker 0 plays the
+        # reader that was next in turn before the interruption.
+        virtual = (worker + self._start["batches"]) % self.readers
+        start = self._start["workers"][virtual]
+        position = {"epoch": 0, "shard": 0, "offset": 0, "skipped": 0, "last_skipped": ""}
+        if start is not None:
+            position.update(skipped=start["skipped"], last_skipped=start["last_skipped"])
+        samples = self._shuffled(self._samples(virtual, start, position), virtual, start)
+        T = self.seq_len
+        while True:
+            rows = [next(samples)[: T + 1] for _ in range(self.batch_size)]
+            batch = torch.from_numpy(np.stack(rows).astype(np.int64))
+            yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), (virtual, dict(position))
+
+
+class WebDatasetVal:
+    """Validation batches read in order from all val shards; rank r takes every W-th sample."""
+
+    def __init__(self, shard_paths: list[str], *, sample_tokens: int, seq_len: int, batch_size: int, rank: int,
+                 world_size: int, vocab_size: int, total_samples: int):
+        self.paths, self.sample_tokens, self.seq_len = list(shard_paths), sample_tokens, seq_len
+        self.batch_size, self.rank, self.world_size, self.vocab_size = batch_size, rank, world_size, vocab_size
+        self.num_batches = total_samples // world_size // batch_size
+        if self.num_batches == 0:
+            raise DataError(
+                f"val split ({self.paths[0] if self.paths else 'no shards'} ...) has {total_samples} samples: "
+                f"fewer than one batch of {batch_size} per rank over {world_size} rank(s); prepare more validation data"
+            )
+
+    def _rank_samples(self):
+        index = 0
+        for path in self.paths:
+            try:
+                for sample in iter_shard_samples(path, 0):
+                    if index % self.world_size == self.rank:
+                        tokens = decode_tokens(sample, path, self.sample_tokens)
+                        if tokens.size and int(tokens.max()) >= self.vocab_size:
+                            raise DataError(f"{path}: token id {int(tokens.max())} outside model.vocab_size={self.vocab_size}")
+                        yield tokens[: self.seq_len + 1]
+                    index += 1
+            except DataError:
+                raise
+            except Exception as e:
+                raise DataError(f"{path}: corrupt or truncated WebDataset shard ({e.__class__.__name__}: {e})") from e
+
+    def batches(self, n: int):
+        samples = self._rank_samples()
+        for _ in range(min(n, self.num_batches)):
+            batch = torch.from_numpy(np.stack([next(samples) for _ in range(self.batch_size)]).astype(np.int64))
+            yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, seed: int, rank: int,
+                          world_size: int, vocab_size: int):
+    from data.loader import DataBundle, TrainStream
+
+    import_webdataset()
+    meta = read_meta(cfg.path)
+    if meta.format != "webdataset":
+        raise DataError(f"{meta.root} holds a {meta.format} dataset but data.format=webdataset; set data.format={meta.format}")
+    if meta.vocab_size > vocab_size:
+        raise DataError(
+            f"{meta.root}: tokenizer {meta.tokenizer} has {meta.vocab_size} ids but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size >= {meta.vocab_size}"
+        )
+    prepared = int(meta.extra["seq_len"])
+    if seq_len > prepared:
+        raise DataError(
+            f"{meta.root}: samples were prepared for seq_len {prepared}, the run needs {seq_len}; set data.seq_len <= "
+            f"{prepared} or re-run tools/prepare_data.py --seq-len {seq_len}"
+        )
+    counts = {s: sum(int(e["samples"]) for e in meta.splits.get(s, [])) for s in ("train", "val")}
+    train_paths = [str(p) for p in meta.files("train")]
+    missing = [p for p in train_paths + [str(p) for p in meta.files("val")] if not os.path.isfile(p)]
+    if missing:
+        raise DataError(f"{missing[0]} is listed in {meta.root}/meta.json but missing ({len(missing)} missing in all)")
+    if counts["train"] == 0:
+        raise DataError(f"{meta.root}: the train split has no samples; prepare more data")
+    common = dict(sample_tokens=prepared + 1, seq_len=seq_len, batch_size=micro_batch_size, rank=rank,
+                  world_size=world_size, vocab_size=vocab_size)
+    train_set = WebDatasetBatches(
+        train_paths, num_workers=cfg.num_workers, seed=seed, shuffle_shards=cfg.shuffle_shards,
+        shuffle_buffer=cfg.shuffle_buffer, resampled=cfg.resampled, on_bad_shard=cfg.on_bad_shard,
+        total_samples=counts["train"], **common,
+    )
+    val = WebDatasetVal([str(p) for p in meta.files("val")], total_samples=counts["val"], **common)
+    crop = f", cropped from {prepared}" if seq_len < prepared else ""
+    description = (
+        f"data: format=webdataset path={meta.root} tokenizer={meta.tokenizer} (vocab {meta.vocab_size}, eot "
+        f"{meta.eot_id}) | train {counts['train']:,} samples of {seq_len + 1} tokens{crop} in {len(train_paths)} "
+        f"shards, ~{train_set.batches_per_epoch:,} batches/epoch/rank, "
+        f"{'resampled' if cfg.resampled else 'one-pass'}, shuffle buffer {cfg.shuffle_buffer} | val "
+        f"{counts['val']:,} samples, {val.num_batches:,} batches/rank | workers={cfg.num_workers}"
+    )
+    return DataBundle(train=TrainStream(train_set, cfg, seed=seed, rank=rank), val=val, description=description)

@@ -1,0 +1,71 @@
+"""Plain-PyTorch definitions of the fused ops: the CPU path and the oracle the kernels are tested against.
+
+Every function computes its reductions in fp32 and returns the input dtype, so a bf16 model gets
+fp32 normalization statistics without keeping fp32 weights (the chapter's "LayerNorm back to
+fp32" inside a bf16 model receives bf16 inputs; casting in and out is what makes that work).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    w = weight.float()
+    b = bias.float() if bias is not None else None
+    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
+
+
+def layer_norm_gelu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, approximate: str = "tanh"
+) -> torch.Tensor:
+    """GELU(LayerNorm(x)), both in fp32, returned in the input dtype (the fused kernel's epilogue form)."""
+    w = weight.float()
+    b = bias.float() if bias is not None else None
+    y = F.layer_norm(x.float(), (x.shape[-1],), w, b, eps)
+    return F.gelu(y, approximate=approximate).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * inv_rms * weight.float()).to(x.dtype)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh") -> torch.Tensor:
+    """GELU(x + bias); approximate='tanh' is GPT-2's GELU, 'none' the exact erf form."""
+    if bias is not None:
+        x = x + bias
+    return F.gelu(x, approximate=approximate)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """Softmax cross-entropy over the last dim, computed in fp32; logits (N, V), targets (N,)."""
+    return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction=reduction)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq_len, head_dim // 2), in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """Rotate x (B, T, H, D) by position; the two halves of the head dim form the (re, im) pairs.
+
+    cos and sin are (T' >= T, D/2); inplace=True writes the result into x and returns x.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c = cos[: x.shape[1]].unsqueeze(1)  # (T, 1, D/2), broadcast over heads
+    s = sin[: x.shape[1]].unsqueeze(1)
+    out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).to(x.dtype)
+    return x.copy_(out) if inplace else out

@@ -1,0 +1,147 @@
+"""Which implementation of each fused op the model calls.
+
+The model asks for ops by name through a ``KernelOps`` value built once per run; it never
+imports Triton. ``auto`` takes the Triton kernels on CUDA when Triton imports, and the PyTorch
+reference otherwise; ``triton`` demands Triton (on CPU that means ``TRITON_INTERPRET=1``);
+``torch`` is the reference. The choice and its reason are returned for the log.
+
+With Triton chosen, each op still checks every call: shapes or dtypes its kernel does not handle
+(float64, an odd head dim, a CPU tensor without the interpreter, ...) go to the reference, and
+the reason is logged once per op and reason. A fallback costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels import reference
+from training.fields import ConfigError
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "torch")
+
+# KernelOps field -> (Triton op file, function in it). The reference function has the field's name.
+TRITON_OPS = {
+    "layer_norm": ("layer_norm", "layer_norm"),
+    "layer_norm_gelu": ("layer_norm", "layer_norm_gelu"),
+    "rms_norm": ("rms_norm", "rms_norm"),
+    "bias_gelu": ("bias_gelu", "bias_gelu"),
+    "swiglu": ("swiglu", "swiglu"),
+    "cross_entropy": ("cross_entropy", "cross_entropy"),
+    "apply_rope": ("rope", "apply_rope"),
+}
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    backend: str
+    layer_norm: Callable
+    rms_norm: Callable
+    bias_gelu: Callable
+    swiglu: Callable
+    cross_entropy: Callable
+    apply_rope: Callable
+    layer_norm_gelu: Callable = reference.layer_norm_gelu
+
+
+REFERENCE_OPS = KernelOps(
+    backend="torch",
+    layer_norm=reference.layer_norm,
+    rms_norm=reference.rms_norm,
+    bias_gelu=reference.bias_gelu,
+    swiglu=reference.swiglu,
+    cross_entropy=reference.cross_entropy,
+    apply_rope=reference.apply_rope,
+    layer_norm_gelu=reference.layer_norm_gelu,
+)
+
+
+class KernelWithFallback:
+    """One op: the Triton kernel when it supports the call, else the reference.
+
+    ``unsupported_reason`` takes the op's arguments and returns None or a one-line reason; each
+    distinct reason is logged once per instance (one instance per op per resolved KernelOps).
+    """
+
+    def __init__(self, name: str, kernel: Callable, unsupported_reason: Callable, fallback: Callable):
+        self.name = name
+        self.kernel = kernel
+        self.unsupported_reason = unsupported_reason
+        self.fallback = fallback
+        self.logged_reasons: set[str] = set()
+
+    def __call__(self, *args, **kwargs):
+        reason = self.unsupported_reason(*args, **kwargs)
+        if reason is None:
+            return self.kernel(*args, **kwargs)
+        if reason not in self.logged_reasons:
+            self.logged_reasons.add(reason)
+            logger.warning("kernels: %s falls back to the PyTorch reference: %s", self.name, reason)
+        return self.fallback(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"KernelWithFallback({self.name})"
+
+
+def triton_version() -> str | None:
+    """Triton's version, or None when it does not import (the reason goes to the caller's log)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+def build_triton_ops() -> KernelOps:
+    """Triton kernels for every op, each falling back to its reference per call."""
+    from kernels.triton import load_op_modules
+
+    modules = load_op_modules()
+    ops = {
+        field: KernelWithFallback(
+            field,
+            getattr(modules[module], function),
+            modules[module].unsupported_reason,
+            getattr(reference, field),
+        )
+        for field, (module, function) in TRITON_OPS.items()
+    }
+    return KernelOps(backend="triton", **ops)
+
+
+def resolve_kernel_ops(backend: str, device: torch.device) -> tuple[KernelOps, str]:
+    """The ops for ``kernels.backend`` on ``device``, and one line saying what was chosen and why."""
+    device = torch.device(device)
+    if backend not in BACKENDS:
+        raise ConfigError(f"kernels.backend={backend!r} is not one of {BACKENDS}")
+    if backend == "torch":
+        return REFERENCE_OPS, "kernels: torch reference ops (kernels.backend=torch)"
+    version = triton_version()
+    if backend == "auto":
+        if device.type != "cuda":
+            return REFERENCE_OPS, (
+                f"kernels: torch reference ops (kernels.backend=auto on {device.type}: the Triton kernels "
+                "run on CUDA; kernels.backend=triton with TRITON_INTERPRET=1 interprets them on CPU)"
+            )
+        if version is None:
+            return REFERENCE_OPS, "kernels: torch reference ops (kernels.backend=auto: triton does not import)"
+        return build_triton_ops(), f"kernels: triton {version} ops on {device} (kernels.backend=auto)"
+    if version is None:
+        raise ConfigError("kernels.backend=triton needs the triton package: pip install triton, or use kernels.backend=auto")
+    if device.type != "cuda" and not interpreter_requested():
+        raise ConfigError(
+            f"kernels.backend=triton on {device.type} needs TRITON_INTERPRET=1 in the environment "
+            "(Triton's CPU interpreter, slow), or kernels.backend=auto/torch"
+        )
+    mode = "interpreted (TRITON_INTERPRET=1)" if interpreter_requested() else "compiled"
+    return build_triton_ops(), f"kernels: triton {version} ops on {device}, {mode} (kernels.backend=triton)"

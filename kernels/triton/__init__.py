@@ -1,0 +1,30 @@
+"""Triton kernels, one op per file; importing this package does not import Triton.
+
+Use :func:`load_op_modules` rather than importing the op files directly: Triton decides between
+compiling and interpreting (TRITON_INTERPRET=1) when ``@triton.jit`` runs, i.e. when a file is
+first imported, and the loader refuses kernels built for the other setting.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+OP_MODULES = ("layer_norm", "rms_norm", "bias_gelu", "swiglu", "cross_entropy", "rope")
+
+
+def load_op_modules() -> dict[str, ModuleType]:
+    """The op modules by name; raises if they were built for another TRITON_INTERPRET setting."""
+    from training.fields import ConfigError
+
+    common = importlib.import_module("kernels.triton._common")
+    modules = {name: importlib.import_module(f"kernels.triton.{name}") for name in OP_MODULES}
+    wanted = common.interpreter_active()
+    if any(module.INTERPRETED != wanted for module in (common, *modules.values())):
+        built = "interpreted" if common.INTERPRETED else "compiled"
+        raise ConfigError(
+            f"the Triton kernels were imported {built}, but TRITON_INTERPRET is now "
+            f"{'set' if wanted else 'unset'}: Triton reads it when a kernel file is imported, so set "
+            "TRITON_INTERPRET before the first use of the kernels in this process"
+        )
+    return modules

@@ -1,0 +1,132 @@
+"""What every Triton op file shares: device-side activation math and host-side helpers.
+
+Host helpers decide launch parameters and say why a call is unsupported; device helpers are
+``@triton.jit`` functions inlined into the kernels that call them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# sqrt(2/pi) and the cubic coefficient of GPT-2's tanh GELU; 1/sqrt(2) and 1/sqrt(2*pi) for the erf form.
+_GELU_K = tl.constexpr(0.7978845608028654)
+_GELU_C = tl.constexpr(0.044715)
+_INV_SQRT2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+
+
+def interpreter_active() -> bool:
+    """Whether ``@triton.jit`` builds interpreted kernels now (Triton reads TRITON_INTERPRET then)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+# Recorded when this file's kernels were decorated, so a later change of the flag is detectable.
+INTERPRETED = interpreter_active()
+
+
+def unsupported_tensor_reason(**tensors: torch.Tensor | None) -> str | None:
+    """Why these tensors cannot go to a Triton kernel (dtype, device, empty), or None when they can."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.dtype not in SUPPORTED_DTYPES:
+            return f"{name} has dtype {t.dtype}; the kernels handle float32, float16 and bfloat16"
+        if not t.is_cuda and not INTERPRETED:
+            return f"{name} is on {t.device}; the kernels need CUDA (or TRITON_INTERPRET=1 on CPU)"
+        if t.numel() == 0:
+            return f"{name} is empty"
+    return None
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., C) as (M, C) with unit column stride: a view when the layout allows, else a copy."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows
+
+
+def block_size(width: int, max_block: int) -> int:
+    """The power-of-two block that covers ``width`` columns, capped at ``max_block`` (then kernels loop)."""
+    return min(triton.next_power_of_2(width), max_block)
+
+
+def num_warps_for(block: int) -> int:
+    """Enough warps that each thread holds a few elements of a block, never more than 16."""
+    if block >= 8192:
+        return 16
+    if block >= 2048:
+        return 8
+    return 4
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def parallel_programs(device: torch.device) -> int:
+    """How many programs fill the device: a few per SM on CUDA; a handful in the interpreter,
+    where programs run one after another and only the row-group bookkeeping needs exercising."""
+    if device.type == "cuda":
+        return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+def row_groups(n_rows: int, device: torch.device) -> tuple[int, int]:
+    """Split n_rows into (groups, rows per group) for kernels that reduce over rows per program."""
+    groups = max(1, min(n_rows, parallel_programs(device)))
+    rows_per_group = triton.cdiv(n_rows, groups)
+    return triton.cdiv(n_rows, rows_per_group), rows_per_group
+
+
+@triton.jit
+def gelu_tanh(z):
+    # tanh(u) = 2*sigmoid(2u) - 1, so 0.5*z*(1 + tanh(u)) = z*sigmoid(2u); triton.language has no tanh.
+    u = _GELU_K * (z + _GELU_C * z * z * z)
+    return z * tl.sigmoid(2.0 * u)
+
+
+@triton.jit
+def gelu_tanh_grad(z):
+    u = _GELU_K * (z + _GELU_C * z * z * z)
+    s = tl.sigmoid(2.0 * u)
+    du = _GELU_K * (1.0 + 3.0 * _GELU_C * z * z)
+    return s + z * s * (1.0 - s) * 2.0 * du
+
+
+@triton.jit
+def gelu_erf(z):
+    return 0.5 * z * (1.0 + tl.math.erf(z * _INV_SQRT2))
+
+
+@triton.jit
+def gelu_erf_grad(z):
+    cdf = 0.5 * (1.0 + tl.math.erf(z * _INV_SQRT2))
+    return cdf + z * _INV_SQRT_2PI * tl.exp(-0.5 * z * z)
+
+
+@triton.jit
+def gelu(z, EXACT: tl.constexpr):
+    if EXACT:
+        return gelu_erf(z)
+    else:
+        return gelu_tanh(z)
+
+
+@triton.jit
+def gelu_grad(z, EXACT: tl.constexpr):
+    if EXACT:
+        return gelu_erf_grad(z)
+    else:
+        return gelu_tanh_grad(z)

@@ -1,0 +1,171 @@
+"""Fused softmax cross-entropy over the vocabulary, without an fp32 copy of the logits or their gradient.
+
+Forward: one program per row streams the row through an online logsumexp in blocks of
+``MAX_BLOCK_V`` columns (fp32 accumulation) and stores the row's loss and logsumexp (8 bytes a row).
+Backward: one program per row recomputes softmax from the saved logsumexp, block by block, and
+writes (softmax - onehot) * scale straight into a gradient in the logits' dtype. The eager path
+instead makes an fp32 copy of the logits, an fp32 log-softmax and an fp32 gradient.
+
+Rows whose target equals ignore_index contribute 0 to the loss and get a zero gradient; 'mean'
+divides by the number of other rows, like torch. A target outside [0, V) gives a NaN loss
+(torch raises; a kernel cannot without a device sync), so it is never silently wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from kernels.triton._common import interpreter_active, num_warps_for, unsupported_tensor_reason
+
+INTERPRETED = interpreter_active()
+MAX_BLOCK_V = 4096
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    LOGITS, TARGETS, LOSS, LSE, stride_row, n_cols, ignore_index, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = LOGITS + row * stride_row
+    cols = tl.arange(0, BLOCK_V)
+    running_max = float("-inf")
+    running_sum = 0.0
+    for start in range(0, n_cols, BLOCK_V):
+        c = start + cols
+        x = tl.load(row_ptr + c, mask=c < n_cols, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        running_max = new_max
+    lse = running_max + tl.log(running_sum)
+    target = tl.load(TARGETS + row).to(tl.int64)
+    counted = target != ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    target_logit = tl.load(row_ptr + target, mask=counted & in_range, other=float("nan")).to(tl.float32)
+    loss = tl.where(counted, lse - target_logit, 0.0)
+    tl.store(LOSS + row, loss)
+    tl.store(LSE + row, lse)
+
+
+@triton.jit
+def _cross_entropy_bwd_kernel(
+    LOGITS, TARGETS, LSE, DLOSS, DLOGITS, stride_row, stride_drow, stride_dloss, n_cols, ignore_index,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = LOGITS + row * stride_row
+    drow_ptr = DLOGITS + row * stride_drow
+    target = tl.load(TARGETS + row).to(tl.int64)
+    lse = tl.load(LSE + row)
+    # 'mean' over zero counted rows makes the scale inf; ignored rows must still get exact zeros.
+    scale = tl.where(target != ignore_index, tl.load(DLOSS + row * stride_dloss).to(tl.float32), 0.0)
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, n_cols, BLOCK_V):
+        c = start + cols
+        mask = c < n_cols
+        x = tl.load(row_ptr + c, mask=mask, other=0.0).to(tl.float32)
+        grad = (tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)) * scale
+        tl.store(drow_ptr + c, grad.to(DLOGITS.dtype.element_ty), mask=mask)
+
+
+def cross_entropy_fwd(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-row fp32 loss, per-row logsumexp, logits with unit column stride)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    targets = targets.contiguous()
+    n_rows, n_cols = logits.shape
+    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    block = min(triton.next_power_of_2(n_cols), MAX_BLOCK_V)
+    _cross_entropy_fwd_kernel[(n_rows,)](
+        logits, targets, loss, lse, logits.stride(0), n_cols, ignore_index,
+        BLOCK_V=block, num_warps=num_warps_for(block),
+    )
+    return loss, lse, logits
+
+
+def reduce_loss(row_loss: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return row_loss
+    if reduction == "sum":
+        return row_loss.sum()
+    return row_loss.sum() / (targets != ignore_index).sum()
+
+
+def loss_grad_per_row(
+    grad_loss: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str
+) -> tuple[torch.Tensor, int]:
+    """The loss gradient each row's softmax gradient is scaled by, and its row stride (0: shared)."""
+    grad_loss = grad_loss.float()
+    if reduction == "none":
+        return grad_loss.contiguous(), 1
+    if reduction == "mean":
+        grad_loss = grad_loss / (targets != ignore_index).sum()
+    return grad_loss.reshape(1), 0
+
+
+def cross_entropy_bwd(
+    grad_loss: torch.Tensor,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+) -> torch.Tensor:
+    """d loss / d logits, (N, V) in the logits' dtype."""
+    n_rows, n_cols = logits.shape
+    dlogits = torch.empty((n_rows, n_cols), dtype=logits.dtype, device=logits.device)
+    scale, scale_stride = loss_grad_per_row(grad_loss, targets, ignore_index, reduction)
+    block = min(triton.next_power_of_2(n_cols), MAX_BLOCK_V)
+    _cross_entropy_bwd_kernel[(n_rows,)](
+        logits, targets, lse, scale, dlogits, logits.stride(0), dlogits.stride(0), scale_stride,
+        n_cols, ignore_index, BLOCK_V=block, num_warps=num_warps_for(block),
+    )
+    return dlogits
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, reduction):
+        row_loss, lse, logits = cross_entropy_fwd(logits, targets, ignore_index)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.ignore_index = ignore_index
+        ctx.reduction = reduction
+        return reduce_loss(row_loss, targets, ignore_index, reduction)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        logits, targets, lse = ctx.saved_tensors
+        dlogits = cross_entropy_bwd(grad_loss, logits, targets, lse, ctx.ignore_index, ctx.reduction)
+        return dlogits, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """Softmax cross-entropy of logits (N, V) against class indices (N,); the loss is fp32."""
+    return CrossEntropyFunction.apply(logits, targets, ignore_index, reduction)
+
+
+def unsupported_reason(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> str | None:
+    """Why this call must go to the reference, or None."""
+    if reduction not in REDUCTIONS:
+        return f"reduction={reduction!r} (the kernel has {REDUCTIONS})"
+    reason = unsupported_tensor_reason(logits=logits)
+    if reason:
+        return reason
+    if logits.dim() != 2 or targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
+        return f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} are not (N, V) and (N,)"
+    if targets.dtype not in (torch.int64, torch.int32):
+        return f"targets have dtype {targets.dtype}; the kernel takes class indices (int64/int32)"
+    if targets.device != logits.device:
+        return f"targets on {targets.device}, logits on {logits.device}"
+    return None

@@ -1,0 +1,247 @@
+"""Activation checkpointing policies, applied in place to a built GPT.
+
+    none          keep every activation autograd saves (the baseline)
+    selective     recompute only each block's attention core (QK^T, softmax, dropout, @V), as in
+                  Korthikanti et al. 2022; pays off when the core stores the (B, H, T, T) scores,
+                  i.e. with the reference attention, hardly with SDPA/flash which never store them
+    op_selective  PyTorch's selective activation checkpointing over each whole block: the outputs
+                  of matmuls and fused attention kernels are kept, cheap element-wise ops recomputed
+    full          recompute whole blocks; only each block's input is kept
+    every_k       recompute whole blocks, but only the k-th, 2k-th, ... block (counting from 1)
+    offload       keep everything, but in (pinned) host memory via autograd's save_on_cpu
+
+Every recompute is non-reentrant checkpointing (``use_reentrant=False``), which preserves the RNG
+state, so a recomputed dropout draws the same mask as the forward did.
+
+How the wrapping works, and why: the chosen module keeps its identity and its place in the tree;
+only its class is swapped for a subclass whose ``forward`` routes the original one through the
+policy (the same trick FSDP2's ``fully_shard`` uses). So parameter names, ``state_dict`` keys and
+optimizer-state FQNs are identical under every policy: a checkpoint saved with ``none`` loads with
+``full`` and vice versa, and DCP/FSDP2 see the names they would see without checkpointing. A wrapper
+module holding the original as a child would add a prefix to every name instead.
+
+Order (as in torchtitan): apply checkpointing to the plain model, then torch.compile, then
+FSDP2/DDP. FSDP2 swaps the class once more (``FSDPCheckpointedBlock``) and still calls our forward.
+A model with swapped classes pickles only through its state_dict (``torch.save(model)`` of the
+whole object cannot find the generated class by name); save state dicts, as the trainer does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from model.config import CHECKPOINT_POLICIES
+
+# Called with ("cached", tensor) for each output op_selective keeps and ("offloaded", tensor) for each
+# tensor offload moves to the host: memory an outer saved_tensors_hooks cannot see. Used by
+# tools/bench_memory.py; training passes none.
+Observer = Callable[[str, torch.Tensor], None]
+
+# Ops whose outputs op_selective keeps: the matmuls and fused attention kernels (expensive to redo,
+# and their outputs are what backward needs anyway). Names that this torch build or the installed
+# packages do not define are skipped.
+SAVED_OP_NAMES = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::linear",
+    "aten::_scaled_mm",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_fused_attention_overrideable",
+    "flash_attn::_flash_attn_forward",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpointing policy cannot be applied to this model; the message says why and what to use."""
+
+
+# --------------------------------------------------------------------------- what runs a forward
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Keep only the module's inputs; run its forward again during backward."""
+
+    label: str = "recompute"
+
+    def __call__(self, forward: Callable, *args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+@dataclass(frozen=True)
+class SelectiveOpRecompute:
+    """Recompute the module, except the outputs of ``save_ops``, which are cached in the forward."""
+
+    save_ops: frozenset
+    observer: Observer | None = None
+    label: str = "op_selective"
+
+    def __call__(self, forward: Callable, *args, **kwargs):
+        # Plain partials rather than bound methods: torch.compile traces context_fn and loses `self`.
+        policy = functools.partial(_keep_listed_outputs, self.save_ops, self.observer)
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _keep_listed_outputs(save_ops: frozenset, observer: Observer | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op not in save_ops:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    output = getattr(ctx, "op_output", None)  # torch >= 2.12 hands the policy the op's output
+    if observer is not None and output is not None:
+        for tensor in _tensors_in(output):
+            observer("cached", tensor)
+    return CheckpointPolicy.MUST_SAVE
+
+
+@dataclass(frozen=True)
+class OffloadToHost:
+    """Run the forward normally, but keep what it saves for backward in host memory."""
+
+    pin_memory: bool
+    observer: Observer | None = None
+    label: str = "offload"
+
+    def __call__(self, forward: Callable, *args, **kwargs):
+        with self._hooks():
+            return forward(*args, **kwargs)
+
+    def _hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        hooks = torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory)
+        if self.observer is None:
+            return hooks
+        pack_to_host, observer = hooks.pack_hook, self.observer
+
+        def observed_pack(tensor: torch.Tensor):
+            observer("offloaded", tensor)
+            return pack_to_host(tensor)
+
+        return torch.autograd.graph.saved_tensors_hooks(observed_pack, hooks.unpack_hook)
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
+
+
+# --------------------------------------------------------------------------- the class swap
+
+
+class CheckpointedModule:
+    """Mixin placed in front of a module's own class: its forward goes through ``activation_checkpoint``."""
+
+    activation_checkpoint: Callable
+
+    def forward(self, *args, **kwargs):
+        return self.activation_checkpoint(super().forward, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        own = super().extra_repr()
+        mine = f"checkpoint={self.activation_checkpoint.label}"
+        return f"{own}, {mine}" if own else mine
+
+
+@functools.cache
+def _checkpointed_class(cls: type) -> type:
+    # One generated class per original class, so every block shares it (as FSDP2 does for its own).
+    return type(f"Checkpointed{cls.__name__}", (CheckpointedModule, cls), {})
+
+
+def _wrap_in_place(module: nn.Module, runner: Callable) -> None:
+    module.__class__ = _checkpointed_class(type(module))
+    module.activation_checkpoint = runner
+
+
+# --------------------------------------------------------------------------- policies
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, policy: str, every_k: int = 2, *, observer: Observer | None = None
+) -> None:
+    """Apply ``policy`` to ``model.blocks`` in place; a no-op for ``none``.
+
+    Call on the plain model, before torch.compile and FSDP2/DDP. ``observer`` (see ``Observer``) is
+    for measurement only.
+    """
+    if policy not in CHECKPOINT_POLICIES:
+        raise CheckpointError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(CHECKPOINT_POLICIES)}")
+    if policy == "none":
+        return
+    if every_k < 1:
+        raise CheckpointError(f"checkpoint_every_k must be >= 1 (got {every_k})")
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise CheckpointError(
+            f"{type(model).__name__} has no `blocks` ModuleList; apply checkpointing to the GPT itself, "
+            "before wrapping it with torch.compile, DDP or FSDP"
+        )
+    if any(isinstance(m, CheckpointedModule) for m in model.modules()):
+        raise CheckpointError("activation checkpointing is already applied to this model; apply it once")
+    for index, block in enumerate(blocks):
+        target = _target_module(policy, block, index, every_k)
+        if target is not None:
+            _wrap_in_place(target, _runner(policy, observer))
+
+
+def _target_module(policy: str, block: nn.Module, index: int, every_k: int) -> nn.Module | None:
+    if policy == "selective":
+        core = getattr(getattr(block, "attn", None), "core", None)
+        if not isinstance(core, nn.Module):
+            raise CheckpointError(
+                f"checkpointing=selective recomputes block.attn.core, which {type(block).__name__} does not have "
+                "(Transformer Engine layers: use checkpointing=full)"
+            )
+        return core
+    if policy == "every_k":
+        return block if (index + 1) % every_k == 0 else None
+    return block
+
+
+def _runner(policy: str, observer: Observer | None) -> Callable:
+    if policy == "op_selective":
+        return SelectiveOpRecompute(saved_ops(), observer)
+    if policy == "offload":
+        return OffloadToHost(pin_memory=torch.cuda.is_available(), observer=observer)
+    return Recompute(label=policy)
+
+
+def saved_ops() -> frozenset:
+    """The op overloads named in SAVED_OP_NAMES that exist here, every overload of each."""
+    found = set()
+    for name in SAVED_OP_NAMES:
+        namespace, op_name = name.split("::")
+        packet = getattr(getattr(torch.ops, namespace), op_name, None)  # None when not registered here
+        if packet is not None:
+            found.update(getattr(packet, overload) for overload in packet.overloads())
+    return frozenset(found)
+
+
+def checkpointed_modules(model: nn.Module) -> dict[str, str]:
+    """{qualified module name: policy label} for every module that checkpointing wraps."""
+    return {
+        name: module.activation_checkpoint.label
+        for name, module in model.named_modules()
+        if isinstance(module, CheckpointedModule)
+    }
+
+
+def describe_checkpointing(model: nn.Module) -> str:
+    """One log line: which modules are wrapped, and how."""
+    wrapped = checkpointed_modules(model)
+    if not wrapped:
+        return "activation checkpointing: none"
+    labels = sorted(set(wrapped.values()))
+    return f"activation checkpointing: {', '.join(labels)} on {len(wrapped)} modules ({', '.join(wrapped)})"

@@ -1,0 +1,70 @@
+"""ModelConfig: the architecture of the GPT, and nothing about how it is trained or sharded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from training.fields import ConfigError, doc
+
+CHECKPOINT_POLICIES = ("none", "selective", "op_selective", "full", "every_k", "offload")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = doc(256, "vocabulary size (256 for the built-in byte-level tokenizer)")
+    max_seq_len: int = doc(256, "longest sequence the model accepts (size of learned positions)")
+    n_layer: int = doc(4, "transformer blocks")
+    n_head: int = doc(4, "attention heads")
+    d_model: int = doc(128, "residual stream width")
+    d_ff: int | None = doc(
+        None, "MLP hidden width; default 4*d_model for gelu, 8/3*d_model rounded up to 64 for swiglu"
+    )
+    norm: Literal["layernorm", "rmsnorm"] = doc("layernorm", "normalization layer")
+    norm_eps: float = doc(1e-5, "normalization epsilon")
+    mlp: Literal["gelu", "swiglu"] = doc("gelu", "MLP activation")
+    position: Literal["learned", "rope"] = doc("learned", "learned absolute positions or rotary embeddings")
+    rope_theta: float = doc(10000.0, "rotary base")
+    tie_embeddings: bool = doc(True, "share the token embedding with the LM head")
+    bias: bool = doc(True, "biases in linear layers and norms")
+    dropout: float = doc(0.0, "dropout on attention probabilities and residual branches")
+    init_std: float = doc(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layer)")
+    attention: Literal["auto", "flash_attn", "sdpa", "reference"] = doc(
+        "auto", "attention backend; auto picks flash_attn on CUDA when installed, else sdpa"
+    )
+    layers: Literal["torch", "te"] = doc("torch", "torch layers, or Transformer Engine layers (needs TE)")
+    checkpointing: Literal["none", "selective", "op_selective", "full", "every_k", "offload"] = doc(
+        "none", "activation checkpointing policy"
+    )
+    checkpoint_every_k: int = doc(2, "with checkpointing=every_k: recompute every k-th block")
+
+    def __post_init__(self) -> None:
+        if self.d_ff is None:
+            if self.mlp == "swiglu":
+                self.d_ff = 64 * ((8 * self.d_model // 3 + 63) // 64)
+            else:
+                self.d_ff = 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def validate(self) -> None:
+        for key in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model", "d_ff"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key} must be >= 1 (got {getattr(self, key)})")
+        if self.d_model % self.n_head:
+            raise ConfigError(
+                f"model.n_head={self.n_head} must divide model.d_model={self.d_model} "
+                f"(e.g. n_head in {[h for h in range(1, 65) if self.d_model % h == 0][-6:]})"
+            )
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(f"model.position=rope needs an even head dim; d_model/n_head={self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.checkpoint_every_k < 1:
+            raise ConfigError("model.checkpoint_every_k must be >= 1")
+
+    def gemm_dims(self) -> dict[str, int]:
+        """Dimensions that appear in GEMMs of the transformer blocks (FP8 needs them % 16 == 0)."""
+        return {"model.d_model": self.d_model, "model.d_ff": self.d_ff}

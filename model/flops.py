@@ -1,0 +1,52 @@
+"""Parameter count and training FLOPs per token, computed from the config alone.
+
+Convention (stated in every log line that uses it, see ``FLOPS_CONVENTION``):
+- N counts the parameters that take part in matmuls: every block's weights and the LM head.
+  Embedding *lookups* are not matmuls, so the position table and an untied token table are
+  excluded; a tied token table is counted once, as the LM head. Norm gains and biases are
+  included (they are a rounding error).
+- Training FLOPs per token = 6·N (forward 2·N, backward 4·N) + attention
+  12·L·d·s (QKᵀ and A·V: 2·2·s·d per token per layer forward, times 3 for fwd+bwd), with
+  **no causal halving**, as in PaLM appendix B and Megatron-LM's MFU; so MFU here is comparable
+  to theirs. Activation recomputation is *not* counted (that would be HFU, not MFU).
+"""
+
+from __future__ import annotations
+
+from model.config import ModelConfig
+
+FLOPS_CONVENTION = "6*N_matmul + 12*L*d*s per token (no causal halving, recompute not counted, embeddings lookups excluded)"
+
+
+def block_parameters(cfg: ModelConfig) -> int:
+    d, f = cfg.d_model, cfg.d_ff
+    norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+    attn = 3 * d * d + d * d + (4 * d if cfg.bias else 0)
+    if cfg.mlp == "swiglu":
+        mlp = 2 * d * f + f * d + ((2 * f + d) if cfg.bias else 0)
+    else:
+        mlp = d * f + f * d + ((f + d) if cfg.bias else 0)
+    return 2 * norm + attn + mlp
+
+
+def count_parameters(cfg: ModelConfig, include_embeddings: bool = True) -> int:
+    """Unique trainable parameters of ``model.gpt.GPT(cfg)`` (torch layers)."""
+    d, v = cfg.d_model, cfg.vocab_size
+    final_norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+    token_table = v * d
+    head = 0 if cfg.tie_embeddings else v * d
+    positions = cfg.max_seq_len * d if cfg.position == "learned" else 0
+    total = cfg.n_layer * block_parameters(cfg) + final_norm + token_table + head + positions
+    if not include_embeddings:
+        total -= positions + (0 if cfg.tie_embeddings else token_table)
+    return total
+
+
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """N in 6·N: parameters used in matmuls (blocks + LM head), embedding lookups excluded."""
+    return count_parameters(cfg, include_embeddings=False)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token; see the module docstring."""
+    return 6.0 * matmul_parameters(cfg) + 12.0 * cfg.n_layer * cfg.d_model * seq_len

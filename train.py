@@ -1,0 +1,389 @@
+"""perfgpt's one entry point.
+
+    python train.py --config configs/tiny.yaml                       # one process (CPU or one GPU)
+    torchrun --nproc_per_node=8 train.py --config configs/gpt2-124m.yaml --parallel.strategy=fsdp
+    python train.py --config configs/tiny.yaml --resume latest       # continue where it stopped
+
+Reads top to bottom: config -> process group -> model -> parallelize -> engine and data ->
+resume -> loop (step, log, eval, checkpoint). Each stage is one call into a package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from analysis.hardware import peak_tflops_for
+from data.loader import build_data
+from data.prefetch import DevicePrefetcher
+from kernels.registry import resolve_kernel_ops
+from model.attention import select_attention
+from model.flops import FLOPS_CONVENTION, count_parameters, flops_per_token
+from model.gpt import GPT
+from parallel.parallelize import apply_activation_checkpointing, apply_compile, apply_data_parallel
+from training import checkpoint as ckpt
+from training.config import ConfigError, JobConfig, describe_fields, dump_yaml, load_config, to_dict
+from training.distributed import DistContext, init_distributed, shutdown_distributed
+from training.engine import TorchEngine
+from training.errors import user_facing_errors
+from training.metrics import RunLogger, peak_memory_gib
+from training.precision import check_precision_supported, model_dtype
+from training.schedule import lr_at
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        description="Train a GPT. Any config key can be overridden as --section.key=value "
+        "(e.g. --train.max_steps=100 --precision.mode=bf16); --help-config lists them all.",
+    )
+    parser.add_argument("--config", help="YAML file under configs/ (e.g. configs/tiny.yaml)")
+    parser.add_argument("--resume", nargs="?", const="latest", help="'latest' (default) or a checkpoint directory")
+    parser.add_argument("--profile", action="store_true", help="write a PyTorch profiler trace to <run_dir>/profile")
+    parser.add_argument("--help-config", action="store_true", help="list every config key with its default")
+    args, rest = parser.parse_known_args(argv)
+    bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
+    if bad:
+        parser.error(f"unrecognized argument {bad[0]!r}; config overrides look like --section.key=value")
+    return args, rest
+
+
+def resolve_config(args: argparse.Namespace, overrides: list[str]) -> JobConfig:
+    if args.resume is not None:
+        overrides = overrides + [f"--checkpoint.resume={args.resume}"]
+    if args.profile:
+        overrides = overrides + ["--train.profile=true"]
+    return load_config(args.config, overrides)
+
+
+
+# --------------------------------------------------------------------------- set-up stages
+
+
+def prepare_run_dir(cfg: JobConfig, ctx: DistContext) -> Path:
+    run_dir = Path(cfg.logging.run_dir.format(name=cfg.name))
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    ctx.barrier()
+    return run_dir
+
+
+def build_model(cfg: JobConfig, device: torch.device) -> tuple[GPT, list[str]]:
+    """The GPT with its kernels and attention backend chosen for this device; returns log notes."""
+    ops, kernel_note = resolve_kernel_ops(cfg.kernels.backend, device)
+    dtype = model_dtype(cfg.precision.mode)
+    compute_dtype = torch.bfloat16 if cfg.precision.mode in ("bf16", "bf16_master", "fp8") else (
+        torch.float16 if cfg.precision.mode == "fp16" else torch.float32)
+    if cfg.model.layers == "te":
+        backend, attention_note = "sdpa", "attention: Transformer Engine's own (model.layers=te)"
+    else:
+        backend, attention_note = select_attention(cfg.model.attention, device, compute_dtype, cfg.model.head_dim)
+    with torch.device(device):
+        model = GPT(cfg.model, ops=ops, attention_backend=backend)
+    model.to(dtype=dtype)
+    return model, [kernel_note, attention_note]
+
+
+def build_engine(model: GPT, cfg: JobConfig, ctx: DistContext):
+    apply_activation_checkpointing(model, cfg.model.checkpointing, cfg.model.checkpoint_every_k)
+    apply_compile(model, cfg.train.compile, cfg.train.compile_mode, cfg.train.compile_loss)
+    if cfg.parallel.strategy.startswith("zero"):
+        from parallel.zero import build_zero_engine
+
+        return build_zero_engine(model, cfg, ctx)
+    return TorchEngine(apply_data_parallel(model, cfg.parallel, ctx), cfg, ctx.device, ctx.world_size)
+
+
+def describe_model(cfg: JobConfig, seq_len: int) -> list[str]:
+    n_total = count_parameters(cfg.model)
+    lines = [
+        f"model: {n_total / 1e6:.2f}M parameters ({count_parameters(cfg.model, include_embeddings=False) / 1e6:.2f}M "
+        f"without embedding lookups), {cfg.model.n_layer} layers, d_model {cfg.model.d_model}, "
+        f"{cfg.model.n_head} heads, {cfg.model.mlp}, {cfg.model.norm}, {cfg.model.position} positions",
+        f"flops: {flops_per_token(cfg.model, seq_len) / 1e6:.2f} MFLOP/token, convention {FLOPS_CONVENTION}",
+    ]
+    try:
+        from analysis.estimator import fit_verdict
+    except ImportError:
+        return lines
+    lines.append(
+        fit_verdict(
+            cfg.model, seq_len, cfg.train.micro_batch_size, _world_size_env(), cfg.parallel.strategy,
+            cfg.model.checkpointing, cfg.precision.mode, _device_name(),
+        )
+    )
+    return lines
+
+
+def _world_size_env() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _device_name(device: torch.device | None = None) -> str:
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def profiler_context(cfg: JobConfig, run_dir: Path, ctx: DistContext):
+    """torch.profiler over a few steps, chrome traces into <run_dir>/profile; a no-op otherwise."""
+    if not cfg.train.profile:
+        return contextlib.nullcontext(None)
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    out = run_dir / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write_trace(prof) -> None:
+        path = out / f"trace_rank{ctx.rank}_step{prof.step_num}.json"
+        prof.export_chrome_trace(str(path))
+        print(f"{ctx.tag}profiler: wrote {path}", flush=True)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    t = cfg.train
+    return profile(
+        activities=activities,
+        schedule=schedule(wait=t.profile_wait, warmup=t.profile_warmup, active=t.profile_active, repeat=1),
+        on_trace_ready=write_trace,
+        record_shapes=True,
+        profile_memory=True,
+        with_stack=False,
+    )
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def save(cfg: JobConfig, ckpt_root: Path, step: int, engine, train_iter, ctx: DistContext, log: RunLogger) -> None:
+    t0 = time.perf_counter()
+    rank_state = {"step": step, "rng": ckpt.capture_rng_state(), "data": train_iter.state_dict()}
+    path = ckpt.save_checkpoint(
+        ckpt_root, step, lambda d: engine.save(d, ctx.rank), rank_state, rank=ctx.rank,
+        world_size=ctx.world_size, strategy=cfg.parallel.strategy, barrier=ctx.barrier,
+        keep_last=cfg.checkpoint.keep_last,
+    )
+    log.info(f"checkpoint: saved {path} in {time.perf_counter() - t0:.1f}s")
+
+
+def maybe_resume(cfg: JobConfig, ckpt_root: Path, engine, train_iter, ctx: DistContext, log: RunLogger) -> int:
+    """Restore everything a continued run needs; returns the step to continue from."""
+    path = ckpt.resolve_resume(cfg.checkpoint.resume, ckpt_root)
+    if path is None:
+        if cfg.checkpoint.resume == "latest":
+            log.info(f"resume: no checkpoint under {ckpt_root} yet, starting from step 0")
+        return 0
+    ckpt.read_meta(path, ctx.world_size, cfg.parallel.strategy)
+    engine.load(path)
+    state = ckpt.safe_torch_load(path / f"rank_{ctx.rank:05d}.pt")
+    train_iter.load_state_dict(state["data"])
+    ckpt.restore_rng_state(state["rng"])
+    log.info(f"resume: continuing from {path} at step {state['step']}")
+    return int(state["step"])
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def evaluate(engine, val, n_batches: int, ctx: DistContext) -> float:
+    engine.train(False)
+    total = torch.zeros((), device=ctx.device)
+    count = 0
+    for x, y in val.batches(n_batches):
+        total += engine.eval_loss(x.to(ctx.device), y.to(ctx.device)).float()
+        count += 1
+    engine.train(True)
+    mean = ctx.all_reduce_mean(total / max(count, 1))
+    return float(mean)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_training(cfg: JobConfig) -> int:
+    nccl_env = getattr(cfg.parallel, "nccl", None)
+    ctx = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s, nccl_env)
+    try:
+        return train(cfg, ctx)
+    finally:
+        shutdown_distributed(ctx)
+
+
+def train(cfg: JobConfig, ctx: DistContext) -> int:
+    run_dir = prepare_run_dir(cfg, ctx)
+    log = RunLogger(run_dir, cfg.logging, is_main=ctx.is_main, tag=ctx.tag, max_steps=cfg.train.max_steps,
+                    config_dict=to_dict(cfg))
+    try:
+        return _train(cfg, ctx, run_dir, log)
+    finally:
+        log.close()
+
+
+def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> int:
+    t_start = time.perf_counter()
+    log.info(f"perfgpt: run {cfg.name} in {run_dir} | world {ctx.world_size} ({ctx.backend or 'single process'}) "
+             f"| device {ctx.device} | precision {cfg.precision.mode} | strategy {cfg.parallel.strategy}")
+    log.info("resolved config:\n" + dump_yaml(cfg).rstrip())
+    if ctx.world_size > 1:
+        print(f"{ctx.tag}ready on {ctx.device}", flush=True)
+    check_precision_supported(cfg.precision.mode, ctx.device)
+    if ctx.device.type == "cuda" and cfg.precision.mode == "fp32":
+        torch.backends.cuda.matmul.allow_tf32 = True  # the MFU peak for fp32 is the TF32 one
+    seq_len, t = cfg.seq_len, cfg.train
+    torch.manual_seed(t.seed)
+
+    model, notes = build_model(cfg, ctx.device)
+    for line in notes + describe_model(cfg, seq_len):
+        log.info(line)
+    engine = build_engine(model, cfg, ctx)
+    data = build_data(cfg.data, seq_len=seq_len, micro_batch_size=t.micro_batch_size, seed=t.seed, rank=ctx.rank,
+                      world_size=ctx.world_size, vocab_size=cfg.model.vocab_size)
+    log.info(data.description)
+    train_iter = DevicePrefetcher(data.train, ctx.device)
+
+    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    step = maybe_resume(cfg, ckpt_root, engine, train_iter, ctx, log)
+    log.set_start(step)
+
+    tokens_per_step = t.micro_batch_size * seq_len * t.grad_accum_steps * ctx.world_size
+    flops_per_step = flops_per_token(cfg.model, seq_len) * tokens_per_step
+    peak, peak_note = (t.peak_tflops, f"peak {t.peak_tflops:g} TFLOP/s (train.peak_tflops)") if t.peak_tflops \
+        else peak_tflops_for(_device_name(ctx.device), cfg.precision.mode)
+    log.info(f"mfu: {peak_note}; {tokens_per_step:,} tokens/step; uniform-baseline loss ln(V) = "
+             f"{math.log(cfg.model.vocab_size):.3f}")
+    decay_steps = cfg.optim.decay_steps or t.max_steps
+    o = cfg.optim
+
+    window_loss = torch.zeros((), device=ctx.device)
+    window_steps, window_wait, window_start, skips_in_a_row, skipped_total = 0, 0.0, time.perf_counter(), 0, 0
+    last_val = None
+    engine.train(True)
+    with profiler_context(cfg, run_dir, ctx) as prof:
+        while step < t.max_steps:
+            lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, decay_steps=decay_steps)
+            step_loss = torch.zeros((), device=ctx.device)
+            for micro in range(t.grad_accum_steps):
+                t0 = time.perf_counter()
+                x, y = next(train_iter)
+                window_wait += time.perf_counter() - t0
+                loss = engine.forward_backward(x, y, micro == t.grad_accum_steps - 1, t.grad_accum_steps)
+                step_loss += loss.float() / t.grad_accum_steps
+            result = engine.optimizer_step(lr, step_loss)
+            step += 1
+            if prof is not None:
+                prof.step()
+            if result.skipped:
+                skips_in_a_row, skipped_total = skips_in_a_row + 1, skipped_total + 1
+                stop = _handle_nonfinite(cfg, step, result, skips_in_a_row, log)
+                if stop:
+                    return 3
+            else:
+                skips_in_a_row = 0
+                window_loss += step_loss
+                window_steps += 1
+            log.advance()
+
+            if step % t.log_interval == 0 or step == t.max_steps:
+                elapsed = time.perf_counter() - window_start
+                n_steps = t.log_interval if step % t.log_interval == 0 else (step % t.log_interval)
+                metrics = _window_metrics(ctx, window_loss, window_steps, result, lr, elapsed, window_wait, n_steps,
+                                          tokens_per_step, flops_per_step, peak, skipped_total)
+                log.log(step, metrics, _format_line(step, t.max_steps, metrics))
+                if metrics["data_wait_frac"] > t.data_wait_warn:
+                    log.warn(f"step {step}: {metrics['data_wait_frac']:.0%} of step time spent waiting for data "
+                             f"(> {t.data_wait_warn:.0%}); raise data.num_workers or check the storage")
+                window_loss.zero_()
+                window_steps, window_wait, window_start = 0, 0.0, time.perf_counter()
+
+            if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
+                last_val = evaluate(engine, data.val, t.eval_steps, ctx)
+                log.log(step, {"val_loss": last_val}, f"step {step}: val_loss {last_val:.4f}")
+                window_start = time.perf_counter()  # evaluation time is not training throughput
+
+            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < t.max_steps:
+                save(cfg, ckpt_root, step, engine, train_iter, ctx, log)
+                window_start = time.perf_counter()
+
+    if cfg.checkpoint.save_final:
+        save(cfg, ckpt_root, step, engine, train_iter, ctx, log)
+    summary = f"done: {step} steps in {time.perf_counter() - t_start:.1f}s"
+    if last_val is not None:
+        summary += f", final val_loss {last_val:.4f} (uniform baseline {math.log(cfg.model.vocab_size):.3f})"
+    log.info(summary)
+    return 0
+
+
+def _handle_nonfinite(cfg: JobConfig, step: int, result, skips_in_a_row: int, log: RunLogger) -> bool:
+    """Warn about a skipped step; True means stop the run."""
+    if cfg.precision.mode == "fp16":
+        # Dynamic loss scaling overflows now and then by design; only a long streak is a problem.
+        if skips_in_a_row <= cfg.precision.max_skipped_steps:
+            return False
+    what = f"step {step}: non-finite loss or gradient norm"
+    if cfg.precision.nonfinite == "stop":
+        log.warn(f"{what}; stopping (precision.nonfinite=stop). Weights are those of step {step - 1}.")
+        return True
+    if skips_in_a_row > cfg.precision.max_skipped_steps:
+        log.warn(f"{what}; {skips_in_a_row} steps skipped in a row (> precision.max_skipped_steps), stopping")
+        return True
+    log.warn(f"{what}; optimizer step skipped, weights unchanged")
+    return False
+
+
+def _window_metrics(ctx, window_loss, window_steps, result, lr, elapsed, wait, n_steps, tokens_per_step,
+                    flops_per_step, peak, skipped_total) -> dict:
+    # The only regular host syncs: loss and grad norm are read here, once per log interval.
+    loss = ctx.all_reduce_mean(window_loss.detach().clone()) / max(window_steps, 1)
+    tokens_per_s = tokens_per_step * n_steps / elapsed
+    mem, mem_kind = peak_memory_gib(ctx.device)
+    metrics = {
+        "loss": float(loss),
+        "lr": lr,
+        "grad_norm": float(result.grad_norm),
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": elapsed / n_steps,
+        "data_wait_frac": wait / elapsed if elapsed > 0 else 0.0,
+        mem_kind + "_gib": mem,
+        "skipped_steps": skipped_total,
+    }
+    if peak:
+        metrics["mfu"] = flops_per_step * n_steps / elapsed / (peak * 1e12 * ctx.world_size)
+    if result.loss_scale is not None:
+        metrics["loss_scale"] = result.loss_scale
+    return metrics
+
+
+def _format_line(step: int, max_steps: int, m: dict) -> str:
+    mfu = f"mfu {m['mfu']:.1%}" if "mfu" in m else "mfu n/a"
+    mem_key = next(k for k in m if k.endswith("_gib"))
+    return (f"step {step}/{max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
+            f"{m['tokens_per_s']:,.0f} tok/s | {mfu} | data wait {m['data_wait_frac']:.0%} | "
+            f"{mem_key[:-4]} {m[mem_key]:.2f} GiB")
+
+
+# --------------------------------------------------------------------------- entry
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = parse_args(argv)
+    if args.help_config:
+        print("\n".join(describe_fields()))
+        return 0
+    try:
+        cfg = resolve_config(args, overrides)
+        return run_training(cfg)
+    except user_facing_errors() as exc:
+        kind = "config error" if isinstance(exc, ConfigError) else "error"
+        print(f"{kind}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
