@@ -84,9 +84,11 @@ def build_model(cfg: JobConfig, device: torch.device) -> tuple[GPT, list[str]]:
         backend, attention_note = "sdpa", "attention: Transformer Engine's own (model.layers=te)"
     else:
         backend, attention_note = select_attention(cfg.model.attention, device, compute_dtype, cfg.model.head_dim)
-    with torch.device(device):
+    # init_on_meta: no memory yet; parallel/fsdp.py allocates and initializes each rank's shards.
+    with torch.device("meta" if cfg.parallel.init_on_meta else device):
         model = GPT(cfg.model, ops=ops, attention_backend=backend)
-    model.to(dtype=dtype)
+    if cfg.parallel.strategy != "fsdp":  # FSDP2 keeps fp32 shards as masters and casts for compute
+        model.to(dtype=dtype)
     return model, [kernel_note, attention_note]
 
 
@@ -97,7 +99,7 @@ def build_engine(model: GPT, cfg: JobConfig, ctx: DistContext):
         from parallel.zero import build_zero_engine
 
         return build_zero_engine(model, cfg, ctx)
-    return TorchEngine(apply_data_parallel(model, cfg.parallel, ctx), cfg, ctx.device, ctx.world_size)
+    return TorchEngine(apply_data_parallel(model, cfg.parallel, ctx, cfg.precision.mode), cfg, ctx.device, ctx.world_size)
 
 
 def describe_model(cfg: JobConfig, seq_len: int) -> list[str]:
@@ -168,7 +170,7 @@ def save(cfg: JobConfig, ckpt_root: Path, step: int, engine, train_iter, ctx: Di
     path = ckpt.save_checkpoint(
         ckpt_root, step, lambda d: engine.save(d, ctx.rank), rank_state, rank=ctx.rank,
         world_size=ctx.world_size, strategy=cfg.parallel.strategy, barrier=ctx.barrier,
-        keep_last=cfg.checkpoint.keep_last,
+        keep_last=cfg.checkpoint.keep_last, extra_meta={"model": to_dict(cfg.model)},
     )
     log.info(f"checkpoint: saved {path} in {time.perf_counter() - t0:.1f}s")
 
@@ -180,7 +182,7 @@ def maybe_resume(cfg: JobConfig, ckpt_root: Path, engine, train_iter, ctx: DistC
         if cfg.checkpoint.resume == "latest":
             log.info(f"resume: no checkpoint under {ckpt_root} yet, starting from step 0")
         return 0
-    ckpt.read_meta(path, ctx.world_size, cfg.parallel.strategy)
+    ckpt.read_meta(path, ctx.world_size, cfg.parallel.strategy, to_dict(cfg.model))
     engine.load(path)
     state = ckpt.safe_torch_load(path / f"rank_{ctx.rank:05d}.pt")
     train_iter.load_state_dict(state["data"])
@@ -216,10 +218,21 @@ def run_training(cfg: JobConfig) -> int:
         shutdown_distributed(ctx)
 
 
+def promote_strategy(cfg: JobConfig, ctx: DistContext) -> str | None:
+    """Several processes with strategy none would train unsynchronized replicas: use DDP instead."""
+    if ctx.world_size > 1 and cfg.parallel.strategy == "none":
+        cfg.parallel.strategy = "ddp"
+        return f"parallel: strategy none with {ctx.world_size} processes -> ddp (gradients averaged across ranks)"
+    return None
+
+
 def train(cfg: JobConfig, ctx: DistContext) -> int:
+    note = promote_strategy(cfg, ctx)
     run_dir = prepare_run_dir(cfg, ctx)
     log = RunLogger(run_dir, cfg.logging, is_main=ctx.is_main, tag=ctx.tag, max_steps=cfg.train.max_steps,
                     config_dict=to_dict(cfg))
+    if note:
+        log.info(note)
     try:
         return _train(cfg, ctx, run_dir, log)
     finally:

@@ -98,7 +98,9 @@ def ensure_default_corpus(cache_dir: str = "", max_mb: float = 30.0, val_fractio
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DataError(f"cannot create the corpus cache {cache}: {e.strerror}; set data.cache_dir to a writable directory") from e
+        raise DataError(
+            f"cannot create the corpus cache {cache}: {e.strerror}; set data.cache_dir to a writable directory"
+        ) from e
     tmp = cache / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _build(root, files, val_fraction, tmp)

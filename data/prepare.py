@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import json
 import multiprocessing
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -198,7 +197,8 @@ def is_validation_index(i: int, val_fraction: float) -> bool:
 
 class _MmapSplitWriter:
     def __init__(self, out: Path, split: str, vocab_size: int, eot_id: int, shard_tokens: int):
-        self.out, self.split, self.vocab_size, self.eot_id, self.shard_tokens = out, split, vocab_size, eot_id, shard_tokens
+        self.out, self.split, self.shard_tokens = out, split, shard_tokens
+        self.vocab_size, self.eot_id = vocab_size, eot_id
         self.entries: list[dict] = []
         self._writer: TokenShardWriter | None = None
         self._docs = 0
@@ -229,7 +229,9 @@ def _clear_previous_output(out: Path, overwrite: bool) -> None:
             *out.glob("train/shard-*.tar"), *out.glob("val/shard-*.tar")]
     existing = [p for p in ours if p.exists()]
     if existing and not overwrite:
-        raise DataError(f"{out} already holds a prepared dataset ({existing[0].name}, ...); pass --overwrite or another --out")
+        raise DataError(
+            f"{out} already holds a prepared dataset ({existing[0].name}, ...); pass --overwrite or another --out"
+        )
     for p in existing:
         p.unlink()
     others = [p for p in out.iterdir() if p.name not in ("train", "val")] if out.exists() else []

@@ -142,7 +142,9 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
         raise DataError(f"{path}: truncated token shard ({size} bytes, the header alone is {HEADER.size})")
     magic, version, itemsize, tokens, docs, vocab, max_id, crc = HEADER.unpack(raw)
     if magic != MAGIC:
-        raise DataError(f"{path}: not a perfgpt token shard (bad magic {magic!r}); rebuild it with tools/prepare_data.py")
+        raise DataError(
+            f"{path}: not a perfgpt token shard (bad magic {magic!r}); rebuild it with tools/prepare_data.py"
+        )
     if version != FORMAT_VERSION:
         raise DataError(
             f"{path}: token shard format version {version}, this code reads version {FORMAT_VERSION}; "
@@ -192,7 +194,9 @@ class TokenShard:
         if crc != self.header.crc32:
             raise DataError(f"{self.path}: token data fails its CRC check (corrupt); rebuild the shard")
         if max_id != self.header.max_token_id:
-            raise DataError(f"{self.path}: max token id {max_id} disagrees with the header ({self.header.max_token_id})")
+            raise DataError(
+                f"{self.path}: max token id {max_id} disagrees with the header ({self.header.max_token_id})"
+            )
         offsets = np.asarray(self.doc_offsets)
         if offsets[0] != 0 or offsets[-1] != len(self) or np.any(np.diff(offsets.astype(np.int64)) < 1):
             raise DataError(f"{self.path}: corrupt document index (offsets not increasing from 0 to the token count)")
@@ -219,7 +223,9 @@ class DatasetMeta:
         for entry in self.splits.get(split, []):
             rel = Path(str(entry["file"]))
             if rel.is_absolute() or ".." in rel.parts:
-                raise DataError(f"{self.root / META_FILE}: shard entry {str(rel)!r} must be a path inside the dataset directory")
+                raise DataError(
+                    f"{self.root / META_FILE}: shard entry {str(rel)!r} must be a path inside the dataset directory"
+                )
             paths.append(self.root / rel)
         return paths
 
@@ -257,9 +263,14 @@ def read_meta(root: str | os.PathLike) -> DatasetMeta:
             extra={k: v for k, v in body.items() if k not in known},
         )
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise DataError(f"{file} is corrupt or incomplete ({e.__class__.__name__}: {e}); re-run tools/prepare_data.py") from e
+        raise DataError(
+            f"{file} is corrupt or incomplete ({e.__class__.__name__}: {e}); re-run tools/prepare_data.py"
+        ) from e
     if fmt not in DATASET_FORMATS:
         raise DataError(f"{file}: unknown dataset format {fmt!r}; valid: {', '.join(DATASET_FORMATS)}")
     if int(body.get("version", -1)) != FORMAT_VERSION:
-        raise DataError(f"{file}: dataset version {body.get('version')}, this code reads {FORMAT_VERSION}; re-run tools/prepare_data.py")
+        raise DataError(
+            f"{file}: dataset version {body.get('version')}, this code reads {FORMAT_VERSION}; "
+            f"re-run tools/prepare_data.py"
+        )
     return meta

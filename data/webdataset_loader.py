@@ -9,10 +9,11 @@ Splitting and order (one-pass mode, ``data.resampled=false``)
     node) and DataLoader worker ``w`` of ``N`` takes every N-th of those (split by worker), the
     same slicing as ``webdataset.split_by_node`` / ``split_by_worker``, done here with the
     rank passed in explicitly instead of read from environment variables or a process group.
-    Samples then pass through webdataset's shuffle buffer (seeded per rank, worker and epoch)
-    and are batched per worker; the DataLoader interleaves workers' batches in order. Each
-    worker loops over epochs forever, so the training stream never ends. Every rank and worker
-    reads disjoint shards; over an epoch all shards are read once.
+    Samples then pass through webdataset's shuffle buffer (seeded per rank, worker and epoch,
+    drained at the end of each epoch) and are batched per worker; the DataLoader interleaves
+    workers' batches in order. Each worker loops over epochs forever, so the training stream
+    never ends. Every rank and worker reads disjoint shards; over an epoch all shards are read
+    once.
 
 Resampled mode (``data.resampled=true``)
     Each reader draws shards with replacement from the whole list with its own seeded generator,
@@ -56,6 +57,10 @@ from data.wds_format import decode_tokens, import_webdataset, iter_shard_samples
 log = logging.getLogger("perfgpt.data")
 
 
+def corrupt_shard_error(path: str, error: Exception) -> DataError:
+    return DataError(f"{path}: corrupt or truncated WebDataset shard ({error.__class__.__name__}: {error})")
+
+
 class WebDatasetBatches(IterableDataset):
     """Batches from WebDataset shards for one rank; see the module docstring for the contract."""
 
@@ -72,8 +77,9 @@ class WebDatasetBatches(IterableDataset):
         needed = world_size * self.readers
         if not resampled and len(self.paths) < needed:
             raise DataError(
-                f"{len(self.paths)} WebDataset shard(s) cannot feed {world_size} rank(s) x {self.readers} reader(s) "
-                f"= {needed}; write smaller shards (tools/prepare_data.py --samples-per-shard) or lower data.num_workers"
+                f"{len(self.paths)} WebDataset shard(s) cannot feed {world_size} rank(s) x {self.readers} "
+                f"reader(s) = {needed}; write smaller shards (tools/prepare_data.py --samples-per-shard) or "
+                f"lower data.num_workers"
             )
         self._start: dict = self.initial_state()
 
@@ -115,37 +121,42 @@ class WebDatasetBatches(IterableDataset):
         return self.paths[int(rng.integers(len(self.paths)))]
 
     def _samples(self, virtual: int, start: dict | None, position: dict):
-        """This reader's samples forever; ``position`` is updated in place as shards are read."""
+        """This reader's samples forever, shuffled within each epoch; ``position`` tracks reading."""
         epoch, shard_pos, offset = (0, 0, 0) if start is None else (start["epoch"], start["shard"], start["offset"])
-        empty_draws = 0
         while True:
-            shards = None if self.resampled else self._epoch_shards(epoch, virtual)
-            whole_epoch = shard_pos == 0 and offset == 0
-            produced_in_epoch = 0
-            while self.resampled or shard_pos < len(shards):
-                path = self._resampled_shard(virtual, shard_pos) if self.resampled else shards[shard_pos]
-                position.update(epoch=epoch, shard=shard_pos, offset=offset)
-                produced_by_shard = 0
-                for sample in self._checked_samples(path, offset, position):
-                    position["offset"] += 1
-                    produced_by_shard += 1
-                    yield sample
-                produced_in_epoch += produced_by_shard
-                empty_draws = 0 if produced_by_shard else empty_draws + 1
-                if self.resampled and empty_draws > max(100, 3 * len(self.paths)):
-                    raise DataError(
-                        f"WebDataset reader {virtual} of rank {self.rank} drew {empty_draws} shards in a row without "
-                        f"a usable sample (last: {path}); the shards are empty or corrupt"
-                    )
-                shard_pos, offset = shard_pos + 1, 0
-                position.update(shard=shard_pos, offset=0)
-            if whole_epoch and produced_in_epoch == 0:
-                raise DataError(
-                    f"WebDataset reader {virtual} of rank {self.rank} got no samples in a whole epoch from "
-                    f"{len(shards)} shard(s) (first: {shards[0] if shards else 'none'}); all empty or skipped"
-                )
+            samples = self._epoch_samples(virtual, epoch, shard_pos, offset, position)
+            # The buffer drains at the end of each epoch, so an epoch yields each of its samples once.
+            yield from self._shuffled(samples, virtual, [epoch, shard_pos, offset])
             epoch, shard_pos, offset = epoch + 1, 0, 0
             position.update(epoch=epoch, shard=0, offset=0)
+
+    def _epoch_samples(self, virtual: int, epoch: int, shard_pos: int, offset: int, position: dict):
+        """One epoch of this reader's shards from (shard_pos, offset); resampled mode never ends."""
+        shards = None if self.resampled else self._epoch_shards(epoch, virtual)
+        whole_epoch = shard_pos == 0 and offset == 0
+        produced_in_epoch, empty_draws = 0, 0
+        while self.resampled or shard_pos < len(shards):
+            path = self._resampled_shard(virtual, shard_pos) if self.resampled else shards[shard_pos]
+            position.update(epoch=epoch, shard=shard_pos, offset=offset)
+            produced_by_shard = 0
+            for sample in self._checked_samples(path, offset, position):
+                position["offset"] += 1
+                produced_by_shard += 1
+                yield sample
+            produced_in_epoch += produced_by_shard
+            empty_draws = 0 if produced_by_shard else empty_draws + 1
+            if self.resampled and empty_draws > max(100, 3 * len(self.paths)):
+                raise DataError(
+                    f"WebDataset reader {virtual} of rank {self.rank} drew {empty_draws} shards in a row without "
+                    f"a usable sample (last: {path}); the shards are empty or corrupt"
+                )
+            shard_pos, offset = shard_pos + 1, 0
+            position.update(shard=shard_pos, offset=0)
+        if whole_epoch and produced_in_epoch == 0:
+            raise DataError(
+                f"WebDataset reader {virtual} of rank {self.rank} got no samples in a whole epoch from "
+                f"{len(shards)} shard(s) (first: {shards[0] if shards else 'none'}); all empty or skipped"
+            )
 
     def _checked_samples(self, path: str, offset: int, position: dict):
         try:
@@ -158,20 +169,19 @@ class WebDatasetBatches(IterableDataset):
                     )
                 yield tokens
         except Exception as e:
-            problem = e if isinstance(e, DataError) else DataError(f"{path}: corrupt or truncated WebDataset shard ({e.__class__.__name__}: {e})")
+            problem = e if isinstance(e, DataError) else corrupt_shard_error(path, e)
             if self.on_bad_shard != "skip":
                 raise problem from e
             position["skipped"] += 1
             position["last_skipped"] = str(problem)
 
-    def _shuffled(self, samples, virtual: int, start: dict | None):
+    def _shuffled(self, samples, virtual: int, epoch_start: list[int]):
         if self.shuffle_buffer <= 1:
             return samples
         from webdataset.filters import _shuffle
 
-        resume_point = [] if start is None else [start["epoch"], start["shard"], start["offset"]]
-        rng = random.Random(int(np.random.default_rng([self.seed, self.rank, virtual, *resume_point]).integers(2**63)))
-        return _shuffle(samples, bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)
+        seed = int(np.random.default_rng([self.seed, self.rank, virtual, *epoch_start]).integers(2**63))
+        return _shuffle(samples, bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=random.Random(seed))
 
     def __iter__(self):
         import_webdataset()
@@ -184,12 +194,11 @@ class WebDatasetBatches(IterableDataset):
         position = {"epoch": 0, "shard": 0, "offset": 0, "skipped": 0, "last_skipped": ""}
         if start is not None:
             position.update(skipped=start["skipped"], last_skipped=start["last_skipped"])
-        samples = self._shuffled(self._samples(virtual, start, position), virtual, start)
+        samples = self._samples(virtual, start, position)
         T = self.seq_len
         while True:
             rows = [next(samples)[: T + 1] for _ in range(self.batch_size)]
-            batch = torch.from_numpy(np.stack(rows).astype(np.int64))
-            yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), (virtual, dict(position))
+            yield torch.from_numpy(np.stack(rows).astype(np.int64)), (virtual, dict(position))
 
 
 class WebDatasetVal:
@@ -214,19 +223,23 @@ class WebDatasetVal:
                     if index % self.world_size == self.rank:
                         tokens = decode_tokens(sample, path, self.sample_tokens)
                         if tokens.size and int(tokens.max()) >= self.vocab_size:
-                            raise DataError(f"{path}: token id {int(tokens.max())} outside model.vocab_size={self.vocab_size}")
+                            raise DataError(
+                                f"{path}: token id {int(tokens.max())} outside model.vocab_size={self.vocab_size}"
+                            )
                         yield tokens[: self.seq_len + 1]
                     index += 1
             except DataError:
                 raise
             except Exception as e:
-                raise DataError(f"{path}: corrupt or truncated WebDataset shard ({e.__class__.__name__}: {e})") from e
+                raise corrupt_shard_error(path, e) from e
 
     def batches(self, n: int):
+        from data.loader import split_windows
+
         samples = self._rank_samples()
         for _ in range(min(n, self.num_batches)):
-            batch = torch.from_numpy(np.stack([next(samples) for _ in range(self.batch_size)]).astype(np.int64))
-            yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            rows = [next(samples) for _ in range(self.batch_size)]
+            yield split_windows(torch.from_numpy(np.stack(rows).astype(np.int64)))
 
 
 def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, seed: int, rank: int,
@@ -236,7 +249,9 @@ def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: in
     import_webdataset()
     meta = read_meta(cfg.path)
     if meta.format != "webdataset":
-        raise DataError(f"{meta.root} holds a {meta.format} dataset but data.format=webdataset; set data.format={meta.format}")
+        raise DataError(
+            f"{meta.root} holds a {meta.format} dataset but data.format=webdataset; set data.format={meta.format}"
+        )
     if meta.vocab_size > vocab_size:
         raise DataError(
             f"{meta.root}: tokenizer {meta.tokenizer} has {meta.vocab_size} ids but model.vocab_size={vocab_size}; "

@@ -56,7 +56,75 @@ class ParallelConfig:
         validate_nccl_env(self.nccl)
     # --- end communication
 
+    # --- strategies (ddp.py, fsdp.py, zero.py)
+    ddp_bucket_cap_mb: float = doc(
+        25.0, "DDP gradient bucket size in MB: each full bucket is all-reduced while backward goes on"
+    )
+    ddp_gradient_as_bucket_view: bool = doc(
+        True, "DDP: .grad tensors are views into the buckets (saves one gradient-sized copy)"
+    )
+    ddp_static_graph: bool = doc(
+        False, "DDP: the model uses the same parameters every step (lets DDP skip per-step bookkeeping)"
+    )
+    fsdp_reshard_after_forward: bool = doc(
+        True, "FSDP2: free each block's gathered weights after forward and re-gather in backward; "
+        "false keeps them (more memory, one all-gather less per block)"
+    )
+    fsdp_forward_prefetch: int = doc(
+        0, "FSDP2: blocks whose all-gather each block issues ahead in forward (0: none, FSDP2's default)"
+    )
+    fsdp_backward_prefetch: int = doc(
+        1, "FSDP2: blocks whose all-gather each block issues ahead in backward (1: FSDP2's default)"
+    )
+    fsdp_cpu_offload: bool = doc(
+        False, "FSDP2: keep parameter, gradient and optimizer shards in CPU memory (the optimizer steps on CPU)"
+    )
+    fsdp_hybrid: bool = doc(
+        False, "FSDP2 as HSDP: shard within a node, replicate across nodes (2-D mesh nodes x local ranks; "
+        "ranks per node from parallel.local_world_size or LOCAL_WORLD_SIZE)"
+    )
+    init_on_meta: bool = doc(
+        False, "fsdp only: build the model on the meta device, shard it, then allocate and init_weights() "
+        "each shard (no rank ever holds the full model); the random init then differs from a 1-process run"
+    )
+    zero_offload_optimizer: bool = doc(
+        False, "zero1/2/3: keep the fp32 master weights and optimizer state in CPU memory (DeepSpeed offload)"
+    )
+    zero_offload_params: bool = doc(False, "zero3 only: keep parameter partitions in CPU memory (DeepSpeed offload)")
+    zero_cpu_adam: bool = doc(
+        True, "with zero_offload_optimizer: DeepSpeed's vectorized CPU Adam (JIT-compiled on first use, ~1 min); "
+        "false: torch AdamW on the CPU copies (no build, slower steps)"
+    )
+
+    def _validate_strategies(self) -> None:
+        if self.ddp_bucket_cap_mb <= 0:
+            raise ConfigError(f"parallel.ddp_bucket_cap_mb must be > 0, got {self.ddp_bucket_cap_mb}")
+        if self.fsdp_forward_prefetch < 0:
+            raise ConfigError(f"parallel.fsdp_forward_prefetch must be >= 0, got {self.fsdp_forward_prefetch}")
+        if self.fsdp_backward_prefetch < 1:
+            raise ConfigError(
+                f"parallel.fsdp_backward_prefetch must be >= 1 (1 is FSDP2's default), got {self.fsdp_backward_prefetch}"
+            )
+        if self.init_on_meta and self.strategy != "fsdp":
+            raise ConfigError(
+                f"parallel.init_on_meta needs parallel.strategy=fsdp (got {self.strategy}): only sharded "
+                "models are materialized shard by shard"
+            )
+        fsdp_only = [k for k in ("fsdp_cpu_offload", "fsdp_hybrid") if getattr(self, k)]
+        if fsdp_only and self.strategy != "fsdp":
+            raise ConfigError(f"parallel.{fsdp_only[0]} needs parallel.strategy=fsdp (got {self.strategy})")
+        zero_only = [k for k in ("zero_offload_optimizer", "zero_offload_params") if getattr(self, k)]
+        if zero_only and not self.strategy.startswith("zero"):
+            raise ConfigError(f"parallel.{zero_only[0]} needs parallel.strategy=zero1, zero2 or zero3 (got {self.strategy})")
+        if self.zero_offload_params and self.strategy != "zero3":
+            raise ConfigError(
+                f"parallel.zero_offload_params needs parallel.strategy=zero3 (got {self.strategy}): "
+                "only stage 3 partitions parameters"
+            )
+    # --- end strategies
+
     def validate(self) -> None:
         if self.timeout_s < 1:
             raise ConfigError("parallel.timeout_s must be >= 1")
         self._validate_communication()
+        self._validate_strategies()

@@ -27,7 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output dataset directory (created; must be new or empty)")
     p.add_argument("--output", choices=OUTPUTS, default="mmap", help="mmap shards (default) or WebDataset tar shards")
     p.add_argument("--tokenizer", default="byte",
-                   help="byte (default, vocab 256) | tiktoken:<encoding> (must be in the local cache) | hf:<tokenizer.json>")
+                   help="byte (default, vocab 256) | tiktoken:<encoding> (must be in the local cache) | "
+                        "hf:<tokenizer.json>")
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out for validation")
     p.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
     p.add_argument("--text-split", choices=TEXT_SPLITS, default="file",
@@ -65,7 +66,8 @@ def main(argv=None) -> int:
         samples = f"{s.samples:,}" if args.output == "webdataset" else "-"
         print(f"{split:<6} {s.documents:>10,} {s.tokens:>14,} {s.shards:>7} {samples:>10}")
     total = sum(s.tokens for s in summary.values())
-    print(f"wrote {args.out} ({args.output}, tokenizer {args.tokenizer}) in {seconds:.1f} s, {total / max(seconds, 1e-9):,.0f} tokens/s")
+    rate = total / max(seconds, 1e-9)
+    print(f"wrote {args.out} ({args.output}, tokenizer {args.tokenizer}) in {seconds:.1f} s, {rate:,.0f} tokens/s")
     print(f"train with: python train.py --config configs/tiny.yaml --data.format={args.output} --data.path={args.out}")
     return 0
 

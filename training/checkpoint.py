@@ -78,6 +78,7 @@ def save_checkpoint(
     strategy: str,
     barrier: Callable[[], None],
     keep_last: int,
+    extra_meta: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint for ``step`` atomically; every rank calls this."""
     final = root / step_dir_name(step)
@@ -92,7 +93,8 @@ def save_checkpoint(
     torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
     barrier()
     if rank == 0:
-        meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "strategy": strategy}
+        meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "strategy": strategy,
+                **(extra_meta or {})}
         _write_text_atomic(tmp / META, json.dumps(meta, indent=2))
         if final.exists():  # re-saving the same step (e.g. final save right after an interval save)
             shutil.rmtree(final)
@@ -130,7 +132,7 @@ def resolve_resume(spec: str, root: Path) -> Path | None:
     return path
 
 
-def read_meta(path: Path, world_size: int, strategy: str) -> dict[str, Any]:
+def read_meta(path: Path, world_size: int, strategy: str, model: dict[str, Any] | None = None) -> dict[str, Any]:
     meta_path = path / META
     if not path.is_dir():
         raise CheckpointError(f"checkpoint not found: {path} (pass --resume latest or a step_XXXXXXXX directory)")
@@ -152,6 +154,10 @@ def read_meta(path: Path, world_size: int, strategy: str) -> dict[str, Any]:
             f"{path} was saved by {meta.get('world_size')} ranks, this run has {world_size}; per-rank data "
             "positions and RNG states cannot be mapped exactly (start the same number of ranks)"
         )
+    saved_model = meta.get("model")
+    if model is not None and saved_model is not None and saved_model != model:
+        diff = [f"model.{k}: {saved_model.get(k)!r} -> {model.get(k)!r}" for k in model if saved_model.get(k) != model.get(k)]
+        raise CheckpointError(f"{path} does not match the model of this run ({'; '.join(diff[:3])})")
     return meta
 
 

@@ -71,6 +71,8 @@ class TorchEngine:
         self.optimizer = build_adamw(decay_groups(params, cfg.optim.weight_decay), cfg.optim, device)
         self.scaler = torch.amp.GradScaler(device.type, init_scale=cfg.precision.fp16_init_scale) if self.mode == "fp16" else None
         self._grad_params = [p for _, p in params]
+        # Bytes sent per step by a DDP comm hook (parallel/ddp.py); None without one.
+        self.comm_stats = getattr(model, "comm_stats", None)
 
     # ----------------------------------------------------------------- step
 
@@ -140,7 +142,13 @@ class TorchEngine:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        unwrap(self.model).load_state_dict(state["model"])
+        from training.checkpoint import CheckpointError
+
+        try:
+            unwrap(self.model).load_state_dict(state["model"])
+        except RuntimeError as exc:
+            detail = str(exc).strip().splitlines()[-1].strip()[:200]
+            raise CheckpointError(f"checkpoint does not match the model: {detail}") from None
         self.optimizer.load_state_dict(state["optimizer"])
         if self.masters is not None:
             self.masters.load_state_dict(state["masters"])

@@ -1,8 +1,9 @@
 """Triton kernels, one op per file; importing this package does not import Triton.
 
 Use :func:`load_op_modules` rather than importing the op files directly: Triton decides between
-compiling and interpreting (TRITON_INTERPRET=1) when ``@triton.jit`` runs, i.e. when a file is
-first imported, and the loader refuses kernels built for the other setting.
+compiling and interpreting (TRITON_INTERPRET=1) when ``@triton.jit`` runs, i.e. when a file (and
+triton.language itself) is first imported, and the loader refuses kernels built for the other
+setting instead of failing obscurely at the first launch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ def load_op_modules() -> dict[str, ModuleType]:
     common = importlib.import_module("kernels.triton._common")
     modules = {name: importlib.import_module(f"kernels.triton.{name}") for name in OP_MODULES}
     wanted = common.interpreter_active()
+    if common.language_interpreted() != wanted:
+        raise ConfigError(
+            f"triton was first imported with TRITON_INTERPRET {'unset' if wanted else 'set'} and it is now "
+            f"{'set' if wanted else 'unset'}: Triton reads it when triton.language is first imported (import "
+            "torch._dynamo does that), so set TRITON_INTERPRET in the environment before starting Python"
+        )
     if any(module.INTERPRETED != wanted for module in (common, *modules.values())):
         built = "interpreted" if common.INTERPRETED else "compiled"
         raise ConfigError(

@@ -30,6 +30,15 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
+def language_interpreted() -> bool:
+    """Whether triton.language's own jit functions (tl.sum, tl.sigmoid, ...) were built for the
+    interpreter. They are decorated when triton.language is first imported, which ``import
+    torch._dynamo`` already does, so TRITON_INTERPRET must be set before that."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.standard.sum, InterpretedFunction)
+
+
 # Recorded when this file's kernels were decorated, so a later change of the flag is detectable.
 INTERPRETED = interpreter_active()
 
@@ -62,8 +71,9 @@ def block_size(width: int, max_block: int) -> int:
 
 
 def num_warps_for(block: int) -> int:
-    """Enough warps that each thread holds a few elements of a block, never more than 16."""
-    if block >= 8192:
+    """Enough warps that each thread holds at most 8-16 elements of a block, never more than 16
+    (norm backwards at 4096 columns need 185 registers a thread with 8 warps, 104 with 16)."""
+    if block >= 4096:
         return 16
     if block >= 2048:
         return 8

@@ -162,10 +162,10 @@ def unsupported_reason(
     reason = unsupported_tensor_reason(logits=logits)
     if reason:
         return reason
-    if logits.dim() != 2 or targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
-        return f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} are not (N, V) and (N,)"
     if targets.dtype not in (torch.int64, torch.int32):
         return f"targets have dtype {targets.dtype}; the kernel takes class indices (int64/int32)"
+    if logits.dim() != 2 or targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
+        return f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} are not (N, V) and (N,)"
     if targets.device != logits.device:
         return f"targets on {targets.device}, logits on {logits.device}"
     return None

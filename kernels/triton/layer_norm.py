@@ -39,7 +39,7 @@ def _load_params(W, B, cols, mask, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
     else:
-        b = tl.zeros(cols.shape, dtype=tl.float32)
+        b = tl.zeros_like(w)
     return w, b
 
 

@@ -1,0 +1,116 @@
+"""A results table as Markdown plus an optional PNG, and number formatting shared by the tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+NEEDS_GPU = "needs GPU"
+GIB = 2**30
+MIB = 2**20
+
+
+@dataclass
+class Table:
+    """One of the chapter's tables, reproduced: chapter claim | our analytic | measured here."""
+
+    name: str  # file stem under the output directory
+    title: str
+    setup: list[str]  # lines saying at which scale and on which hardware each column was made
+    columns: list[str]
+    rows: list[list[str]]
+    notes: list[str] = field(default_factory=list)  # verdicts: where the chapter is wrong and why
+    plot: Callable[[Path], None] | None = None
+
+    def markdown(self) -> str:
+        lines = [f"# {self.title}", ""]
+        lines += [f"- {line}" for line in self.setup]
+        lines += ["", "| " + " | ".join(self.columns) + " |", "|" + "|".join("---" for _ in self.columns) + "|"]
+        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in self.rows]
+        if self.notes:
+            lines += ["", "**Verdict**", ""]
+            lines += [f"- {note}" for note in self.notes]
+        if self.plot is not None:
+            lines += ["", f"![{self.title}]({self.name}.png)"]
+        return "\n".join(lines) + "\n"
+
+    def write(self, out_dir: Path) -> list[Path]:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written = [out_dir / f"{self.name}.md"]
+        written[0].write_text(self.markdown())
+        if self.plot is not None:
+            png = out_dir / f"{self.name}.png"
+            self.plot(png)
+            written.append(png)
+        return written
+
+
+def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
+    """A matplotlib figure on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height))
+    return fig, axes
+
+
+def save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def gib(nbytes: float) -> str:
+    value = nbytes / GIB
+    if value >= 100:
+        return f"{value:,.0f} GiB"
+    if value >= 1:
+        return f"{value:.1f} GiB"
+    return f"{nbytes / MIB:.1f} MiB"
+
+
+def human_bytes(nbytes: float) -> str:
+    if nbytes >= GIB:
+        return gib(nbytes)
+    if nbytes >= MIB:
+        return f"{nbytes / MIB:.2f} MiB"
+    return f"{nbytes / 1024:.1f} KiB"
+
+
+def sci(value: float) -> str:
+    """A float in the short form a format table wants: 448, 6.1e-05, 3.4e+38."""
+    if value == 0 or 1e-3 <= abs(value) < 1e6:
+        return f"{value:g}"
+    return f"{value:.2g}"
+
+
+def percent(value: float) -> str:
+    return f"{value:.0%}" if abs(value) >= 0.1 else f"{value:.1%}"
+
+
+def ratio(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def text_table(headers: list[str], rows: list[list[str]], numeric: bool = True) -> str:
+    """Aligned plain-text table: first column left-aligned, the rest right-aligned if ``numeric``."""
+    cells = [headers] + rows
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i > 0 and numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+        ).rstrip()
+
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])

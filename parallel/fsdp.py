@@ -1,0 +1,107 @@
+"""FSDP2: shard parameters, gradients and optimizer state over the data-parallel ranks.
+
+``fully_shard`` is applied bottom-up: once per transformer block (one all-gather and one
+reduce-scatter per block, so block i+1's all-gather overlaps block i's compute), then on the
+root, which takes the remaining parameters (embeddings, final norm, LM head). Parameters become
+DTensors sharded on dim 0; the optimizer built afterwards steps only the local shards.
+
+Precision (``MixedPrecisionPolicy``): the sharded fp32 parameters are the master weights;
+FSDP2 casts them to ``param_dtype`` when it gathers them for compute and reduces gradients in
+``reduce_dtype``. So ``bf16_master`` needs no separate fp32 copies under FSDP (and the model must
+stay fp32 when it is wrapped).
+
+Hybrid sharding (HSDP): a 2-D mesh (nodes x local ranks) shards within a node, where
+bandwidth is high, and replicates across nodes, so the slow inter-node links carry one
+gradient all-reduce per step instead of every all-gather and reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from parallel.config import ParallelConfig
+    from parallel.dims import ParallelDims
+
+
+def mixed_precision_policy(mode: str) -> MixedPrecisionPolicy:
+    """Compute dtype for gathered weights and the dtype gradients are reduced in, per precision mode."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mode in ("bf16", "bf16_master"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if mode == "fp16":
+        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    if mode == "fp32":
+        return MixedPrecisionPolicy()
+    raise ValueError(f"precision.mode={mode} is not supported with parallel.strategy=fsdp; use fp32, bf16, "
+                     "bf16_master or fp16")
+
+
+def build_fsdp_mesh(dims: ParallelDims, device_type: str, hybrid: bool) -> DeviceMesh:
+    """1-D mesh over all ranks, or for HSDP a 2-D (replicate=nodes, shard=local ranks) mesh.
+
+    Ranks are node-major (torchrun's numbering), so row n of ``arange(world).view(nodes, local)``
+    is node n: the shard dimension runs inside a node, the replicate dimension across nodes.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not hybrid:
+        return init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (dims.nodes, dims.local_world_size), mesh_dim_names=("replicate", "shard"))
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, precision_mode: str,
+               device: torch.device) -> nn.Module:
+    """Shard ``model`` (a GPT with ``.blocks``) in place; materialize it first if it is on meta."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    common = dict(
+        mesh=mesh,
+        mp_policy=mixed_precision_policy(precision_mode),
+        # Pinned memory needs CUDA; on a CPU run "offload" changes nothing but is still accepted.
+        offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.fsdp_cpu_offload else OffloadPolicy(),
+    )
+    blocks = list(model.blocks)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward, **common)
+    # The root's own parameters (embeddings, LM head) are needed first thing in backward: FSDP2's
+    # default keeps them gathered after forward.
+    fully_shard(model, reshard_after_forward=None if cfg.fsdp_reshard_after_forward else False, **common)
+    set_prefetch(blocks, cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch)
+    if any(p.is_meta for p in model.parameters()):
+        materialize(model, device if not cfg.fsdp_cpu_offload else torch.device("cpu"))
+    return model
+
+
+def set_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:
+    """Explicit prefetch: block i all-gathers the next ``forward`` blocks before its own forward,
+    and in backward the ``backward`` blocks that run after it. 0 forward / 1 backward keep FSDP2's
+    defaults (none in forward; one block ahead in backward, inferred from the forward order)."""
+    if forward > 0:
+        for i, block in enumerate(blocks):
+            ahead = blocks[i + 1 : i + 1 + forward]
+            if ahead:
+                block.set_modules_to_forward_prefetch(ahead)
+    if backward > 1:
+        for i, block in enumerate(blocks):
+            behind = list(reversed(blocks[max(0, i - backward) : i]))
+            if behind:
+                block.set_modules_to_backward_prefetch(behind)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate the local shards of a meta-device model and initialize them.
+
+    Each rank draws only its own shards, so the weights differ from a model built whole from the
+    same seed (the distribution is the same).
+    """
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()

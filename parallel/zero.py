@@ -1,0 +1,219 @@
+"""DeepSpeed ZeRO stages 1-3 behind the same five calls as TorchEngine (the one deepspeed import).
+
+ZeRO partitions what DDP replicates (Rajbhandari et al., 2020): stage 1 the optimizer state
+(with the fp32 master weights), stage 2 also the gradients, stage 3 also the parameters.
+DeepSpeed does the work; this module only translates our config into a DeepSpeed config and
+drives the DeepSpeed engine:
+
+- micro-steps go through ``engine.backward`` and ``engine.step`` once per micro-batch, so
+  DeepSpeed's own gradient-accumulation boundary logic (reduce, then step on the last one)
+  runs as designed; the learning rate of the step is set just before the boundary ``step``;
+- precision: fp32 -> no section; bf16 (autocast, fp32 weights) -> ``torch_autocast``;
+  bf16_master -> ``bf16`` (bf16 weights, fp32 master partitions); fp16 -> ``fp16`` with
+  dynamic loss scaling (fp16 weights, fp32 masters: DeepSpeed's design, not torch AMP);
+- non-finite steps: DeepSpeed checks gradients for inf/NaN and skips the step itself (fp16
+  overflow, and with ``check_grad_overflow`` for bf16); a skipped step is reported as
+  ``StepResult.skipped``;
+- the optimizer is our torch AdamW handed to ``deepspeed.initialize``, which avoids the JIT
+  build of DeepSpeed's fused/CPU Adam. With optimizer offload DeepSpeed wants its vectorized
+  ``DeepSpeedCPUAdam`` (compiled with ninja/g++ on first use, about a minute, cached under
+  TORCH_EXTENSIONS_DIR); ``parallel.zero_cpu_adam=false`` keeps torch AdamW instead;
+- checkpoints: DeepSpeed's ``save_checkpoint``/``load_checkpoint`` into the directory our
+  atomic saver hands over (tag ``deepspeed``; every rank writes its own partitions).
+
+DeepSpeed's ``TorchBackend`` JIT-builds its ``deepspeed_shm_comm`` op (~40 s) on a CPU machine
+the first time it starts; that op only serves ``inference_all_reduce`` (DeepSpeed inference),
+never training, so on CPU we mark it unavailable before DeepSpeed looks for it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from training.engine import StepResult, build_adamw, decay_groups
+from training.errors import CapabilityError
+from training.fields import ConfigError
+
+CHECKPOINT_TAG = "deepspeed"
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+
+
+# --------------------------------------------------------------------------- the DeepSpeed config
+
+
+def deepspeed_config(cfg, world_size: int) -> dict[str, Any]:
+    """Our JobConfig as a DeepSpeed config dict (pure: no DeepSpeed import, unit-testable)."""
+    p, t = cfg.parallel, cfg.train
+    if p.strategy not in ZERO_STAGES:
+        raise ConfigError(f"parallel.strategy={p.strategy} is not a ZeRO stage; choose zero1, zero2 or zero3")
+    bucket = int(p.ddp_bucket_cap_mb * 2**20 / 4)  # DeepSpeed counts bucket sizes in elements
+    zero: dict[str, Any] = {
+        "stage": ZERO_STAGES[p.strategy],
+        "overlap_comm": False,  # on gloo/CPU a side stream buys nothing; GPUs may turn it on
+        "contiguous_gradients": True,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+    }
+    if p.zero_offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if p.zero_offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum_steps,
+        "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": zero,
+        "steps_per_print": 2**31 - 1,  # our logger reports; DeepSpeed's own step prints stay off
+        "wall_clock_breakdown": False,
+    }
+    if p.zero_offload_optimizer and not p.zero_cpu_adam:
+        ds["zero_force_ds_cpu_optimizer"] = False  # lets torch AdamW step the offloaded masters
+    ds.update(_precision_section(cfg.precision))
+    return ds
+
+
+def _precision_section(precision) -> dict[str, Any]:
+    mode = precision.mode
+    if mode == "fp32":
+        return {}
+    if mode == "bf16":
+        return {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    if mode == "bf16_master":
+        return {"bf16": {"enabled": True, "check_grad_overflow": True}}
+    if mode == "fp16":
+        return {"fp16": {"enabled": True, "loss_scale": 0,  # 0: dynamic
+                         "initial_scale_power": int(round(math.log2(precision.fp16_init_scale)))}}
+    raise ConfigError(f"precision.mode={mode} is not supported with DeepSpeed ZeRO; use fp32, bf16, bf16_master or fp16")
+
+
+# --------------------------------------------------------------------------- start-up
+
+
+def import_deepspeed(device: torch.device):
+    """Import DeepSpeed for this device, or fail with the install line."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read once, at DeepSpeed's first import
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise CapabilityError(
+            f"parallel.strategy=zero* needs DeepSpeed ({exc}); pip install 'deepspeed>=0.16' "
+            "or pip install -e .[deepspeed]"
+        ) from None
+    if device.type == "cpu":
+        _skip_shm_comm_build(deepspeed)
+    return deepspeed
+
+
+def _skip_shm_comm_build(deepspeed) -> None:
+    """Tell DeepSpeed its shared-memory inference all-reduce op is unavailable (saves a ~40 s
+    compile on the first CPU run). Training collectives go through torch.distributed either way."""
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+
+
+def build_zero_engine(model: nn.Module, cfg, ctx) -> ZeroEngine:
+    if ctx.backend is None:
+        raise ConfigError(
+            f"parallel.strategy={cfg.parallel.strategy} needs several processes; launch with torchrun "
+            "(e.g. torchrun --nproc_per_node=2 train.py ...) or use parallel.strategy=none"
+        )
+    deepspeed = import_deepspeed(ctx.device)
+    ds_config = deepspeed_config(cfg, ctx.world_size)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = decay_groups(params, cfg.optim.weight_decay)
+    optimizer = _optimizer(groups, cfg, ctx.device, deepspeed)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                           dist_init_required=False)
+    return ZeroEngine(engine, cfg, ctx.device)
+
+
+def _optimizer(groups: list[dict], cfg, device: torch.device, deepspeed) -> torch.optim.Optimizer:
+    o = cfg.optim
+    if cfg.parallel.zero_offload_optimizer and cfg.parallel.zero_cpu_adam:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                                adamw_mode=True)
+    # Fused AdamW cannot step parameters DeepSpeed keeps on another device (offload): off there.
+    fused_ok = not cfg.parallel.zero_offload_optimizer
+    return build_adamw(groups, o if fused_ok else _unfused(o), device)
+
+
+def _unfused(optim_cfg):
+    from dataclasses import replace
+
+    return replace(optim_cfg, fused="off")
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+class ZeroEngine:
+    """TorchEngine's interface over a DeepSpeed engine."""
+
+    comm_stats = None  # DeepSpeed's collectives are not counted (no comm hook)
+
+    def __init__(self, ds_engine, cfg, device: torch.device):
+        self.engine, self.cfg, self.device = ds_engine, cfg, device
+        self.model = ds_engine  # what train.py and tools read as "the model"
+        self.mode = cfg.precision.mode
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, is_last_micro: bool, n_micro: int) -> torch.Tensor:
+        if n_micro != self.engine.gradient_accumulation_steps():
+            raise ValueError(f"{n_micro} micro-batches per step, but DeepSpeed was configured with "
+                             f"{self.engine.gradient_accumulation_steps()} (train.grad_accum_steps)")
+        loss = self.engine(x, y)
+        self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+        if not is_last_micro:
+            self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
+        return loss.detach().float()
+
+    def optimizer_step(self, lr: float, loss: torch.Tensor) -> StepResult:
+        if not self.engine.is_gradient_accumulation_boundary():
+            raise RuntimeError("optimizer_step called before the last micro-batch of the step")
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        self.engine.step()
+        skipped = not self.engine.was_step_applied()
+        norm = self.engine.get_global_grad_norm()
+        grad_norm = torch.tensor(float("nan") if norm is None else float(norm))
+        scale = self._loss_scale()
+        return StepResult(grad_norm=grad_norm, skipped=skipped, loss_scale=scale)
+
+    def _loss_scale(self) -> float | None:
+        if self.mode != "fp16":
+            return None
+        return float(getattr(self.engine.optimizer, "cur_scale", getattr(self.engine.optimizer, "loss_scale", 1.0)))
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.engine(x, y).detach().float()
+
+    def train(self, mode: bool = True) -> None:
+        self.engine.train(mode)
+
+    # ----------------------------------------------------------------- checkpoint
+
+    def save(self, directory: Path, rank: int) -> None:
+        """Collective: every rank writes its partitions into ``directory/deepspeed``."""
+        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state={}, save_latest=False)
+
+    def load(self, directory: Path) -> None:
+        from training.checkpoint import CheckpointError
+
+        if not (Path(directory) / CHECKPOINT_TAG).is_dir():
+            raise CheckpointError(f"no DeepSpeed checkpoint in {directory} (missing {CHECKPOINT_TAG}/); was it "
+                                  "saved with a parallel.strategy=zero* run?")
+        path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load the checkpoint in {directory}/{CHECKPOINT_TAG}")

@@ -1,0 +1,86 @@
+"""Config loading: types, overrides, and one-line errors that name the key and the choices."""
+
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+
+from model.flops import count_parameters
+from model.gpt import GPT
+from training.config import JobConfig, describe_fields, dump_yaml, load_config
+from training.fields import ConfigError
+
+
+def test_overrides_are_typed_and_take_precedence(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  max_steps: 7\noptim:\n  lr: 1.0e-3\n")
+    cfg = load_config(path, ["--train.max_steps=9", "--optim.lr=3e-4", "--model.position=rope"])
+    assert cfg.train.max_steps == 9 and isinstance(cfg.train.max_steps, int)
+    assert cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.model.position == "rope"
+    assert cfg.name == "c"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (["--train.foo=1"], "unknown key train.foo; valid keys in train: max_steps"),
+        (["--precision.mode=fp9"], "precision.mode='fp9' is not valid; choose one of: fp32, bf16, fp16, bf16_master, fp8"),
+        (["--train.max_steps=ten"], "train.max_steps must be an integer, got 'ten'"),
+        (["--model.n_head=3"], "model.n_head=3 must divide model.d_model=128"),
+        (["--precision.mode=fp8"], "precision.mode=fp8 needs model.layers=te"),
+        (["--data.format=mmap"], "data.format=mmap needs data.path"),
+        (["--train.compile=maybe"], "train.compile must be true or false"),
+        (["train.max_steps"], "must look like --section.key=value"),
+    ],
+)
+def test_bad_values_give_one_line_errors(override, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, override)
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_fp8_checks_gemm_dims_divisible_by_16():
+    with pytest.raises(ConfigError, match="divisible by 16; not: model.d_model=72"):
+        load_config(None, ["--model.layers=te", "--precision.mode=fp8", "--model.d_model=72", "--model.n_head=4"])
+
+
+def test_missing_and_invalid_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(listy)
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config("configs/tiny.yaml", ["--train.max_steps=3"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_yaml(cfg))
+    again = load_config(path)
+    again.name = cfg.name
+    assert again == cfg
+
+
+def test_help_lists_every_key_with_help():
+    lines = describe_fields(JobConfig)
+    assert any(line.startswith("--train.max_steps=") for line in lines)
+    assert all("  " in line for line in lines)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
+def test_every_shipped_config_parses_and_builds_on_meta(path):
+    overrides = [] if path.endswith("tiny.yaml") else ["--data.path=unused"]
+    cfg = load_config(path, overrides)
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    assert model.num_parameters() == count_parameters(cfg.model)

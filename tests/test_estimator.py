@@ -1,0 +1,266 @@
+"""The analytic estimator against hand-computed numbers, the built model, and measured saved bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from analysis import estimator as est
+from analysis.hardware import DEVICES, DeviceSpec, lookup_device, peak_tflops_for
+from analysis.measure import count_saved_bytes
+from model.config import ModelConfig
+from model.gpt import GPT
+
+GIB = 2**30
+H100 = DEVICES["H100"]
+
+
+# --------------------------------------------------------------------------- activations (Korthikanti)
+
+
+def test_70b_activation_table_matches_korthikanti_by_hand():
+    cfg = est.preset("70b").model  # h=8192, a=64, L=80, dropout, 4h GELU MLP
+    sbh = 4096 * 4 * 8192  # s*b*h = 2^27
+    # none: s*b*h*(34 + 5*a*s/h) = 2^27 * (34 + 5*64*4096/8192) = 2^27 * 194 bytes per layer
+    assert est.activation_bytes_per_layer(cfg, 4096, 4, "none") == sbh * 194
+    assert est.activation_bytes_per_layer(cfg, 4096, 4, "selective") == sbh * 34
+    assert est.activation_bytes_per_layer(cfg, 4096, 4, "full") == sbh * 2
+    # x 80 layers / 2^30: 2^27*194*80/2^30 = 194*10 = 1940 GiB; 34*10 = 340; 2*10 = 20
+    totals = {p: 80 * est.activation_bytes_per_layer(cfg, 4096, 4, p) / GIB for p in ("none", "selective", "full")}
+    assert totals == {"none": 1940.0, "selective": 340.0, "full": 20.0}
+    for policy in ("none", "selective", "full"):
+        assert est.activation_bytes_per_layer(cfg, 4096, 4, policy) == est.korthikanti_bytes_per_layer(
+            4096, 4, 8192, 64, policy
+        )
+
+
+def test_derived_policies_by_hand():
+    cfg = est.preset("70b").model
+    sbh = 4096 * 4 * 8192
+    # every_k, k=2 over 80 layers: 40 layers keep 2*sbh, 40 keep 194*sbh -> mean 98*sbh per layer
+    assert est.activation_bytes_per_layer(cfg, 4096, 4, "every_k", every_k=2) == sbh * 98
+    # k=3: floor(80/3)=26 checkpointed layers: (26*2 + 54*194)/80 * sbh
+    assert est.activation_bytes_per_layer(cfg, 4096, 4, "every_k", every_k=3) == sbh * (26 * 2 + 54 * 194) / 80
+    assert est.activation_bytes_per_layer(cfg, 4096, 4, "offload") == 0.0
+    # flash attention: the 5*a*s^2*b term becomes a fp32 log-sum-exp, 4*a*s*b bytes
+    flash = est.activation_bytes_per_layer(cfg, 4096, 4, "none", attention="flash")
+    assert flash == sbh * 34 + 4 * 64 * 4096 * 4
+    # op_selective (16-bit): input 1 + qkv 3 + core out 1 + proj 1 + fc 4 + out 1 = 11 h per token,
+    # 2 bytes each = 22*sbh, plus the QK^T bmm output 2*a*s^2*b with materialized scores
+    assert est.activation_bytes_per_layer(cfg, 4096, 4, "op_selective") == sbh * 22 + 2 * 64 * 4096 * 4096 * 4
+
+
+def test_backend_names_map_to_what_they_store():
+    cfg = ModelConfig(n_layer=2, n_head=4, d_model=64, max_seq_len=64)
+    args = (cfg, 64, 2, "none")
+    assert est.activation_bytes_per_layer(*args, attention="reference") == est.activation_bytes_per_layer(
+        *args, attention="materialized"
+    )
+    assert est.activation_bytes_per_layer(*args, attention="sdpa") == est.activation_bytes_per_layer(
+        *args, attention="flash"
+    )
+    with pytest.raises(est.EstimatorError, match="choose one of"):
+        est.activation_bytes_per_layer(*args, attention="xformers")
+
+
+# --------------------------------------------------------------------------- parameters and FLOPs
+
+
+MODEL_VARIANTS = [
+    dict(),
+    dict(mlp="swiglu", norm="rmsnorm", position="rope", bias=False, tie_embeddings=False),
+    dict(mlp="swiglu", bias=True, tie_embeddings=True, d_ff=200),
+    dict(norm="rmsnorm", position="learned", bias=False, vocab_size=1000),
+]
+
+
+@pytest.mark.parametrize("changes", MODEL_VARIANTS)
+def test_parameter_count_equals_built_model(changes):
+    cfg = ModelConfig(n_layer=3, n_head=4, d_model=64, max_seq_len=32, **changes)
+    model = GPT(cfg)
+    assert est.count_parameters(cfg) == model.num_parameters()
+    assert est.matmul_parameters(cfg) == model.num_parameters(include_embeddings=False)
+
+
+@pytest.mark.parametrize("name", est.PRESET_NAMES)
+def test_preset_parameter_counts_equal_meta_model(name):
+    cfg = est.preset(name).model
+    with torch.device("meta"):
+        model = GPT(cfg)
+    assert est.count_parameters(cfg) == model.num_parameters()
+
+
+def test_gpt3_flops_per_token_by_hand():
+    d, L, V, s = 12288, 96, 50257, 2048
+    # per block: qkv 3d^2+3d, proj d^2+d, fc 4d^2+4d, out 4d^2+d, two LayerNorms 4d -> 12d^2 + 13d
+    n_matmul = L * (12 * d * d + 13 * d) + 2 * d + V * d  # + final norm + tied LM head
+    cfg = est.preset("gpt3-175b").model
+    assert est.matmul_parameters(cfg) == n_matmul
+    assert est.flops_per_token(cfg, s) == 6 * n_matmul + 12 * L * d * s
+
+
+# --------------------------------------------------------------------------- model states and comm
+
+PSI = 6_738_415_616  # Llama-2-7B
+
+
+def test_model_states_follow_the_zero_paper():
+    n = 8
+    by_strategy = {s: est.model_state_bytes(PSI, s, n, "bf16_master").total for s in est.STRATEGIES[1:]}
+    assert by_strategy["ddp"] == 16 * PSI  # 2 + 2 + 12
+    assert by_strategy["zero1"] == 4 * PSI + 12 * PSI / n
+    assert by_strategy["zero2"] == 2 * PSI + 14 * PSI / n
+    assert by_strategy["zero3"] == by_strategy["fsdp"] == 16 * PSI / n
+    # fp32 (and autocast) keeps 4-byte weights and grads: ZeRO-1 shards only the 8-byte Adam moments
+    assert est.model_state_bytes(PSI, "zero1", n, "fp32").total == 8 * PSI + 8 * PSI / n
+    assert est.model_state_bytes(PSI, "zero1", n, "bf16").total == 8 * PSI + 8 * PSI / n
+
+
+def test_comm_volume_ddp_2psi_zero3_3psi():
+    n = 64
+    ddp = est.comm_volume(PSI, "ddp", n, "bf16_master").sent_per_gpu
+    zero2 = est.comm_volume(PSI, "zero2", n, "bf16_master").sent_per_gpu
+    fsdp = est.comm_volume(PSI, "fsdp", n, "bf16_master").sent_per_gpu
+    assert ddp == pytest.approx(2 * (n - 1) / n * 2 * PSI)  # all-reduce of 2-byte gradients
+    assert zero2 == pytest.approx(ddp)
+    assert fsdp == pytest.approx(3 * (n - 1) / n * 2 * PSI)
+    assert est.comm_volume(PSI, "none", 1, "fp32").sent_per_gpu == 0
+
+
+def test_collective_seconds_two_level_by_hand():
+    # 64 GPUs = 8 nodes x 8; 1e9 bytes; NVLink 450 GB/s one way, NIC 50 GB/s, both at 0.8
+    t = est.collective_seconds(1e9, 64, H100, 0.8)
+    assert t == pytest.approx(7 / 8 * 1e9 / 360e9 + 7 / 8 * 1e9 / 8 / 40e9)
+    assert est.collective_seconds(1e9, 8, H100, 0.8) == pytest.approx(7 / 8 * 1e9 / 360e9)
+    assert est.collective_seconds(1e9, 1, H100, 0.8) == 0.0
+
+
+def test_compute_time_and_mfu_by_hand():
+    cfg = est.preset("llama2-7b").model
+    job = est.JobSpec(cfg, 4096, 1, 1, "none", "none", "bf16_master", H100)
+    result = est.estimate(job)
+    tokens = 4096
+    assert result.time.compute_s == pytest.approx(tokens * est.flops_per_token(cfg, 4096) / (989e12 * 0.5))
+    # MFU = model FLOPs / (step time * peak); compute alone would give exactly 0.5
+    expected = tokens * est.flops_per_token(cfg, 4096) / (result.time.step_s * 989e12)
+    assert result.time.mfu == pytest.approx(expected)
+    assert 0.4 < result.time.mfu < 0.5  # the optimizer step (memory-bound) costs a little
+    full = est.estimate(dataclasses.replace(job, policy="full"))
+    # full recompute adds one forward of every block: ~1/3 more compute
+    assert full.time.compute_s / result.time.compute_s == pytest.approx(
+        1 + est.recompute_flops_per_token(cfg, 4096, "full") / est.flops_per_token(cfg, 4096)
+    )
+
+
+# --------------------------------------------------------------------------- fit verdicts and planning
+
+
+def test_gpt3_175b_does_not_fit_on_8_h100():
+    p = est.preset("gpt3-175b")
+    verdict = est.fit_verdict(p.model, 2048, 1, 8, "fsdp", "full", "bf16_master", "NVIDIA H100 80GB HBM3")
+    assert verdict.startswith("fit: NO")
+    assert "nothing fits on 8 GPUs" in verdict
+    assert len(verdict.splitlines()) == 2
+    # 16 bytes/param over 8 GPUs alone is ~325 GiB
+    assert est.estimate(est.JobSpec(p.model, 2048, 1, 8, "fsdp", "full", "bf16_master", H100)).memory.states > 300 * GIB
+    assert est.plan_fits(p.model, 2048, 8, H100) == []
+
+
+def test_llama_7b_fits_and_ddp_does_not():
+    p = est.preset("llama2-7b")
+    assert est.fit_verdict(p.model, 4096, 1, 8, "fsdp", "none", "bf16_master", "H100").startswith("fit: yes")
+    ddp = est.fit_verdict(p.model, 4096, 1, 8, "ddp", "none", "bf16_master", "H100")
+    assert ddp.startswith("fit: NO") and "cheapest that fits: strategy=" in ddp
+
+
+def test_fit_verdict_without_device_figures_and_with_bad_input():
+    cfg = ModelConfig()
+    assert "no memory figures for device 'cpu'" in est.fit_verdict(cfg, 256, 8, 1, "none", "none", "fp32", "cpu")
+    bad = est.fit_verdict(cfg, 256, 8, 4, "none", "none", "fp32", "H100")
+    assert bad.startswith("fit check skipped") and "needs ddp" in bad
+    assert "FP8" in est.fit_verdict(cfg, 256, 8, 1, "none", "none", "fp8", "NVIDIA A100-SXM4-80GB")
+
+
+def test_planner_orders_cheapest_first_and_only_lists_fits():
+    p = est.preset("70b")  # materialized scores: per layer at b=1, selective alone is 34*4096*8192 bytes
+    plans = est.plan_fits(p.model, 4096, 64, H100, top=None)
+    assert plans, "the 70B model must fit on 64 H100s with full recompute"
+    assert all(plan.fits and plan.memory.total <= 80 * GIB for plan in plans)
+    costs = [plan.time.seconds_per_token for plan in plans]
+    assert costs == sorted(costs)
+    # selective keeps 34*s*b*h*80 = 85 GiB even at b=1, so only full recompute fits
+    assert {plan.job.policy for plan in plans} == {"full"}
+    # more GPUs never remove options
+    more = est.plan_fits(p.model, 4096, 256, H100, top=None)
+    assert len(more) >= len(plans)
+    # without stored scores, every_k (40 layers x 34*s*h bytes = 42.5 GiB at b=1) fits as well
+    flash = est.plan_fits(dataclasses.replace(p.model, attention="sdpa"), 4096, 64, H100, top=None)
+    assert {"full", "every_k"} <= {plan.job.policy for plan in flash}
+
+
+def test_planner_prefers_less_recompute_when_memory_allows():
+    cfg = est.preset("llama2-7b").model
+    best = est.plan_fits(cfg, 4096, 8, H100, top=1)[0]
+    assert best.job.policy == "none" and best.job.strategy == "fsdp"
+
+
+def test_bad_choices_are_one_line_errors():
+    cfg = ModelConfig()
+    with pytest.raises(est.EstimatorError, match="strategy='zero4'.*choose one of"):
+        est.JobSpec(cfg, 128, 1, 2, "zero4")
+    with pytest.raises(est.EstimatorError, match="unknown preset"):
+        est.preset("gpt5")
+
+
+# --------------------------------------------------------------------------- hardware table compatibility
+
+
+def test_hardware_table_keeps_its_original_interface():
+    legacy = DeviceSpec("X", 1.0, None, 0.5, 16.0, 1.0, 100.0, 10.0)  # the original eight fields
+    assert legacy.fp16_tflops == 1.0 and legacy.nvlink_one_way_gb_s == 50.0
+    assert lookup_device("NVIDIA H100 80GB HBM3") is H100
+    assert peak_tflops_for("NVIDIA H100 80GB HBM3", "bf16")[0] == 989.0
+    assert peak_tflops_for("NVIDIA A100-SXM4-80GB", "fp32")[0] == 156.0
+    assert est.resolve_device("h200") is DEVICES["H200"] and est.resolve_device("cpu") is None
+
+
+# --------------------------------------------------------------------------- our model's exact saved bytes
+
+
+SAVED_CASES = [
+    (dict(), "sdpa", torch.float32),
+    (dict(), "reference", torch.float32),
+    (dict(mlp="swiglu", norm="rmsnorm", position="rope", bias=False), "sdpa", torch.bfloat16),
+    (dict(dropout=0.1), "reference", torch.bfloat16),
+    (dict(dropout=0.1, position="rope"), "sdpa", torch.float32),  # CPU: SDPA falls back to the math path
+]
+
+
+@pytest.mark.parametrize("changes,backend,dtype", SAVED_CASES)
+def test_saved_bytes_per_layer_matches_saved_tensor_hooks(changes, backend, dtype):
+    cfg = ModelConfig(n_layer=1, n_head=4, d_model=64, max_seq_len=64, **changes)
+    torch.manual_seed(0)
+    model = GPT(cfg, attention_backend=backend).to(dtype).train()
+    x = torch.randn(2, 64, 64, dtype=dtype, requires_grad=True)
+    rope = (model.rope_cos, model.rope_sin) if cfg.position == "rope" else None
+    with count_saved_bytes(list(model.parameters()) + list(model.buffers())) as counted:
+        model.blocks[0](x, rope)
+    analytic = est.saved_bytes_per_layer(cfg, 64, 2, "none", dtype.itemsize, attention=backend)
+    # the only bytes left out are fp32 casts of norm weights in 16-bit models (d floats each)
+    assert analytic == pytest.approx(counted["bytes"], rel=0.01)
+
+
+def test_every_policy_matches_bench_memory_within_15_percent():
+    bench = pytest.importorskip("tools.bench_memory", reason="tools/bench_memory.py (measurement tool) not present")
+    cfg = ModelConfig(n_layer=2, n_head=4, d_model=64, max_seq_len=32)
+    for backend in ("reference", "sdpa"):
+        for policy in est.POLICIES:
+            row = bench.measure_saved_bytes(cfg, policy, 32, 2, backend, torch.float32, "cpu")
+            measured = row["offloaded_bytes"] / cfg.n_layer if policy == "offload" else row["per_layer_bytes"]
+            exact = est.saved_bytes_per_layer(cfg, 32, 2, policy, 4, attention=backend)
+            assert exact == pytest.approx(measured, rel=0.15), (backend, policy)
+            if policy != "offload":  # Korthikanti's form counts device bytes only
+                korthikanti = est.activation_bytes_per_layer(cfg, 32, 2, policy, 4, attention=backend)
+                assert korthikanti == pytest.approx(measured, rel=0.15), (backend, policy)

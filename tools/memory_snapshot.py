@@ -1,0 +1,151 @@
+"""A memory snapshot of a few training steps of a config: who allocated what, and when.
+
+    python tools/memory_snapshot.py --config configs/tiny.yaml --out runs/tiny/profile
+    python tools/memory_snapshot.py --config configs/gpt2-124m.yaml --model.checkpointing=full
+
+It builds the model and optimizer exactly as ``train.py`` does in one process (its
+``build_model`` and the trainer's engine: same kernels, attention backend, precision mode and
+checkpointing policy), runs ``--steps`` steps on random tokens of the configured shape, then:
+
+- on CUDA records the caching allocator's history (``torch.cuda.memory._record_memory_history``)
+  and dumps ``memory_snapshot.pickle``: drag it into https://pytorch.org/memory_viz (the page
+  runs locally in the browser), or render it offline with
+  ``python -m torch.cuda._memory_viz trace_plot memory_snapshot.pickle -o memory.html``;
+- on CPU, where the allocator keeps no history, profiles the steps with ``profile_memory=True``,
+  prints the ops that allocated most and writes ``memory_trace_cpu.json`` (a chrome trace whose
+  memory events ``tools/trace_summary.py`` and Perfetto read).
+
+Data parallelism, data loading and multi-GPU sharding are not part of this picture; profile
+``train.py`` itself for those (docs/profiling.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MIB = 2**20
+HISTORY_ENTRIES = 100_000  # alloc/free events kept; several KB each, so the pickle stays ~100s of MB at most
+
+
+class SnapshotError(ValueError):
+    """The config cannot be snapshotted in one process; the message says which key to change."""
+
+
+def build_training_step(cfg, device: torch.device):
+    """(one_step, describe) for the trainer's model and engine on ``device``, in one process."""
+    from parallel.parallelize import apply_activation_checkpointing
+    from train import build_model
+    from training.engine import TorchEngine
+
+    if cfg.parallel.strategy != "none":
+        raise SnapshotError(
+            f"parallel.strategy={cfg.parallel.strategy} needs several processes; snapshot one process with "
+            "--parallel.strategy=none, or profile train.py under torchrun (docs/profiling.md)"
+        )
+    if cfg.train.compile:
+        raise SnapshotError("train.compile=true: snapshot the eager model (--train.compile=false); compiled "
+                            "graphs allocate differently, profile train.py for them")
+    model, notes = build_model(cfg, device)
+    if any(p.is_meta for p in model.parameters()):
+        raise SnapshotError("parallel.init_on_meta=true leaves the model unallocated; pass --parallel.init_on_meta=false")
+    apply_activation_checkpointing(model, cfg.model.checkpointing, cfg.model.checkpoint_every_k)
+    engine = TorchEngine(model, cfg, device, world_size=1)
+    engine.train(True)
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.seq_len + 1), generator=gen)
+    x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+    def one_step() -> None:
+        loss = engine.forward_backward(x, y, is_last_micro=True, n_micro=1)
+        engine.optimizer_step(cfg.optim.lr, loss)
+
+    return one_step, notes
+
+
+def snapshot_cuda(one_step, steps: int, out: Path, device: torch.device) -> Path:
+    """Run ``steps`` steps with the allocator's history on and dump it; returns the pickle's path."""
+    path = out / "memory_snapshot.pickle"
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+    try:
+        for _ in range(steps):
+            one_step()
+        torch.cuda.synchronize(device)
+        torch.cuda.memory._dump_snapshot(str(path))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    print(f"peak allocated {torch.cuda.max_memory_allocated(device) / MIB:.1f} MiB, "
+          f"peak reserved {torch.cuda.max_memory_reserved(device) / MIB:.1f} MiB")
+    print(f"wrote {path}: open it at https://pytorch.org/memory_viz, or "
+          f"python -m torch.cuda._memory_viz trace_plot {path} -o {out / 'memory.html'}")
+    return path
+
+
+def snapshot_cpu(one_step, steps: int, out: Path, top: int) -> Path:
+    """Profile ``steps`` steps with memory events; print the top allocators; returns the trace's path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    path = out / "memory_trace_cpu.json"
+    one_step()  # first step allocates the optimizer state: keep it out of the per-step picture
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+        for _ in range(steps):
+            one_step()
+    print(prof.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=top))
+    prof.export_chrome_trace(str(path))
+    print(f"wrote {path}: python tools/trace_summary.py {path}, or open it in https://ui.perfetto.dev")
+    return path
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        description="Memory snapshot of a few training steps of a config (CUDA: allocator history for "
+        "pytorch.org/memory_viz; CPU: profiler memory events). Config keys can be overridden as "
+        "--section.key=value, as with train.py.",
+    )
+    parser.add_argument("--config", required=True, help="YAML job config, e.g. configs/tiny.yaml")
+    parser.add_argument("--steps", type=int, default=3, help="training steps recorded")
+    parser.add_argument("--out", type=Path, help="output folder (default: <run_dir>/profile)")
+    parser.add_argument("--top", type=int, default=15, help="CPU: rows of the top-allocating ops table")
+    args, rest = parser.parse_known_args(argv)
+    bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
+    if bad:
+        parser.error(f"unrecognized argument {bad[0]!r}; config overrides look like --section.key=value")
+    return args, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    from training.config import load_config
+
+    try:
+        cfg = load_config(args.config, overrides)
+        if args.steps < 1:
+            raise SnapshotError("--steps must be >= 1")
+        want = cfg.train.device
+        device = torch.device("cuda" if (want == "cuda" or (want == "auto" and torch.cuda.is_available())) else "cpu")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise SnapshotError("train.device=cuda but no CUDA device is visible; use --train.device=cpu")
+        one_step, notes = build_training_step(cfg, device)
+    except ValueError as exc:  # ConfigError, SnapshotError, CapabilityError, CheckpointError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or Path(cfg.logging.run_dir.format(name=cfg.name)) / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{cfg.name}: {', '.join(notes)}; checkpointing={cfg.model.checkpointing}, precision={cfg.precision.mode}, "
+          f"micro_batch={cfg.train.micro_batch_size}, seq_len={cfg.seq_len}, {device}")
+    if device.type == "cuda":
+        snapshot_cuda(one_step, args.steps, out, device)
+    else:
+        snapshot_cpu(one_step, args.steps, out, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Regenerate the chapter's tables: chapter's claim | our analytic figure at its scale | measured here.
+
+Writes one Markdown file and one PNG per table into --out (default docs/results), plus an index
+(README.md). Analytic columns come from analysis/estimator.py; "measured here" runs small
+side-by-side measurements on this machine and names it. Cells that need a GPU say so; a run on
+a CUDA machine measures them and saves gpu_measurements.json (with date and hardware) in --out,
+which later CPU runs read back to fill those cells.
+
+Examples:
+  python tools/reproduce.py                      # all tables, measurements at a small CPU scale
+  python tools/reproduce.py --quick --out /tmp/r  # the CI path: tiny measurements, seconds
+  python tools/reproduce.py --no-measure          # analytic columns only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from analysis import measure  # noqa: E402
+from analysis.chapter_tables import Measured, build_tables  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+
+GPU_RESULTS = "gpu_measurements.json"
+DATA_FORMATS_MEASURED = "data_formats_measured.md"  # written by tools/bench_data.py
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("docs/results"), help="output directory (default docs/results)")
+    parser.add_argument("--quick", action="store_true", help="tiny measurements (CI): every table in seconds")
+    parser.add_argument("--no-measure", action="store_true", help="skip measurements; analytic columns only")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where to measure; auto: cuda when available")
+    parser.add_argument("--threads", type=int,
+                        help="CPU threads for the measurements (default: 1 with --quick, else torch's default); "
+                        "one thread is steadier on a shared machine")
+    parser.add_argument("--gpu-results", type=Path,
+                        help=f"GPU measurements to fill 'needs GPU' cells (default: <out>/{GPU_RESULTS} if present)")
+    return parser.parse_args(argv)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: no CUDA device is visible here; use --device cpu")
+    return torch.device(name)
+
+
+def run_measurements(device: torch.device, quick: bool) -> dict:
+    """Everything 'measured here' for this device, as JSON-ready dicts."""
+    cfg, seq_len, micro_batch = measure.measurement_model(quick, device.type)
+    rounds = 2 if quick else 5
+    attention_shape = (1, 4, 256, 32) if quick else (2, 8, 1024, 64)
+    if device.type == "cuda" and not quick:
+        attention_shape = (4, 16, 4096, 128)  # the chapter's d_head, a length the reference still fits
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    results = {
+        "precision": measure.measure_precision_modes(cfg, seq_len, micro_batch, device, rounds),
+        "attention": measure.measure_attention(*attention_shape, device, dtype, rounds),
+    }
+    recompute = measure.measure_recompute(cfg, seq_len, micro_batch, device, steps=1 if quick else 3)
+    if recompute is not None:
+        recompute["model"] = dataclasses.asdict(cfg)
+        recompute["device"] = device.type
+        results["recompute"] = recompute
+    return results
+
+
+def load_gpu_results(path: Path | None) -> dict:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"error: {path} is not valid JSON ({exc}); delete it or rerun on a GPU") from None
+
+
+def assemble(measurements: dict, device: torch.device, gpu_results: dict, out: Path) -> Measured:
+    recompute = measurements.get("recompute")
+    if recompute is not None:
+        recompute = {**recompute, "model_cfg": ModelConfig(**recompute["model"])}
+    gpu = measurements if device.type == "cuda" else gpu_results
+    data_md = out / DATA_FORMATS_MEASURED
+    return Measured(
+        formats=measure.measure_formats(),
+        precision=measurements.get("precision"),
+        attention=measurements.get("attention"),
+        recompute=recompute,
+        gpu=gpu,
+        data_formats_md=data_md.read_text() if data_md.is_file() else None,
+    )
+
+
+def write_index(tables, out: Path, device_line: str) -> Path:
+    lines = [
+        "# The chapter's tables, reproduced",
+        "",
+        "Generated by `python tools/reproduce.py`. Each table has three columns: the chapter's claim, our "
+        "analytic figure at the chapter's scale (analysis/estimator.py), and what was measured here (scale "
+        f"and hardware named in the table). {device_line}",
+        "",
+    ]
+    lines += [f"- [{t.title}]({t.name}.md)" for t in tables]
+    path = out / "README.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    threads = args.threads or (1 if args.quick else None)
+    if threads is not None:
+        if threads < 1:
+            raise SystemExit("error: --threads must be >= 1")
+        torch.set_num_threads(threads)
+    start = time.perf_counter()
+    measurements = {} if args.no_measure else run_measurements(device, args.quick)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if measurements and not args.quick:  # --quick reuses an earlier result if there is one
+        data_md = args.out / DATA_FORMATS_MEASURED
+        measure.run_data_benchmark(data_md, data_md.with_suffix(".png"))
+    if device.type == "cuda" and measurements:
+        (args.out / GPU_RESULTS).write_text(json.dumps(measurements, indent=1, default=str))
+    gpu_results = load_gpu_results(args.gpu_results or args.out / GPU_RESULTS)
+    measured = assemble(measurements, device, gpu_results, args.out)
+    tables = build_tables(measured)
+    where = measure.hardware_name(device) if measurements else "no measurements (--no-measure)"
+    written = []
+    for table in tables:
+        written += table.write(args.out)
+    written.append(write_index(tables, args.out, f"Measured on: {where}."))
+    print(f"{'table':<22} {'rows':>4}  files")
+    for table in tables:
+        files = ", ".join(p.name for p in written if p.stem == table.name)
+        print(f"{table.name:<22} {len(table.rows):>4}  {files}")
+    print(f"wrote {len(written)} files to {args.out} in {time.perf_counter() - start:.1f} s (measured on {where})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
