@@ -24,6 +24,7 @@ from data.loader import build_data
 from data.prefetch import DevicePrefetcher
 from kernels.registry import resolve_kernel_ops
 from model.attention import select_attention
+from model.checkpointing import describe_checkpointing
 from model.flops import FLOPS_CONVENTION, count_parameters, flops_per_token
 from model.gpt import GPT
 from parallel.parallelize import apply_activation_checkpointing, apply_compile, apply_data_parallel
@@ -148,8 +149,15 @@ def profiler_context(cfg: JobConfig, run_dir: Path, ctx: DistContext):
         path = out / f"trace_rank{ctx.rank}_step{prof.step_num}.json"
         prof.export_chrome_trace(str(path))
         print(f"{ctx.tag}profiler: wrote {path}", flush=True)
+        if ctx.device.type == "cuda":
+            snapshot = out / f"memory_rank{ctx.rank}.pickle"
+            torch.cuda.memory._dump_snapshot(str(snapshot))  # open at pytorch.org/memory_viz
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print(f"{ctx.tag}profiler: wrote {snapshot}", flush=True)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    if ctx.device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
     t = cfg.train
     return profile(
         activities=activities,
@@ -256,6 +264,7 @@ def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> i
     for line in notes + describe_model(cfg, seq_len):
         log.info(line)
     engine = build_engine(model, cfg, ctx)
+    log.info(describe_checkpointing(model))
     data = build_data(cfg.data, seq_len=seq_len, micro_batch_size=t.micro_batch_size, seed=t.seed, rank=ctx.rank,
                       world_size=ctx.world_size, vocab_size=cfg.model.vocab_size)
     log.info(data.description)

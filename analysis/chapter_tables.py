@@ -597,87 +597,85 @@ def _bench_data_setup(markdown: str) -> str:
 
 # --------------------------------------------------------------------------- 8.3 communication
 
+# analysis/comm_model.py's stated latency assumptions (the chapter gives none).
+NVLINK_STEP_US, NETWORK_STEP_US = 1.0, 5.0
+BUCKET_BYTES = 25e6  # one DDP bucket (PyTorch's default bucket_cap_mb=25)
 
-def _two_level(nbytes: float, world: int, local: int, nvlink: float, nic: float) -> dict[str, float]:
-    """Seconds and per-GPU inter-node bytes of three all-reduce schemes of one nbytes tensor."""
-    nodes = world // local
-    intra_rs = (local - 1) / local * nbytes / nvlink
-    return {
-        # One ring through all GPUs: 2(N-1) steps, each edge carries 2(N-1)/N*M; a node boundary is a NIC.
-        "flat_ring_s": 2 * (world - 1) / world * nbytes / nic,
-        "flat_ring_steps": 2 * (world - 1),
-        "flat_ring_inter_bytes": 2 * (world - 1) / world * nbytes,
-        # The chapter's leader scheme: node all-reduce, leaders all-reduce through one NIC, broadcast.
-        "leader_s": 2 * intra_rs + 2 * (nodes - 1) / nodes * nbytes / nic + nbytes / nvlink,
-        "leader_inter_bytes": 2 * (nodes - 1) / nodes * nbytes,
-        # Correct two-level: reduce-scatter in node, all-reduce of each 1/L shard across nodes on all NICs, all-gather.
-        "two_level_s": 2 * intra_rs + 2 * (nodes - 1) / nodes * nbytes / local / nic,
-        "two_level_steps": 2 * (local - 1) + 2 * (nodes - 1),
-        "two_level_inter_bytes": 2 * (nodes - 1) / nodes * nbytes / local,
-    }
+
+def _topology(nodes: int, gpus_per_node: int = 8):
+    from analysis import comm_model as cm
+
+    h100, eff = DEVICES["H100"], est.Assumptions().link_fraction
+    return cm.Topology(
+        gpus_per_node, nodes, h100.nvlink_one_way_gb_s * eff, h100.network_gb_s * eff, NVLINK_STEP_US, NETWORK_STEP_US
+    )
 
 
 def communication_table(measured: Measured) -> Table:
+    from analysis import comm_model as cm
+
     h100 = DEVICES["H100"]
-    world, local = 64, h100.gpus_per_node
-    eff = est.Assumptions().link_fraction
-    nvlink, nic = h100.nvlink_one_way_gb_s * 1e9 * eff, h100.network_gb_s * 1e9 * eff
-    llama = est.preset("llama2-7b")
-    grads = 2 * est.count_parameters(llama.model)  # bf16 gradients
-    m = _two_level(grads, world, local, nvlink, nic)
-    chapter_nic = _two_level(grads, world, local, nvlink, 100e9 * eff)
-    comm_model = measured.gpu.get("comm")  # filled by a cluster run; none exists yet
-    rows = [
-        ["flat ring, 64 GPUs", "'63 steps to go round the ring'",
-         f"{m['flat_ring_steps']} steps (reduce-scatter + all-gather); {human_bytes(m['flat_ring_inter_bytes'])} per GPU "
-         f"per step; one ring through one NIC per node boundary: {m['flat_ring_s'] * 1e3:.0f} ms",
-         "needs a multi-node GPU cluster"],
-        ["hierarchical, leaders only (chapter's code)", "intra-node NVLink 900 GB/s, inter-node IB 100 GB/s",
-         f"all {human_bytes(m['leader_inter_bytes'])} through one NIC per node: {m['leader_s'] * 1e3:.0f} ms "
-         f"({chapter_nic['leader_s'] * 1e3:.0f} ms at the chapter's 100 GB/s)",
-         "needs a multi-node GPU cluster"],
-        ["two-level (reduce-scatter, all-reduce per local rank, all-gather)", "—",
-         f"{m['two_level_steps']} steps; {human_bytes(m['two_level_inter_bytes'])} per NIC, all 8 NICs busy: "
-         f"{m['two_level_s'] * 1e3:.0f} ms",
-         "equal to flat all-reduce on gloo, 2 nodes × 2 ranks (tests/test_comm.py); time " + NEEDS_GPU],
-    ]
+    top = _topology(nodes=8)
+    grads = 2 * est.count_parameters(est.preset("llama2-7b").model)  # bf16 gradients
+    bucket = {c.algorithm: c for c in cm.all_algorithms(top, BUCKET_BYTES)}
+    rows = []
+    claims = {
+        "flat ring": "'63 steps to go round the ring'",
+        "leader-based (chapter)": "intra-node NVLink 900 GB/s, inter-node IB 100 GB/s, leaders only",
+    }
+    for cost in cm.all_algorithms(top, grads):
+        small = bucket[cost.algorithm]
+        rows.append([
+            cost.algorithm,
+            claims.get(cost.algorithm, "—"),
+            f"{cost.steps} steps; {human_bytes(cost.inter_bytes_per_gpu)} per busy NIC ({cost.nics_per_node} of "
+            f"{top.gpus_per_node} per node); 7B grads {cost.total_s * 1e3:.0f} ms; 25 MB bucket "
+            f"{small.total_s * 1e3:.2f} ms (latency {small.latency_s * 1e3:.2f} ms)",
+            "checked equal to a flat all-reduce on gloo, 2 nodes × 2 ranks (tests/test_comm.py); time needs a multi-node "
+            "GPU cluster" if cost.algorithm.startswith("two-level") else "needs a multi-node GPU cluster",
+        ])
     notes = [
-        f"Setup: Llama-2-7B bf16 gradients ({human_bytes(grads)}) all-reduced over 8 nodes × 8 H100; NVLink "
-        f"{h100.nvlink_one_way_gb_s:g} GB/s one way (the '900 GB/s' is the bidirectional total), one "
-        f"{h100.network_gb_s:g} GB/s NIC per GPU, both at {eff:.0%} of peak; latency ignored.",
+        f"Setup: all-reduce of Llama-2-7B bf16 gradients ({human_bytes(grads)}) and of one 25 MB DDP bucket over "
+        f"8 nodes × 8 H100: NVLink {h100.nvlink_one_way_gb_s:g} GB/s one way (the '900 GB/s' is the bidirectional "
+        f"total), one {h100.network_gb_s:g} GB/s NDR NIC per GPU (the chapter draws 100 GB/s), both at 80% of peak; "
+        f"{NVLINK_STEP_US:g} µs per NVLink step and {NETWORK_STEP_US:g} µs per network step (assumed). Model: "
+        "analysis/comm_model.py (alpha-beta), also as tools/comm_model.py.",
         "A flat ring over 64 GPUs takes 2·63 = 126 steps (reduce-scatter then all-gather), not 63; its bandwidth "
-        "term barely grows with N, only its latency term does.",
-        "The chapter's leader-only scheme is the slowest: it pushes the whole tensor through one NIC per node while "
-        "seven sit idle. NCCL is already topology-aware (its rings and trees use every NIC), and the NCCL_*_CONNECTIVITY "
-        "variables the chapter sets do not exist.",
-        "Hook: analysis/comm_model.py (another helper) will provide the full flat-vs-hierarchical model; until then "
-        "this table uses the bandwidth terms above." if comm_model is None else "GPU cluster figures: " + str(comm_model),
+        "term barely grows with the GPU count, only its latency term does.",
+        "The chapter's leader-only scheme pushes the whole tensor through one NIC per node while seven sit idle; "
+        "the correct two-level algorithm (parallel/comm.py) keeps all eight busy. NCCL is already topology-aware "
+        "(its rings use every NIC, the 'xL' row), and the NCCL_*_CONNECTIVITY variables the chapter sets do not exist.",
     ]
     return Table(
         name="communication",
         title="8.3 Communication: flat vs hierarchical all-reduce (64 GPUs = 8 nodes × 8)",
         setup=[
             "chapter: the 8.3 diagram and hierarchical_all_reduce code",
-            "analytic: bandwidth model of one all-reduce of 7B bf16 gradients on 8× DGX H100",
+            "analytic: alpha-beta model of one all-reduce on 8× DGX H100 (analysis/comm_model.py)",
             "measured here: correctness on gloo (CPU); bandwidth needs a multi-node GPU cluster",
         ],
         columns=["scheme", "chapter's claim", "analytic at the chapter's scale", "measured here"],
         rows=rows,
         notes=notes,
-        plot=lambda path: _plot_comm(grads, local, nvlink, nic, path),
+        plot=lambda path: _plot_comm(grads, path),
     )
 
 
-def _plot_comm(nbytes: float, local: int, nvlink: float, nic: float, path: Path) -> None:
-    fig, ax = new_figure(width=6)
-    worlds = [16, 32, 64, 128, 256, 512]
-    for key, label in (("flat_ring_s", "single flat ring"), ("leader_s", "leaders only (chapter)"),
-                       ("two_level_s", "two-level, all NICs")):
-        ax.plot(worlds, [_two_level(nbytes, w, local, nvlink, nic)[key] * 1e3 for w in worlds], marker="o", label=label)
+def _plot_comm(nbytes: float, path: Path) -> None:
+    from analysis import comm_model as cm
+
+    fig, ax = new_figure(width=6.5)
+    nodes = [2, 4, 8, 16, 32, 64]
+    series: dict[str, list[float]] = {}
+    for n in nodes:
+        for cost in cm.all_algorithms(_topology(n), nbytes):
+            series.setdefault(cost.algorithm, []).append(cost.total_s * 1e3)
+    for name, times in series.items():
+        ax.plot([8 * n for n in nodes], times, marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs (8 per node)")
     ax.set_ylabel("ms per all-reduce of 7B bf16 gradients")
-    ax.legend()
+    ax.legend(fontsize=8)
     save_figure(fig, path)
 
 
@@ -703,8 +701,8 @@ def priority_table(measured: Measured) -> Table:
     none70 = est.activation_bytes_per_layer(cfg70, s70, b70, "none")
     sel70 = est.activation_bytes_per_layer(cfg70, s70, b70, "selective")
     full70 = est.activation_bytes_per_layer(cfg70, s70, b70, "full")
-    ddp64 = job(strategy="ddp", world_size=64, precision="bf16_master")
-    t = ddp64.time
+    zero2_64 = job(strategy="zero2", world_size=64)  # DDP's 2Ψ traffic; DDP itself does not fit (16Ψ)
+    t = zero2_64.time
     serial_step = t.compute_s + t.comm_s + t.offload_s + t.memory_bound_s
     prec, att, rec = measured.precision, measured.attention, measured.recompute
     rows = [
@@ -712,8 +710,7 @@ def priority_table(measured: Measured) -> Table:
          f"{h100.bf16_tflops / h100.tf32_tflops:.1f}× peak vs TF32, {h100.bf16_tflops / h100.fp32_tflops:.0f}× vs plain "
          f"FP32; predicted {fp32.time.step_s / bf16.time.step_s:.1f}× (7B, 64× H100); memory "
          f"{bf16.memory.total / fp32.memory.total:.0%} of fp32 (states unchanged at 16 B/param)",
-         f"CPU: {prec['speed_vs_fp32']['bf16_autocast']:.2f}× speed, {prec['saved_vs_fp32']['bf16_autocast']:.2f}× saved "
-         f"activations (autocast); GPU: {NEEDS_GPU}" if prec else NEEDS_GPU],
+         _precision_measured("bf16", measured)],
         ["2", "FlashAttention", "3-4× attention speed",
          "memory s/(4d) less per head (16× at s=8192, d=128); same FLOPs; speed is an HBM-traffic effect",
          (f"{att['saved_ratio']:.1f}× fewer bytes saved (CPU); time: {_attention_time(measured.gpu.get('attention'))}"
@@ -730,7 +727,8 @@ def priority_table(measured: Measured) -> Table:
          "workload-dependent: the trainer logs the fraction of step time spent waiting for data",
          "run tools/bench_data.py" if not measured.data_formats_md else "see data_formats_measured.md"],
         ["6", "communication overlap", "10-20% throughput",
-         f"7B, DDP on 64 GPUs, micro-batch 1: {t.comm_s * 1e3:.0f} ms of all-reduce hidden behind "
+         f"7B, ZeRO-2 on 64 GPUs (DDP's 2Ψ traffic), micro-batch 1: {t.comm_s * 1e3:.0f} ms of gradient "
+         "reduce-scatter + all-gather hidden behind "
          f"{t.compute_s * 1e3:.0f} ms of compute: step {serial_step:.2f} s → {t.step_s:.2f} s "
          f"(+{serial_step / t.step_s - 1:.0%} throughput); the gain is whatever comm was exposed",
          NEEDS_GPU],

@@ -69,7 +69,7 @@ Data parallelism only: no tensor or pipeline parallelism is modelled.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from analysis.hardware import DEVICES, DeviceSpec, lookup_device
 from analysis.report import gib
@@ -811,8 +811,3 @@ def _preset_llama2_7b() -> Preset:
     )
     cfg.validate()
     return Preset("llama2-7b", "Llama-2-7B-like (h=4096, a=32, L=32, SwiGLU 11008)", cfg, 4096, 1, 8, "H100")
-
-
-def with_model(job: JobSpec, **changes) -> JobSpec:
-    """A copy of ``job`` with fields of its model changed (for sweeps)."""
-    return replace(job, model=replace(job.model, **changes))

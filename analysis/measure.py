@@ -16,6 +16,8 @@ import math
 import platform
 import statistics
 import time
+from pathlib import Path
+
 import torch
 
 from model.config import ModelConfig

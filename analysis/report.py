@@ -90,14 +90,6 @@ def sci(value: float) -> str:
     return f"{value:.2g}"
 
 
-def percent(value: float) -> str:
-    return f"{value:.0%}" if abs(value) >= 0.1 else f"{value:.1%}"
-
-
-def ratio(value: float) -> str:
-    return f"{value:.2f}x"
-
-
 def text_table(headers: list[str], rows: list[list[str]], numeric: bool = True) -> str:
     """Aligned plain-text table: first column left-aligned, the rest right-aligned if ``numeric``."""
     cells = [headers] + rows

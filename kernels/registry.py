@@ -93,7 +93,7 @@ def triton_version() -> str | None:
     """Triton's version, or None when it does not import (the reason goes to the caller's log)."""
     try:
         import triton
-    except ImportError:
+    except Exception:  # not installed, or installed against another torch/CUDA: either way unusable
         return None
     return triton.__version__
 
@@ -110,13 +110,23 @@ def build_triton_ops() -> KernelOps:
     ops = {
         field: KernelWithFallback(
             field,
-            getattr(modules[module], function),
+            outside_torch_compile(getattr(modules[module], function)),
             modules[module].unsupported_reason,
             getattr(reference, field),
         )
         for field, (module, function) in TRITON_OPS.items()
     }
     return KernelOps(backend="triton", **ops)
+
+
+def outside_torch_compile(kernel: Callable) -> Callable:
+    """The kernel as an opaque eager call inside a torch.compile'd region (a graph break).
+
+    Dynamo would otherwise trace into the host launcher, and in the interpreter into Triton's
+    numpy emulation, which fails. Letting Inductor see the kernels needs them registered as
+    ``torch.library.triton_op`` custom ops; until then compile fuses what surrounds them.
+    """
+    return torch.compiler.disable(kernel, recursive=True)
 
 
 def resolve_kernel_ops(backend: str, device: torch.device) -> tuple[KernelOps, str]:
@@ -135,13 +145,18 @@ def resolve_kernel_ops(backend: str, device: torch.device) -> tuple[KernelOps, s
             )
         if version is None:
             return REFERENCE_OPS, "kernels: torch reference ops (kernels.backend=auto: triton does not import)"
-        return build_triton_ops(), f"kernels: triton {version} ops on {device} (kernels.backend=auto)"
+        return build_triton_ops(), f"kernels: triton {version} ops on {device}, {_mode()} (kernels.backend=auto)"
     if version is None:
-        raise ConfigError("kernels.backend=triton needs the triton package: pip install triton, or use kernels.backend=auto")
+        raise ConfigError(
+            "kernels.backend=triton needs the triton package: pip install triton, or use kernels.backend=auto"
+        )
     if device.type != "cuda" and not interpreter_requested():
         raise ConfigError(
             f"kernels.backend=triton on {device.type} needs TRITON_INTERPRET=1 in the environment "
             "(Triton's CPU interpreter, slow), or kernels.backend=auto/torch"
         )
-    mode = "interpreted (TRITON_INTERPRET=1)" if interpreter_requested() else "compiled"
-    return build_triton_ops(), f"kernels: triton {version} ops on {device}, {mode} (kernels.backend=triton)"
+    return build_triton_ops(), f"kernels: triton {version} ops on {device}, {_mode()} (kernels.backend=triton)"
+
+
+def _mode() -> str:
+    return "interpreted (TRITON_INTERPRET=1, slow)" if interpreter_requested() else "compiled"

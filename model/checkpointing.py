@@ -7,7 +7,8 @@
     op_selective  PyTorch's selective activation checkpointing over each whole block: the outputs
                   of matmuls and fused attention kernels are kept, cheap element-wise ops recomputed
     full          recompute whole blocks; only each block's input is kept
-    every_k       recompute whole blocks, but only the k-th, 2k-th, ... block (counting from 1)
+    every_k       recompute whole blocks, but only the k-th, 2k-th, ... block (counting from 1;
+                  k=1 is full)
     offload       keep everything, but in (pinned) host memory via autograd's save_on_cpu
 
 Every recompute is non-reentrant checkpointing (``use_reentrant=False``), which preserves the RNG
@@ -22,8 +23,12 @@ module holding the original as a child would add a prefix to every name instead.
 
 Order (as in torchtitan): apply checkpointing to the plain model, then torch.compile, then
 FSDP2/DDP. FSDP2 swaps the class once more (``FSDPCheckpointedBlock``) and still calls our forward.
-A model with swapped classes pickles only through its state_dict (``torch.save(model)`` of the
-whole object cannot find the generated class by name); save state dicts, as the trainer does.
+Under torch.compile, full/selective/every_k/op_selective become part of the compiled graph (SAC's
+policy is handed to the partitioner); offload's save_on_cpu hooks cannot be traced, so dynamo runs
+those blocks eagerly (a graph break, same numbers).
+
+A model with swapped classes pickles only through its state_dict (``torch.save(model)`` of the whole
+object cannot find the generated class by name); save state dicts, as the trainer does.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from model.config import CHECKPOINT_POLICIES
@@ -89,19 +95,52 @@ class SelectiveOpRecompute:
 
     def __call__(self, forward: Callable, *args, **kwargs):
         # Plain partials rather than bound methods: torch.compile traces context_fn and loses `self`.
-        policy = functools.partial(_keep_listed_outputs, self.save_ops, self.observer)
-        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        policy = functools.partial(_keep_listed_outputs, self.save_ops)
+        if self.observer is None:
+            context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        else:
+            context_fn = functools.partial(_observed_contexts, policy, self.save_ops, self.observer)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def _keep_listed_outputs(save_ops: frozenset, observer: Observer | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op not in save_ops:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    output = getattr(ctx, "op_output", None)  # torch >= 2.12 hands the policy the op's output
-    if observer is not None and output is not None:
-        for tensor in _tensors_in(output):
-            observer("cached", tensor)
-    return CheckpointPolicy.MUST_SAVE
+def _keep_listed_outputs(save_ops: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _observed_contexts(policy: Callable, save_ops: frozenset, observer: Observer):
+    """SAC's two contexts, the forward one also reporting each output SAC caches (eager measurement only)."""
+    sac_forward, sac_recompute = create_selective_checkpoint_contexts(policy)
+    return _Together(sac_forward, _ReportOutputs(save_ops, observer)), sac_recompute
+
+
+class _ReportOutputs(TorchDispatchMode):
+    # Entered inside SAC's caching mode, so it sees each op first and its output on the way back;
+    # this works whether or not the torch version hands the policy function the op's output.
+    def __init__(self, save_ops: frozenset, observer: Observer):
+        super().__init__()
+        self.save_ops, self.observer = save_ops, observer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.save_ops:
+            for tensor in _tensors_in(out):
+                self.observer("cached", tensor)
+        return out
+
+
+class _Together:
+    """Enter two context managers as one (the first outermost)."""
+
+    def __init__(self, outer, inner):
+        self.outer, self.inner = outer, inner
+
+    def __enter__(self):
+        self.outer.__enter__()
+        self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        self.inner.__exit__(*exc)
+        return self.outer.__exit__(*exc)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,8 @@ class CommStats:
     def pop_step(self) -> dict[str, float]:
         """This step's numbers for the metrics log; resets the counters for the next step."""
         with self._lock:
-            sent, dense, calls = self.bytes_sent_this_step, self.bytes_uncompressed_this_step, self.collectives_this_step
+            sent, dense = self.bytes_sent_this_step, self.bytes_uncompressed_this_step
+            calls = self.collectives_this_step
             self.bytes_sent_this_step = self.bytes_uncompressed_this_step = self.collectives_this_step = 0
         return {
             "comm_bytes_sent": sent,
@@ -207,7 +208,9 @@ class HierarchicalHookState:
     stream: HookStream = field(default_factory=HookStream)
 
 
-def hierarchical_allreduce_hook(state: HierarchicalHookState | NodeGroups, bucket):  # untyped: DDP checks hook annotations, ours are strings
+# `bucket` and the return type are left unannotated: DDP compares hook annotations with the real
+# types, and with postponed evaluation ours would be strings.
+def hierarchical_allreduce_hook(state: HierarchicalHookState | NodeGroups, bucket):
     """DDP comm hook: average the bucket over all ranks with the two-level algorithm.
 
     DDP does not divide gradients when a hook is registered; this hook divides exactly once.

@@ -204,7 +204,9 @@ class CompressorHookState:
     stream: HookStream = field(default_factory=HookStream)
 
 
-def compressed_allreduce_hook(state: CompressorHookState, bucket):  # untyped: DDP checks hook annotations, ours are strings
+# Hooks leave `bucket` and the return type unannotated: DDP compares hook annotations with the
+# real types, and with postponed evaluation ours would be strings.
+def compressed_allreduce_hook(state: CompressorHookState, bucket):
     buffer = bucket.buffer()
     with state.stream.around(buffer):
         state.compressor.all_reduce_mean(buffer, bucket_segments(bucket))
@@ -220,7 +222,7 @@ class PowerSGDHookState:
     previous: torch.futures.Future | None = None
 
 
-def powersgd_hook(state: PowerSGDHookState, bucket):  # untyped: DDP checks hook annotations, ours are strings
+def powersgd_hook(state: PowerSGDHookState, bucket):
     """PyTorch's PowerSGD hook plus byte counting.
 
     PowerSGD issues its later all-reduces from future callbacks. On gloo those run on gloo's
@@ -253,7 +255,7 @@ class Bf16HookState:
     stats: CommStats
 
 
-def bf16_hook(state: Bf16HookState, bucket):  # untyped: DDP checks hook annotations, ours are strings
+def bf16_hook(state: Bf16HookState, bucket):
     """PyTorch's bf16 compression hook (cast, average, cast back) plus byte counting."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
@@ -264,7 +266,9 @@ def bf16_hook(state: Bf16HookState, bucket):  # untyped: DDP checks hook annotat
     return bf16_compress_hook(state.group, bucket)
 
 
-def register_comm_hook(ddp_model: torch.nn.Module, cfg: ParallelConfig, groups: NodeGroups | None = None) -> CommStats | None:
+def register_comm_hook(
+    ddp_model: torch.nn.Module, cfg: ParallelConfig, groups: NodeGroups | None = None
+) -> CommStats | None:
     """Register the hook named by cfg.ddp_comm_hook on a DDP model; returns its byte counter.
 
     "none" keeps DDP's own all-reduce and returns None. "hierarchical" needs `groups` (from

@@ -76,7 +76,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, precisio
     fully_shard(model, reshard_after_forward=None if cfg.fsdp_reshard_after_forward else False, **common)
     set_prefetch(blocks, cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch)
     if any(p.is_meta for p in model.parameters()):
-        materialize(model, device if not cfg.fsdp_cpu_offload else torch.device("cpu"))
+        materialize(model, device if not cfg.fsdp_cpu_offload else torch.device("cpu"), mesh)
     return model
 
 
@@ -96,12 +96,22 @@ def set_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:
                 block.set_modules_to_backward_prefetch(behind)
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate the local shards of a meta-device model and initialize them.
+def materialize(model: nn.Module, device: torch.device, mesh: DeviceMesh) -> None:
+    """Allocate the local shards of a meta-device model and initialize them with ``init_weights``.
 
-    Each rank draws only its own shards, so the weights differ from a model built whole from the
-    same seed (the distribution is the same).
+    DTensor's random ops draw each rank's local shard from that rank's generator; with the same
+    seed everywhere (as train.py sets it) every shard would get the *same* numbers, a correlated
+    init. So each shard index draws from its own seed (replicas of one shard under HSDP share
+    it), and the global RNG state is restored afterwards. The weights have the distribution
+    ``init_weights`` asks for, but not the values of a model built whole from the same seed.
     """
+    import warnings
+
     model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()
+    shard_index = mesh.get_local_rank("shard")
+    seed = (torch.initial_seed() * 1_000_003 + shard_index) % 2**63
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*DTensor random operators may not have complete support.*")
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            model.init_weights()

@@ -228,7 +228,9 @@ def apply_nccl_env(nccl: Mapping[str, str], environ: MutableMapping[str, str] | 
     validate_nccl_env(nccl)
     environ = os.environ if environ is None else environ
     if nccl and _process_group_exists():
-        log.warning("NCCL settings applied after the process group was created; NCCL may have read its environment already")
+        log.warning(
+            "NCCL settings applied after the process group was created; NCCL may have read its environment already"
+        )
     for name, value in nccl.items():
         value = str(value)
         current = environ.get(name)
@@ -236,7 +238,9 @@ def apply_nccl_env(nccl: Mapping[str, str], environ: MutableMapping[str, str] | 
             environ[name] = value
             log.info("set %s=%s", name, value)
         elif current != value:
-            log.warning("%s=%s is already set in the environment; keeping it (config asked for %s)", name, current, value)
+            log.warning(
+                "%s=%s is already set in the environment; keeping it (config asked for %s)", name, current, value
+            )
 
 
 def _process_group_exists() -> bool:

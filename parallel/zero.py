@@ -127,6 +127,7 @@ def build_zero_engine(model: nn.Module, cfg, ctx) -> ZeroEngine:
             "(e.g. torchrun --nproc_per_node=2 train.py ...) or use parallel.strategy=none"
         )
     deepspeed = import_deepspeed(ctx.device)
+    _check_precision_supported(cfg.precision.mode)
     ds_config = deepspeed_config(cfg, ctx.world_size)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = decay_groups(params, cfg.optim.weight_decay)
@@ -134,6 +135,17 @@ def build_zero_engine(model: nn.Module, cfg, ctx) -> ZeroEngine:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
     return ZeroEngine(engine, cfg, ctx.device)
+
+
+def _check_precision_supported(mode: str) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if mode == "fp16" and not accelerator.is_fp16_supported():
+        raise CapabilityError(
+            f"precision.mode=fp16 with DeepSpeed: its {accelerator.device_name()} accelerator has no fp16 "
+            "support here; use bf16_master (or bf16) with ZeRO on this machine"
+        )
 
 
 def _optimizer(groups: list[dict], cfg, device: torch.device, deepspeed) -> torch.optim.Optimizer:
@@ -192,7 +204,7 @@ class ZeroEngine:
     def _loss_scale(self) -> float | None:
         if self.mode != "fp16":
             return None
-        return float(getattr(self.engine.optimizer, "cur_scale", getattr(self.engine.optimizer, "loss_scale", 1.0)))
+        return float(self.engine.optimizer.cur_scale)  # ZeRO optimizers' dynamic loss scale
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
-POLICIES = ("full", "op_selective", "selective", "offload")  # every_k is full on some blocks
+# selective and every_k use the same recompute wrapper as full, on other modules; these three cover
+# the three mechanisms (recompute, SAC cache, saved-tensor hooks).
+POLICIES = ("full", "op_selective", "offload")
 
 
 def free_port() -> int:

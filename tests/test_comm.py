@@ -95,7 +95,8 @@ def _compare_with_flat(rank: int, world: int, groups, label: str, stats=None) ->
     xi = _case_tensor(rank, (7,), 7, torch.int64)
     flat_i = xi.clone()
     dist.all_reduce(flat_i)
-    rows.append((label, "int64 (7,)", "sum", True, float((hierarchical_all_reduce(xi, groups, "sum") - flat_i).abs().max())))
+    int_diff = (hierarchical_all_reduce(xi, groups, "sum") - flat_i).abs().max()
+    rows.append((label, "int64 (7,)", "sum", True, float(int_diff)))
     return rows
 
 

@@ -219,7 +219,9 @@ def _train_worker(rank: int, world: int, hooks: list[str], steps: int, bucket_ca
     for hook in hooks:
         teacher, student = _teacher_and_student()
         model = torch.nn.parallel.DistributedDataParallel(student, bucket_cap_mb=bucket_cap_mb)
-        cfg = ParallelConfig(strategy="ddp", ddp_comm_hook=hook, topk_ratio=RATIO, powersgd_start_iter=2, powersgd_rank=2)
+        cfg = ParallelConfig(
+            strategy="ddp", ddp_comm_hook=hook, topk_ratio=RATIO, powersgd_start_iter=2, powersgd_rank=2
+        )
         stats = register_comm_hook(model, cfg, None)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         data = torch.Generator().manual_seed(100 + rank)

@@ -263,9 +263,16 @@ def test_cross_entropy_target_out_of_range_is_nan_not_a_number(tk):
 # Rotary embeddings.
 
 
+def reference_rope_qk(q, k, cos, sin):
+    return reference.apply_rope(q, cos, sin), reference.apply_rope(k, cos, sin)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1, 1, 2), (2, 5, 3, 8), (1, 4, 5, 12)])
-def test_apply_rope(tk, dtype, shape):
+@pytest.mark.parametrize("head_tile", [None, 16])  # 16 elements: 2 heads per program, last block masked
+def test_apply_rope(tk, monkeypatch, dtype, shape, head_tile):
+    if head_tile:
+        monkeypatch.setattr(tk["rope"], "HEAD_TILE_ELEMENTS", head_tile)
     cos, sin = reference.rope_tables(shape[1] + 3, shape[3], 10000.0, device=DEVICE)  # longer table than T
 
     def kernel(x):
@@ -293,7 +300,7 @@ def test_apply_rope_in_place_on_q_and_k_views_of_a_fused_qkv(tk, dtype):
         return attention_inputs(qkv, lambda q, k: tk["rope"].apply_rope_qk(q, k, cos, sin, inplace=True))
 
     def ref(qkv):
-        return attention_inputs(qkv, lambda q, k: (reference.apply_rope(q, cos, sin), reference.apply_rope(k, cos, sin)))
+        return attention_inputs(qkv, lambda q, k: reference_rope_qk(q, k, cos, sin))
 
     qkv = randn(batch, seq, 3, heads, head_dim, dtype=dtype, scale=2.0)
     assert_matches_reference(kernel, ref, [qkv], [0])

@@ -12,7 +12,13 @@ import torch
 
 from kernels import reference
 from kernels.registry import resolve_kernel_ops
-from tests.test_kernels import assert_matches_reference, randn, targets_with_ignored, tk  # noqa: F401
+from tests.test_kernels import (  # noqa: F401 (tk is a fixture)
+    assert_matches_reference,
+    randn,
+    reference_rope_qk,
+    targets_with_ignored,
+    tk,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,7 +106,7 @@ def test_rope_on_q_and_k_with_fewer_kv_heads(tk, inplace):
         return attention_inputs(q, k, lambda q, k: tk["rope"].apply_rope_qk(q, k, cos, sin, inplace=inplace))
 
     def ref(q, k):
-        return attention_inputs(q, k, lambda q, k: (reference.apply_rope(q, cos, sin), reference.apply_rope(k, cos, sin)))
+        return attention_inputs(q, k, lambda q, k: reference_rope_qk(q, k, cos, sin))
 
     q, k = randn(2, 512, 16, 128, dtype=torch.bfloat16), randn(2, 512, 4, 128, dtype=torch.bfloat16, seed=1)
     assert_matches_reference(kernel, ref, [q, k], [0, 1])

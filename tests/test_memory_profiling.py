@@ -24,9 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def synthetic_trace() -> dict:
     """Hand-made events whose summary is known: nested CPU ops, overlapping kernels, memory events."""
-    x = lambda name, ts, dur, cat, tid=1: {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "pid": 1, "tid": tid}  # noqa: E731
-    mem = lambda ts, total, dev=1: {"ph": "i", "name": "[memory]", "ts": ts, "cat": "cpu_instant_event", "pid": 1, "tid": 1,  # noqa: E731
-                                    "args": {"Total Allocated": total, "Device Type": dev, "Device Id": 0}}
+    def x(name, ts, dur, cat, tid=1):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "pid": 1, "tid": tid}
+
+    def mem(ts, total, dev=1):
+        args = {"Total Allocated": total, "Device Type": dev, "Device Id": 0}
+        return {"ph": "i", "name": "[memory]", "ts": ts, "cat": "cpu_instant_event", "pid": 1, "tid": 1, "args": args}
+
     return {"traceEvents": [
         x("ProfilerStep#4", 0, 200, "user_annotation"),
         x("aten::linear", 0, 100, "cpu_op"),        # self = 100 - 30 - 10 = 60

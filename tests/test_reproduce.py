@@ -17,6 +17,15 @@ TABLES = ("numeric_formats", "precision_modes", "activation_recompute", "attenti
           "communication", "priority")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Byte counts do not depend on threads, and two threads on a busy 2-core box run ~50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.timeout(180)
 def test_quick_run_writes_every_table(tmp_path):
     out = tmp_path / "results"
@@ -62,4 +71,17 @@ def test_tables_without_measurements_say_what_is_missing():
     precision = tables["precision_modes"].markdown()
     assert "does not fit in 80 GiB" in precision and "needs GPU" in precision
     assert "run tools/bench_memory.py" in tables["activation_recompute"].markdown()
-    assert "126 steps" in tables["communication"].markdown()
+    communication = tables["communication"].markdown()
+    assert "126 steps" in communication and "leader-based (chapter)" in communication
+
+
+def test_saved_gpu_results_fill_the_needs_gpu_cells():
+    gpu_attention = {
+        "hardware": "NVIDIA H200", "date": "2026-01-01", "setup": "b=4, heads=16, s=4096, d_head=128, bfloat16",
+        "saved_bytes": {"reference": 8, "sdpa": 1}, "saved_ratio": 8.0,
+        "seconds": {"reference": 0.004, "sdpa": 0.001}, "speedup": 4.0,
+    }
+    tables = {t.name: t for t in build_tables(Measured(formats=measure_formats(), gpu={"attention": gpu_attention}))}
+    attention = tables["attention"].markdown()
+    assert "4.00 ms / 1.00 ms (4.0×)" in attention and "NVIDIA H200, 2026-01-01" in attention
+    assert "needs GPU" not in attention

@@ -224,7 +224,8 @@ def write_plot(rows: list[Row], cons: list[Consumer], path: str) -> None:
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.55), 4.5))
     colors = {"naive": "tab:gray", "mmap": "tab:blue", "webdataset": "tab:orange"}
     ax.bar(range(len(rows)), [r.tokens_per_s for r in rows], color=[colors[r.format] for r in rows])
-    ax.set_xticks(range(len(rows)), [f"{r.format}\nw{r.workers} b{r.batch}" for r in rows], fontsize=7)
+    short = {"naive": "naive", "mmap": "mmap", "webdataset": "wds"}
+    ax.set_xticks(range(len(rows)), [f"{short[r.format]}\nw{r.workers} b{r.batch}" for r in rows], fontsize=7)
     for c, style in zip(cons, ["--", ":", "-.", "-"] * 4):
         ax.axhline(c.tokens_per_s, linestyle=style, color="black", linewidth=1)
         ax.text(len(rows) - 0.5, c.tokens_per_s, c.name, ha="right", va="bottom", fontsize=7)

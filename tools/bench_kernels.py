@@ -29,13 +29,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ops", default=",".join(TRITON_OPS), help="comma-separated ops (default: all): %(default)s")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="activation dtype (default: bf16 on CUDA; fp32 and bf16 both on CPU)")
     parser.add_argument("--quick", action="store_true", help="one shape per op (GPU)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default: %(default)s)")
-    parser.add_argument("--reps", type=int, default=20, help="timed calls; the median is reported (default: %(default)s)")
+    parser.add_argument("--reps", type=int, default=20,
+                        help="timed calls; the median is reported (default: %(default)s)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--markdown", metavar="PATH", help="write the table as Markdown, with date and hardware")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of achieved bandwidth (needs a GPU run)")
@@ -72,7 +75,8 @@ def main(argv=None) -> int:
         markdown.append(bench.format_markdown(results, args.warmup, args.reps))
         ok &= all(r.check.ok for r in results.rows if r.check is not None)
         if args.plot:
-            plot_path = args.plot if len(dtypes) == 1 else args.plot.replace(".png", f"_{dtype}.png".replace("torch.", ""))
+            suffix = f"_{str(dtype).removeprefix('torch.')}.png"
+            plot_path = args.plot if len(dtypes) == 1 else args.plot.replace(".png", suffix)
             if bench.write_plot(results, plot_path):
                 print(f"wrote {plot_path}")
             else:

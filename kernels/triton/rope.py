@@ -20,7 +20,6 @@ from kernels.triton._common import interpreter_active, unsupported_tensor_reason
 INTERPRETED = interpreter_active()
 MAX_HEAD_DIM = 1024
 HEAD_TILE_ELEMENTS = 2048
-_SCALE = 1.0
 
 
 @triton.jit
@@ -38,7 +37,7 @@ def _rope_kernel(
     cos = tl.load(COS + t * stride_cos + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(SIN + t * stride_sin + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     if INVERSE:
-        sin = -sin * _SCALE
+        sin = -sin
     mask = (heads[:, None] < n_heads) & d_mask[None, :]
     x_ptr = X + b * stride_xb + t * stride_xt + heads.to(tl.int64)[:, None] * stride_xh + d[None, :]
     y_ptr = Y + b * stride_yb + t * stride_yt + heads.to(tl.int64)[:, None] * stride_yh + d[None, :]
