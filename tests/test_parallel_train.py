@@ -2,9 +2,10 @@
 
 Why the comparison is exact up to float rounding: the data loader gives rank r of W every W-th
 window of the epoch's permutation, so 2 ranks with micro-batch B read, step for step, exactly
-the 2B windows that 1 process with micro-batch 2B reads. The model is built from the same seed
-on every rank, dropout is 0, so each strategy computes the same global-batch gradient as the
-single process; only the order of floating-point sums differs (per-rank means averaged by a
+the 2B windows that 1 process with micro-batch 2B reads (also with gradient accumulation: fsdp
+and zero2 run 2 micro-batches of B/2, which exercises FSDP2's deferred reduce-scatter and
+DeepSpeed's accumulation boundary). The model is built from the same seed on every rank,
+dropout is 0, so each strategy computes the same global-batch gradient as the single process; only the order of floating-point sums differs (per-rank means averaged by a
 collective vs one mean over 2B sequences). Tolerance: 1e-5 on the loss of each of 4 steps and
 on the final validation loss (fp32; observed differences are ~1e-6).
 
@@ -26,6 +27,11 @@ from tests.conftest import ROOT, free_port, read_metrics, run_train, step_losses
 TINY = "configs/tiny.yaml"
 STEPS = 4
 LOSS_TOL = 1e-5
+# Micro-batches per rank x accumulation steps x 2 ranks = 8 sequences per step, the single run's
+# micro-batch. Rank r's k-th step then reads windows [8k, 8k + 8) of the permutation either way.
+# Validation: 16 windows in all runs (8 x 2 batches single, 4 x 2 or 2 x 4 per rank x 2 ranks).
+ACCUMULATE = {"train.micro_batch_size": 2, "train.grad_accum_steps": 2, "train.eval_steps": 4}
+PER_STRATEGY = {"ddp": {}, "fsdp": ACCUMULATE, "zero1": {}, "zero2": ACCUMULATE, "zero3": {}}
 COMMON = {"train.max_steps": STEPS, "train.eval_interval": STEPS, "train.eval_steps": 2, "checkpoint.interval": 2,
           "checkpoint.save_final": "false", "checkpoint.keep_last": 0}
 
@@ -62,7 +68,7 @@ def parallel_runs(tmp_path_factory, corpus_cache):
     def get(strategy: str) -> Path:
         if strategy not in done:
             run_dir = tmp_path_factory.mktemp(strategy) / "run"
-            proc = torchrun(run_dir, corpus_cache, {"parallel.strategy": strategy})
+            proc = torchrun(run_dir, corpus_cache, {"parallel.strategy": strategy, **PER_STRATEGY[strategy]})
             assert proc.returncode == 0, proc.stderr[-3000:]
             assert f"strategy {strategy}" in proc.stdout and "[rank 1 local 1 node 0]" in proc.stdout
             done[strategy] = run_dir
@@ -92,7 +98,8 @@ def test_resume_from_a_sharded_checkpoint_reproduces_the_next_steps(strategy, sa
     checkpoint = full / "checkpoints" / "step_00000002"
     assert (checkpoint / saved).is_dir() and (checkpoint / "meta.json").is_file()
     resumed = tmp_path / "resumed"
-    proc = torchrun(resumed, corpus_cache, {"parallel.strategy": strategy}, resume=str(checkpoint))
+    proc = torchrun(resumed, corpus_cache, {"parallel.strategy": strategy, **PER_STRATEGY[strategy]},
+                    resume=str(checkpoint))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "continuing from" in proc.stdout
     expected = {s: v for s, v in step_losses(full).items() if s > 2}

@@ -182,3 +182,17 @@ def test_torchrun_two_processes_on_cpu(tmp_path, corpus_cache):
     assert "world 2 (gloo)" in proc.stdout and "-> ddp" in proc.stdout
     assert "[rank 1 local 1 node 0]" in proc.stdout
     assert len(step_losses(run_dir)) == 3
+
+
+def test_wandb_offline_and_tensorboard_receive_the_metrics(tmp_path, corpus_cache):
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install 'perfgpt[logging]')")
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'perfgpt[logging]')")
+    run_dir = tmp_path / "logs"
+    env = {"WANDB_DIR": str(tmp_path), "WANDB_CACHE_DIR": str(tmp_path / "wb-cache"),
+           "WANDB_CONFIG_DIR": str(tmp_path / "wb-config")}
+    proc = run_train(["--config", TINY, *tiny_overrides(run_dir, corpus_cache, **{
+        "train.max_steps": 2, "logging.wandb": "true", "logging.tensorboard": "true"})], env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert offline_runs and list(offline_runs[0].glob("*.wandb"))

@@ -6,7 +6,7 @@ allocator peak during forward+backward, and whether the kernel matches the fp32 
 Without a CUDA device it checks correctness only, in Triton's interpreter on small shapes, and
 says so.
 
-    python tools/bench_kernels.py                       # CPU: ~30 s, correctness only
+    python tools/bench_kernels.py                       # CPU: ~15 s, correctness only
     python tools/bench_kernels.py --quick --markdown gpu_results/kernels.md --plot gpu_results/kernels.png
 """
 

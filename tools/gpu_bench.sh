@@ -2,10 +2,11 @@
 # One script for a GPU session (sized for one H200 in under 8 minutes, no network needed):
 #   1. the GPU tests (pytest -m gpu) and the kernel tests with the kernels compiled, not interpreted;
 #   2. tools/bench_kernels.py: eager vs torch.compile vs Triton, time and GB/s vs measured copy bandwidth;
-#   3. tools/bench_train.py, if it exists (set BENCH_TRAIN_ARGS to pass it options).
+#   3. tools/bench_train.py, if it exists: GPT-2 124M steps with the torch ops, the Triton kernels,
+#      and torch.compile (BENCH_TRAIN_ARGS replaces those options).
 # Everything it writes goes under $OUT (default ./gpu_results), at most 8 files:
 #   env.txt, tests.log, bench_kernels.log, kernels.md, kernels.png, bench_train.log, train.md, train.png
-# Each stage has its own time limit (together 450 s, plus ~10 s of set-up); a failing stage is
+# Each stage has its own time limit (together 440 s, plus ~10 s of set-up); a failing stage is
 # recorded and the next one still runs. The kernel tests compile a few hundred kernel variants
 # (dtypes x block sizes x integer specializations), so they run on 8 pytest-xdist workers.
 #
@@ -50,23 +51,31 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
 fi
 
 # 1. Tests: every GPU-marked test in the repo, then the kernel tests on CUDA (compiled kernels).
-stage gpu-tests 100 "$OUT/tests.log" \
+stage gpu-tests 90 "$OUT/tests.log" \
     "$PYTHON" -m pytest -q -m gpu tests/ --timeout=90 -p no:cacheprovider
 xdist=()
 "$PYTHON" -c "import xdist" 2>/dev/null && xdist=(-n "$WORKERS")
-stage kernel-tests 90 "$OUT/tests.log" \
+stage kernel-tests 80 "$OUT/tests.log" \
     "$PYTHON" -m pytest -q "${xdist[@]}" tests/test_kernels.py tests/test_kernels_model.py --timeout=60 -p no:cacheprovider
 
 # 2. Kernel benchmark (torch.compile of each reference is most of its time).
 bench_args=(--markdown "$OUT/kernels.md" --plot "$OUT/kernels.png")
 [ "$FULL" = "1" ] || bench_args+=(--quick)
-stage bench-kernels 170 "$OUT/bench_kernels.log" "$PYTHON" tools/bench_kernels.py "${bench_args[@]}"
+stage bench-kernels 160 "$OUT/bench_kernels.log" "$PYTHON" tools/bench_kernels.py "${bench_args[@]}"
 
 # 3. Training throughput, when the tool exists.
 if [ -f tools/bench_train.py ]; then
-    # shellcheck disable=SC2086  # BENCH_TRAIN_ARGS is a list of options, split on purpose
-    stage bench-train 90 "$OUT/bench_train.log" \
-        "$PYTHON" tools/bench_train.py --markdown "$OUT/train.md" --plot "$OUT/train.png" ${BENCH_TRAIN_ARGS:-}
+    if [ -n "${BENCH_TRAIN_ARGS:-}" ]; then
+        # shellcheck disable=SC2206  # a list of options, split on purpose
+        train_args=(${BENCH_TRAIN_ARGS})
+    else
+        common="train.grad_accum_steps=1 precision.mode=bf16 parallel.strategy=none"
+        train_args=(--config configs/gpt2-124m.yaml --steps 10 --warmup 3 --variants
+                    "$common kernels.backend=torch" "$common kernels.backend=triton"
+                    "$common kernels.backend=torch train.compile=true")
+    fi
+    stage bench-train 110 "$OUT/bench_train.log" \
+        "$PYTHON" tools/bench_train.py --markdown "$OUT/train.md" --plot "$OUT/train.png" "${train_args[@]}"
 else
     echo "tools/bench_train.py not present: skipped" | tee -a "$OUT/env.txt"
 fi

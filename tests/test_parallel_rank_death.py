@@ -1,0 +1,88 @@
+"""A rank that stops answering makes the others fail within parallel.timeout_s instead of hanging.
+
+Two torchrun agents act as two nodes (``--nnodes=2 --rdzv-backend=c10d``, one process each),
+as on a cluster. Node 1's worker is frozen with SIGSTOP mid-run: its sockets stay open, so
+nothing tells node 0 it is gone (the hard case; a crashed process closes its sockets and gloo
+fails at once with "Connection closed by peer"), and node 0's agent cannot see node 1's worker.
+Node 0's worker must give up on its collective after ``parallel.timeout_s`` (the process
+group's timeout) and its agent must exit non-zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, free_port, tiny_overrides
+
+TIMEOUT_S = 10
+SLACK_S = 20  # torchrun's monitor interval, worker teardown and a loaded CI machine
+
+
+def _start_node(node: int, port: int, run_dir: Path, corpus_cache: str, log: Path) -> subprocess.Popen:
+    args = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=rank-death-test", "--max-restarts=0",
+        "train.py", "--config", "configs/tiny.yaml",
+        *tiny_overrides(run_dir / f"node{node}", corpus_cache, **{
+            "train.max_steps": 100_000, "parallel.strategy": "ddp", "parallel.timeout_s": TIMEOUT_S,
+            "checkpoint.save_final": "false"}),
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(args, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def _children(pid: int) -> list[int]:
+    task_dir = Path(f"/proc/{pid}/task")
+    kids: list[int] = []
+    for task in task_dir.iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc to find torchrun's worker")
+def test_a_frozen_rank_makes_the_other_node_exit_within_the_timeout(tmp_path, corpus_cache):
+    port = free_port()
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    nodes = [_start_node(n, port, tmp_path, corpus_cache, logs[n]) for n in (0, 1)]
+    frozen: list[int] = []
+    try:
+        _wait_for(lambda: "step 2/" in logs[0].read_text(), 120, "node 0 to train two steps")
+        assert nodes[0].poll() is None and nodes[1].poll() is None
+        frozen = _children(nodes[1].pid)
+        assert len(frozen) == 1, f"expected one worker under node 1's agent, found {frozen}"
+        os.kill(frozen[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc = nodes[0].wait(timeout=TIMEOUT_S + SLACK_S + 30)
+        elapsed = time.monotonic() - t0
+        out = logs[0].read_text()
+        assert rc != 0
+        assert elapsed < TIMEOUT_S + SLACK_S, f"node 0 needed {elapsed:.1f}s to give up"
+        assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in out, out[-3000:]
+        assert "[rank 0 local 0 node 0]" in out  # the per-rank log prefix names rank, local rank and node
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGCONT)
+        for proc in nodes:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+
