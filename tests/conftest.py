@@ -14,6 +14,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton reads this when triton.language is first imported, and `import torch._dynamo` already
+    # does that, so it is set once for the session: on CPU the kernels run in the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def corpus_cache(tmp_path_factory) -> str:
