@@ -285,7 +285,7 @@ def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> i
 
     window_loss = torch.zeros((), device=ctx.device)
     window_steps, window_wait, window_start, skips_in_a_row, skipped_total = 0, 0.0, time.perf_counter(), 0, 0
-    last_val = None
+    last_val, window_comm = None, {}
     engine.train(True)
     with profiler_context(cfg, run_dir, ctx) as prof:
         while step < t.max_steps:
@@ -298,6 +298,7 @@ def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> i
                 loss = engine.forward_backward(x, y, micro == t.grad_accum_steps - 1, t.grad_accum_steps)
                 step_loss += loss.float() / t.grad_accum_steps
             result = engine.optimizer_step(lr, step_loss)
+            window_comm = _add_comm_bytes(window_comm, getattr(engine, "comm_stats", None))
             step += 1
             if prof is not None:
                 prof.step()
@@ -317,12 +318,13 @@ def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> i
                 n_steps = t.log_interval if step % t.log_interval == 0 else (step % t.log_interval)
                 metrics = _window_metrics(ctx, window_loss, window_steps, result, lr, elapsed, window_wait, n_steps,
                                           tokens_per_step, flops_per_step, peak, skipped_total)
+                metrics.update(_per_step(window_comm, n_steps))
                 log.log(step, metrics, _format_line(step, t.max_steps, metrics))
                 if metrics["data_wait_frac"] > t.data_wait_warn:
                     log.warn(f"step {step}: {metrics['data_wait_frac']:.0%} of step time spent waiting for data "
                              f"(> {t.data_wait_warn:.0%}); raise data.num_workers or check the storage")
                 window_loss.zero_()
-                window_steps, window_wait, window_start = 0, 0.0, time.perf_counter()
+                window_steps, window_wait, window_start, window_comm = 0, 0.0, time.perf_counter(), {}
 
             if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
                 last_val = evaluate(engine, data.val, t.eval_steps, ctx)
@@ -382,12 +384,36 @@ def _window_metrics(ctx, window_loss, window_steps, result, lr, elapsed, wait, n
     return metrics
 
 
+def _add_comm_bytes(window: dict, comm_stats) -> dict:
+    """Sum a DDP comm hook's per-step byte counts (host-side integers, no device sync)."""
+    if comm_stats is None:
+        return window
+    step = comm_stats.pop_step()
+    for key in ("comm_bytes_sent", "comm_bytes_uncompressed"):
+        window[key] = window.get(key, 0) + step[key]
+    return window
+
+
+def _per_step(window_comm: dict, n_steps: int) -> dict:
+    out = {k: v / n_steps for k, v in window_comm.items()}
+    if out.get("comm_bytes_sent"):
+        out["comm_saving"] = out["comm_bytes_uncompressed"] / out["comm_bytes_sent"]
+    return out
+
+
 def _format_line(step: int, max_steps: int, m: dict) -> str:
     mfu = f"mfu {m['mfu']:.1%}" if "mfu" in m else "mfu n/a"
     mem_key = next(k for k in m if k.endswith("_gib"))
     return (f"step {step}/{max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
             f"{m['tokens_per_s']:,.0f} tok/s | {mfu} | data wait {m['data_wait_frac']:.0%} | "
-            f"{mem_key[:-4]} {m[mem_key]:.2f} GiB")
+            f"{mem_key[:-4]} {m[mem_key]:.2f} GiB" + _comm_suffix(m))
+
+
+def _comm_suffix(m: dict) -> str:
+    if "comm_bytes_sent" not in m:
+        return ""
+    return (f" | comm {m['comm_bytes_sent'] / 2**20:.2f} MiB/step sent vs "
+            f"{m['comm_bytes_uncompressed'] / 2**20:.2f} uncompressed")
 
 
 # --------------------------------------------------------------------------- entry
