@@ -131,7 +131,7 @@ def build_zero_engine(model: nn.Module, cfg, ctx) -> ZeroEngine:
     ds_config = deepspeed_config(cfg, ctx.world_size)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = decay_groups(params, cfg.optim.weight_decay)
-    optimizer = _optimizer(groups, cfg, ctx.device, deepspeed)
+    optimizer = _optimizer(groups, cfg, ctx.device)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
     return ZeroEngine(engine, cfg, ctx.device)
@@ -148,7 +148,7 @@ def _check_precision_supported(mode: str) -> None:
         )
 
 
-def _optimizer(groups: list[dict], cfg, device: torch.device, deepspeed) -> torch.optim.Optimizer:
+def _optimizer(groups: list[dict], cfg, device: torch.device) -> torch.optim.Optimizer:
     o = cfg.optim
     if cfg.parallel.zero_offload_optimizer and cfg.parallel.zero_cpu_adam:
         from deepspeed.ops.adam import DeepSpeedCPUAdam

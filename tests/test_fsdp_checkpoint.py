@@ -251,6 +251,7 @@ def test_checkpoint_saved_on_2_ranks_loads_on_4_and_into_hsdp(runs):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP says it loads in 1 process
 def test_checkpoint_saved_on_2_ranks_loads_into_a_plain_module_on_1(runs):
     from parallel.checkpoint import load_model_optimizer
 

@@ -296,8 +296,8 @@ NOTES = [
     "gradients right after the last backward, optimizer state after the step.",
     "Formula: ZeRO paper section 5 (analysis/estimator.model_state_bytes): Psi x bytes/element, divided by the "
     "rank count for what a stage shards (zero1: optimizer; zero2: + gradients; zero3 and fsdp: + parameters).",
-    "DeepSpeed ZeRO-1/2 keep an fp32 master partition even in fp32 training (optimizer column: 12 instead of "
-    "8 bytes/param; ZeRO-3 reuses the fp32 parameter partition). zero1 measures partitioned gradients: DeepSpeed frees the full gradients once they are "
+    "DeepSpeed keeps a separate fp32 master partition even in fp32 training (optimizer column: 12 instead of "
+    "8 bytes/param over N). zero1 measures partitioned gradients: DeepSpeed frees the full gradients once they are "
     "reduced at the accumulation boundary, so the paper's full-size gradient term is a transient peak during "
     "backward, not what is held afterwards.",
     "'+ buckets': DeepSpeed's fixed-size reduce/all-gather buffers (ZeRO-R's constant buffers, sized by "
