@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from analysis.estimator import fit_verdict
 from analysis.hardware import peak_tflops_for
 from data.loader import build_data
 from data.prefetch import DevicePrefetcher
@@ -34,7 +35,7 @@ from training.distributed import DistContext, init_distributed, shutdown_distrib
 from training.engine import TorchEngine
 from training.errors import user_facing_errors
 from training.metrics import RunLogger, peak_memory_gib
-from training.precision import check_precision_supported, model_dtype
+from training.precision import check_precision_supported, compute_dtype, model_dtype
 from training.schedule import lr_at
 
 
@@ -62,7 +63,6 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> JobConfig:
     return load_config(args.config, overrides)
 
 
-
 # --------------------------------------------------------------------------- set-up stages
 
 
@@ -79,12 +79,11 @@ def build_model(cfg: JobConfig, device: torch.device) -> tuple[GPT, list[str]]:
     """The GPT with its kernels and attention backend chosen for this device; returns log notes."""
     ops, kernel_note = resolve_kernel_ops(cfg.kernels.backend, device)
     dtype = model_dtype(cfg.precision.mode)
-    compute_dtype = torch.bfloat16 if cfg.precision.mode in ("bf16", "bf16_master", "fp8") else (
-        torch.float16 if cfg.precision.mode == "fp16" else torch.float32)
     if cfg.model.layers == "te":
         backend, attention_note = "sdpa", "attention: Transformer Engine's own (model.layers=te)"
     else:
-        backend, attention_note = select_attention(cfg.model.attention, device, compute_dtype, cfg.model.head_dim)
+        backend, attention_note = select_attention(
+            cfg.model.attention, device, compute_dtype(cfg.precision.mode), cfg.model.head_dim)
     # init_on_meta: no memory yet; parallel/fsdp.py allocates and initializes each rank's shards.
     with torch.device("meta" if cfg.parallel.init_on_meta else device):
         model = GPT(cfg.model, ops=ops, attention_backend=backend)
@@ -103,37 +102,21 @@ def build_engine(model: GPT, cfg: JobConfig, ctx: DistContext):
     return TorchEngine(apply_data_parallel(model, cfg.parallel, ctx, cfg.precision.mode), cfg, ctx.device, ctx.world_size)
 
 
-def describe_model(cfg: JobConfig, seq_len: int) -> list[str]:
+def describe_model(cfg: JobConfig, seq_len: int, ctx: DistContext) -> list[str]:
     n_total = count_parameters(cfg.model)
-    lines = [
+    verdict = fit_verdict(cfg.model, seq_len, cfg.train.micro_batch_size, ctx.world_size, cfg.parallel.strategy,
+                          cfg.model.checkpointing, cfg.precision.mode, _device_name(ctx.device))
+    return [
         f"model: {n_total / 1e6:.2f}M parameters ({count_parameters(cfg.model, include_embeddings=False) / 1e6:.2f}M "
         f"without embedding lookups), {cfg.model.n_layer} layers, d_model {cfg.model.d_model}, "
         f"{cfg.model.n_head} heads, {cfg.model.mlp}, {cfg.model.norm}, {cfg.model.position} positions",
         f"flops: {flops_per_token(cfg.model, seq_len) / 1e6:.2f} MFLOP/token, convention {FLOPS_CONVENTION}",
+        verdict,
     ]
-    try:
-        from analysis.estimator import fit_verdict
-    except ImportError:
-        return lines
-    lines.append(
-        fit_verdict(
-            cfg.model, seq_len, cfg.train.micro_batch_size, _world_size_env(), cfg.parallel.strategy,
-            cfg.model.checkpointing, cfg.precision.mode, _device_name(),
-        )
-    )
-    return lines
 
 
-def _world_size_env() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _device_name(device: torch.device | None = None) -> str:
-    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
-        return torch.cuda.get_device_name(device)
-    return "cpu"
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def profiler_context(cfg: JobConfig, run_dir: Path, ctx: DistContext):
@@ -261,7 +244,7 @@ def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> i
     torch.manual_seed(t.seed)
 
     model, notes = build_model(cfg, ctx.device)
-    for line in notes + describe_model(cfg, seq_len):
+    for line in notes + describe_model(cfg, seq_len, ctx):
         log.info(line)
     engine = build_engine(model, cfg, ctx)
     log.info(describe_checkpointing(model))
@@ -431,6 +414,10 @@ def main(argv: list[str]) -> int:
         kind = "config error" if isinstance(exc, ConfigError) else "error"
         print(f"{kind}: {exc}", file=sys.stderr)
         return 2
+    except torch.distributed.DistError as exc:
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        print(f"error: a peer rank failed or timed out (parallel.timeout_s): {last[:300]}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK (the
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -84,4 +85,7 @@ def init_distributed(device_request: str, backend_request: str, timeout_s: int, 
 
 def shutdown_distributed(ctx: DistContext) -> None:
     if ctx.backend is not None and dist.is_initialized():
+        # Drop wrappers (FSDP state, DDP reducers) that still reference the group before it is
+        # destroyed, so nothing tears a gloo context down later during interpreter exit.
+        gc.collect()
         dist.destroy_process_group()

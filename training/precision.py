@@ -55,6 +55,12 @@ def forward_context(mode: str, device: torch.device, precision_cfg) -> contextli
     return contextlib.nullcontext()
 
 
+def compute_dtype(mode: str) -> torch.dtype:
+    """The dtype matmuls run in (what attention backends must support)."""
+    return {"bf16": torch.bfloat16, "bf16_master": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(
+        mode, torch.float32)
+
+
 def model_dtype(mode: str) -> torch.dtype:
     return torch.bfloat16 if mode == "bf16_master" else torch.float32
 
