@@ -704,7 +704,7 @@ def priority_table(measured: Measured) -> Table:
     zero2_64 = job(strategy="zero2", world_size=64)  # DDP's 2Ψ traffic; DDP itself does not fit (16Ψ)
     t = zero2_64.time
     serial_step = t.compute_s + t.comm_s + t.offload_s + t.memory_bound_s
-    prec, att, rec = measured.precision, measured.attention, measured.recompute
+    att, rec = measured.attention, measured.recompute
     rows = [
         ["1", "BF16 mixed precision", "2× throughput, 50% memory",
          f"{h100.bf16_tflops / h100.tf32_tflops:.1f}× peak vs TF32, {h100.bf16_tflops / h100.fp32_tflops:.0f}× vs plain "

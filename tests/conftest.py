@@ -22,6 +22,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def one_thread():
+    """For in-process measurements: one thread is faster and steadier on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def corpus_cache(tmp_path_factory) -> str:
     """A 2 MB default corpus shared by every test run of train.py in this session."""

@@ -6,57 +6,13 @@ function then asserts on its part of the results.
 
 from __future__ import annotations
 
-import datetime
-import os
-import pickle
-import socket
-import tempfile
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-# ----------------------------------------------------------------------------- launch helper (shared)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
-    os.environ.update(
-        WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=45),  # a mismatched collective fails instead of hanging
-    )
-    try:
-        result = fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
-def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
-    """Run fn(rank, world_size, *args) on world_size gloo processes; return each rank's result."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(fn, world_size, _free_port(), out_dir, args), nprocs=world_size, join=True)
-        results = []
-        for r in range(world_size):
-            with open(os.path.join(out_dir, f"{r}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-    return results
+from tests.gloo import run_workers
 
 
 # ----------------------------------------------------------------------------- the 4-process worker

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.compression import ErrorFeedback, OneBitCompressor, TopKCompressor, pack_bits, unpack_bits
-from tests.test_comm import run_workers
+from tests.gloo import run_workers
 
 SEGMENTS = [(0, 500), (1, 1), (2, 500)]  # 1001 entries in three "parameters" of uneven size
 NUMEL = sum(n for _, n in SEGMENTS)

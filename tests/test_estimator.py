@@ -17,13 +17,7 @@ GIB = 2**30
 H100 = DEVICES["H100"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Byte counts do not depend on threads, and two threads on a busy 2-core box run ~50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- activations (Korthikanti)

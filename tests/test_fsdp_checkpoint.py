@@ -10,20 +10,13 @@ layout must hold bit-identical weights and optimizer state and take the same nex
 
 from __future__ import annotations
 
-import datetime
-import os
-import pickle
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.conftest import free_port
+from tests.gloo import run_workers
 
 N_LAYER, D_MODEL, SEQ, BATCH = 2, 32, 16, 4
 
@@ -31,27 +24,6 @@ N_LAYER, D_MODEL, SEQ, BATCH = 2, 32, 16, 4
 # ----------------------------------------------------------------------------- launch helper
 
 
-def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, args: tuple) -> None:
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        result = fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
-def run_workers(fn: Callable, world: int, *args: Any) -> list[Any]:
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(fn, world, free_port(), out_dir, args), nprocs=world, join=True)
-        results = []
-        for r in range(world):
-            with open(os.path.join(out_dir, f"{r}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-    return results
 
 
 # ----------------------------------------------------------------------------- shared pieces

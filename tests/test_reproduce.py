@@ -17,13 +17,7 @@ TABLES = ("numeric_formats", "precision_modes", "activation_recompute", "attenti
           "communication", "priority")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Byte counts do not depend on threads, and two threads on a busy 2-core box run ~50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.timeout(180)

@@ -223,7 +223,7 @@ def launch(strategy: str, args: argparse.Namespace, extra: list[str], work: Path
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                *rank_args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, env=env)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"{strategy}: exit {proc.returncode}: " + " | ".join(tail))
@@ -379,7 +379,7 @@ def main(argv: list[str]) -> int:
     for note in NOTES:
         print("- " + note)
     if args.markdown:
-        text = [f"# Data-parallel strategies: loss parity and model-state memory", "", title, "",
+        text = ["# Data-parallel strategies: loss parity and model-state memory", "", title, "",
                 *table_lines(rows, markdown=True), "", *[f"- {n}" for n in NOTES], "",
                 f"Command: `python tools/bench_parallel.py {' '.join(argv)}`", ""]
         args.markdown.parent.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,7 @@ def compression_table(top: cm.Topology, densities: list[float]) -> tuple[list[st
         rows.append([r.method, str(r.ranks), f"{r.bytes_per_rank / r.dense_bytes_per_rank:.3f}", f"{r.saving:.2f}x",
                      _pays(r.saving)])  # fmt: skip
     notes = [
-        f"top-k (int64 index + fp32 value, all-gather) breaks even at density 2/(3n): "
+        "top-k (int64 index + fp32 value, all-gather) breaks even at density 2/(3n): "
         + ", ".join(f"n={n}: {cm.topk_break_even_density(n):.2%}" for n in ranks),
         "with int32 indices the break-even is 1/n: "
         + ", ".join(f"n={n}: {cm.topk_break_even_density(n, 4):.2%}" for n in ranks),
