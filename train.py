@@ -311,7 +311,8 @@ def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> i
 
             if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
                 last_val = evaluate(engine, data.val, t.eval_steps, ctx)
-                log.log(step, {"val_loss": last_val}, f"step {step}: val_loss {last_val:.4f}")
+                log.log(step, {"val_loss": last_val})
+                log.info(f"step {step}: val_loss {last_val:.4f}")
                 window_start = time.perf_counter()  # evaluation time is not training throughput
 
             if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < t.max_steps:
