@@ -91,7 +91,7 @@ def fp8_autocast(precision_cfg) -> contextlib.AbstractContextManager:
         amax_compute_algo=precision_cfg.fp8_amax_compute_algo,
         margin=precision_cfg.fp8_margin,
     )
-    autocast = getattr(te, "autocast", None)  # TE >= 2.8 names it autocast(recipe=...)
+    autocast = getattr(te, "autocast", None)  # newer TE: autocast(recipe=); older: fp8_autocast only
     if autocast is not None:
         return autocast(enabled=True, recipe=recipe)
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
