@@ -57,8 +57,7 @@ def forward_context(mode: str, device: torch.device, precision_cfg) -> contextli
 
 def compute_dtype(mode: str) -> torch.dtype:
     """The dtype matmuls run in (what attention backends must support)."""
-    return {"bf16": torch.bfloat16, "bf16_master": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(
-        mode, torch.float32)
+    return AUTOCAST_DTYPE.get(mode, model_dtype(mode))
 
 
 def model_dtype(mode: str) -> torch.dtype:
