@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.conftest import free_port
+
 WORLD = 2
 # selective and every_k use the same recompute wrapper as full, on other modules; these three cover
 # the three mechanisms (recompute, SAC cache, saved-tensor hooks).
 POLICIES = ("full", "op_selective", "offload")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _build(policy: str):
