@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,12 +32,13 @@ from model.gpt import GPT
 from parallel.parallelize import apply_activation_checkpointing, apply_compile, apply_data_parallel
 from training import checkpoint as ckpt
 from training.config import ConfigError, JobConfig, describe_fields, dump_yaml, load_config, to_dict
-from training.distributed import DistContext, init_distributed, shutdown_distributed
+from training.distributed import DistContext, StopAgreement, env_rank_tag, init_distributed, shutdown_distributed
 from training.engine import TorchEngine
-from training.errors import user_facing_errors
-from training.metrics import RunLogger, peak_memory_gib
+from training.errors import describe_peer_failure, is_peer_failure, user_facing_errors
+from training.metrics import LearningAlarms, RunLogger, peak_memory_gib
 from training.precision import check_precision_supported, compute_dtype, model_dtype
 from training.schedule import lr_at
+from training.signals import StopRequest, exit_code, signal_name
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -69,7 +71,7 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> JobConfig:
 def prepare_run_dir(cfg: JobConfig, ctx: DistContext) -> Path:
     run_dir = Path(cfg.logging.run_dir.format(name=cfg.name))
     if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.ensure_writable_dir(run_dir, "logging.run_dir")
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     ctx.barrier()
     return run_dir
@@ -155,25 +157,34 @@ def profiler_context(cfg: JobConfig, run_dir: Path, ctx: DistContext):
 # --------------------------------------------------------------------------- checkpoints
 
 
-def save(cfg: JobConfig, ckpt_root: Path, step: int, engine, train_iter, ctx: DistContext, log: RunLogger) -> None:
+def save(cfg: JobConfig, ckpt_root: Path, step: int, engine, train_iter, ctx: DistContext, log: RunLogger,
+         healthy: bool = True) -> None:
+    """Raises CheckpointError, writing nothing, if the weights are non-finite or the disk fails.
+
+    ``healthy``: the last step was applied, not skipped; keep_last pruning never removes the
+    newest healthy checkpoint, whatever is saved after it.
+    """
     t0 = time.perf_counter()
     rank_state = {"step": step, "rng": ckpt.capture_rng_state(), "data": train_iter.state_dict()}
     path = ckpt.save_checkpoint(
         ckpt_root, step, lambda d: engine.save(d, ctx.rank), rank_state, rank=ctx.rank,
         world_size=ctx.world_size, strategy=cfg.parallel.strategy, barrier=ctx.barrier,
-        keep_last=cfg.checkpoint.keep_last, extra_meta={"model": to_dict(cfg.model)},
+        keep_last=cfg.checkpoint.keep_last, healthy=healthy, weights=ckpt.local_weights(engine), device=ctx.device,
+        extra_meta={"model": to_dict(cfg.model), "schedule": cfg.lr_schedule()},
     )
     log.info(f"checkpoint: saved {path} in {time.perf_counter() - t0:.1f}s")
 
 
 def maybe_resume(cfg: JobConfig, ckpt_root: Path, engine, train_iter, ctx: DistContext, log: RunLogger) -> int:
     """Restore everything a continued run needs; returns the step to continue from."""
-    path = ckpt.resolve_resume(cfg.checkpoint.resume, ckpt_root)
+    path = ckpt.resolve_resume(cfg.checkpoint.resume, ckpt_root, warn=log.warn if ctx.is_main else None)
     if path is None:
         if cfg.checkpoint.resume == "latest":
             log.info(f"resume: no checkpoint under {ckpt_root} yet, starting from step 0")
         return 0
-    ckpt.read_meta(path, ctx.world_size, cfg.parallel.strategy, to_dict(cfg.model))
+    meta = ckpt.read_meta(path, ctx.world_size, cfg.parallel.strategy, to_dict(cfg.model))
+    ckpt.check_schedule(path, meta, cfg.lr_schedule(), allow_change=cfg.checkpoint.allow_schedule_change,
+                        warn=log.warn if ctx.is_main else None)
     engine.load(path)
     state = ckpt.safe_torch_load(path / f"rank_{ctx.rank:05d}.pt")
     train_iter.load_state_dict(state["data"])
@@ -225,12 +236,13 @@ def train(cfg: JobConfig, ctx: DistContext) -> int:
     if note:
         log.info(note)
     try:
-        return _train(cfg, ctx, run_dir, log)
+        with StopRequest(ctx.tag) as stop_request:
+            return _train(cfg, ctx, run_dir, log, stop_request)
     finally:
         log.close()
 
 
-def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> int:
+def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_request: StopRequest) -> int:
     t_start = time.perf_counter()
     log.info(f"perfgpt: run {cfg.name} in {run_dir} | world {ctx.world_size} ({ctx.backend or 'single process'}) "
              f"| device {ctx.device} | precision {cfg.precision.mode} | strategy {cfg.parallel.strategy}")
@@ -243,6 +255,11 @@ def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> i
     seq_len, t = cfg.seq_len, cfg.train
     torch.manual_seed(t.seed)
 
+    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    if cfg.checkpoint.interval or cfg.checkpoint.save_final:  # fail now, not at the first save hours later
+        ckpt.ensure_writable_dir(ckpt_root, "checkpoint.dir", rank=ctx.rank, world_size=ctx.world_size,
+                                 device=ctx.device)
+
     model, notes = build_model(cfg, ctx.device)
     for line in notes + describe_model(cfg, seq_len, ctx):
         log.info(line)
@@ -253,9 +270,10 @@ def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> i
     log.info(data.description)
     train_iter = DevicePrefetcher(data.train, ctx.device)
 
-    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     step = maybe_resume(cfg, ckpt_root, engine, train_iter, ctx, log)
     log.set_start(step)
+    if cfg.checkpoint.resume:
+        log.keep_rows_up_to(step)
 
     tokens_per_step = t.micro_batch_size * seq_len * t.grad_accum_steps * ctx.world_size
     flops_per_step = flops_per_token(cfg.model, seq_len) * tokens_per_step
@@ -263,16 +281,17 @@ def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> i
         else peak_tflops_for(_device_name(ctx.device), cfg.precision.mode)
     log.info(f"mfu: {peak_note}; {tokens_per_step:,} tokens/step; uniform-baseline loss ln(V) = "
              f"{math.log(cfg.model.vocab_size):.3f}")
-    decay_steps = cfg.optim.decay_steps or t.max_steps
-    o = cfg.optim
+    schedule = cfg.lr_schedule()
 
     window_loss = torch.zeros((), device=ctx.device)
     window_steps, window_wait, window_start, skips_in_a_row, skipped_total = 0, 0.0, time.perf_counter(), 0, 0
-    last_val, window_comm = None, {}
+    last_val, window_comm, window_skipped, last_saved, save_due = None, {}, 0, None, False
+    alarms, agreement = LearningAlarms(log, cfg.precision.mode), StopAgreement(ctx)
+    stop_request.arm()  # from here on SIGTERM / Ctrl-C finish the step and save
     engine.train(True)
     with profiler_context(cfg, run_dir, ctx) as prof:
         while step < t.max_steps:
-            lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, decay_steps=decay_steps)
+            lr = lr_at(step, **schedule)
             step_loss = torch.zeros((), device=ctx.device)
             for micro in range(t.grad_accum_steps):
                 t0 = time.perf_counter()
@@ -287,6 +306,7 @@ def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> i
                 prof.step()
             if result.skipped:
                 skips_in_a_row, skipped_total = skips_in_a_row + 1, skipped_total + 1
+                window_skipped += 1
                 stop = _handle_nonfinite(cfg, step, result, skips_in_a_row, log)
                 if stop:
                     return 3
@@ -294,20 +314,23 @@ def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> i
                 skips_in_a_row = 0
                 window_loss += step_loss
                 window_steps += 1
+            alarms.on_step(step, skips_in_a_row, result.loss_scale)
             log.advance()
 
             if step % t.log_interval == 0 or step == t.max_steps:
                 elapsed = time.perf_counter() - window_start
-                n_steps = t.log_interval if step % t.log_interval == 0 else (step % t.log_interval)
+                n_steps = window_steps + window_skipped  # exact also in the first window after a resume
                 metrics = _window_metrics(ctx, window_loss, window_steps, result, lr, elapsed, window_wait, n_steps,
                                           tokens_per_step, flops_per_step, peak, skipped_total)
                 metrics.update(_per_step(window_comm, n_steps))
-                log.log(step, metrics, _format_line(step, t.max_steps, metrics))
+                log.log(step, metrics, _format_line(step, t.max_steps, metrics, n_steps))
+                alarms.on_log(step, metrics["grad_norm"], result.loss_scale)
                 if metrics["data_wait_frac"] > t.data_wait_warn:
                     log.warn(f"step {step}: {metrics['data_wait_frac']:.0%} of step time spent waiting for data "
                              f"(> {t.data_wait_warn:.0%}); raise data.num_workers or check the storage")
                 window_loss.zero_()
                 window_steps, window_wait, window_start, window_comm = 0, 0.0, time.perf_counter(), {}
+                window_skipped = 0
 
             if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
                 last_val = evaluate(engine, data.val, t.eval_steps, ctx)
@@ -316,16 +339,42 @@ def _train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger) -> i
                 window_start = time.perf_counter()  # evaluation time is not training throughput
 
             if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < t.max_steps:
+                save_due = True
+                if result.skipped:
+                    log.warn(f"step {step}: checkpoint postponed until a step is applied again (this one was skipped)")
+            # Saving during a skip streak would store the state of a diverging run and let keep_last
+            # prune the checkpoints from before the blow-up: wait for an applied step.
+            if save_due and not result.skipped and step < t.max_steps:
                 save(cfg, ckpt_root, step, engine, train_iter, ctx, log)
-                window_start = time.perf_counter()
+                window_start, last_saved, save_due = time.perf_counter(), step, False
+
+            signum = agreement.poll(stop_request.requested)
+            if signum:
+                return _stop_on_signal(cfg, ckpt_root, step, signum, last_saved, engine, train_iter, ctx, log,
+                                       healthy=skips_in_a_row == 0)
+        agreement.finish()
 
     if cfg.checkpoint.save_final:
-        save(cfg, ckpt_root, step, engine, train_iter, ctx, log)
+        save(cfg, ckpt_root, step, engine, train_iter, ctx, log, healthy=skips_in_a_row == 0)
     summary = f"done: {step} steps in {time.perf_counter() - t_start:.1f}s"
     if last_val is not None:
         summary += f", final val_loss {last_val:.4f} (uniform baseline {math.log(cfg.model.vocab_size):.3f})"
     log.info(summary)
     return 0
+
+
+def _stop_on_signal(cfg: JobConfig, ckpt_root: Path, step: int, signum: int, last_saved: int | None, engine,
+                    train_iter, ctx: DistContext, log: RunLogger, healthy: bool) -> int:
+    """Save the step just finished and return the shell's exit code for the signal (143, 130)."""
+    if last_saved != step:
+        save(cfg, ckpt_root, step, engine, train_iter, ctx, log, healthy=healthy)
+    latest = ckpt.find_latest(ckpt_root)
+    if latest is not None and latest.name == ckpt.step_dir_name(step):
+        log.info(f"stopped by {signal_name(signum)} at step {step}: saved {latest}; resume with --resume")
+    else:  # the save was refused (see above): say which checkpoint a resume would use
+        log.info(f"stopped by {signal_name(signum)} at step {step}: not saved; --resume continues from "
+                 f"{latest if latest is not None else 'step 0 (no checkpoint)'}")
+    return exit_code(signum)
 
 
 def _handle_nonfinite(cfg: JobConfig, step: int, result, skips_in_a_row: int, log: RunLogger) -> bool:
@@ -348,11 +397,12 @@ def _handle_nonfinite(cfg: JobConfig, step: int, result, skips_in_a_row: int, lo
 def _window_metrics(ctx, window_loss, window_steps, result, lr, elapsed, wait, n_steps, tokens_per_step,
                     flops_per_step, peak, skipped_total) -> dict:
     # The only regular host syncs: loss and grad norm are read here, once per log interval.
+    # Every rank reduces, even when all steps of the window were skipped (then on every rank alike).
     loss = ctx.all_reduce_mean(window_loss.detach().clone()) / max(window_steps, 1)
     tokens_per_s = tokens_per_step * n_steps / elapsed
     mem, mem_kind = peak_memory_gib(ctx.device)
     metrics = {
-        "loss": float(loss),
+        "loss": float(loss) if window_steps else None,  # None, never 0.0: no step of the window counted
         "lr": lr,
         "grad_norm": float(result.grad_norm),
         "tokens_per_s": tokens_per_s,
@@ -360,6 +410,7 @@ def _window_metrics(ctx, window_loss, window_steps, result, lr, elapsed, wait, n
         "data_wait_frac": wait / elapsed if elapsed > 0 else 0.0,
         mem_kind + "_gib": mem,
         "skipped_steps": skipped_total,
+        "skipped_in_window": n_steps - window_steps,
     }
     if peak:
         metrics["mfu"] = flops_per_step * n_steps / elapsed / (peak * 1e12 * ctx.world_size)
@@ -385,10 +436,13 @@ def _per_step(window_comm: dict, n_steps: int) -> dict:
     return out
 
 
-def _format_line(step: int, max_steps: int, m: dict) -> str:
+def _format_line(step: int, max_steps: int, m: dict, n_steps: int) -> str:
     mfu = f"mfu {m['mfu']:.1%}" if "mfu" in m else "mfu n/a"
     mem_key = next(k for k in m if k.endswith("_gib"))
-    return (f"step {step}/{max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
+    loss = "loss skipped" if m["loss"] is None else f"loss {m['loss']:.4f}"
+    if m["skipped_in_window"]:
+        loss += f" ({m['skipped_in_window']}/{n_steps} steps skipped)"
+    return (f"step {step}/{max_steps} | {loss} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
             f"{m['tokens_per_s']:,.0f} tok/s | {mfu} | data wait {m['data_wait_frac']:.0%} | "
             f"{mem_key[:-4]} {m[mem_key]:.2f} GiB" + _comm_suffix(m))
 
@@ -408,16 +462,21 @@ def main(argv: list[str]) -> int:
     if args.help_config:
         print("\n".join(describe_fields()))
         return 0
+    tag = env_rank_tag()  # under torchrun every rank prints its own line: say which one
     try:
         cfg = resolve_config(args, overrides)
         return run_training(cfg)
     except user_facing_errors() as exc:
         kind = "config error" if isinstance(exc, ConfigError) else "error"
-        print(f"{kind}: {exc}", file=sys.stderr)
+        print(f"{tag}{kind}: {exc}", file=sys.stderr)
         return 2
-    except torch.distributed.DistError as exc:
-        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        print(f"error: a peer rank failed or timed out (parallel.timeout_s): {last[:300]}", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C during set-up; in the loop it finishes the step and saves
+        print(f"{tag}interrupted (SIGINT) before the first step; nothing to save", file=sys.stderr)
+        return exit_code(signal.SIGINT)
+    except RuntimeError as exc:
+        if not is_peer_failure(exc):
+            raise
+        print(f"{tag}error: {describe_peer_failure(exc)}", file=sys.stderr)
         return 1
 
 

@@ -2,8 +2,11 @@
 
 Each ``*_table`` function takes the measurements of this run (``Measured``) and returns a
 ``report.Table``. Analytic figures come from ``analysis/estimator.py`` and ``analysis/hardware.py``;
-the chapter's claims are quoted as printed (translated); verdicts follow
-../shared/seed/CORRECTIONS.md and say why a claim is wrong where it is.
+the chapter's claims are quoted as printed (translated); verdicts say why a claim is wrong where
+it is, and docs/chapter_corrections.md lists each correction with the tests that establish it.
+A "measured here" cell holds either a measurement of this run or a figure read, at generation
+time, from a measured file under docs/results/ (named in the cell); otherwise it says what is
+missing. No cell quotes a figure from anywhere else.
 """
 
 from __future__ import annotations
@@ -27,7 +30,41 @@ class Measured:
     recompute: dict | None = None
     gpu: dict = field(default_factory=dict)  # {"precision": ..., "attention": ..., "recompute": ...}
     data_formats_md: str | None = None  # Markdown written by tools/bench_data.py, if found
+    # Other measured files of docs/results/ by file name (MEASURED_FILES), read when the tables are built.
+    documents: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+
+
+# Measured files other tools write into docs/results/, which the summary table quotes.
+BENCH_TRAIN_CPU = "bench_train_cpu.md"  # tools/bench_train.py on configs/tiny.yaml
+PARALLEL_CPU = "parallel_strategies_cpu.md"  # tools/bench_parallel.py on 2 gloo processes
+MEASURED_FILES = (BENCH_TRAIN_CPU, PARALLEL_CPU)
+NOT_MEASURED = "not measured"
+
+
+def markdown_table_rows(markdown: str) -> list[dict[str, str]]:
+    """Rows of the first pipe table in ``markdown`` as {column: cell}."""
+    header, rows = None, []
+    for line in markdown.splitlines():
+        stripped = line.strip()
+        if not stripped.startswith("|"):
+            if header is not None and rows:
+                break
+            continue
+        cells = [c.strip() for c in stripped.strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif not all(set(c) <= set("-: ") for c in cells) and len(cells) == len(header):
+            rows.append(dict(zip(header, cells)))
+    return rows
+
+
+def _first_line(markdown: str) -> str:
+    return next((line.lstrip("# ").strip() for line in markdown.splitlines() if line.strip()), "")
+
+
+def _number(cell: str) -> float:
+    return float(cell.replace(",", "").rstrip("x×"))
 
 
 def _where(result: dict) -> str:
@@ -195,15 +232,18 @@ def precision_table(measured: Measured) -> Table:
         f"Physically impossible as stated: GPT-3 175B has {n_params / 1e9:.1f}B parameters; mixed-precision AdamW "
         f"keeps 16 bytes per parameter ({16 * n_params / 1e12:.2f} TB) against 8 × 80 GB = 640 GB, before any "
         f"activation. Even fully sharded (FSDP/ZeRO-3) each GPU needs {gib(16 * n_params / 8)} of model states. "
-        f"Our planner finds the smallest H100 count that fits (FSDP, full recompute, micro-batch 1): {min_gpus}.",
+        f"Our planner finds the smallest H100 count that fits (FSDP, full recompute, micro-batch 1): "
+        f"{_gpu_count(min_gpus)}.",
         "The 'TFLOPS' column is the H100 SXM datasheet's dense peaks (TF32 495, FP16/BF16 989, FP8 1979), not "
         "measurements. 'FP32 ~500' is TF32 on tensor cores; plain FP32 (PyTorch's default for matmuls, TF32 off) "
         f"peaks at {h100.fp32_tflops:g}.",
         "AMP does not shrink model states: autocast keeps fp32 weights, gradients and Adam moments (16 B/param); "
         "only activations become 16-bit. 'Memory 60%/50%/35%' cannot come from precision alone; at this scale "
         "the states dominate, so the analytic memory barely moves between modes.",
-        "FP8 end to end: measured gains on large models are ~1.3-1.4× over BF16 (and slowdowns on small ones), "
-        "not 1.8×; the analytic column assumes 35% of the FP8 peak vs 50% of the BF16 peak for that reason.",
+        f"FP8 end to end is not the ratio of peaks: only the GEMMs run in FP8, and the estimator assumes they "
+        f"reach {_fraction_pct('fp8_compute_fraction')} of the FP8 peak where BF16 reaches "
+        f"{_fraction_pct('compute_fraction')} of its own (analysis/estimator.py, Assumptions); FP8 is not "
+        "measured here (it needs Transformer Engine on a Hopper or Ada GPU).",
     ]
     cpu = measured.precision
     if cpu is not None:
@@ -226,6 +266,17 @@ def precision_table(measured: Measured) -> Table:
         notes=notes,
         plot=lambda path: _plot_precision(results, path),
     )
+
+
+def _gpu_count(n: int | None) -> str:
+    if n is None:
+        return "none up to the planner's limit"
+    power = est.smallest_power_of_two(n)
+    return f"{n}" + ("" if power == n else f" (the smallest power of two that fits: {power})")
+
+
+def _fraction_pct(name: str) -> str:
+    return f"{getattr(est.Assumptions(), name):.0%}"
 
 
 def _precision_measured(mode: str, measured: Measured) -> str:
@@ -713,19 +764,19 @@ def priority_table(measured: Measured) -> Table:
          _precision_measured("bf16", measured)],
         ["2", "FlashAttention", "3-4× attention speed",
          "memory s/(4d) less per head (16× at s=8192, d=128); same FLOPs; speed is an HBM-traffic effect",
-         (f"{att['saved_ratio']:.1f}× fewer bytes saved (CPU); time: {_attention_time(measured.gpu.get('attention'))}"
-          if att else NEEDS_GPU)],
+         (f"{att['saved_ratio']:.1f}× fewer bytes saved ({att['hardware']}); time: "
+          f"{_attention_time(measured.gpu.get('attention'))}" if att else NEEDS_GPU)],
         ["3", "FSDP / ZeRO", "large memory reduction",
          f"7B on 8 GPUs: model states {gib(ddp.memory.states)} (DDP) → {gib(zero3.memory.states)} (FSDP) per GPU; "
          f"comm 2Ψ → 3Ψ per step",
-         "correctness on gloo (tests/ of parallel/); memory " + NEEDS_GPU],
+         _sharding_measured(measured.documents.get(PARALLEL_CPU))],
         ["4", "activation recompute", "50%+ activation memory",
          f"70B: selective −{1 - sel70 / none70:.0%} (stored scores), full −{1 - full70 / none70:.0%}; "
          "with flash/SDPA selective ≈ 0%",
          _recompute_summary(rec)],
         ["5", "DataLoader tuning", "removes the data bottleneck",
          "workload-dependent: the trainer logs the fraction of step time spent waiting for data",
-         "run tools/bench_data.py" if not measured.data_formats_md else "see data_formats_measured.md"],
+         "run tools/bench_data.py" if not measured.data_formats_md else f"see {DATA_FORMATS_MEASURED_NAME}"],
         ["6", "communication overlap", "10-20% throughput",
          f"7B, ZeRO-2 on 64 GPUs (DDP's 2Ψ traffic), micro-batch 1: {t.comm_s * 1e3:.0f} ms of gradient "
          "reduce-scatter + all-gather hidden behind "
@@ -733,18 +784,24 @@ def priority_table(measured: Measured) -> Table:
          f"(+{serial_step / t.step_s - 1:.0%} throughput); the gain is whatever comm was exposed",
          NEEDS_GPU],
         ["7", "torch.compile", "10-30% compute", "workload-dependent expectation; no analytic figure",
-         f"{NEEDS_GPU} (on 2 CPU cores at tiny sizes: no speed-up, FIELD-NOTES)"],
+         _compile_measured(measured.documents.get(BENCH_TRAIN_CPU))],
         ["8", "FP8 training", "another 2× throughput",
          f"2.0× peak ({h100.fp8_tflops:g} vs {h100.bf16_tflops:g}); predicted "
-         f"{bf16.time.step_s / fp8.time.step_s:.2f}× end to end at 35% vs 50% of peak; measured large-model gains "
-         "~1.3-1.4×", f"{NEEDS_GPU} (Transformer Engine)"],
+         f"{bf16.time.step_s / fp8.time.step_s:.2f}× end to end at the estimator's assumed "
+         f"{_fraction_pct('fp8_compute_fraction')} vs {_fraction_pct('compute_fraction')} of peak",
+         f"{NEEDS_GPU} (Transformer Engine)"],
         ["9", "custom Triton kernels", "5-20% compute", "workload-dependent expectation; no analytic figure",
          NEEDS_GPU],
     ]
     notes = [
-        "'BF16 2×' holds against TF32, not against plain FP32 (14.8× by peak); AMP does not halve model states.",
+        f"'BF16 2×' holds against TF32, not against plain FP32 ({h100.bf16_tflops / h100.fp32_tflops:.1f}× by "
+        "peak); AMP does not halve model states.",
         "'FP8 another 2×' is the ratio of peaks, not an end-to-end gain.",
-        "Compile and overlap percentages are expectations that depend on the workload, not results.",
+        "Compile and overlap percentages are expectations that depend on the workload, not results"
+        + (f"; the compile figure measured here is a tiny model on a CPU ({BENCH_TRAIN_CPU}) and says nothing "
+           "about a GPU." if BENCH_TRAIN_CPU in measured.documents else "."),
+        "Every 'measured here' cell is this run's measurement or a figure read from the named file in "
+        "docs/results/ when this table was generated.",
     ]
     return Table(
         name="priority",
@@ -752,11 +809,48 @@ def priority_table(measured: Measured) -> Table:
         setup=[
             "chapter: the closing priority table",
             "analytic: analysis/estimator.py for Llama-2-7B on 64× H100 (FSDP, micro-batch 1, s=4096) unless stated",
-            "measured here: the small-model measurements of the other tables",
+            f"measured here: this run's small-model measurements (the other tables) and the measured files "
+            f"{', '.join(MEASURED_FILES)} of docs/results/, named in each cell",
         ],
         columns=["#", "technique", "chapter's claim", "analytic", "measured here"],
         rows=rows,
         notes=notes,
+    )
+
+
+def _compile_measured(bench_train_md: str | None) -> str:
+    """torch.compile's speed-up from tools/bench_train.py's table: each compiled variant against the
+    same variant without compile, from the same run."""
+    if not bench_train_md:
+        return f"{NOT_MEASURED} ({BENCH_TRAIN_CPU} not found); GPU: {NEEDS_GPU}"
+    rows = {row.get("variant", ""): row for row in markdown_table_rows(bench_train_md)}
+    cells = []
+    for variant, row in rows.items():
+        words = variant.split()
+        if "train.compile=true" not in words:
+            continue
+        eager = rows.get(" ".join(w for w in words if w != "train.compile=true"))
+        if eager is None or row.get("status") != "ok" or eager.get("status") != "ok":
+            continue
+        ratio = _number(row["tokens/s"]) / _number(eager["tokens/s"])
+        cells.append(f"{ratio:.2f}× tokens/s for {variant} vs without compile")
+    if not cells:
+        return f"{NOT_MEASURED} (no compiled variant with an eager twin in {BENCH_TRAIN_CPU}); GPU: {NEEDS_GPU}"
+    return "; ".join(cells) + f" ({BENCH_TRAIN_CPU}: {_first_line(bench_train_md)}); GPU: {NEEDS_GPU}"
+
+
+def _sharding_measured(parallel_md: str | None) -> str:
+    """Per-rank model-state bytes of FSDP vs DDP from tools/bench_parallel.py's table."""
+    if not parallel_md:
+        return f"{NOT_MEASURED} ({PARALLEL_CPU} not found); GPU memory: {NEEDS_GPU}"
+    rows = {row.get("strategy", ""): row for row in markdown_table_rows(parallel_md)}
+    ddp, fsdp = rows.get("ddp"), rows.get("fsdp")
+    if ddp is None or fsdp is None or "states KiB" not in ddp:
+        return f"{NOT_MEASURED} (no ddp and fsdp rows in {PARALLEL_CPU}); GPU memory: {NEEDS_GPU}"
+    return (
+        f"model states per rank {fsdp['states KiB']} KiB (fsdp) vs {ddp['states KiB']} KiB (ddp), "
+        f"{_number(fsdp['states KiB']) / _number(ddp['states KiB']):.2f}×, loss vs one process "
+        f"{fsdp.get('Δ vs 1 proc', '?')} ({PARALLEL_CPU}: {_first_line(parallel_md)}); GPU memory: {NEEDS_GPU}"
     )
 
 

@@ -684,17 +684,42 @@ def plan_fits(
     return fitting if top is None else fitting[:top]
 
 
+def _fits_on(model_cfg: ModelConfig, seq_len: int, device: DeviceSpec, precision: str, n: int) -> bool:
+    strategy = "none" if n == 1 else "fsdp"
+    return estimate(JobSpec(model_cfg, seq_len, 1, n, strategy, "full", precision, device)).fits
+
+
 def min_gpus_to_fit(
     model_cfg: ModelConfig, seq_len: int, device: DeviceSpec, precision: str = "bf16_master", limit: int = 1 << 16
 ) -> int | None:
-    """Fewest GPUs on which fsdp + full recompute at micro-batch 1 fits (None beyond ``limit``)."""
-    n = 1
-    while n <= limit:
-        strategy = "none" if n == 1 else "fsdp"
-        if estimate(JobSpec(model_cfg, seq_len, 1, n, strategy, "full", precision, device)).fits:
-            return n
-        n *= 2
-    return None
+    """Fewest GPUs, any count, on which fsdp + full recompute at micro-batch 1 fits (None beyond ``limit``).
+
+    Under fsdp only the sharded model states (16 Psi / N) depend on N, so memory per GPU never
+    grows with N and the smallest fitting count can be bisected: double until a count fits, then
+    bisect between it and the previous power of two. Rounding up to hardware-friendly counts is
+    the caller's choice (``smallest_power_of_two``).
+    """
+    if _fits_on(model_cfg, seq_len, device, precision, 1):
+        return 1
+    if limit < 2:
+        return None
+    low, high = 1, 2  # low does not fit; high is the candidate upper bound
+    while not _fits_on(model_cfg, seq_len, device, precision, high):
+        if high >= limit:
+            return None
+        low, high = high, min(2 * high, limit)
+    while high - low > 1:
+        mid = (low + high) // 2
+        if _fits_on(model_cfg, seq_len, device, precision, mid):
+            high = mid
+        else:
+            low = mid
+    return high
+
+
+def smallest_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (GPU counts are often allocated that way)."""
+    return 1 << (n - 1).bit_length()
 
 
 def resolve_device(device_name: str) -> DeviceSpec | None:
@@ -739,7 +764,10 @@ def fit_verdict(
             f"micro-batch {best.job.micro_batch}: {describe_estimate(best)}"
         )
     need = min_gpus_to_fit(model_cfg, seq_len, device, precision_mode)
-    more = f"at least {need} GPUs" if need else "more memory than any GPU count provides"
+    more = (
+        f"at least {need} GPUs (smallest power of two: {smallest_power_of_two(need)})"
+        if need else "more memory than any GPU count provides"
+    )
     return first + f"\n  nothing fits on {world_size} GPUs; fsdp + full checkpointing at micro-batch 1 needs {more}"
 
 

@@ -20,6 +20,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from data.config import DataConfig
 from data.loader import TrainStream
 from data.tokenizer import build_tokenizer
+from model.gpt import GPT
 
 
 class NaiveTextBatches(IterableDataset):
@@ -109,8 +110,6 @@ def measured_training_tokens_per_s(model_cfg, batch_size: int, seq_len: int, bud
     Warm-up steps (allocations, AdamW state) are not timed; then at least 3 steps, more while
     they fit in ``budget_s`` (at most 20), so a small model gets a stable median.
     """
-    from model.gpt import GPT
-
     torch.manual_seed(0)
     model = GPT(model_cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

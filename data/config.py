@@ -23,8 +23,11 @@ class DataConfig:
     sampling: Literal["random", "sequential"] = doc(
         "random", "mmap/default: windows in a seeded random order reshuffled each epoch, or in file order"
     )
-    verify: Literal["header", "full"] = doc(
-        "header", "shard checks on open: header and size only, or also CRC and maximum token id (reads all)"
+    verify: Literal["header", "lazy", "full"] = doc(
+        "lazy",
+        "mmap shard checks: header: header and file size only; lazy: also each chunk's CRC on its first read "
+        "in each process, before its tokens are used; full: every CRC and the maximum token id at start-up "
+        "(reads all)",
     )
     on_bad_shard: Literal["error", "skip"] = doc(
         "error", "a corrupt or unreadable shard stops the run, or is skipped and counted in the log"

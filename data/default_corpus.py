@@ -36,7 +36,7 @@ from data.errors import DataError
 from data.shards import META_FILE, TokenShardWriter, write_meta
 from data.tokenizer import ByteTokenizer
 
-CORPUS_VERSION = 1  # bump when the selection or layout changes, so old caches are not reused
+CORPUS_VERSION = 2  # bump when the selection or layout changes, so old caches are not reused (2: chunk CRCs)
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
 
 

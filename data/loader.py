@@ -21,37 +21,41 @@ state interface, resume at shard-plus-offset granularity.
 
 Each batch is checked against the model's vocabulary; an id outside it is an error naming the
 shard file. Shards that fail their checks on open either stop the run (``data.on_bad_shard=
-error``) or are skipped and named in the description line (``skip``).
+error``) or are skipped and named in the description line (``skip``). With ``data.verify=lazy``
+(the default) each CRC chunk of a shard is verified the first time a window of this process
+touches it (``TokenShard.check_tokens``), before its tokens reach a batch; a failure there stops
+the run with a DataError naming the shard and the chunk whatever ``on_bad_shard`` says, since
+leaving a shard out mid-epoch would change every later batch of the deterministic stream
+(``verify=full`` with ``on_bad_shard=skip`` leaves corrupt shards out at start-up instead).
 """
 
 from __future__ import annotations
 
 import bisect
-import copy
-import random
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from data.config import DataConfig
+from data.default_corpus import ensure_default_corpus
 from data.errors import DataError
 from data.shards import DatasetMeta, TokenShard, read_meta
+from data.stream import STATE_VERSION, DataBundle, TrainStream, ValSource, seed_worker, split_windows
+from data.webdataset_loader import build_webdataset_data
 
-STATE_VERSION = 1
+# Re-exported: callers import the stream pieces from here.
+__all__ = [
+    "STATE_VERSION", "DataBundle", "MmapBatches", "TrainStream", "ValSource", "build_data", "open_shards",
+    "seed_worker", "split_windows",
+]
 
-
-# ------------------------------------------------------------------------------------ the bundle
-
-
-@dataclass
-class DataBundle:
-    train: "TrainStream"
-    val: "ValSource"
-    description: str  # one line for the log
-    skipped_shards: list[str] = field(default_factory=list)  # "path: reason" for each skipped shard
+VERIFY_MODES = {
+    "header": "verify=header (header and file size only; token data unchecked)",
+    "lazy": "verify=lazy (each shard chunk's CRC checked on first read, per process)",
+    "full": "verify=full (every shard's CRCs checked at start-up)",
+}
 
 
 def build_data(
@@ -63,8 +67,6 @@ def build_data(
     if not 0 <= rank < world_size:
         raise DataError(f"rank {rank} is outside world_size {world_size}")
     if cfg.format == "webdataset":
-        from data.webdataset_loader import build_webdataset_data
-
         return build_webdataset_data(
             cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, rank=rank,
             world_size=world_size, vocab_size=vocab_size,
@@ -74,6 +76,7 @@ def build_data(
     layout = dict(seq_len=seq_len, batch_size=micro_batch_size, rank=rank, world_size=world_size, vocab_size=vocab_size)
     train_shards, skipped = open_shards(meta.files("train"), vocab_size, cfg.verify, cfg.on_bad_shard)
     val_shards, skipped_val = open_shards(meta.files("val"), vocab_size, cfg.verify, cfg.on_bad_shard)
+    layout["check_chunks"] = cfg.verify == "lazy"
     train_set = MmapBatches(
         train_shards, seed=seed, shuffle=cfg.sampling == "random", drop_last=cfg.drop_last, split_name="train", **layout
     )
@@ -86,17 +89,27 @@ def build_data(
         f"eot {meta.eot_id}) | train {train_set.token_count:,} tokens in {len(train_shards)} shard(s), "
         f"{train_set.batches_per_epoch:,} batches/epoch/rank of {micro_batch_size}x{seq_len} "
         f"({cfg.sampling}) | val {val_set.token_count:,} tokens, {val_set.batches_per_epoch:,} batches/rank | "
-        f"workers={cfg.num_workers}"
+        f"workers={cfg.num_workers} | {verify_description(cfg.verify, train_shards + val_shards)}"
     )
     if skipped:
         description += f" | SKIPPED {len(skipped)} bad shard(s): {skipped[0]}" + (" ..." if len(skipped) > 1 else "")
     return DataBundle(train=train, val=val, description=description, skipped_shards=skipped)
 
 
+def verify_description(mode: str, shards: list[TokenShard]) -> str:
+    """Which check ran, for the log; lazy mode also names version-1 shards, checked whole on first read."""
+    text = VERIFY_MODES[mode]
+    legacy = [s for s in shards if s.header.version < 2]
+    if mode == "lazy" and legacy:
+        text += (
+            f"; {len(legacy)} version-1 shard(s) such as {legacy[0].path.name} have one CRC, checked over the "
+            f"whole shard on its first read: rebuild them with tools/prepare_data.py for per-chunk checks"
+        )
+    return text
+
+
 def _open_mmap_dataset(cfg: DataConfig) -> DatasetMeta:
     if cfg.format == "default":
-        from data.default_corpus import ensure_default_corpus
-
         root = ensure_default_corpus(cfg.cache_dir, cfg.default_corpus_max_mb, cfg.val_fraction)
     else:
         root = Path(cfg.path)
@@ -148,8 +161,10 @@ class MmapBatches(IterableDataset):
     """
 
     def __init__(self, shards: list[TokenShard], *, seq_len: int, batch_size: int, rank: int, world_size: int,
-                 vocab_size: int, seed: int, shuffle: bool, drop_last: bool, split_name: str):
+                 vocab_size: int, seed: int, shuffle: bool, drop_last: bool, split_name: str,
+                 check_chunks: bool = True):
         self.paths = [str(s.path) for s in shards]
+        self.check_chunks = check_chunks
         self.seq_len, self.batch_size, self.vocab_size = seq_len, batch_size, vocab_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.drop_last, self.split_name = shuffle, drop_last, split_name
@@ -215,7 +230,10 @@ class MmapBatches(IterableDataset):
         for row, window in enumerate(ids.tolist()):
             shard = bisect.bisect_right(self.window_starts, window) - 1
             start = (window - self.window_starts[shard]) * T
-            buf[row] = self._shards[shard].tokens[start : start + T + 1]
+            source = self._shards[shard]
+            if self.check_chunks and not source.all_verified:
+                source.check_tokens(start, start + T + 1)
+            buf[row] = source.tokens[start : start + T + 1]
         if buf.max() >= self.vocab_size or buf.min() < 0:
             self._raise_bad_token(buf, ids)
         return torch.from_numpy(buf)
@@ -247,129 +265,3 @@ class MmapBatches(IterableDataset):
         while True:  # epochs repeat forever; the trainer decides when to stop
             yield self.windows(g), g + 1  # the stream position after this batch
             g += workers
-
-
-# ------------------------------------------------------------------------------- train stream
-
-
-def split_windows(windows: torch.Tensor, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T + 1) windows -> contiguous inputs x and next-token labels y, both (B, T)."""
-    if not pin:
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-    shape = (windows.shape[0], windows.shape[1] - 1)
-    x = torch.empty(shape, dtype=windows.dtype, pin_memory=True)  # from torch's caching host allocator
-    y = torch.empty(shape, dtype=windows.dtype, pin_memory=True)
-    x.copy_(windows[:, :-1])
-    y.copy_(windows[:, 1:])
-    return x, y
-
-
-def seed_worker(worker_id: int) -> None:
-    """DataLoader worker_init_fn: seed Python and NumPy from the worker's torch seed.
-
-    DataLoader gives worker ``w`` the torch seed ``base_seed + w`` with ``base_seed`` drawn from
-    the loader's own generator (seeded from the run seed and rank), so augmentation-style
-    randomness in workers is reproducible and differs between workers.
-    """
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    np.random.seed(seed)
-
-
-class TrainStream:
-    """Infinite iterator of training batches with a resumable position.
-
-    Wraps a batch dataset whose iterator yields ``(windows, cursor)``: a (B, T + 1) int64 tensor
-    and the reading position just after that batch. Workers send the windows as one tensor
-    (at these sizes the cost of passing a batch between processes is mostly per tensor, so one
-    is about twice as fast as two) and the stream cuts ``x`` and ``y`` from it, into pinned
-    memory when pinning is on. The stream folds each cursor into its state as it hands the batch
-    to the caller, so batches prefetched by workers never leak into the state.
-    The dataset supplies ``identity()``, ``initial_state()``, ``set_start(state)`` and
-    ``advance(state, cursor)``.
-    """
-
-    def __init__(self, dataset: IterableDataset, cfg: DataConfig, *, seed: int, rank: int):
-        self._dataset = dataset
-        self._cfg = cfg
-        self._seed, self._rank = seed, rank
-        self._state = dataset.initial_state()
-        self._iterator = None
-        self._pin = bool(cfg.pin_memory and torch.cuda.is_available())
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self._dataset.batches_per_epoch
-
-    def _make_iterator(self):
-        self._dataset.set_start(self._state)
-        cfg = self._cfg
-        workers = cfg.num_workers
-        extra = {}
-        if workers > 0:
-            extra = dict(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor,
-                         worker_init_fn=seed_worker, timeout=cfg.timeout)
-        loader = DataLoader(
-            self._dataset,
-            batch_size=None,  # the dataset yields whole batches
-            num_workers=workers,
-            pin_memory=False,  # x and y are cut into pinned buffers in __next__ instead
-            # A private generator: creating the iterator must not consume the global torch RNG.
-            generator=torch.Generator().manual_seed(self._seed * 1_000_003 + self._rank),
-            **extra,
-        )
-        return iter(loader)
-
-    def __iter__(self) -> "TrainStream":
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._iterator is None:
-            self._iterator = self._make_iterator()
-        windows, cursor = next(self._iterator)
-        self._state = self._dataset.advance(self._state, cursor)
-        return split_windows(windows, pin=self._pin)
-
-    def state_dict(self) -> dict:
-        """Plain ints, strings, lists and dicts (safe for ``torch.load(weights_only=True)``)."""
-        return {"version": STATE_VERSION, "identity": self._dataset.identity(), **copy.deepcopy(self._state)}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise DataError(
-                f"data stream state version {state.get('version')} is not {STATE_VERSION}: cannot resume it"
-            )
-        mine = self._dataset.identity()
-        theirs = state.get("identity", {})
-        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
-        if diff:
-            pretty = ", ".join(f"{k}: saved {a} now {b}" for k, (a, b) in sorted(diff.items()))
-            raise DataError(f"cannot resume the data stream: the data layout changed ({pretty})")
-        self.close()
-        self._state = {k: copy.deepcopy(v) for k, v in state.items() if k not in ("version", "identity")}
-
-    def close(self) -> None:
-        """Stop worker processes (they restart on the next batch)."""
-        self._iterator = None  # the DataLoader iterator shuts its workers down when collected
-
-
-# ---------------------------------------------------------------------------------- validation
-
-
-class ValSource:
-    """Deterministic validation batches: ``batches(n)`` yields the same first n batches every call.
-
-    Read in the calling process (no workers): rank r takes every W-th window in file order.
-    """
-
-    def __init__(self, dataset: MmapBatches):
-        self._dataset = dataset
-
-    @property
-    def num_batches(self) -> int:
-        return self._dataset.batches_per_epoch
-
-    def batches(self, n: int):
-        """The first ``min(n, num_batches)`` batches of this rank's share of the validation split."""
-        for g in range(min(n, self.num_batches)):
-            yield self._dataset.batch(g)

@@ -7,6 +7,12 @@ Inputs (in the order given; folders are walked in sorted order):
 - JSONL (``.jsonl``): one JSON object per line, the document in ``text_field``;
 - Parquet (``.parquet``, via pyarrow): the ``text_field`` column, read a record batch at a time.
 
+Invalid UTF-8 in text and JSONL input is never replaced silently: with ``on_invalid_utf8=replace``
+(the default) each invalid byte sequence becomes U+FFFD, as ``bytes.decode(errors="replace")``
+does, and the count and the first few places are reported (``Utf8Report``); with ``error`` the
+first one stops preparation, naming the file and byte offset. Parquet strings are UTF-8 by type;
+pyarrow rejects invalid ones (reported as corrupt Parquet data).
+
 Documents are tokenized in worker processes (``imap`` keeps their order), each followed by the
 tokenizer's end-of-text token. Document ``i`` goes to the validation split when the running
 count ``round(i * val_fraction)`` steps up, so about ``val_fraction`` of documents, evenly spread,
@@ -15,21 +21,28 @@ are held out. Output is deterministic: the same inputs and options give the same
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
+import logging
 import multiprocessing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+from tqdm import tqdm
 
 from data.errors import DataError
-from data.shards import META_FILE, TokenShardWriter, write_meta
+from data.shards import DEFAULT_CHUNK_TOKENS, META_FILE, TokenShardWriter, write_meta
 from data.tokenizer import build_tokenizer
+from data.wds_format import TokenSampleWriter
 
 TEXT_SPLITS = ("file", "paragraph", "line")
 OUTPUTS = ("mmap", "webdataset")
+UTF8_POLICIES = ("replace", "error")
+
+log = logging.getLogger("perfgpt.data")
 
 
 @dataclass
@@ -47,6 +60,8 @@ class PrepareOptions:
     seq_len: int = 1024  # webdataset: each sample holds seq_len + 1 tokens
     samples_per_shard: int = 10_000  # webdataset
     wds_encoding: str = "raw"  # raw | npy
+    on_invalid_utf8: str = "replace"  # replace (with U+FFFD, counted and reported) | error
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # mmap: tokens per CRC chunk (lazy verification unit)
     overwrite: bool = False
     progress: bool = True
 
@@ -55,10 +70,16 @@ class PrepareOptions:
             raise DataError("no inputs given: pass text files, folders, .jsonl or .parquet files")
         if self.output not in OUTPUTS:
             raise DataError(f"unknown output {self.output!r}; valid: {', '.join(OUTPUTS)}")
+        if self.on_invalid_utf8 not in UTF8_POLICIES:
+            raise DataError(
+                f"unknown invalid-UTF-8 policy {self.on_invalid_utf8!r}; valid: {', '.join(UTF8_POLICIES)}"
+            )
         if self.text_split not in TEXT_SPLITS:
             raise DataError(f"unknown text split {self.text_split!r}; valid: {', '.join(TEXT_SPLITS)}")
         if not 0.0 < self.val_fraction < 0.5:
             raise DataError(f"val fraction must be in (0, 0.5), got {self.val_fraction}")
+        if not 1 <= self.chunk_tokens < 2**32:
+            raise DataError(f"crc-chunk-tokens must be in [1, 2**32), got {self.chunk_tokens}")
         for key in ("workers", "shard_tokens", "seq_len", "samples_per_shard"):
             if getattr(self, key) < 1:
                 raise DataError(f"{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
@@ -74,6 +95,66 @@ class SplitSummary:
 
 
 # ------------------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Utf8Report:
+    """Invalid UTF-8 replaced while reading: how many sequences, in how many places, the first few."""
+
+    replacements: int = 0
+    places: int = 0  # files (or JSONL lines) with at least one replacement
+    examples: list[str] = field(default_factory=list)
+    max_examples: int = 5
+
+    def add(self, where: str, first_offset: int, count: int) -> None:
+        self.replacements += count
+        self.places += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append(f"{where} (byte {first_offset}, {count} replaced)")
+
+    def summary(self) -> str:
+        more = f" and {self.places - len(self.examples)} more" if self.places > len(self.examples) else ""
+        return (
+            f"replaced {self.replacements} invalid UTF-8 sequence(s) with U+FFFD in {self.places} file(s)/line(s): "
+            f"{', '.join(self.examples)}{more}; pass --on-invalid-utf8 error to stop at the first one instead"
+        )
+
+
+def decode_utf8(raw: bytes) -> tuple[str, int, int]:
+    """``raw`` decoded as ``raw.decode(errors="replace")`` would, plus the replacement count and the
+    byte offset of the first invalid sequence (-1 when there is none)."""
+    view = memoryview(raw)
+    parts, count, first, pos = [], 0, -1, 0
+    while True:
+        try:
+            parts.append(codecs.utf_8_decode(view[pos:], "strict", True)[0])
+            break
+        except UnicodeDecodeError as e:  # start and end are relative to view[pos:]
+            parts.append(codecs.utf_8_decode(view[pos : pos + e.start], "strict", True)[0])
+            parts.append("\ufffd")
+            first = pos + e.start if first < 0 else first
+            count += 1
+            pos += e.end
+    return "".join(parts), count, first
+
+
+class Utf8Decoder:
+    """Applies ``on_invalid_utf8`` to each raw text it decodes; replacements go into ``report``."""
+
+    def __init__(self, policy: str = "replace", report: Utf8Report | None = None):
+        self.policy = policy
+        self.report = report if report is not None else Utf8Report()
+
+    def decode(self, raw: bytes, where: str, base_offset: int = 0) -> str:
+        text, count, first = decode_utf8(raw)
+        if count and self.policy == "error":
+            raise DataError(
+                f"{where}: invalid UTF-8 at byte offset {base_offset + first}; fix the file, or pass "
+                f"--on-invalid-utf8 replace to replace each invalid sequence with U+FFFD"
+            )
+        if count:
+            self.report.add(where, base_offset + first, count)
+        return text
 
 
 def expand_inputs(inputs: list[str], glob: str) -> list[Path]:
@@ -92,22 +173,26 @@ def expand_inputs(inputs: list[str], glob: str) -> list[Path]:
     return files
 
 
-def iter_documents(files: list[Path], text_field: str, text_split: str) -> Iterator[str]:
+def iter_documents(files: list[Path], text_field: str, text_split: str,
+                   decoder: Utf8Decoder | None = None) -> Iterator[str]:
+    decoder = decoder if decoder is not None else Utf8Decoder()
     for path in files:
         suffix = path.suffix.lower()
         if suffix == ".jsonl":
-            yield from _jsonl_documents(path, text_field)
+            yield from _jsonl_documents(path, text_field, decoder)
         elif suffix == ".parquet":
             yield from _parquet_documents(path, text_field)
         else:
-            yield from _text_documents(path, text_split)
+            yield from _text_documents(path, text_split, decoder)
 
 
-def _text_documents(path: Path, text_split: str) -> Iterator[str]:
+def _text_documents(path: Path, text_split: str, decoder: Utf8Decoder) -> Iterator[str]:
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        raw = path.read_bytes()
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror}") from e
+    # The same newline translation as reading in text mode: \r\n and \r become \n.
+    text = decoder.decode(raw, str(path)).replace("\r\n", "\n").replace("\r", "\n")
     if text_split == "file":
         parts = [text]
     elif text_split == "line":
@@ -117,9 +202,12 @@ def _text_documents(path: Path, text_split: str) -> Iterator[str]:
     yield from (p for p in parts if p.strip())
 
 
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+def _jsonl_documents(path: Path, text_field: str, decoder: Utf8Decoder) -> Iterator[str]:
+    with open(path, "rb") as f:  # bytes, so an invalid sequence can be placed at its file offset
+        offset = 0
+        for lineno, raw in enumerate(f, 1):
+            line = decoder.decode(raw, f"{path}:{lineno}", offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -196,8 +284,9 @@ def is_validation_index(i: int, val_fraction: float) -> bool:
 
 
 class _MmapSplitWriter:
-    def __init__(self, out: Path, split: str, vocab_size: int, eot_id: int, shard_tokens: int):
-        self.out, self.split, self.shard_tokens = out, split, shard_tokens
+    def __init__(self, out: Path, split: str, vocab_size: int, eot_id: int, shard_tokens: int,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+        self.out, self.split, self.shard_tokens, self.chunk_tokens = out, split, shard_tokens, chunk_tokens
         self.vocab_size, self.eot_id = vocab_size, eot_id
         self.entries: list[dict] = []
         self._writer: TokenShardWriter | None = None
@@ -206,7 +295,7 @@ class _MmapSplitWriter:
     def add(self, ids: np.ndarray) -> None:
         if self._writer is None:
             name = f"{self.split}-{len(self.entries):06d}.bin"
-            self._writer = TokenShardWriter(self.out / name, self.vocab_size, self.eot_id)
+            self._writer = TokenShardWriter(self.out / name, self.vocab_size, self.eot_id, self.chunk_tokens)
             self._docs = 0
         self._writer.add_document(ids)
         self._docs += 1
@@ -239,8 +328,12 @@ def _clear_previous_output(out: Path, overwrite: bool) -> None:
         raise DataError(f"{out} is not empty ({others[0].name}, ...); choose an empty or new output directory")
 
 
-def prepare(opts: PrepareOptions) -> dict[str, SplitSummary]:
-    """Tokenize the inputs into ``opts.out_dir``; returns per-split counts."""
+def prepare(opts: PrepareOptions, utf8_report: Utf8Report | None = None) -> dict[str, SplitSummary]:
+    """Tokenize the inputs into ``opts.out_dir``; returns per-split counts.
+
+    Replaced invalid UTF-8 is recorded in ``utf8_report`` for the caller to print; without one it
+    is logged as a warning, so it is never silent.
+    """
     opts.validate()
     tok = build_tokenizer(opts.tokenizer)  # fails fast (e.g. tiktoken needing a download)
     files = expand_inputs(opts.inputs, opts.glob)
@@ -249,7 +342,8 @@ def prepare(opts: PrepareOptions) -> dict[str, SplitSummary]:
     _clear_previous_output(out, opts.overwrite)
     writers = _make_writers(opts, out, tok.vocab_size, tok.eot_id)
     summary = {"train": SplitSummary(), "val": SplitSummary()}
-    docs = iter_documents(files, opts.text_field, opts.text_split)
+    decoder = Utf8Decoder(opts.on_invalid_utf8, utf8_report)
+    docs = iter_documents(files, opts.text_field, opts.text_split, decoder)
     encoded = encoded_documents(docs, opts.tokenizer, opts.workers)
     bar = _progress(opts.progress)
     for i, ids in enumerate(encoded):
@@ -275,14 +369,15 @@ def prepare(opts: PrepareOptions) -> dict[str, SplitSummary]:
             )
     write_meta(out, format=opts.output, tokenizer=tok.name, vocab_size=tok.vocab_size, eot_id=tok.eot_id,
                splits=splits, **extra)
+    if utf8_report is None and decoder.report.replacements:
+        log.warning("prepare_data: %s", decoder.report.summary())
     return summary
 
 
 def _make_writers(opts: PrepareOptions, out: Path, vocab_size: int, eot_id: int) -> dict:
     if opts.output == "mmap":
-        return {s: _MmapSplitWriter(out, s, vocab_size, eot_id, opts.shard_tokens) for s in ("train", "val")}
-    from data.wds_format import TokenSampleWriter
-
+        return {s: _MmapSplitWriter(out, s, vocab_size, eot_id, opts.shard_tokens, opts.chunk_tokens)
+                for s in ("train", "val")}
     return {
         s: TokenSampleWriter(out / s, seq_len=opts.seq_len, vocab_size=vocab_size,
                              samples_per_shard=opts.samples_per_shard, encoding=opts.wds_encoding)
@@ -304,6 +399,4 @@ def _close_writers(opts: PrepareOptions, writers: dict, summary: dict) -> tuple[
 
 
 def _progress(enabled: bool):
-    from tqdm import tqdm
-
     return tqdm(unit="doc", desc="tokenizing", disable=not enabled, mininterval=0.5)

@@ -1,26 +1,43 @@
 """The mmap token-shard format and the dataset directory that lists shards.
 
-One shard file (``*.bin``), all integers little-endian::
+One shard file (``*.bin``), version 2, all integers little-endian::
 
     offset 0   header, 64 bytes:
                magic        8s   b"PGPTTOK\\0"
-               version      u32  1
+               version      u32  2
                itemsize     u32  2 (uint16 tokens, vocab <= 65536) or 4 (uint32)
                token_count  u64
                doc_count    u64
                vocab_size   u64  of the tokenizer that wrote it
                max_token_id u64  largest id in the file (0 when empty)
-               crc32        u32  of the token bytes
-               (12 bytes zero padding)
+               crc32        u32  of all the token bytes
+               chunk_tokens u32  tokens per CRC chunk (the last chunk may be shorter)
+               index_crc    u32  of the doc_offsets bytes
+               header_crc   u32  of the 60 header bytes before it
     offset 64  tokens: token_count * itemsize bytes, each document followed by end-of-text
                zero padding to a multiple of 8 bytes
     then       doc_offsets: (doc_count + 1) u64, where document i spans
                tokens[doc_offsets[i]:doc_offsets[i+1]] (its end-of-text included)
+    then       chunk_crcs: ceil(token_count / chunk_tokens) u32, the CRC32 of each chunk's token
+               bytes, zero padding to a multiple of 8 bytes
+
+Version 1 (still read) has the same layout up to ``crc32``, 12 zero bytes where version 2 keeps
+``chunk_tokens`` .. ``header_crc``, and no chunk table; it is treated as one chunk covering all
+tokens, checked by ``crc32``.
 
 Both arrays are read with ``numpy.memmap``, so opening a shard costs no reads beyond the header.
-Opening checks the magic, version, itemsize and that the file size matches the header exactly
-(a truncated or padded file is an error naming it). ``verify()`` additionally checks the CRC and
-recomputes the maximum id; loaders also check each window they read against the model's vocab.
+Opening checks the magic, version, itemsize, the header CRC (version 2) and that the file size
+matches the header exactly (a truncated or padded file is an error naming it). What else is
+checked depends on ``data.verify``:
+
+- ``header``: nothing more.
+- ``lazy`` (default): ``TokenShard.check_tokens`` verifies each chunk's CRC the first time a
+  reader touches it (once per process), before the tokens are used; a version-1 shard's one chunk
+  is the whole shard, so its first read checks all of it.
+- ``full``: ``verify()`` at start-up checks every CRC, recomputes the maximum id and the document
+  index.
+
+Loaders also check each window they read against the model's vocab.
 
 A dataset directory holds ``meta.json`` (tokenizer, vocab size, end-of-text id, the shard files
 of each split) and the shards. Shard contents are never unpickled: they are raw integers.
@@ -40,9 +57,16 @@ import numpy as np
 from data.errors import DataError
 
 MAGIC = b"PGPTTOK\0"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<8sIIQQQQI12x")
-assert HEADER.size == 64
+SHARD_VERSION = 2  # what the writer produces
+READABLE_SHARD_VERSIONS = (1, 2)
+META_VERSION = 1  # of meta.json, independent of the shard files' version
+HEADER = struct.Struct("<8sIIQQQQIIII")
+HEADER_V1 = struct.Struct("<8sIIQQQQI12x")
+assert HEADER.size == HEADER_V1.size == 64
+HEADER_CRC_AT = HEADER.size - 4
+# 64 Ki tokens (128 KiB of uint16) per CRC: the first read of a window verifies at most a few
+# such chunks, and the table costs 4 bytes per chunk.
+DEFAULT_CHUNK_TOKENS = 1 << 16
 META_FILE = "meta.json"
 DATASET_FORMATS = ("mmap", "webdataset")
 
@@ -61,16 +85,23 @@ def _aligned8(n: int) -> int:
 class TokenShardWriter:
     """Streams documents into a shard; the file appears (atomically renamed) only on ``close()``."""
 
-    def __init__(self, path: str | os.PathLike, vocab_size: int, eot_id: int):
+    def __init__(self, path: str | os.PathLike, vocab_size: int, eot_id: int,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+        if not 1 <= chunk_tokens < 2**32:
+            raise DataError(f"chunk_tokens must be in [1, 2**32), got {chunk_tokens}")
         self.path = Path(path)
         self.vocab_size = vocab_size
         self.eot_id = eot_id
+        self.chunk_tokens = chunk_tokens
         self.dtype = token_dtype(vocab_size)
         self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self._file = open(self._tmp, "wb")
         self._file.write(b"\0" * HEADER.size)
         self._offsets = [0]
         self._crc = 0
+        self._chunk_crcs: list[int] = []
+        self._chunk_crc = 0
+        self._chunk_fill = 0  # tokens in the chunk being written
         self._max_id = 0
 
     @property
@@ -88,21 +119,39 @@ class TokenShardWriter:
         raw = doc.tobytes()
         self._file.write(raw)
         self._crc = zlib.crc32(raw, self._crc)
+        self._add_to_chunks(memoryview(raw))
         self._max_id = max(self._max_id, int(doc.max()))
         self._offsets.append(self._offsets[-1] + doc.size)
 
+    def _add_to_chunks(self, raw: memoryview) -> None:
+        """Fold token bytes into the per-chunk CRCs; a document may span chunk boundaries."""
+        itemsize = self.dtype.itemsize
+        while len(raw):
+            take = min(len(raw) // itemsize, self.chunk_tokens - self._chunk_fill)
+            self._chunk_crc = zlib.crc32(raw[: take * itemsize], self._chunk_crc)
+            self._chunk_fill += take
+            raw = raw[take * itemsize :]
+            if self._chunk_fill == self.chunk_tokens:
+                self._chunk_crcs.append(self._chunk_crc)
+                self._chunk_crc, self._chunk_fill = 0, 0
+
     def close(self) -> Path:
+        if self._chunk_fill:
+            self._chunk_crcs.append(self._chunk_crc)
+            self._chunk_crc, self._chunk_fill = 0, 0
         tokens = self.token_count
         pad = _aligned8(tokens * self.dtype.itemsize) - tokens * self.dtype.itemsize
         self._file.write(b"\0" * pad)
-        self._file.write(np.asarray(self._offsets, dtype="<u8").tobytes())
-        self._file.seek(0)
-        self._file.write(
-            HEADER.pack(
-                MAGIC, FORMAT_VERSION, self.dtype.itemsize, tokens, len(self._offsets) - 1,
-                self.vocab_size, self._max_id, self._crc,
-            )
+        offsets = np.asarray(self._offsets, dtype="<u8").tobytes()
+        self._file.write(offsets)
+        table = np.asarray(self._chunk_crcs, dtype="<u4").tobytes()
+        self._file.write(table + b"\0" * (_aligned8(len(table)) - len(table)))
+        header = HEADER.pack(
+            MAGIC, SHARD_VERSION, self.dtype.itemsize, tokens, len(self._offsets) - 1, self.vocab_size,
+            self._max_id, self._crc, self.chunk_tokens, zlib.crc32(offsets), 0,
         )
+        self._file.seek(0)
+        self._file.write(header[:HEADER_CRC_AT] + struct.pack("<I", zlib.crc32(header[:HEADER_CRC_AT])))
         self._file.close()
         os.replace(self._tmp, self.path)
         return self.path
@@ -120,13 +169,32 @@ class ShardHeader:
     vocab_size: int
     max_token_id: int
     crc32: int
+    version: int = SHARD_VERSION
+    chunk_tokens: int = 0  # 0 in version 1: the whole token payload is one chunk
+    index_crc: int = 0  # version 2 only
 
     @property
     def dtype(self) -> np.dtype:
         return np.dtype("<u2") if self.itemsize == 2 else np.dtype("<u4")
 
+    @property
+    def tokens_per_chunk(self) -> int:
+        """Tokens each CRC covers (version 1: all of them)."""
+        return self.chunk_tokens if self.version >= 2 else max(1, self.token_count)
+
+    @property
+    def chunk_count(self) -> int:
+        return -(-self.token_count // self.tokens_per_chunk)
+
+    def offsets_at(self) -> int:
+        return HEADER.size + _aligned8(self.token_count * self.itemsize)
+
+    def chunk_table_at(self) -> int:
+        return self.offsets_at() + 8 * (self.doc_count + 1)
+
     def expected_file_size(self) -> int:
-        return HEADER.size + _aligned8(self.token_count * self.itemsize) + 8 * (self.doc_count + 1)
+        table = _aligned8(4 * self.chunk_count) if self.version >= 2 else 0
+        return self.chunk_table_at() + table
 
 
 def read_header(path: str | os.PathLike) -> ShardHeader:
@@ -140,19 +208,28 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
         raise DataError(f"cannot read token shard {path}: {e.strerror}") from e
     if len(raw) < HEADER.size:
         raise DataError(f"{path}: truncated token shard ({size} bytes, the header alone is {HEADER.size})")
-    magic, version, itemsize, tokens, docs, vocab, max_id, crc = HEADER.unpack(raw)
+    magic, version = struct.unpack_from("<8sI", raw)
     if magic != MAGIC:
         raise DataError(
             f"{path}: not a perfgpt token shard (bad magic {magic!r}); rebuild it with tools/prepare_data.py"
         )
-    if version != FORMAT_VERSION:
+    if version not in READABLE_SHARD_VERSIONS:
         raise DataError(
-            f"{path}: token shard format version {version}, this code reads version {FORMAT_VERSION}; "
-            f"rebuild it with tools/prepare_data.py"
+            f"{path}: token shard format version {version}, this code reads versions "
+            f"{', '.join(map(str, READABLE_SHARD_VERSIONS))}; rebuild it with tools/prepare_data.py"
         )
+    if version == 1:
+        _, _, itemsize, tokens, docs, vocab, max_id, crc = HEADER_V1.unpack(raw)
+        header = ShardHeader(itemsize, tokens, docs, vocab, max_id, crc, version=1)
+    else:
+        _, _, itemsize, tokens, docs, vocab, max_id, crc, chunk, index_crc, header_crc = HEADER.unpack(raw)
+        if zlib.crc32(raw[:HEADER_CRC_AT]) != header_crc or chunk == 0:
+            raise DataError(
+                f"{path}: corrupt header (fails its CRC check); rebuild the shard with tools/prepare_data.py"
+            )
+        header = ShardHeader(itemsize, tokens, docs, vocab, max_id, crc, version, chunk, index_crc)
     if itemsize not in (2, 4):
         raise DataError(f"{path}: corrupt header (token itemsize {itemsize}, expected 2 or 4)")
-    header = ShardHeader(itemsize, tokens, docs, vocab, max_id, crc)
     if size != header.expected_file_size():
         raise DataError(
             f"{path}: file is {size} bytes but its header describes {header.expected_file_size()} "
@@ -164,7 +241,11 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
 
 
 class TokenShard:
-    """A validated, memory-mapped shard: ``tokens`` and ``doc_offsets`` are numpy memmaps."""
+    """A validated, memory-mapped shard: ``tokens`` and ``doc_offsets`` are numpy memmaps.
+
+    ``check_tokens`` remembers which chunks passed their CRC in this object, so each process
+    that opens the shard verifies what it reads once (DataLoader workers open their own).
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -174,8 +255,15 @@ class TokenShard:
             self.tokens = np.memmap(self.path, dtype=h.dtype, mode="r", offset=HEADER.size, shape=(h.token_count,))
         else:
             self.tokens = np.zeros(0, dtype=h.dtype)
-        offsets_at = HEADER.size + _aligned8(h.token_count * h.itemsize)
-        self.doc_offsets = np.memmap(self.path, dtype="<u8", mode="r", offset=offsets_at, shape=(h.doc_count + 1,))
+        self.doc_offsets = np.memmap(self.path, dtype="<u8", mode="r", offset=h.offsets_at(), shape=(h.doc_count + 1,))
+        if h.version >= 2 and h.chunk_count:
+            self.chunk_crcs = np.memmap(self.path, dtype="<u4", mode="r", offset=h.chunk_table_at(),
+                                        shape=(h.chunk_count,))
+        else:
+            self.chunk_crcs = np.asarray([h.crc32] * h.chunk_count, dtype="<u4")
+        self._verified: set[int] = set()
+        self._per = h.tokens_per_chunk  # read once: check_tokens runs for every window
+        self.all_verified = h.chunk_count == 0  # once True, readers can skip check_tokens
 
     def __len__(self) -> int:
         return self.header.token_count
@@ -184,20 +272,51 @@ class TokenShard:
         """Tokens of document ``i`` without its end-of-text."""
         return np.asarray(self.tokens[int(self.doc_offsets[i]) : int(self.doc_offsets[i + 1]) - 1])
 
-    def verify(self, chunk_tokens: int = 1 << 24) -> None:
-        """Full check: CRC of the token bytes, true maximum id and a monotone document index."""
-        crc, max_id = 0, 0
-        for start in range(0, len(self), chunk_tokens):
-            chunk = np.asarray(self.tokens[start : start + chunk_tokens])
-            crc = zlib.crc32(chunk.tobytes(), crc)
-            max_id = max(max_id, int(chunk.max()))
-        if crc != self.header.crc32:
-            raise DataError(f"{self.path}: token data fails its CRC check (corrupt); rebuild the shard")
-        if max_id != self.header.max_token_id:
-            raise DataError(
-                f"{self.path}: max token id {max_id} disagrees with the header ({self.header.max_token_id})"
+    def check_tokens(self, start: int, stop: int) -> None:
+        """Verify the CRC of every chunk overlapping tokens [start, stop) not verified yet here."""
+        per = self._per
+        for chunk in range(start // per, (min(max(start, stop - 1), len(self) - 1)) // per + 1):
+            if chunk not in self._verified:
+                self._check_chunk(chunk, self._chunk_crc(chunk))
+
+    def _chunk_crc(self, chunk: int) -> int:
+        per = self.header.tokens_per_chunk
+        return zlib.crc32(np.ascontiguousarray(self.tokens[chunk * per : (chunk + 1) * per]))
+
+    def _check_chunk(self, chunk: int, crc: int) -> None:
+        if crc != int(self.chunk_crcs[chunk]):
+            per = self.header.tokens_per_chunk
+            where = (
+                f"token chunk {chunk} (tokens {chunk * per:,} to {min(len(self), (chunk + 1) * per):,})"
+                if self.header.version >= 2 else "token data (version-1 shard, one CRC for all tokens)"
             )
+            raise DataError(
+                f"{self.path}: {where} fails its CRC check: the shard is corrupt; rebuild it with "
+                f"tools/prepare_data.py (or set data.verify=full data.on_bad_shard=skip to leave it out at start-up)"
+            )
+        self._verified.add(chunk)
+        self.all_verified = len(self._verified) == self.header.chunk_count
+
+    def verify(self, block_tokens: int = 1 << 24) -> None:
+        """Full check: every CRC, the true maximum id and a monotone document index."""
+        h = self.header
+        per = h.tokens_per_chunk if h.version >= 2 else block_tokens
+        crc, max_id = 0, 0
+        for start in range(0, len(self), per):
+            block = np.ascontiguousarray(self.tokens[start : start + per])
+            if h.version >= 2:
+                self._check_chunk(start // per, zlib.crc32(block))
+            crc = zlib.crc32(block, crc)
+            max_id = max(max_id, int(block.max()))
+        if crc != h.crc32:
+            raise DataError(f"{self.path}: token data fails its CRC check (corrupt); rebuild the shard")
+        self._verified.update(range(h.chunk_count))
+        self.all_verified = True
+        if max_id != h.max_token_id:
+            raise DataError(f"{self.path}: max token id {max_id} disagrees with the header ({h.max_token_id})")
         offsets = np.asarray(self.doc_offsets)
+        if h.version >= 2 and zlib.crc32(np.ascontiguousarray(offsets)) != h.index_crc:
+            raise DataError(f"{self.path}: document index fails its CRC check (corrupt); rebuild the shard")
         if offsets[0] != 0 or offsets[-1] != len(self) or np.any(np.diff(offsets.astype(np.int64)) < 1):
             raise DataError(f"{self.path}: corrupt document index (offsets not increasing from 0 to the token count)")
 
@@ -237,7 +356,7 @@ def write_meta(root: str | os.PathLike, *, format: str, tokenizer: str, vocab_si
                splits: dict, **extra) -> Path:
     root = Path(root)
     body = {
-        "format": format, "version": FORMAT_VERSION, "tokenizer": tokenizer, "vocab_size": vocab_size,
+        "format": format, "version": META_VERSION, "tokenizer": tokenizer, "vocab_size": vocab_size,
         "eot_id": eot_id, "splits": splits, **extra,
     }
     tmp = root / f".{META_FILE}.tmp-{os.getpid()}"
@@ -268,9 +387,9 @@ def read_meta(root: str | os.PathLike) -> DatasetMeta:
         ) from e
     if fmt not in DATASET_FORMATS:
         raise DataError(f"{file}: unknown dataset format {fmt!r}; valid: {', '.join(DATASET_FORMATS)}")
-    if int(body.get("version", -1)) != FORMAT_VERSION:
+    if int(body.get("version", -1)) != META_VERSION:
         raise DataError(
-            f"{file}: dataset version {body.get('version')}, this code reads {FORMAT_VERSION}; "
+            f"{file}: dataset version {body.get('version')}, this code reads {META_VERSION}; "
             f"re-run tools/prepare_data.py"
         )
     return meta

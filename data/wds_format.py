@@ -25,8 +25,11 @@ TOKEN_EXTENSIONS = {"u16": np.dtype("<u2"), "u32": np.dtype("<u4")}
 
 
 def import_webdataset():
+    """The webdataset package with the submodules used here; the one place that imports it."""
     try:
         import webdataset
+        import webdataset.filters
+        import webdataset.tariterators
     except ImportError as e:
         raise DataError("data.format=webdataset needs the webdataset package: pip install webdataset") from e
     return webdataset
@@ -130,12 +133,24 @@ def decode_tokens(sample: dict, url: str, sample_tokens: int) -> np.ndarray:
     return arr
 
 
-def iter_shard_samples(path: str, skip: int):
-    """Samples of one tar shard via webdataset's tar iterator, after the first ``skip``."""
-    from webdataset.tariterators import group_by_keys, tar_file_expander
+def iter_shard_samples(path: str, skip: int, expected: int | None = None):
+    """Samples of one tar shard via webdataset's tar iterator, after the first ``skip``.
 
+    Python's tarfile ends an archive quietly at an unreadable header after the first member and
+    at a cut on a member boundary, so a damaged shard just looks shorter. ``expected`` (the count
+    in meta.json) turns that into a DataError once the shard is exhausted.
+    """
+    tariterators = import_webdataset().tariterators
+    count = 0
     with open(path, "rb") as stream:  # opened here: webdataset's gopen would also accept pipe: URLs
-        files = tar_file_expander([{"url": path, "stream": stream}])
-        for index, sample in enumerate(group_by_keys(files)):
+        files = tariterators.tar_file_expander([{"url": path, "stream": stream}])
+        for index, sample in enumerate(tariterators.group_by_keys(files)):
+            count = index + 1
             if index >= skip:
                 yield sample
+    if expected is not None and count != expected:
+        raise DataError(
+            f"{path}: WebDataset shard holds {count} readable sample(s), meta.json records {expected}: "
+            f"{'truncated or corrupt' if count < expected else 'not the shard meta.json describes'}; re-run "
+            f"tools/prepare_data.py, or set data.on_bad_shard=skip to read past it"
+        )

@@ -32,15 +32,24 @@ Resume granularity: shard plus offset
     must stay the same across a resume (it decides the shard split).
 
 Bad shards
-    A truncated or corrupt tar, a sample of the wrong length or dtype, or a token id outside the
+    A truncated or corrupt tar, a shard that yields a different number of samples than meta.json
+    records (tarfile ends a tar quietly at a damaged header or a cut on a member boundary, so
+    the count is the only sign), a sample of the wrong length or dtype, or a token id outside the
     model's vocabulary raises a DataError naming the shard; with ``data.on_bad_shard=skip`` the
     rest of that shard is skipped, the skip is counted in the stream state and logged, and a
-    reader whose shards all fail raises instead of spinning.
+    reader whose shards all fail raises instead of spinning. A short shard is only known to be
+    short at its end, so in skip mode the samples before the damage have been used.
+
+Validation (``WebDatasetVal``) applies the same checks. With ``skip``, the samples a bad shard
+lost count as holes in the global sample order, and every rank drops each group of
+``world_size`` consecutive samples that contains a hole, so all ranks still run the same number
+of validation batches (a collective per batch, as with FSDP, must not hang).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 import random
@@ -51,7 +60,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from data.config import DataConfig
 from data.errors import DataError
-from data.shards import read_meta
+from data.shards import DatasetMeta, read_meta
+from data.stream import DataBundle, TrainStream, split_windows
 from data.wds_format import decode_tokens, import_webdataset, iter_shard_samples
 
 log = logging.getLogger("perfgpt.data")
@@ -66,8 +76,10 @@ class WebDatasetBatches(IterableDataset):
 
     def __init__(self, shard_paths: list[str], *, sample_tokens: int, seq_len: int, batch_size: int, rank: int,
                  world_size: int, num_workers: int, vocab_size: int, seed: int, shuffle_shards: bool,
-                 shuffle_buffer: int, resampled: bool, on_bad_shard: str, total_samples: int):
+                 shuffle_buffer: int, resampled: bool, on_bad_shard: str, shard_samples: list[int]):
         self.paths = list(shard_paths)
+        self.expected = dict(zip(self.paths, shard_samples))  # samples per shard, from meta.json
+        total_samples = sum(shard_samples)
         self.sample_tokens, self.seq_len, self.batch_size = sample_tokens, seq_len, batch_size
         self.rank, self.world_size, self.readers = rank, world_size, max(1, num_workers)
         self.vocab_size, self.seed = vocab_size, seed
@@ -160,7 +172,7 @@ class WebDatasetBatches(IterableDataset):
 
     def _checked_samples(self, path: str, offset: int, position: dict):
         try:
-            for sample in iter_shard_samples(path, offset):
+            for sample in iter_shard_samples(path, offset, self.expected[path]):
                 tokens = decode_tokens(sample, path, self.sample_tokens)
                 if tokens.size and int(tokens.max()) >= self.vocab_size:
                     raise DataError(
@@ -178,10 +190,9 @@ class WebDatasetBatches(IterableDataset):
     def _shuffled(self, samples, virtual: int, epoch_start: list[int]):
         if self.shuffle_buffer <= 1:
             return samples
-        from webdataset.filters import _shuffle
-
+        shuffle = import_webdataset().filters._shuffle
         seed = int(np.random.default_rng([self.seed, self.rank, virtual, *epoch_start]).integers(2**63))
-        return _shuffle(samples, bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=random.Random(seed))
+        return shuffle(samples, bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=random.Random(seed))
 
     def __iter__(self):
         import_webdataset()
@@ -205,9 +216,12 @@ class WebDatasetVal:
     """Validation batches read in order from all val shards; rank r takes every W-th sample."""
 
     def __init__(self, shard_paths: list[str], *, sample_tokens: int, seq_len: int, batch_size: int, rank: int,
-                 world_size: int, vocab_size: int, total_samples: int):
+                 world_size: int, vocab_size: int, shard_samples: list[int], on_bad_shard: str = "error"):
         self.paths, self.sample_tokens, self.seq_len = list(shard_paths), sample_tokens, seq_len
         self.batch_size, self.rank, self.world_size, self.vocab_size = batch_size, rank, world_size, vocab_size
+        self.shard_samples, self.on_bad_shard = list(shard_samples), on_bad_shard
+        self.skipped: dict[str, str] = {}  # path -> why, for each bad shard skipped so far
+        total_samples = sum(self.shard_samples)
         self.num_batches = total_samples // world_size // batch_size
         if self.num_batches == 0:
             raise DataError(
@@ -215,37 +229,62 @@ class WebDatasetVal:
                 f"fewer than one batch of {batch_size} per rank over {world_size} rank(s); prepare more validation data"
             )
 
-    def _rank_samples(self):
-        index = 0
-        for path in self.paths:
+    def _decode(self, sample: dict, path: str) -> np.ndarray:
+        tokens = decode_tokens(sample, path, self.sample_tokens)
+        if tokens.size and int(tokens.max()) >= self.vocab_size:
+            raise DataError(f"{path}: token id {int(tokens.max())} outside model.vocab_size={self.vocab_size}")
+        return tokens[: self.seq_len + 1]
+
+    def _all_samples(self):
+        """Every val sample in order (all ranks read all, so all see the same holes); None is a lost one."""
+        for path, expected in zip(self.paths, self.shard_samples):
+            read = 0
             try:
-                for sample in iter_shard_samples(path, 0):
-                    if index % self.world_size == self.rank:
-                        tokens = decode_tokens(sample, path, self.sample_tokens)
-                        if tokens.size and int(tokens.max()) >= self.vocab_size:
-                            raise DataError(
-                                f"{path}: token id {int(tokens.max())} outside model.vocab_size={self.vocab_size}"
-                            )
-                        yield tokens[: self.seq_len + 1]
-                    index += 1
-            except DataError:
-                raise
+                for sample in iter_shard_samples(path, 0, expected):
+                    yield self._decode(sample, path)
+                    read += 1
             except Exception as e:
-                raise corrupt_shard_error(path, e) from e
+                problem = e if isinstance(e, DataError) else corrupt_shard_error(path, e)
+                if self.on_bad_shard != "skip":
+                    raise problem from e
+                if path not in self.skipped:
+                    self.skipped[path] = str(problem)
+                    log.warning("data: skipped the rest of a bad validation shard (%d so far): %s",
+                                len(self.skipped), problem)
+                yield from itertools.repeat(None, max(0, expected - read))
+
+    def _rank_samples(self):
+        """Rank r's sample of each group of W consecutive samples that lost none of them."""
+        everything = self._all_samples()
+        while group := list(itertools.islice(everything, self.world_size)):
+            if len(group) == self.world_size and all(s is not None for s in group):
+                yield group[self.rank]
 
     def batches(self, n: int):
-        from data.loader import split_windows
-
         samples = self._rank_samples()
         for _ in range(min(n, self.num_batches)):
-            rows = [next(samples) for _ in range(self.batch_size)]
+            rows = list(itertools.islice(samples, self.batch_size))
+            if len(rows) < self.batch_size:  # skipped shards left fewer samples than meta.json counts
+                return
             yield split_windows(torch.from_numpy(np.stack(rows).astype(np.int64)))
 
 
-def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, seed: int, rank: int,
-                          world_size: int, vocab_size: int):
-    from data.loader import DataBundle, TrainStream
+def shard_sample_counts(meta: DatasetMeta, split: str) -> list[int]:
+    """Samples per shard of a split as meta.json records them (the reference a short shard fails)."""
+    counts = []
+    for entry in meta.splits.get(split, []):
+        try:
+            counts.append(int(entry["samples"]))
+        except (KeyError, TypeError, ValueError):
+            raise DataError(
+                f"{meta.root}/meta.json: {split} shard entry {entry!r} has no sample count; "
+                f"re-run tools/prepare_data.py"
+            ) from None
+    return counts
 
+
+def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, seed: int, rank: int,
+                          world_size: int, vocab_size: int) -> DataBundle:
     import_webdataset()
     meta = read_meta(cfg.path)
     if meta.format != "webdataset":
@@ -263,7 +302,8 @@ def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: in
             f"{meta.root}: samples were prepared for seq_len {prepared}, the run needs {seq_len}; set data.seq_len <= "
             f"{prepared} or re-run tools/prepare_data.py --seq-len {seq_len}"
         )
-    counts = {s: sum(int(e["samples"]) for e in meta.splits.get(s, [])) for s in ("train", "val")}
+    per_shard = {s: shard_sample_counts(meta, s) for s in ("train", "val")}
+    counts = {s: sum(n) for s, n in per_shard.items()}
     train_paths = [str(p) for p in meta.files("train")]
     missing = [p for p in train_paths + [str(p) for p in meta.files("val")] if not os.path.isfile(p)]
     if missing:
@@ -275,15 +315,17 @@ def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: in
     train_set = WebDatasetBatches(
         train_paths, num_workers=cfg.num_workers, seed=seed, shuffle_shards=cfg.shuffle_shards,
         shuffle_buffer=cfg.shuffle_buffer, resampled=cfg.resampled, on_bad_shard=cfg.on_bad_shard,
-        total_samples=counts["train"], **common,
+        shard_samples=per_shard["train"], **common,
     )
-    val = WebDatasetVal([str(p) for p in meta.files("val")], total_samples=counts["val"], **common)
+    val = WebDatasetVal([str(p) for p in meta.files("val")], shard_samples=per_shard["val"],
+                        on_bad_shard=cfg.on_bad_shard, **common)
     crop = f", cropped from {prepared}" if seq_len < prepared else ""
     description = (
         f"data: format=webdataset path={meta.root} tokenizer={meta.tokenizer} (vocab {meta.vocab_size}, eot "
         f"{meta.eot_id}) | train {counts['train']:,} samples of {seq_len + 1} tokens{crop} in {len(train_paths)} "
         f"shards, ~{train_set.batches_per_epoch:,} batches/epoch/rank, "
         f"{'resampled' if cfg.resampled else 'one-pass'}, shuffle buffer {cfg.shuffle_buffer} | val "
-        f"{counts['val']:,} samples, {val.num_batches:,} batches/rank | workers={cfg.num_workers}"
+        f"{counts['val']:,} samples, {val.num_batches:,} batches/rank | workers={cfg.num_workers} | "
+        f"verify: each shard's sample count against meta.json, on_bad_shard={cfg.on_bad_shard}"
     )
     return DataBundle(train=TrainStream(train_set, cfg, seed=seed, rank=rank), val=val, description=description)

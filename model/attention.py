@@ -1,6 +1,7 @@
 """Attention backends behind one interface: core(q, k, v) -> out, all (B, T, H, D), causal.
 
-- flash_attn: the flash-attn package (CUDA, fp16/bf16, head_dim <= 256). Imported only here.
+- flash_attn: the flash-attn package (CUDA compute capability >= 8.0, fp16/bf16, head_dim <= 256).
+  Imported only here.
 - sdpa: torch.nn.functional.scaled_dot_product_attention (picks its own fused kernel).
 - reference: explicit QK^T / sqrt(d), causal mask, softmax, dropout, @V. It materializes the
   (B, H, T, T) scores, which is what the memory tools measure against.
@@ -18,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 BACKENDS = ("flash_attn", "sdpa", "reference")
+FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2 builds its kernels for Ampere, Ada and Hopper only
 
 
 def flash_attn_available() -> bool:
@@ -29,7 +31,7 @@ def select_attention(requested: str, device: torch.device, dtype: torch.dtype, h
     flash_ok, flash_why = _flash_usable(device, dtype, head_dim)
     if requested == "auto":
         if flash_ok:
-            return "flash_attn", "attention: flash_attn (auto: package installed, CUDA, half precision)"
+            return "flash_attn", "attention: flash_attn (auto: package installed, CUDA >= sm80, half precision)"
         return "sdpa", f"attention: sdpa (auto: flash_attn not used because {flash_why})"
     if requested == "flash_attn" and not flash_ok:
         from training.errors import CapabilityError
@@ -46,6 +48,9 @@ def _flash_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> tu
         return False, f"device is {device.type}, flash-attn needs CUDA"
     if not flash_attn_available():
         return False, "the flash_attn package is not installed"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < FLASH_MIN_CAPABILITY:
+        return False, f"this GPU has compute capability {major}.{minor}, flash-attn 2 needs 8.0 or newer (Ampere on)"
     if dtype not in (torch.float16, torch.bfloat16):
         return False, f"compute dtype is {dtype}, flash-attn needs fp16/bf16"
     if head_dim > 256:

@@ -12,7 +12,9 @@
     offload       keep everything, but in (pinned) host memory via autograd's save_on_cpu
 
 Every recompute is non-reentrant checkpointing (``use_reentrant=False``), which preserves the RNG
-state, so a recomputed dropout draws the same mask as the forward did.
+state, so a recomputed dropout draws the same mask as the forward did. Transformer Engine blocks
+(``model.layers=te``) recompute through TE's own checkpoint, the only one that re-enters TE's FP8
+autocast (``model/te.py``); op_selective cannot see TE's GEMMs (they are not aten ops) and refuses them.
 
 How the wrapping works, and why: the chosen module keeps its identity and its place in the tree;
 only its class is swapped for a subclass whose ``forward`` routes the original one through the
@@ -83,6 +85,18 @@ class Recompute:
 
     def __call__(self, forward: Callable, *args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+@dataclass(frozen=True)
+class TERecompute:
+    """Recompute a Transformer Engine block with ``te.checkpoint`` (FP8-aware), not torch's."""
+
+    label: str = "recompute"
+
+    def __call__(self, forward: Callable, *args, **kwargs):
+        from model.te import te_checkpoint
+
+        return te_checkpoint(forward, *args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -232,7 +246,7 @@ def apply_activation_checkpointing(
     for index, block in enumerate(blocks):
         target = _target_module(policy, block, index, every_k)
         if target is not None:
-            _wrap_in_place(target, _runner(policy, observer))
+            _wrap_in_place(target, _runner(policy, observer, target))
 
 
 def _target_module(policy: str, block: nn.Module, index: int, every_k: int) -> nn.Module | None:
@@ -249,12 +263,26 @@ def _target_module(policy: str, block: nn.Module, index: int, every_k: int) -> n
     return block
 
 
-def _runner(policy: str, observer: Observer | None) -> Callable:
+def _runner(policy: str, observer: Observer | None, target: nn.Module | None = None) -> Callable:
+    te_block = target is not None and _is_te_block(target)
     if policy == "op_selective":
+        if te_block:
+            raise CheckpointError(
+                "checkpointing=op_selective cannot select inside Transformer Engine layers (their GEMMs are not "
+                "aten ops, and torch's recompute would leave TE's FP8 autocast); use checkpointing=full or every_k"
+            )
         return SelectiveOpRecompute(saved_ops(), observer)
     if policy == "offload":
         return OffloadToHost(pin_memory=torch.cuda.is_available(), observer=observer)
+    if te_block:
+        return TERecompute(label=f"{policy} (te.checkpoint)")
     return Recompute(label=policy)
+
+
+def _is_te_block(module: nn.Module) -> bool:
+    from model.te import TEBlock
+
+    return isinstance(module, TEBlock)
 
 
 def saved_ops() -> frozenset:

@@ -2,7 +2,7 @@
 
 TE is GPU-only (it builds against a CUDA torch); on a machine without it, asking for
 ``model.layers=te`` or ``precision.mode=fp8`` fails with an install hint before any work starts.
-Interface facts checked against TE 2.x's ``TransformerLayer`` (see CORRECTIONS.md): the epsilon
+Interface facts checked against TE 2.x's ``TransformerLayer`` source: the epsilon
 argument is ``layernorm_epsilon``; dropouts default to 0.1, so they are passed explicitly; the
 default layout is ``sbhd`` so ``attn_input_format="bshd"`` is set; the layer returns hidden
 states, not a loss; FP8 GEMMs need dimensions divisible by 16 (checked in the config).
@@ -73,6 +73,20 @@ def _te_rotary(cfg: ModelConfig) -> nn.Module:
     except ImportError:  # TE < 2.2 kept it one level up
         from transformer_engine.pytorch.attention import RotaryPositionEmbedding
     return RotaryPositionEmbedding(cfg.head_dim, rotary_base=cfg.rope_theta)
+
+
+def te_checkpoint(forward, *args, **kwargs):
+    """Activation recompute for TE layers, through TE's own ``checkpoint``.
+
+    torch's checkpoint restores torch autocast for the recompute but not TE's FP8 autocast, so a
+    recomputed TE layer would run its GEMMs outside FP8 (different numbers from the forward) and
+    disturb the delayed-scaling amax history. ``te.checkpoint`` records the FP8 recipe of the
+    forward and recomputes under it. Non-reentrant, like every other policy here.
+    """
+    require_te("activation recompute of model.layers=te")
+    import transformer_engine.pytorch as te
+
+    return te.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def fp8_autocast(precision_cfg) -> contextlib.AbstractContextManager:

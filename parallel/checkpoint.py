@@ -11,10 +11,24 @@ hold them.
 and optimizer states keyed by parameter *names* (not by optimizer-internal indices), which is
 what makes the optimizer state resharding-safe. Atomicity comes from the caller:
 training/checkpoint.py hands us a temporary directory and renames it once every rank is done.
+
+Loading never runs code from the checkpoint. DCP's own reader unpickles ``.metadata`` with
+plain ``pickle`` and non-tensor values (the optimizer's param groups) with
+``torch.load(weights_only=False)``, so a crafted file would execute on resume. Here the index
+is read through an unpickler that only builds DCP's metadata classes, its SHA-256 must match
+the digest written next to it at save time (a swapped or damaged index is refused before it is
+parsed), every data file it names must be a plain file name inside the directory, and
+non-tensor values go through ``torch.load(weights_only=True)``. Tensors DCP already reads with
+``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +36,24 @@ import torch
 import torch.nn as nn
 
 DCP_SUBDIR = "dcp"
+METADATA = ".metadata"
+DIGEST = "metadata.sha256.json"  # written by the coordinator after DCP's own files
+
+# What DCP's .metadata is made of (as torch 2.13 writes it): its dataclasses, torch.Size, dtypes,
+# the layout helper torch pickles layouts with, and the Path it records as the checkpoint id.
+# Building any of these runs no code beyond setting fields. A torch release that pickles more is
+# refused in one line naming the class, never loaded unchecked.
+_METADATA_CLASSES = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    *((module, name) for module in ("pathlib", "pathlib._local")
+      for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
+})
 
 
 def save_model_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path,
@@ -35,6 +67,7 @@ def save_model_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, pat
     if extra:
         state["extra"] = extra
     dcp.save(state, checkpoint_id=str(path))
+    _write_metadata_digest(Path(path))
 
 
 def load_model_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path,
@@ -44,24 +77,174 @@ def load_model_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, pat
     DCP loads into existing tensors: ``get_state_dict`` first gives a fresh optimizer zero-filled
     state (a step with zero gradients and lr 0). ``extra`` tensors are filled in place.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     _require_checkpoint(path)
+    metadata = read_verified_metadata(Path(path))
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     if extra:
         state["extra"] = extra
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp_load(state, Path(path), metadata)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def _require_checkpoint(path: Path) -> None:
     from training.checkpoint import CheckpointError
 
-    if not (Path(path) / ".metadata").is_file():
+    if not (Path(path) / METADATA).is_file():
         raise CheckpointError(f"no sharded (DCP) checkpoint in {path} (missing .metadata); was it saved with "
                               "parallel.strategy=fsdp?")
+
+
+# --------------------------------------------------------------------------- loading without running code
+
+
+def _write_metadata_digest(path: Path) -> None:
+    """Record the index's SHA-256 next to it (coordinator only; the others wait so the checkpoint
+    is complete when every rank returns)."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        data = (path / METADATA).read_bytes()
+        record = {"file": METADATA, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        tmp = path / f".{DIGEST}.tmp"
+        tmp.write_text(json.dumps(record, indent=2))
+        os.replace(tmp, path / DIGEST)
+    if distributed:
+        dist.barrier()
+
+
+def read_verified_metadata(path: Path):
+    """DCP's index of the checkpoint in ``path``, only if it is the one saved there and holds
+    nothing but DCP metadata; otherwise a one-line ``CheckpointError``."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from training.checkpoint import CheckpointError
+
+    meta_path = path / METADATA
+    data = meta_path.read_bytes()
+    expected = _saved_digest(path)
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise CheckpointError(f"{meta_path} does not match the digest saved with it in {path / DIGEST}: the file "
+                              "was replaced or damaged; refusing to read it (restore the checkpoint from a good copy)")
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _ForeignClass as exc:
+        raise CheckpointError(f"{meta_path} refers to {exc}, which DCP metadata never holds: refusing to load "
+                              "a crafted checkpoint") from None
+    except Exception as exc:  # truncated or garbled pickle
+        raise CheckpointError(f"cannot read {meta_path}: {_first_line(exc)}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{meta_path} holds a {type(metadata).__name__}, not DCP metadata")
+    _check_storage_paths(metadata, meta_path)
+    return metadata
+
+
+def _saved_digest(path: Path) -> str:
+    from training.checkpoint import CheckpointError
+
+    digest_path = path / DIGEST
+    if not digest_path.is_file():
+        raise CheckpointError(f"{path} has no {DIGEST}, so its {METADATA} cannot be verified; it was not saved by "
+                              "this version of perfgpt (re-save it with this version from a trusted copy)")
+    try:
+        return str(json.loads(digest_path.read_text())["sha256"])
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{digest_path} is damaged (no sha256 entry)") from None
+
+
+class _ForeignClass(pickle.UnpicklingError):
+    """A global outside DCP's metadata classes; the message is 'module.name'."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _ForeignClass(f"{module}.{name}")
+
+
+def _check_storage_paths(metadata, meta_path: Path) -> None:
+    """DCP opens ``<dir>/<relative_path>`` for every item: only plain file names may appear."""
+    from training.checkpoint import CheckpointError
+
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name or "\\" in name:
+            raise CheckpointError(f"{meta_path} points outside its directory ({name!r}); refusing to load it")
+
+
+def _dcp_load(state: dict[str, Any], path: Path, metadata) -> None:
+    """``dcp.load`` with the verified index and weights-only reading of non-tensor values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from training.checkpoint import CheckpointError
+
+    try:
+        dcp.load(state, storage_reader=_verified_reader(path, metadata), planner=_weights_only_planner())
+    except CheckpointException as exc:  # DCP wraps each rank's failure; report ours in one line
+        failures = [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
+        ours = next((f for f in failures if isinstance(f, CheckpointError)), None)
+        if ours is not None:
+            raise ours from None
+        raise CheckpointError(f"cannot load the DCP checkpoint in {path}: "
+                              f"{_first_line(failures[0]) if failures else 'unknown error'}") from None
+
+
+def _verified_reader(path: Path, metadata):
+    """DCP's file reader, handed the index we already verified instead of unpickling it again."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class VerifiedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            if hasattr(self, "load_id"):
+                metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return VerifiedReader(str(path))
+
+
+def _weights_only_planner():
+    """DCP's default load planner, except that non-tensor values are unpickled weights-only."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from training.checkpoint import CheckpointError
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise CheckpointError(f"checkpoint value {read_item.dest_index.fqn!r} {_unsafe_global(exc)}; "
+                                      "refusing to load a crafted checkpoint") from None
+            # DCP's own load_bytes unpickles without restrictions; it gets a re-serialization of
+            # the object vetted above, so what it builds is only what weights_only allows.
+            vetted = io.BytesIO()
+            torch.save(obj, vetted)
+            vetted.seek(0)
+            super().load_bytes(read_item, vetted)
+
+    return WeightsOnlyLoadPlanner()
+
+
+def _unsafe_global(exc: BaseException) -> str:
+    import re
+
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    return f"would call {found.group(1)}" if found else f"is not plain data ({_first_line(exc)})"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
 # --------------------------------------------------------------------------- the engine's hooks

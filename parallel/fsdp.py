@@ -68,16 +68,31 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, precisio
         # Pinned memory needs CUDA; on a CPU run "offload" changes nothing but is still accepted.
         offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.fsdp_cpu_offload else OffloadPolicy(),
     )
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta:
+        _refuse_te_layers_on_meta(model)
     blocks = list(model.blocks)
     for block in blocks:
         fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward, **common)
-    # The root's own parameters (embeddings, LM head) are needed first thing in backward: FSDP2's
-    # default keeps them gathered after forward.
-    fully_shard(model, reshard_after_forward=None if cfg.fsdp_reshard_after_forward else False, **common)
+    # The root's own parameters (embeddings, LM head) are needed first thing in backward, so they
+    # stay gathered after forward. An explicit False: torch < 2.8 rejects None here, and from 2.8
+    # None means the same thing for a root module.
+    fully_shard(model, reshard_after_forward=False, **common)
     set_prefetch(blocks, cfg.fsdp_forward_prefetch, cfg.fsdp_backward_prefetch)
-    if any(p.is_meta for p in model.parameters()):
+    if on_meta:
         materialize(model, device if not cfg.fsdp_cpu_offload else torch.device("cpu"), mesh)
     return model
+
+
+def _refuse_te_layers_on_meta(model: nn.Module) -> None:
+    """Transformer Engine layers allocate their own CUDA weights and initialize them when built;
+    ``to_empty`` would replace those with garbage that ``init_weights`` (GPT's init) never touches."""
+    from model.te import TEBlock
+    from training.fields import ConfigError
+
+    if any(isinstance(m, TEBlock) for m in model.modules()):
+        raise ConfigError("parallel.init_on_meta=true cannot initialize Transformer Engine layers "
+                          "(model.layers=te); set parallel.init_on_meta=false")
 
 
 def set_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:

@@ -19,7 +19,10 @@ drives the DeepSpeed engine:
   ``DeepSpeedCPUAdam`` (compiled with ninja/g++ on first use, about a minute, cached under
   TORCH_EXTENSIONS_DIR); ``parallel.zero_cpu_adam=false`` keeps torch AdamW instead;
 - checkpoints: DeepSpeed's ``save_checkpoint``/``load_checkpoint`` into the directory our
-  atomic saver hands over (tag ``deepspeed``; every rank writes its own partitions).
+  atomic saver hands over (tag ``deepspeed``; every rank writes its own partitions). DeepSpeed's
+  own loader unpickles its files with ``torch.load(weights_only=False)``; ours swaps in a loader
+  that reads them weights-only, allowing just the few DeepSpeed classes its ZeRO files hold, so
+  a crafted checkpoint cannot run code.
 
 DeepSpeed's ``TorchBackend`` JIT-builds its ``deepspeed_shm_comm`` op (~40 s) on a CPU machine
 the first time it starts; that op only serves ``inference_all_reduce`` (DeepSpeed inference),
@@ -28,14 +31,18 @@ never training, so on CPU we mark it unavailable before DeepSpeed looks for it.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from parallel.requirements import install_floor
 from training.engine import StepResult, build_adamw, decay_groups
 from training.errors import CapabilityError
 from training.fields import ConfigError
@@ -104,7 +111,7 @@ def import_deepspeed(device: torch.device):
         import deepspeed
     except ImportError as exc:
         raise CapabilityError(
-            f"parallel.strategy=zero* needs DeepSpeed ({exc}); pip install 'deepspeed>=0.16' "
+            f"parallel.strategy=zero* needs DeepSpeed ({exc}); pip install '{install_floor('deepspeed')}' "
             "or pip install -e .[deepspeed]"
         ) from None
     if device.type == "cpu":
@@ -178,6 +185,7 @@ class ZeroEngine:
         self.engine, self.cfg, self.device = ds_engine, cfg, device
         self.model = ds_engine  # what train.py and tools read as "the model"
         self.mode = cfg.precision.mode
+        load_checkpoints_weights_only(ds_engine)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, is_last_micro: bool, n_micro: int) -> torch.Tensor:
         if n_micro != self.engine.gradient_accumulation_steps():
@@ -229,3 +237,66 @@ class ZeroEngine:
                                               load_lr_scheduler_states=False)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint in {directory}/{CHECKPOINT_TAG}")
+
+
+# --------------------------------------------------------------------------- loading without running code
+
+
+def load_checkpoints_weights_only(ds_engine) -> None:
+    """Make ``ds_engine.load_checkpoint`` unpickle every file weights-only.
+
+    Every file DeepSpeed reads on our load path (model states, ZeRO optimizer partitions) goes
+    through its checkpoint engine's ``load``; the default engine is swapped in place (its state is
+    kept) for a subclass whose ``load`` is ``load_deepspeed_file``.
+    """
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    current = getattr(ds_engine, "checkpoint_engine", None)
+    if current is None or isinstance(current, _weights_only_engine_class()):
+        return
+    if type(current) is not TorchCheckpointEngine:  # a DeepSpeed config we never generate
+        raise CapabilityError(f"DeepSpeed uses {type(current).__name__} for checkpoints; perfgpt only loads through "
+                              "its default TorchCheckpointEngine (remove the checkpoint engine settings)")
+    current.__class__ = _weights_only_engine_class()
+
+
+@functools.cache
+def _weights_only_engine_class() -> type:
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            return load_deepspeed_file(Path(path), map_location)
+
+    return WeightsOnlyCheckpointEngine
+
+
+def deepspeed_checkpoint_classes() -> list[type]:
+    """The classes ZeRO checkpoint files pickle besides tensors and plain containers, as DeepSpeed
+    0.19.8 writes them (each exists from 0.17.2, the floor): the loss scaler, the stage enum and
+    bf16 fragment addresses. Rebuilding them only sets fields. A release that pickles more is
+    refused in one line naming the class."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_deepspeed_file(path: Path, map_location=None) -> Any:
+    """``torch.load(weights_only=True)`` with DeepSpeed's checkpoint classes allowed; anything else
+    in the file is refused in one line before it is built."""
+    from training.checkpoint import CheckpointError
+
+    try:
+        with torch.serialization.safe_globals(deepspeed_checkpoint_classes()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f"would call {found.group(1)}" if found else "is not a DeepSpeed checkpoint file"
+        raise CheckpointError(f"refusing to load {path}: it {what}, which DeepSpeed checkpoints never hold "
+                              "(a crafted or foreign file)") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:  # truncated or garbled files
+        text = str(exc).strip()
+        first = (text.splitlines()[0] if text else type(exc).__name__)[:200]
+        raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: {first}") from None

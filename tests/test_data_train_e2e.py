@@ -34,7 +34,8 @@ def test_prepare_then_train_three_steps(tmp_path, corpus, fmt):
          "--seq-len", "32", "--samples-per-shard", "100", "--val-fraction", "0.2", "--workers", "1", "--no-progress"],
         tmp_path)
     log = run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
-               "--train.max_steps=3", "--train.eval_interval=3", "--train.eval_steps=1", "--train.micro_batch_size=4",
+               "--train.max_steps=3", "--optim.warmup_steps=1", "--train.eval_interval=3", "--train.eval_steps=1",
+               "--train.micro_batch_size=4",
                "--model.max_seq_len=32", "--checkpoint.save_final=false", f"--logging.run_dir={tmp_path / 'run'}",
                f"--data.format={fmt}", f"--data.path={data}"], tmp_path)
     assert f"data: format={fmt}" in log

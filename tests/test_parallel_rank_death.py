@@ -5,7 +5,8 @@ as on a cluster. Node 1's worker is frozen with SIGSTOP mid-run: its sockets sta
 nothing tells node 0 it is gone (the hard case; a crashed process closes its sockets and gloo
 fails at once with "Connection closed by peer"), and node 0's agent cannot see node 1's worker.
 Node 0's worker must give up on its collective after ``parallel.timeout_s`` (the process
-group's timeout) and its agent must exit non-zero.
+group's timeout) and its agent must exit non-zero. Then node 1's worker is thawed and finds its
+peer gone. Both workers must say so in one line with their rank prefix, without a traceback.
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ def test_a_frozen_rank_makes_the_other_node_exit_within_the_timeout(tmp_path, co
         assert elapsed < TIMEOUT_S + SLACK_S, f"node 0 needed {elapsed:.1f}s to give up"
         assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in out, out[-3000:]
         assert "[rank 0 local 0 node 0]" in out  # the per-rank log prefix names rank, local rank and node
+        # gloo raises a plain RuntimeError, not a DistError: still one prefixed line, no worker traceback.
+        assert "[rank 0 local 0 node 0] error: a peer rank failed or timed out (parallel.timeout_s)" in out
+        assert "[rank0]: Traceback" not in out
+        # Thawed, node 1's worker finds its peer gone ("Connection closed by peer"): the dead-peer case.
+        os.kill(frozen[0], signal.SIGCONT)
+        nodes[1].wait(timeout=60)
+        out1 = logs[1].read_text()
+        assert "[rank 1 local 0 node 1] error: a peer rank failed or timed out" in out1, out1[-3000:]
+        assert "by peer" in out1 and "[rank1]: Traceback" not in out1
     finally:
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):

@@ -1,7 +1,11 @@
-"""tools/reproduce.py: every chapter table is produced, with the figures the corrections call for."""
+"""tools/reproduce.py: every chapter table is produced, with the figures the corrections call for;
+what the tables print comes from this run or from measured files in the repository."""
 
 from __future__ import annotations
 
+import ast
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from analysis.chapter_tables import CHAPTER_FORMATS, Measured, build_tables, format_from_layout
+from analysis import estimator as est
+from analysis.chapter_tables import (
+    BENCH_TRAIN_CPU,
+    CHAPTER_FORMATS,
+    PARALLEL_CPU,
+    Measured,
+    build_tables,
+    format_from_layout,
+    priority_table,
+)
+from analysis.hardware import DEVICES
 from analysis.measure import measure_formats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +55,21 @@ def test_quick_run_writes_every_table(tmp_path):
     assert "~80 GB" in recompute  # the chapter's claim stays next to ours
     if not torch.cuda.is_available():
         assert "needs GPU" in (out / "attention.md").read_text()
+        # the measurements were saved: a rebuild from them (no measuring) gives the same tables
+        from tools import reproduce
+
+        first = {name: (out / f"{name}.md").read_text() for name in TABLES}
+        for name in TABLES:
+            (out / f"{name}.md").unlink()
+        assert reproduce.main(["--reuse-measurements", "--out", str(out), "--device", "cpu"]) == 0
+        assert {name: (out / f"{name}.md").read_text() for name in TABLES} == first
+
+
+def test_reuse_without_saved_measurements_is_a_one_line_error(tmp_path):
+    from tools import reproduce
+
+    with pytest.raises(SystemExit, match="cpu_measurements.json does not exist; run once without it"):
+        reproduce.main(["--reuse-measurements", "--out", str(tmp_path), "--device", "cpu"])
 
 
 def test_format_formulas_equal_torch_finfo():
@@ -51,7 +80,7 @@ def test_format_formulas_equal_torch_finfo():
         analytic = format_from_layout(exponent, mantissa, finite_only=label == "FP8 (E4M3)")
         for key in ("max", "min_normal", "min_subnormal"):
             assert analytic[key] == got[key], (label, key)
-    # CORRECTIONS.md: E4M3 448 / 2^-6 / 2^-9, no inf; E5M2 57344 / 2^-14 / 2^-16
+    # docs/chapter_corrections.md, 1: E4M3 448 / 2^-6 / 2^-9, no inf; E5M2 57344 / 2^-14 / 2^-16
     assert (measured["FP8 (E4M3)"]["max"], measured["FP8 (E4M3)"]["min_subnormal"]) == (448.0, 2.0**-9)
     assert (measured["FP8 (E5M2)"]["max"], measured["FP8 (E5M2)"]["min_subnormal"]) == (57344.0, 2.0**-16)
     assert measured["FP8 (E4M3)"]["inf_casts_to"] != float("inf")
@@ -79,3 +108,112 @@ def test_saved_gpu_results_fill_the_needs_gpu_cells():
     attention = tables["attention"].markdown()
     assert "4.00 ms / 1.00 ms (4.0×)" in attention and "NVIDIA H200, 2026-01-01" in attention
     assert "needs GPU" not in attention
+
+
+# --------------------------------------------------------------------------- provenance of what is printed
+
+BENCH_TRAIN_MD = """bench_train: configs/tiny.yaml on CPU, torch 9.9, 2030-01-01; median of 10 steps
+
+| variant | step (ms) | tokens/s | vs first | MFU | peak mem (GiB) | status |
+|---|---:|---:|---:|---:|---:|---|
+| precision.mode=fp32 | 200.0 | 1,000 | 1.00x | n/a | n/a (CPU) | ok |
+| precision.mode=bf16 | 100.0 | 2,000 | 2.00x | n/a | n/a (CPU) | ok |
+| precision.mode=bf16 train.compile=true | 80.0 | 2,500 | 2.50x | n/a | n/a (CPU) | ok |
+"""
+PARALLEL_MD = """# Data-parallel strategies on CPU (gloo, 2 processes, 2030-01-01)
+
+| strategy | loss | Δ vs 1 proc | states KiB | (formula) |
+|---|---|---|---|---|
+| ddp | 3.7 | -1.0e-07 | 1,000 | 1,000 |
+| fsdp | 3.7 | -2.0e-07 | 250 | 250 |
+"""
+
+
+def _row(table, technique: str) -> list[str]:
+    return next(row for row in table.rows if row[1] == technique)
+
+
+def test_priority_table_quotes_measured_files_or_says_not_measured():
+    documents = {BENCH_TRAIN_CPU: BENCH_TRAIN_MD, PARALLEL_CPU: PARALLEL_MD}
+    quoted = priority_table(Measured(formats={}, documents=documents))
+    compile_cell = _row(quoted, "torch.compile")[-1]
+    # the compiled bf16 variant against its eager twin (2,500 / 2,000), not against the first row
+    assert "1.25× tokens/s for precision.mode=bf16 train.compile=true" in compile_cell
+    assert BENCH_TRAIN_CPU in compile_cell and "2030-01-01" in compile_cell
+    sharding = _row(quoted, "FSDP / ZeRO")[-1]
+    assert "250 KiB (fsdp) vs 1,000 KiB (ddp), 0.25×" in sharding and PARALLEL_CPU in sharding
+    bare = priority_table(Measured(formats={}))
+    assert _row(bare, "torch.compile")[-1].startswith("not measured")
+    assert _row(bare, "FSDP / ZeRO")[-1].startswith("not measured")
+
+
+def test_committed_priority_table_quotes_the_committed_measurements():
+    results = ROOT / "docs" / "results"
+    documents = {name: (results / name).read_text() for name in (BENCH_TRAIN_CPU, PARALLEL_CPU)}
+    expected = priority_table(Measured(formats={}, documents=documents))
+    committed = (results / "priority.md").read_text()
+    for technique in ("torch.compile", "FSDP / ZeRO"):
+        assert _row(expected, technique)[-1] in committed, technique
+
+
+def test_regenerated_docs_state_the_planners_gpu_count():
+    gpt3 = est.preset("gpt3-175b")
+    need = est.min_gpus_to_fit(gpt3.model, gpt3.seq_len, DEVICES["H100"], "bf16_master")
+    text = (ROOT / "docs" / "results" / "precision_modes.md").read_text()
+    assert f"(FSDP, full recompute, micro-batch 1): {need} " in text
+
+
+# Names of material that lives outside this repository; nothing in it may point there. Assembled
+# from pieces so that this file does not match itself.
+OUTSIDE_REFERENCES = ["CORRECTIONS" + ".md", "FIELD" + "-NOTES", "FIELD" + "_NOTES", "chapter" + ".txt",
+                      ".." + "/shared", "shared/" + "seed", "seed" + "/"]
+SKIPPED_DIRS = {".git", "__pycache__", ".pytest_cache", "runs", "build", "wandb", "gpu_results"}
+
+
+def _repository_files() -> list[Path]:
+    try:
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.split("\n")
+        return [ROOT / name for name in listed if name and (ROOT / name).is_file()]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: walk the tree
+        files = []
+        for folder, dirs, names in os.walk(ROOT):
+            dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS and not d.endswith(".egg-info")]
+            files += [Path(folder) / n for n in names]
+        return files
+
+
+def test_no_file_in_the_repository_refers_to_material_outside_it():
+    offenders = []
+    for path in _repository_files():
+        data = path.read_bytes()
+        if b"\0" in data[:4096]:
+            continue  # binary (PNG)
+        text = data.decode("utf-8", errors="replace")
+        offenders += [f"{path.relative_to(ROOT)}: {ref}" for ref in OUTSIDE_REFERENCES if ref in text]
+    assert not offenders, offenders
+
+
+def _test_functions(path: Path) -> set[str]:
+    """Names pytest collects as tests in ``path``: test_* functions, also inside Test* classes."""
+    tree = ast.parse(path.read_text())
+    names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.startswith("Test")):
+        methods = (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test"))
+        names |= {f"{cls.name}::{n.name}" for n in methods}
+    return names
+
+
+def test_every_chapter_correction_names_tests_that_exist():
+    text = (ROOT / "docs" / "chapter_corrections.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
+    assert len(sections) >= 5
+    for section in sections:
+        title = section.splitlines()[0]
+        ids = re.findall(r"`(tests/test_\w+\.py)::([\w:]+)`", section)
+        assert ids, f"correction {title!r} names no test"
+        for file, name in ids:
+            assert (ROOT / file).is_file(), f"{title!r}: {file} does not exist"
+            assert name in _test_functions(ROOT / file), f"{title!r}: {file}::{name} is not a test there"
+    # the tables' module points at this list
+    assert "docs/chapter_corrections.md" in (ROOT / "analysis" / "chapter_tables.py").read_text()

@@ -137,12 +137,36 @@ def test_bad_input_fails_fast_with_one_clear_line(args, message, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp16", "bf16_master"])
-def test_precision_modes_train_on_cpu(mode, tmp_path, corpus_cache):
+# Runs train.main with a global forward hook that records, for every nn.Linear called while
+# training, the dtype of its weight and of its output: the precision the model really computes in.
+DTYPE_PROBE = """
+import json, sys, torch
+seen = set()
+def probe(module, args, output):
+    if isinstance(module, torch.nn.Linear) and module.training and torch.is_grad_enabled():
+        seen.add((str(module.weight.dtype), str(output.dtype)))
+torch.nn.modules.module.register_module_forward_hook(probe)
+import train
+code = train.main(sys.argv[1:])
+print("LINEAR_DTYPES " + json.dumps(sorted(seen)))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("mode, weight, output", [
+    ("bf16", "torch.float32", "torch.bfloat16"),  # autocast: fp32 weights, bf16 matmuls
+    ("fp16", "torch.float32", "torch.float16"),
+    ("bf16_master", "torch.bfloat16", "torch.bfloat16"),  # bf16 weights; fp32 masters live in the optimizer
+])
+def test_precision_modes_train_on_cpu(mode, weight, output, tmp_path, corpus_cache):
     run_dir = tmp_path / mode
-    proc = run_train(["--config", TINY, *tiny_overrides(run_dir, corpus_cache, **{
-        "precision.mode": mode, "train.max_steps": 12, "optim.lr": 3e-3})])
+    args = ["--config", TINY, *tiny_overrides(run_dir, corpus_cache, **{
+        "precision.mode": mode, "train.max_steps": 12, "optim.lr": 3e-3})]
+    proc = subprocess.run([sys.executable, "-c", DTYPE_PROBE, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
+    probed = [line for line in proc.stdout.splitlines() if line.startswith("LINEAR_DTYPES ")]
+    assert probed and json.loads(probed[-1].split(" ", 1)[1]) == [[weight, output]]
     losses = step_losses(run_dir)
     assert losses[12] < losses[1] - 0.5
 

@@ -18,7 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.errors import DataError  # noqa: E402
-from data.prepare import OUTPUTS, TEXT_SPLITS, PrepareOptions, prepare  # noqa: E402
+from data.prepare import OUTPUTS, TEXT_SPLITS, UTF8_POLICIES, PrepareOptions, Utf8Report, prepare  # noqa: E402
+from data.shards import DEFAULT_CHUNK_TOKENS  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,6 +41,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--samples-per-shard", type=int, default=10_000, help="webdataset: samples per tar shard")
     p.add_argument("--wds-encoding", choices=("raw", "npy"), default="raw",
                    help="webdataset: raw little-endian tokens (.u16/.u32) or .npy")
+    p.add_argument("--on-invalid-utf8", choices=UTF8_POLICIES, default="replace",
+                   help="text/JSONL bytes that are not UTF-8: replace each bad sequence with U+FFFD and report the "
+                        "count and places (default), or stop with the file and byte offset")
+    p.add_argument("--crc-chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+                   help=f"mmap: tokens per CRC chunk, the unit data.verify=lazy checks on first read "
+                        f"(default {DEFAULT_CHUNK_TOKENS})")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -52,11 +59,12 @@ def main(argv=None) -> int:
         val_fraction=args.val_fraction, text_field=args.text_field, text_split=args.text_split, glob=args.glob,
         workers=args.workers, shard_tokens=args.shard_tokens, seq_len=args.seq_len,
         samples_per_shard=args.samples_per_shard, wds_encoding=args.wds_encoding, overwrite=args.overwrite,
-        progress=not args.no_progress,
+        progress=not args.no_progress, on_invalid_utf8=args.on_invalid_utf8, chunk_tokens=args.crc_chunk_tokens,
     )
     start = time.perf_counter()
+    utf8 = Utf8Report()
     try:
-        summary = prepare(opts)
+        summary = prepare(opts, utf8)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -67,6 +75,8 @@ def main(argv=None) -> int:
         print(f"{split:<6} {s.documents:>10,} {s.tokens:>14,} {s.shards:>7} {samples:>10}")
     total = sum(s.tokens for s in summary.values())
     rate = total / max(seconds, 1e-9)
+    if utf8.replacements:
+        print(f"warning: {utf8.summary()}", file=sys.stderr)
     print(f"wrote {args.out} ({args.output}, tokenizer {args.tokenizer}) in {seconds:.1f} s, {rate:,.0f} tokens/s")
     print(f"train with: python train.py --config configs/tiny.yaml --data.format={args.output} --data.path={args.out}")
     return 0

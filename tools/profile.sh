@@ -45,13 +45,15 @@ PYTHON="${PYTHON:-python}"
 TRAIN_PY="${TRAIN_PY:-$ROOT/train.py}"
 cd "$ROOT"
 
-# The run directory and the default step count, resolved from the config exactly as train.py resolves it.
-read -r RUN_DIR DEFAULT_STEPS < <("$PYTHON" -c '
+# The run directory, the default step count and the config's decay length, resolved from the config
+# exactly as train.py resolves them.
+read -r RUN_DIR DEFAULT_STEPS DECAY_STEPS < <("$PYTHON" -c '
 import sys
 from training.config import load_config
 cfg = load_config(sys.argv[1], sys.argv[2:])
 t = cfg.train
-print(cfg.logging.run_dir.format(name=cfg.name), t.profile_wait + t.profile_warmup + t.profile_active + 1)
+print(cfg.logging.run_dir.format(name=cfg.name), t.profile_wait + t.profile_warmup + t.profile_active + 1,
+      cfg.lr_schedule()["decay_steps"])
 ' "$CONFIG" "${OVERRIDES[@]}")
 STEPS="${STEPS:-$DEFAULT_STEPS}"
 PROFILE_DIR="$RUN_DIR/profile"
@@ -63,9 +65,11 @@ if [[ "$NCCL_LOG" == 1 ]]; then
     export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET NCCL_DEBUG_FILE="$PROFILE_DIR/nccl.%h.%p.log"
 fi
 
-# A short run: no evaluation, no checkpoints; the user's overrides come last and win.
-RUN_ARGS=(--config "$CONFIG" --profile "--train.max_steps=$STEPS" --train.eval_interval=0
-          --checkpoint.save_final=false "${OVERRIDES[@]}")
+# A short run: no evaluation, no checkpoints; the user's overrides come last and win. It is the first
+# few steps of the config's full schedule (decay_steps stated), which also lets a warmup longer than
+# the profiling run pass train.py's check that warmup fits in the run.
+RUN_ARGS=(--config "$CONFIG" --profile "--train.max_steps=$STEPS" "--optim.decay_steps=$DECAY_STEPS"
+          --train.eval_interval=0 --checkpoint.save_final=false "${OVERRIDES[@]}")
 echo "== 1/3 profiling $STEPS steps of $CONFIG into $PROFILE_DIR ($NPROC process(es))"
 if [[ "$NPROC" -gt 1 ]]; then
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "$TRAIN_PY" "${RUN_ARGS[@]}"

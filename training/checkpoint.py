@@ -1,38 +1,56 @@
-"""Atomic, resumable checkpoints.
+"""Atomic, resumable checkpoints that never hold a diverged model and never lose the last good one.
 
 Layout under the checkpoint root::
 
     step_00000200/           a complete checkpoint (meta.json is written last, inside the temp dir)
-        meta.json            step, world size, strategy, format version
+        meta.json            step, world size, strategy, format version, LR schedule, whether the
+                             save was healthy, and a manifest of every other file with its size
         model_optim.pt       (or dcp/ for FSDP2, or DeepSpeed's own files for ZeRO)
         rank_00000.pt        per-rank trainer state: RNG states, data position
     latest                   text file naming the newest complete checkpoint (replaced atomically)
 
 A save writes everything into ``.tmp-step_XXXXXXXX`` and renames it into place only once all
-ranks have finished, so a crash mid-save leaves the previous checkpoint untouched; leftovers of
-an interrupted save are ignored by ``find_latest`` and removed by the next save. Loading uses
-``torch.load(weights_only=True)``: a checkpoint cannot run code, and a damaged one gives a
-one-line error naming the file.
+ranks have finished, so a crash mid-save leaves the previous checkpoint untouched. Re-saving a
+step that exists renames the old copy aside (``.old-step_XXXXXXXX``) before the new one goes in
+and deletes it only afterwards: at every instant one complete copy exists under a known name.
+"Complete" means meta.json is there and every file its manifest lists has the listed size;
+resolving ``latest`` walks back to the newest complete checkpoint (warning about each one it
+passes over), so a torn directory is never loaded and never hides an older good one.
+
+A save is refused, with nothing written, when any rank's weights hold NaN or inf. Each save
+records whether the step before it was applied ("healthy") or skipped as non-finite, and
+pruning by ``keep_last`` always keeps the newest healthy checkpoint, so a divergence cannot
+rotate the last pre-blow-up state away. File-system errors become one line naming the path
+and the errno. Loading uses ``torch.load(weights_only=True)``: a checkpoint cannot run code,
+and a damaged one gives a one-line error naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno as errno_codes
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # new meta keys are optional: checkpoints written before them still load
 META = "meta.json"
+TMP_PREFIX = ".tmp-"
+ASIDE_PREFIX = ".old-"
+_STEP_RE = re.compile(r"^(?:\.old-)?step_(\d+)$")
+
+Warn = Callable[[str], None]
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and what to do."""
+    """A checkpoint that cannot be used or written; the message names the file and what to do."""
 
 
 def step_dir_name(step: int) -> str:
@@ -67,6 +85,191 @@ def _write_text_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+# ----------------------------------------------------------------------- agreement between ranks
+
+
+def _any_rank(flag: bool, world_size: int, device: torch.device) -> bool:
+    """True if ``flag`` is set on any rank; a collective (and so a barrier) under a process group.
+
+    Every decision that ends a save early must be taken by all ranks together: a rank that gave
+    up alone would leave the others waiting in the save's next collective until the timeout.
+    """
+    if world_size <= 1 or not torch.distributed.is_initialized():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _agree(error: CheckpointError | None, world_size: int, device: torch.device, barrier: Callable[[], None],
+           what: str, cleanup: Path | None = None) -> None:
+    """Synchronize the ranks after a save phase; raise on every rank if the phase failed on any.
+
+    The partial checkpoint is removed only here, once no rank can still be writing into it.
+    """
+    if world_size > 1 and torch.distributed.is_initialized():
+        failed_somewhere = _any_rank(error is not None, world_size, device)
+    else:
+        barrier()
+        failed_somewhere = error is not None
+    if failed_somewhere and cleanup is not None:
+        shutil.rmtree(cleanup, ignore_errors=True)
+    if error is not None:
+        raise error
+    if failed_somewhere:
+        raise CheckpointError(f"{what} failed on another rank (its own error line says why); "
+                              "the previous checkpoint is untouched")
+
+
+# ----------------------------------------------------------------------- the finite check
+
+
+def local_weights(engine: Any) -> list[torch.Tensor]:
+    """The parameter values this rank actually holds, whatever the parallel strategy.
+
+    Under FSDP2 a parameter is a DTensor whose local shard is what this rank stores; under
+    ZeRO-3 the module's ``param.data`` is an empty placeholder and the rank's slice lives in
+    ``param.ds_tensor`` (padded at the end with uninitialized memory, which must not be read,
+    or garbage would look like a NaN). bf16_master keeps fp32 masters next to the bf16 model.
+    """
+    tensors = [_held_part(p) for p in engine.model.parameters()]
+    masters = getattr(engine, "masters", None)
+    if masters is not None:
+        tensors += [m.detach() for m in masters.masters]
+    return [t for t in tensors if t.numel() > 0]
+
+
+def _held_part(param: torch.Tensor) -> torch.Tensor:
+    ds_tensor = getattr(param, "ds_tensor", None)
+    if ds_tensor is not None:
+        part = ds_tensor.numel()
+        rank = getattr(param, "ds_zero_partition_rank", 0)  # the rank within the partition group
+        valid = max(0, min(part, getattr(param, "ds_numel", part) - part * rank))
+        return ds_tensor.detach().view(-1).narrow(0, 0, valid)
+    to_local = getattr(param, "to_local", None)  # a DTensor (FSDP2)
+    return (to_local() if callable(to_local) else param).detach()
+
+
+def _weights_nonfinite(tensors: Iterable[torch.Tensor], world_size: int, device: torch.device) -> bool:
+    """True if any rank holds a NaN or inf weight: one fused reduction per device and dtype, one
+    all-reduce of the flag, one host sync in all. Collective under a process group.
+
+    The max-abs (inf) norm is NaN or inf exactly when an element is: unlike the 2-norm it cannot
+    overflow on large but finite weights.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    flag = torch.zeros((), device=device)
+    for ts in groups.values():
+        norms = torch.stack([n.float() for n in torch._foreach_norm(ts, float("inf"))])
+        flag = torch.maximum(flag, (~norms.isfinite()).any().float().to(device))
+    if world_size > 1 and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+# ----------------------------------------------------------------------- writable directories
+
+
+def ensure_writable_dir(path: Path, key: str, *, rank: int = 0, world_size: int = 1,
+                        device: torch.device = torch.device("cpu")) -> None:
+    """Create ``path`` and prove this rank can write into it, at start-up rather than at the first save.
+
+    Every rank writes its own files into a checkpoint, so every rank probes (on a shared file
+    system this also catches a node that mounted it read-only). Collective when world_size > 1.
+    """
+    error = None
+    probe = path / f".write-test-rank{rank}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as exc:
+        error = f"{key}={path} is not writable: {_os_error_text(exc, path)}; choose another directory"
+    if _any_rank(error is not None, world_size, device):
+        raise CheckpointError(error or f"{key}={path} is not writable on another rank (its own error line says why)")
+
+
+def _os_error_text(exc: OSError, fallback: Path, *, own_path: bool = True) -> str:
+    where = (exc.filename if own_path else None) or fallback
+    code = errno_codes.errorcode.get(exc.errno or 0, "")
+    if exc.errno == errno_codes.ENOSPC:
+        return f"no space left on device (ENOSPC) writing {where}"
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return f"{reason.rstrip('.').lower()} ({code}) at {where}" if code else f"{reason} at {where}"
+
+
+def _write_failure(exc: BaseException, directory: Path) -> str:
+    """One line for a failed write, with the errno even when torch hides it.
+
+    torch.save reports a failed write from C++ as ``RuntimeError: [enforce fail at
+    inline_container.cc] ... unexpected pos`` with no errno, and DCP wraps each rank's error
+    in a CheckpointException. When no OSError is at hand, a small probe write into the same
+    directory recovers the cause (a full disk fails it with ENOSPC); it runs before the partial
+    checkpoint is deleted, while the disk is still as full as it was when the write failed.
+    """
+    os_error = _find_os_error(exc)
+    if os_error is not None:
+        return _os_error_text(os_error, directory)
+    probe = directory / ".write-probe"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe_error:  # name the checkpoint, not the probe
+        return _os_error_text(probe_error, directory, own_path=False)
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+    try:
+        if shutil.disk_usage(directory).free < 2**20:
+            return f"no space left on device (ENOSPC) writing {directory}"
+    except OSError:
+        pass
+    lines = str(exc).strip().splitlines()
+    return f"writing {directory} failed: {(lines[0] if lines else type(exc).__name__)[:200]}"
+
+
+def _find_os_error(exc: BaseException) -> OSError | None:
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        pending += [e.__cause__, e.__context__]
+        for failure in getattr(e, "failures", {}).values():  # DCP: rank -> (exception, traceback)
+            pending.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    """File-system trouble, as opposed to a dead peer (DistError) or a bug: only these get one line."""
+    if isinstance(exc, torch.distributed.DistError):
+        return False
+    if isinstance(exc, OSError):
+        return True
+    text = str(exc)
+    if type(exc).__name__ == "CheckpointException":  # torch.distributed.checkpoint, a BaseException
+        return _find_os_error(exc) is not None or any(marker in text for marker in _TORCH_WRITE_ERRORS)
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in _TORCH_WRITE_ERRORS)
+
+
+# How torch.save's C++ writer words a failed open or write (it raises RuntimeError, not OSError).
+_TORCH_WRITE_ERRORS = ("inline_container", "PytorchStreamWriter", "Parent directory")
+
+
+# ----------------------------------------------------------------------- saving
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -79,57 +282,224 @@ def save_checkpoint(
     barrier: Callable[[], None],
     keep_last: int,
     extra_meta: dict[str, Any] | None = None,
+    healthy: bool = True,
+    weights: Iterable[torch.Tensor] | None = None,
+    device: torch.device = torch.device("cpu"),
 ) -> Path:
-    """Write a checkpoint for ``step`` atomically; every rank calls this."""
+    """Write a checkpoint for ``step`` atomically; every rank calls this.
+
+    ``healthy``: the last optimizer step was applied (not skipped as non-finite); pruning
+    always keeps the newest healthy checkpoint. ``weights``: this rank's parameter tensors
+    (``local_weights``); if any rank's hold NaN or inf, nothing is written and every rank raises.
+    """
     final = root / step_dir_name(step)
-    tmp = root / f".tmp-{step_dir_name(step)}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
-    write_states(tmp)
-    torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
-    barrier()
+    tmp = root / f"{TMP_PREFIX}{final.name}"
+    if weights is not None and _weights_nonfinite(weights, world_size, device):
+        previous = find_latest(root) if root.is_dir() else None
+        kept = f"{previous.name} is kept" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(
+            f"step {step}: the model's weights hold NaN or inf, refusing to save them as a checkpoint ({kept}); "
+            "the run diverged: lower optim.lr, or resume from an earlier checkpoint"
+        )
+
+    label = f"step {step}: cannot save the checkpoint"
+    owned = tmp if rank == 0 else None  # rank 0 creates, publishes and on failure removes the temp dir
+    error = _attempt(lambda: _prepare(root, tmp), tmp, label) if rank == 0 else None
+    _agree(error, world_size, device, barrier, f"step {step}: preparing {tmp}")
+    error = _attempt(lambda: (write_states(tmp), torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")), tmp, label)
+    _agree(error, world_size, device, barrier, f"step {step}: writing {tmp}", cleanup=owned)
     if rank == 0:
         meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "strategy": strategy,
-                **(extra_meta or {})}
-        _write_text_atomic(tmp / META, json.dumps(meta, indent=2))
-        if final.exists():  # re-saving the same step (e.g. final save right after an interval save)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_text_atomic(root / "latest", final.name + "\n")
-        _prune(root, keep_last)
-    barrier()
+                "healthy": healthy, **(extra_meta or {})}
+        error = _attempt(lambda: _publish(root, tmp, final, meta, keep_last), tmp, label)
+    _agree(error, world_size, device, barrier, f"step {step}: publishing {final}", cleanup=owned)
     return final
 
 
+def _attempt(action: Callable[[], Any], directory: Path, label: str) -> CheckpointError | None:
+    """Run a save phase; a file-system failure becomes a one-line CheckpointError, returned rather
+    than raised so that the ranks agree on it before anyone leaves the save."""
+    try:
+        action()
+        return None
+    except BaseException as exc:  # DCP raises CheckpointException, which is not an Exception
+        if not _is_write_failure(exc):
+            raise
+        message = _write_failure(exc, directory if directory.is_dir() else directory.parent)
+    return CheckpointError(f"{label}: {message}; the previous checkpoint is untouched")
+
+
+def _prepare(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    _recover_asides(root)
+    for stale in root.glob(f"{TMP_PREFIX}step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+
+
+def _recover_asides(root: Path) -> None:
+    """Finish a re-save that a crash interrupted, before anything else touches the root.
+
+    ``.old-step_N`` exists only between "old copy renamed aside" and "aside deleted". If
+    ``step_N`` is complete the swap went through and the aside is garbage; if it is missing,
+    the aside is the only complete copy of step N and goes back under its name.
+    """
+    for aside in root.glob(f"{ASIDE_PREFIX}step_*"):
+        final = root / aside.name[len(ASIDE_PREFIX):]
+        if final.is_dir() and incomplete_reason(final) is None:
+            shutil.rmtree(aside, ignore_errors=True)
+        elif incomplete_reason(aside) is None:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(aside, final)
+            _fsync_dir(root)
+
+
+def _manifest(directory: Path) -> dict[str, int]:
+    """Every file of the checkpoint with its size, so a torn or half-copied directory is recognized."""
+    files = {}
+    for dirpath, _, names in os.walk(directory):
+        for name in names:
+            path = Path(dirpath) / name
+            rel = path.relative_to(directory).as_posix()
+            if rel != META:
+                files[rel] = path.stat().st_size
+    return dict(sorted(files.items()))
+
+
+def _publish(root: Path, tmp: Path, final: Path, meta: dict[str, Any], keep_last: int) -> None:
+    _write_text_atomic(tmp / META, json.dumps({**meta, "files": _manifest(tmp)}, indent=2))
+    aside = root / f"{ASIDE_PREFIX}{final.name}"
+    if final.exists():  # re-saving the same step (e.g. a resumed run that ends where it started)
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)  # the old copy stays whole until the new one is in place
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_text_atomic(root / "latest", final.name + "\n")
+    shutil.rmtree(aside, ignore_errors=True)
+    _prune(root, keep_last)
+
+
 def _prune(root: Path, keep_last: int) -> None:
+    """Keep the ``keep_last`` newest complete checkpoints and, always, the newest healthy one."""
     if keep_last <= 0:
         return
-    complete = sorted(p for p in root.glob("step_*") if (p / META).is_file())
-    for old in complete[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    complete = [p for p in _step_dirs(root) if incomplete_reason(p) is None]
+    keep = set(complete[-keep_last:])
+    healthy = [p for p in complete if _meta_of(p).get("healthy", True)]
+    if healthy:
+        keep.add(healthy[-1])
+    for old in complete:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)
 
 
-def find_latest(root: Path) -> Path | None:
-    """Newest complete checkpoint under root (ignores interrupted .tmp- saves)."""
-    complete = sorted(p for p in root.glob("step_*") if (p / META).is_file())
-    return complete[-1] if complete else None
+# ----------------------------------------------------------------------- finding and checking
 
 
-def resolve_resume(spec: str, root: Path) -> Path | None:
-    """'' -> None; 'latest' -> newest complete checkpoint (None if there is none yet); else a path."""
+def _step_of(path: Path) -> int | None:
+    match = _STEP_RE.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """``step_*`` directories, oldest first (complete or not)."""
+    found = [p for p in root.glob("step_*") if p.is_dir() and _step_of(p) is not None]
+    return sorted(found, key=lambda p: _step_of(p))
+
+
+def _meta_of(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """None for a complete checkpoint directory, else why it is not one.
+
+    Checkpoints written before manifests existed count as complete when meta.json is there.
+    """
+    if not (path / META).is_file():
+        return f"no {META} in {path} (an interrupted save)"
+    meta = _meta_of(path)
+    if not meta:
+        return f"{path / META} is not valid JSON"
+    for rel, size in (meta.get("files") or {}).items():
+        file = path / rel
+        if not file.is_file():
+            return f"checkpoint file missing: {file}"
+        if file.stat().st_size != size:
+            return f"cannot read checkpoint file {file}: {file.stat().st_size} bytes, {size} were written (damaged)"
+    return None
+
+
+def find_latest(root: Path, warn: Warn | None = None) -> Path | None:
+    """Newest complete checkpoint under root; ``warn`` hears about every newer one passed over."""
+    return _scan(root, warn)[0]
+
+
+def _scan(root: Path, warn: Warn | None) -> tuple[Path | None, list[str]]:
+    """(newest complete checkpoint, why each newer candidate was passed over).
+
+    Candidates are ``step_*`` directories and the copies a crashed re-save left aside
+    (``.old-step_*``) when no complete ``step_*`` of that step exists.
+    """
+    if not root.is_dir():
+        return None, []
+    candidates = {_step_of(p): p for p in _step_dirs(root)}
+    for aside in root.glob(f"{ASIDE_PREFIX}step_*"):
+        step = _step_of(aside)
+        if step is not None and (step not in candidates or incomplete_reason(candidates[step]) is not None):
+            if incomplete_reason(aside) is None:
+                candidates[step] = aside
+    skipped = []
+    for step in sorted(candidates, reverse=True):
+        path = candidates[step]
+        reason = incomplete_reason(path)
+        if reason is None:
+            if path.name.startswith(ASIDE_PREFIX) and warn:
+                warn(f"resume: {path.name[len(ASIDE_PREFIX):]} was being replaced when a save was interrupted; "
+                     f"using its complete previous copy {path}")
+            if skipped and warn:
+                warn(f"resume: skipping incomplete checkpoint(s): {'; '.join(skipped)}; using {path.name}")
+            return path, skipped
+        skipped.append(f"{path.name} ({reason})")
+    return None, skipped
+
+
+def resolve_resume(spec: str, root: Path, warn: Warn | None = None) -> Path | None:
+    """'' -> None; 'latest' -> newest complete checkpoint (None if none was ever saved); else a path.
+
+    The ``latest`` pointer is advisory: the directory scan decides, so a pointer that names a
+    torn, missing or older checkpoint (a crash between rename and pointer update) is reported
+    and passed over rather than followed. Checkpoints that all turned out incomplete are an
+    error, not a fresh start: training from step 0 would quietly discard the run.
+    """
     if not spec:
         return None
     if spec == "latest":
-        return find_latest(root)
+        found, skipped = _scan(root, warn)
+        if found is None and skipped:
+            raise CheckpointError(f"--resume latest: no complete checkpoint under {root}: {'; '.join(skipped)}; "
+                                  "resume from a copy you trust, or start without --resume")
+        pointer = _read_pointer(root)
+        if found is not None and pointer and warn and pointer != found.name.removeprefix(ASIDE_PREFIX):
+            warn(f"resume: {root / 'latest'} names {pointer}, which is not the newest complete checkpoint; "
+                 f"using {found}")
+        return found
     path = Path(spec)
     if path.is_dir() and not (path / META).is_file() and find_latest(path) is not None:
-        return find_latest(path)  # a checkpoint root was given
+        return find_latest(path, warn)  # a checkpoint root was given
     return path
+
+
+def _read_pointer(root: Path) -> str | None:
+    try:
+        return (root / "latest").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def read_meta(path: Path, world_size: int, strategy: str, model: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -144,21 +514,52 @@ def read_meta(path: Path, world_size: int, strategy: str, model: dict[str, Any] 
         raise CheckpointError(f"{meta_path} is corrupt (not JSON)") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{meta_path}: format version {meta.get('format_version')}, this code reads {FORMAT_VERSION}")
+    # Ranks first: several processes run strategy none as ddp (train.py:promote_strategy), so a
+    # rank-count change also shows up as a strategy change, and only the rank count is the fix.
+    if meta.get("world_size") != world_size:
+        raise CheckpointError(
+            f"{path} was saved by {meta.get('world_size')} rank(s), this run has {world_size}; per-rank data "
+            f"positions and RNG states cannot be mapped exactly (start {meta.get('world_size')} rank(s))"
+        )
     if meta.get("strategy") != strategy:
         raise CheckpointError(
             f"{path} was saved with parallel.strategy={meta.get('strategy')}, this run uses {strategy}; "
             "resume with the same strategy"
         )
-    if meta.get("world_size") != world_size:
-        raise CheckpointError(
-            f"{path} was saved by {meta.get('world_size')} ranks, this run has {world_size}; per-rank data "
-            "positions and RNG states cannot be mapped exactly (start the same number of ranks)"
-        )
     saved_model = meta.get("model")
     if model is not None and saved_model is not None and saved_model != model:
         diff = [f"model.{k}: {saved_model.get(k)!r} -> {model.get(k)!r}" for k in model if saved_model.get(k) != model.get(k)]
         raise CheckpointError(f"{path} does not match the model of this run ({'; '.join(diff[:3])})")
+    reason = incomplete_reason(path)  # after the cheaper mismatches, which need no look at the files
+    if reason is not None:
+        raise CheckpointError(f"{path} is not a complete checkpoint: {reason}; resume from another one")
     return meta
+
+
+def check_schedule(path: Path, meta: dict[str, Any], schedule: dict[str, Any], *, allow_change: bool,
+                   warn: Warn | None = None) -> None:
+    """Refuse (or, when allowed, warn about) a resumed run whose LR schedule differs from the saved one.
+
+    The schedule is a function of the step, so changing it mid-run silently changes every later
+    learning rate; the usual cause is a smaller train.max_steps, which optim.decay_steps follows
+    by default. Checkpoints from before schedules were recorded are not checked.
+    """
+    saved = meta.get("schedule")
+    if not isinstance(saved, dict):
+        return
+    diff = [f"optim.{k} {saved.get(k)!r} -> {v!r}" for k, v in schedule.items() if saved.get(k) != v]
+    if not diff:
+        return
+    what = f"{path} was saved with a different LR schedule ({'; '.join(diff)})"
+    if allow_change:
+        if warn:
+            warn(f"resume: {what}; continuing with the new one (checkpoint.allow_schedule_change=true)")
+        return
+    hint = ""
+    if saved.get("decay_steps") != schedule.get("decay_steps"):
+        hint = (f" (decay_steps defaults to train.max_steps; pass --optim.decay_steps={saved.get('decay_steps')} "
+                "to keep it)")
+    raise CheckpointError(f"{what}{hint}; set checkpoint.allow_schedule_change=true to change it on purpose")
 
 
 # ----------------------------------------------------------------------- RNG states

@@ -10,6 +10,7 @@ naming the key and, where there is a fixed set, the valid choices.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,26 +30,60 @@ from training.fields import ConfigError, doc
 class OptimConfig:
     lr: float = doc(6e-4, "peak learning rate reached at the end of warmup")
     min_lr: float = doc(6e-5, "learning rate at the end of the cosine decay")
-    warmup_steps: int = doc(100, "linear warmup length in optimizer steps")
-    decay_steps: int | None = doc(None, "cosine decay length; default: train.max_steps")
+    warmup_steps: int = doc(
+        100, "linear warmup length in optimizer steps; at most train.max_steps unless optim.decay_steps is set "
+        "(a run that is the first part of a longer schedule)"
+    )
+    decay_steps: int | None = doc(
+        None, "step at which the cosine decay reaches optim.min_lr (counted from step 0, warmup included; "
+        ">= optim.warmup_steps); default: train.max_steps. Set it when one schedule spans several runs"
+    )
     weight_decay: float = doc(0.1, "decoupled weight decay, applied to matrices only (not norms, biases)")
-    beta1: float = doc(0.9, "AdamW beta1")
-    beta2: float = doc(0.95, "AdamW beta2")
-    eps: float = doc(1e-8, "AdamW epsilon")
+    beta1: float = doc(0.9, "AdamW beta1, in [0, 1)")
+    beta2: float = doc(0.95, "AdamW beta2, in [0, 1)")
+    eps: float = doc(1e-8, "AdamW epsilon, > 0")
     grad_clip: float = doc(1.0, "clip the global gradient norm to this value; 0 disables")
     fused: Literal["auto", "on", "off"] = doc(
         "auto", "fused AdamW kernel: auto uses it where PyTorch supports the device"
     )
 
     def validate(self) -> None:
+        # inf and nan pass every comparison-based check below (nan fails none of them), and
+        # an infinite lr turns the first update into NaN weights: finiteness comes first.
+        for key in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+            _require_finite(f"optim.{key}", getattr(self, key))
         if self.lr <= 0:
-            raise ConfigError("optim.lr must be > 0")
+            raise ConfigError(f"optim.lr must be > 0 (got {self.lr})")
         if not 0 <= self.min_lr <= self.lr:
-            raise ConfigError("optim.min_lr must be between 0 and optim.lr")
+            raise ConfigError(f"optim.min_lr must be between 0 and optim.lr={self.lr} (got {self.min_lr})")
         if self.warmup_steps < 0:
-            raise ConfigError("optim.warmup_steps must be >= 0")
+            raise ConfigError(f"optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if self.decay_steps is not None and self.decay_steps < 0:
+            raise ConfigError(f"optim.decay_steps must be >= 0, or null for train.max_steps (got {self.decay_steps})")
+        if self.decay_steps is not None and self.decay_steps < self.warmup_steps:
+            raise ConfigError(
+                f"optim.decay_steps={self.decay_steps} ends the decay before optim.warmup_steps={self.warmup_steps} "
+                "ends the warmup; set optim.decay_steps >= optim.warmup_steps"
+            )
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay must be >= 0 (got {self.weight_decay})")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"optim.{key} must be in [0, 1) (got {getattr(self, key)})")
+        if self.eps <= 0:
+            raise ConfigError(f"optim.eps must be > 0 (got {self.eps})")
         if self.grad_clip < 0:
-            raise ConfigError("optim.grad_clip must be >= 0 (0 disables clipping)")
+            raise ConfigError(f"optim.grad_clip must be >= 0, 0 disables clipping (got {self.grad_clip})")
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _require_finite(key: str, value: float | None) -> None:
+    # Parameters and optimizer states are float32 at least: a value beyond float32's range is
+    # inf there (or makes torch raise mid-step), although Python calls it finite.
+    if value is not None and not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+        raise ConfigError(f"{key} must be a finite number within float32 range (got {value})")
 
 
 @dataclass
@@ -76,11 +111,20 @@ class TrainConfig:
     data_wait_warn: float = doc(0.2, "warn when the fraction of step time spent waiting for data exceeds this")
 
     def validate(self) -> None:
-        for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_interval"):
+        for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_interval", "profile_active"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} must be >= 1 (got {getattr(self, key)})")
+        for key in ("profile_wait", "profile_warmup"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key} must be >= 0 (got {getattr(self, key)})")
         if self.eval_interval < 0 or self.eval_steps < 1:
             raise ConfigError("train.eval_interval must be >= 0 and train.eval_steps >= 1")
+        _require_finite("train.data_wait_warn", self.data_wait_warn)
+        if self.data_wait_warn < 0:
+            raise ConfigError(f"train.data_wait_warn must be >= 0 (got {self.data_wait_warn})")
+        _require_finite("train.peak_tflops", self.peak_tflops)
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"train.peak_tflops must be > 0, or null for the device table (got {self.peak_tflops})")
 
 
 @dataclass
@@ -102,6 +146,16 @@ class PrecisionConfig:
         10, "with nonfinite=skip, stop after this many consecutive skipped steps"
     )
 
+    def validate(self) -> None:
+        _require_finite("precision.fp16_init_scale", self.fp16_init_scale)
+        if self.fp16_init_scale <= 0:
+            raise ConfigError(f"precision.fp16_init_scale must be > 0 (got {self.fp16_init_scale})")
+        if self.fp8_amax_history_len < 1:
+            raise ConfigError(f"precision.fp8_amax_history_len must be >= 1 (got {self.fp8_amax_history_len})")
+        for key in ("fp8_margin", "max_skipped_steps"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"precision.{key} must be >= 0 (got {getattr(self, key)})")
+
 
 @dataclass
 class CheckpointConfig:
@@ -110,6 +164,15 @@ class CheckpointConfig:
     keep_last: int = doc(2, "keep this many most recent checkpoints (0 keeps all)")
     resume: str = doc("", "'' (fresh start), 'latest' (newest in the run's checkpoint dir) or a path")
     dir: str = doc("", "checkpoint directory; default: <run_dir>/checkpoints")
+    allow_schedule_change: bool = doc(
+        False, "resume even if the LR schedule (optim.lr, min_lr, warmup_steps, resolved decay_steps) differs "
+        "from the checkpoint's; default: refuse, naming the keys"
+    )
+
+    def validate(self) -> None:
+        for key in ("interval", "keep_last"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"checkpoint.{key} must be >= 0 (got {getattr(self, key)})")
 
 
 @dataclass
@@ -145,7 +208,26 @@ class JobConfig:
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        self._validate_schedule()
         self._validate_cross_sections()
+
+    def _validate_schedule(self) -> None:
+        # Without an explicit decay_steps the schedule ends with this run, and a warmup longer
+        # than the run never reaches optim.lr; with one, the run may be the first slice of a
+        # longer schedule (e.g. a job split by a time limit), so a long warmup is intended.
+        if self.optim.decay_steps is None and self.optim.warmup_steps > self.train.max_steps:
+            raise ConfigError(
+                f"optim.warmup_steps={self.optim.warmup_steps} is longer than train.max_steps={self.train.max_steps}, "
+                "so the learning rate never reaches optim.lr; lower optim.warmup_steps, or set optim.decay_steps "
+                "to the full schedule if this run is part of a longer one"
+            )
+
+    def lr_schedule(self) -> dict[str, Any]:
+        """The learning-rate schedule with decay_steps resolved: ``lr_at``'s keyword arguments,
+        and what a checkpoint records so a resumed run can be checked against it."""
+        o = self.optim
+        decay_steps = self.train.max_steps if o.decay_steps is None else o.decay_steps
+        return {"lr": o.lr, "min_lr": o.min_lr, "warmup_steps": o.warmup_steps, "decay_steps": decay_steps}
 
     def _validate_cross_sections(self) -> None:
         if self.precision.mode == "fp8" and self.model.layers != "te":
@@ -159,6 +241,16 @@ class JobConfig:
                     "precision.mode=fp8 needs every GEMM dimension divisible by 16; not: "
                     + ", ".join(f"{k}={v}" for k, v in bad)
                 )
+            # TE also needs the GEMMs' row count (every token of a micro-batch) divisible by 8.
+            seq_key = "data.seq_len" if self.data.seq_len else "model.max_seq_len"
+            if self.train.micro_batch_size * self.seq_len % 8:
+                raise ConfigError(
+                    f"precision.mode=fp8 needs train.micro_batch_size x {seq_key} divisible by 8 (Transformer "
+                    f"Engine's FP8 GEMMs); {self.train.micro_batch_size} x {self.seq_len} is not"
+                )
+        if self.model.layers == "te" and self.parallel.init_on_meta:
+            raise ConfigError("parallel.init_on_meta=true cannot initialize Transformer Engine layers "
+                              "(model.layers=te); set parallel.init_on_meta=false")
         if self.model.layers == "te" and self.model.attention not in ("auto", "te"):
             raise ConfigError("model.layers=te uses Transformer Engine's own attention; set model.attention=auto")
         if self.data.seq_len and self.data.seq_len > self.model.max_seq_len:

@@ -34,9 +34,7 @@ class DistContext:
     @property
     def tag(self) -> str:
         """Log prefix naming rank, local rank and node, as multi-node debugging needs."""
-        if self.world_size == 1:
-            return ""
-        return f"[rank {self.rank} local {self.local_rank} node {self.node}] "
+        return rank_tag(self.world_size, self.rank, self.local_rank, self.node)
 
     def barrier(self) -> None:
         if self.backend is not None:
@@ -47,6 +45,24 @@ class DistContext:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
             tensor /= self.world_size
         return tensor
+
+
+def rank_tag(world_size: int, rank: int, local_rank: int, node: int) -> str:
+    if world_size == 1:
+        return ""
+    return f"[rank {rank} local {local_rank} node {node}] "
+
+
+def env_rank_tag() -> str:
+    """The rank prefix from torchrun's environment, for errors raised before (or without) a DistContext."""
+    env = os.environ
+    try:
+        world_size, rank = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        node = int(env.get("GROUP_RANK", str(rank // max(int(env.get("LOCAL_WORLD_SIZE", str(world_size))), 1))))
+    except ValueError:
+        return ""
+    return rank_tag(world_size, rank, local_rank, node)
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -89,3 +105,51 @@ def shutdown_distributed(ctx: DistContext) -> None:
         # destroyed, so nothing tears a gloo context down later during interpreter exit.
         gc.collect()
         dist.destroy_process_group()
+
+
+class StopAgreement:
+    """Makes every rank stop at the same step when any of them was asked to (SIGTERM, Ctrl-C).
+
+    Ranks receive a signal at different steps, yet must save the same one. Each step every rank
+    starts an all-reduce (MAX) of its signal number and reads the result of the previous step's:
+    one step of lag, so the read never waits (on CUDA the value comes back through pinned memory
+    behind an event, keeping the engine's one host sync per step the only one). A single process
+    needs no agreement and stops after the step in which the signal arrived.
+    """
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+        self._pending: tuple | None = None
+
+    def poll(self, local_signum: int) -> int:
+        """The agreed signal number (0: keep going). A collective: every rank calls it once per step."""
+        if self.ctx.backend is None:
+            return local_signum
+        agreed = self._collect()
+        value = torch.tensor([local_signum], dtype=torch.int32, device=self.ctx.device)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True)
+        if value.is_cuda:
+            work.wait()  # orders the copy after the all-reduce on the stream; does not block the host
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(value, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (None, host, event)
+        else:
+            self._pending = (work, value, None)
+        return agreed
+
+    def finish(self) -> None:
+        """Complete the outstanding all-reduce before the process group goes away."""
+        self._collect()
+
+    def _collect(self) -> int:
+        if self._pending is None:
+            return 0
+        work, host, event = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        if event is not None:
+            event.synchronize()
+        return int(host.item())

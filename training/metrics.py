@@ -7,6 +7,7 @@ with its rank/node prefix. wandb defaults to offline mode so a run never needs t
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -67,18 +68,35 @@ class RunLogger:
             self._bar.n = step
             self._bar.refresh()
 
+    def keep_rows_up_to(self, step: int) -> None:
+        """A resumed run logs steps after ``step`` again: drop the rows the previous run wrote for them.
+
+        Without this a crash between checkpoints leaves two rows for those steps in metrics.jsonl.
+        Rows are kept byte for byte; a line cut short by the crash is dropped too.
+        """
+        if self._jsonl is None:
+            return
+        path = Path(self._jsonl.name)
+        self._jsonl.close()
+        kept, dropped = rewrite_rows_up_to(path, step)
+        self._jsonl = open(path, "a", buffering=1)
+        if dropped:
+            self.info(f"metrics: dropped {dropped} row(s) after step {step} from {path} "
+                      f"(logged before the restart; {kept} kept)")
+
     def log(self, step: int, metrics: dict[str, Any], line: str | None = None) -> None:
         if not self.is_main:
             return
+        metrics = finite_or_none(metrics)
         record = {"step": step, "time": time.time(), **metrics}
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+            self._wandb.log(numbers, step=step)
         if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in numbers.items():
+                self._tb.add_scalar(k, v, step)
         if line is not None:
             if self._bar is not None:
                 self._bar.set_postfix_str(line, refresh=False)
@@ -98,6 +116,82 @@ class RunLogger:
             self._wandb.finish()
         if self._tb is not None:
             self._tb.close()
+
+
+class LearningAlarms:
+    """Warns when a run looks alive but cannot learn: all-zero gradients, or a loss scaler that skips
+    every step (fp16 with a bad ``precision.fp16_init_scale``), neither of which stops a run by itself.
+
+    Reads only what the loop already holds on the host (the skip flag each step, the grad norm at
+    log intervals): no extra device sync. Each warning fires once until its condition clears.
+    """
+
+    def __init__(self, log: RunLogger, precision_mode: str, skip_streak: int = 3):
+        self.log, self.fp16, self.skip_streak = log, precision_mode == "fp16", skip_streak
+        self._zero_warned = self._streak_warned = False
+
+    def on_step(self, step: int, skips_in_a_row: int, loss_scale: float | None) -> None:
+        if skips_in_a_row == 0:
+            self._streak_warned = False
+        elif self.fp16 and skips_in_a_row >= self.skip_streak and not self._streak_warned:
+            self._streak_warned = True
+            self.log.warn(f"step {step}: the fp16 loss scaler skipped {skips_in_a_row} steps in a row (gradients "
+                          f"overflow; scale now {_scale(loss_scale)}); if it goes on, lower precision.fp16_init_scale")
+
+    def on_log(self, step: int, grad_norm: float, loss_scale: float | None) -> None:
+        if grad_norm != 0.0:  # NaN (a skipped step) is not "zero gradients" either
+            self._zero_warned = False
+            return
+        if self._zero_warned:
+            return
+        self._zero_warned = True
+        if self.fp16:
+            why = (f"the fp16 loss scale {_scale(loss_scale)} underflows them to zero; raise precision.fp16_init_scale "
+                   "(default 65536)")
+        else:
+            why = "nothing is learned; check that the loss depends on the weights"
+        self.log.warn(f"step {step}: gradient norm is exactly 0 (all gradients are zero): {why}")
+
+
+def _scale(loss_scale: float | None) -> str:
+    return "unknown" if loss_scale is None else f"{loss_scale:g}"
+
+
+def finite_or_none(metrics: dict[str, Any]) -> dict[str, Any]:
+    """NaN and inf become None (JSON null): strict JSON, and no fake number in a dashboard."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+
+
+def rewrite_rows_up_to(path: Path, step: int) -> tuple[int, int]:
+    """Keep the rows of ``path`` with ``"step" <= step``, replacing the file atomically; (kept, dropped)."""
+    if not path.is_file():
+        return 0, 0
+    kept: list[str] = []
+    dropped = 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row_step = json.loads(line).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            row_step = None  # torn by the crash, or not a row of ours
+        if isinstance(row_step, int) and row_step <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return len(kept), dropped
 
 
 def _start_wandb(run_dir: Path, logging_cfg, config_dict: dict):

@@ -37,8 +37,23 @@ def check_precision_supported(mode: str, device: torch.device) -> None:
             raise CapabilityError(
                 f"precision.mode=fp8 needs compute capability >= 8.9 (Ada/Hopper); this GPU is {major}.{minor}"
             )
-    if mode in ("bf16", "bf16_master") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise CapabilityError(f"precision.mode={mode}: this GPU has no bf16 support; use fp16")
+    if mode in ("bf16", "bf16_master") and device.type == "cuda" and not native_bf16(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise CapabilityError(f"precision.mode={mode}: this GPU (compute capability {major}.{minor}) has no bf16 "
+                              "tensor cores, bf16 would only be emulated; use fp16 (or fp32)")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """bf16 in hardware: compute capability >= 8.0 (Ampere on), or any ROCm GPU.
+
+    ``torch.cuda.is_bf16_supported()`` also says yes on older GPUs where a bf16 tensor can merely
+    be created (emulation: slow, and cuBLAS/cuDNN lack bf16 kernels there). Its
+    ``including_emulation=False`` applies this same rule, but only to the current device and only
+    in recent torch releases, so the rule is spelled out here for ``device`` itself.
+    """
+    if torch.version.hip:
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def forward_context(mode: str, device: torch.device, precision_cfg) -> contextlib.AbstractContextManager:

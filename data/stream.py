@@ -1,0 +1,176 @@
+"""What every data format hands to train.py: the bundle, the resumable train stream, validation.
+
+Both batch sources (``data/loader.py`` for mmap shards, ``data/webdataset_loader.py`` for tar
+shards) build on this module, and it imports neither, so the two loaders never import each other.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import signal
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from data.config import DataConfig
+from data.errors import DataError
+
+STATE_VERSION = 1
+
+
+@dataclass
+class DataBundle:
+    train: "TrainStream"
+    val: "ValSource"
+    description: str  # one line for the log
+    skipped_shards: list[str] = field(default_factory=list)  # "path: reason" for each skipped shard
+
+
+def split_windows(windows: torch.Tensor, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T + 1) windows -> contiguous inputs x and next-token labels y, both (B, T)."""
+    if not pin:
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    shape = (windows.shape[0], windows.shape[1] - 1)
+    x = torch.empty(shape, dtype=windows.dtype, pin_memory=True)  # from torch's caching host allocator
+    y = torch.empty(shape, dtype=windows.dtype, pin_memory=True)
+    x.copy_(windows[:, :-1])
+    y.copy_(windows[:, 1:])
+    return x, y
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: seed Python and NumPy from the worker's torch seed.
+
+    DataLoader gives worker ``w`` the torch seed ``base_seed + w`` with ``base_seed`` drawn from
+    the loader's own generator (seeded from the run seed and rank), so augmentation-style
+    randomness in workers is reproducible and differs between workers.
+    """
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+    # SIGTERM / Ctrl-C are for the trainer, which finishes its step and saves (training/signals.py);
+    # torchrun and Slurm signal the workers too, and a worker killed mid-step would crash the trainer.
+    # Workers still end with it: the trainer shuts them down, and they exit when it is gone.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def one_line(error: DataError) -> DataError:
+    """A DataError re-raised by DataLoader from a worker, cut back to its own one-line message.
+
+    DataLoader rebuilds a worker's exception with the worker's traceback in the message; the
+    last line of that is ``data.errors.DataError: <the original message>``.
+    """
+    text = str(error).strip()
+    if "\n" not in text:
+        return error
+    last = text.splitlines()[-1]
+    prefix = f"{DataError.__module__}.{DataError.__qualname__}: "
+    return DataError(last[len(prefix):] if last.startswith(prefix) else last)
+
+
+class TrainStream:
+    """Infinite iterator of training batches with a resumable position.
+
+    Wraps a batch dataset whose iterator yields ``(windows, cursor)``: a (B, T + 1) int64 tensor
+    and the reading position just after that batch. Workers send the windows as one tensor
+    (at these sizes the cost of passing a batch between processes is mostly per tensor, so one
+    is about twice as fast as two) and the stream cuts ``x`` and ``y`` from it, into pinned
+    memory when pinning is on. The stream folds each cursor into its state as it hands the batch
+    to the caller, so batches prefetched by workers never leak into the state.
+    The dataset supplies ``identity()``, ``initial_state()``, ``set_start(state)`` and
+    ``advance(state, cursor)``.
+    """
+
+    def __init__(self, dataset: IterableDataset, cfg: DataConfig, *, seed: int, rank: int):
+        self._dataset = dataset
+        self._cfg = cfg
+        self._seed, self._rank = seed, rank
+        self._state = dataset.initial_state()
+        self._iterator = None
+        self._pin = bool(cfg.pin_memory and torch.cuda.is_available())
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self._dataset.batches_per_epoch
+
+    def _make_iterator(self):
+        self._dataset.set_start(self._state)
+        cfg = self._cfg
+        workers = cfg.num_workers
+        extra = {}
+        if workers > 0:
+            extra = dict(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor,
+                         worker_init_fn=seed_worker, timeout=cfg.timeout)
+        loader = DataLoader(
+            self._dataset,
+            batch_size=None,  # the dataset yields whole batches
+            num_workers=workers,
+            pin_memory=False,  # x and y are cut into pinned buffers in __next__ instead
+            # A private generator: creating the iterator must not consume the global torch RNG.
+            generator=torch.Generator().manual_seed(self._seed * 1_000_003 + self._rank),
+            **extra,
+        )
+        return iter(loader)
+
+    def __iter__(self) -> "TrainStream":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._iterator is None:
+            self._iterator = self._make_iterator()
+        try:
+            windows, cursor = next(self._iterator)
+        except DataError as e:
+            self.close()
+            short = one_line(e)
+            if short is e:
+                raise
+            raise short from e
+        self._state = self._dataset.advance(self._state, cursor)
+        return split_windows(windows, pin=self._pin)
+
+    def state_dict(self) -> dict:
+        """Plain ints, strings, lists and dicts (safe for ``torch.load(weights_only=True)``)."""
+        return {"version": STATE_VERSION, "identity": self._dataset.identity(), **copy.deepcopy(self._state)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise DataError(
+                f"data stream state version {state.get('version')} is not {STATE_VERSION}: cannot resume it"
+            )
+        mine = self._dataset.identity()
+        theirs = state.get("identity", {})
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            pretty = ", ".join(f"{k}: saved {a} now {b}" for k, (a, b) in sorted(diff.items()))
+            raise DataError(f"cannot resume the data stream: the data layout changed ({pretty})")
+        self.close()
+        self._state = {k: copy.deepcopy(v) for k, v in state.items() if k not in ("version", "identity")}
+
+    def close(self) -> None:
+        """Stop worker processes (they restart on the next batch)."""
+        self._iterator = None  # the DataLoader iterator shuts its workers down when collected
+
+
+class ValSource:
+    """Deterministic validation batches: ``batches(n)`` yields the same first n batches every call.
+
+    Wraps a batch source with ``batches_per_epoch`` and ``batch(g)``, read in the calling process
+    (no workers); for mmap shards rank r takes every W-th window in file order.
+    """
+
+    def __init__(self, dataset):
+        self._dataset = dataset
+
+    @property
+    def num_batches(self) -> int:
+        return self._dataset.batches_per_epoch
+
+    def batches(self, n: int):
+        """The first ``min(n, num_batches)`` batches of this rank's share of the validation split."""
+        for g in range(min(n, self.num_batches)):
+            yield self._dataset.batch(g)

@@ -1,0 +1,105 @@
+"""SIGTERM and Ctrl-C end a run cleanly: finish the step, save, exit non-zero; a second signal exits at once.
+
+Preemptible clusters send SIGTERM some seconds before SIGKILL (Slurm: ``KillWait``, 30 s by
+default; torchrun forwards it to every worker and waits 30 s). The handler only records the
+signal; the training loop asks ``StopRequest.requested`` after each optimizer step, and under
+several ranks ``distributed.StopAgreement`` makes every rank stop, and so save, at the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+HANDLED = (signal.SIGTERM, signal.SIGINT)
+# Slurm signals every process of a job step and torchrun forwards the same signal to its workers,
+# so one preemption can reach a worker twice within milliseconds: that is still one request.
+DUPLICATE_WINDOW_S = 0.5
+
+
+def exit_code(signum: int) -> int:
+    """128 + signal number, what a shell reports for a process ended by that signal (143, 130)."""
+    return 128 + signum
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class StopRequest:
+    """Records SIGTERM/SIGINT instead of dying, once armed; leaving the ``with`` block restores the handlers.
+
+    The signals are read by a watcher thread from ``signal.set_wakeup_fd``, which the C-level
+    handler writes at once, not by the Python-level handler: that one runs only when the main
+    thread next executes Python, and a rank blocked in a collective on a hung peer may not for
+    minutes, while a second signal must end it at once. The Python-level handler replaces the
+    default action (termination, KeyboardInterrupt) and is only a fallback recorder.
+    """
+
+    def __init__(self, tag: str = ""):
+        self.tag = tag
+        self.signum = 0
+        self._first_at = 0.0
+        self._previous: dict[int, object] = {}
+        self._previous_fd = -1
+        self._write_fd: int | None = None
+
+    def arm(self) -> None:
+        """Install the handlers (from the first training step on; set-up stays interruptible).
+
+        Signal handlers can only be set from the main thread; elsewhere (a test harness, a
+        notebook thread) the process keeps its default behaviour rather than failing.
+        """
+        if threading.current_thread() is not threading.main_thread() or self._write_fd is not None:
+            return
+        read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)  # set_wakeup_fd requires it; a full pipe drops bytes, never blocks
+        self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        for sig in HANDLED:
+            self._previous[sig] = signal.signal(sig, self._on_python_signal)
+        threading.Thread(target=self._watch, args=(read_fd,), name="perfgpt-signals", daemon=True).start()
+
+    def __enter__(self) -> StopRequest:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+        if self._write_fd is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            os.close(self._write_fd)  # the watcher reads end-of-file and ends
+            self._write_fd = None
+
+    @property
+    def requested(self) -> int:
+        """The signal number received on this rank (0: none)."""
+        return self.signum
+
+    def _watch(self, read_fd: int) -> None:
+        try:
+            while data := os.read(read_fd, 64):
+                for signum in data:  # the wakeup fd also carries other handled signals (SIGCHLD, ...)
+                    if signum in HANDLED:
+                        self._on_signal(signum)
+        finally:
+            os.close(read_fd)
+
+    def _on_signal(self, signum: int) -> None:
+        now = time.monotonic()
+        if not self.signum:
+            self.signum, self._first_at = signum, now
+            return
+        if now - self._first_at < DUPLICATE_WINDOW_S:
+            return
+        # The user insists: leave now, from this thread, whatever the main thread is blocked in.
+        os.write(2, f"{self.tag}second {signal_name(signum)}: exiting at once without saving\n".encode())
+        os._exit(exit_code(signum))
+
+    def _on_python_signal(self, signum: int, frame) -> None:
+        # Normally the watcher has recorded this signal already. Should anything have replaced the
+        # wakeup fd since, the stop still happens; only the "second signal" exit would be lost.
+        if not self.signum:
+            self.signum, self._first_at = signum, time.monotonic()
