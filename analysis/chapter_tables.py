@@ -15,9 +15,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from analysis import comm_model as cm
 from analysis import estimator as est
-from analysis.hardware import DEVICES
-from analysis.report import GIB, NEEDS_GPU, Table, gib, human_bytes, new_figure, save_figure, sci
+from common.hardware import DEVICES
+from common.report import GIB, NEEDS_GPU, Table, gib, human_bytes, new_figure, save_figure, sci
 
 
 @dataclass
@@ -29,42 +30,19 @@ class Measured:
     attention: dict | None = None
     recompute: dict | None = None
     gpu: dict = field(default_factory=dict)  # {"precision": ..., "attention": ..., "recompute": ...}
-    data_formats_md: str | None = None  # Markdown written by tools/bench_data.py, if found
-    # Other measured files of docs/results/ by file name (MEASURED_FILES), read when the tables are built.
-    documents: dict[str, str] = field(default_factory=dict)
+    data_bench: dict | None = None  # tools/bench_data.py's rows document (common.report.write_results), if found
+    # Other measured files of docs/results/ by file name (MEASURED_FILES): the rows documents their
+    # tools wrote next to them (same stem, .json), read when the tables are built.
+    documents: dict[str, dict] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
-# Measured files other tools write into docs/results/, which the summary table quotes.
+# Measured files other tools write into docs/results/, which the summary table quotes by name; their
+# numbers are read from the rows each tool writes next to them (same stem, .json), never from the Markdown.
 BENCH_TRAIN_CPU = "bench_train_cpu.md"  # tools/bench_train.py on configs/tiny.yaml
 PARALLEL_CPU = "parallel_strategies_cpu.md"  # tools/bench_parallel.py on 2 gloo processes
 MEASURED_FILES = (BENCH_TRAIN_CPU, PARALLEL_CPU)
 NOT_MEASURED = "not measured"
-
-
-def markdown_table_rows(markdown: str) -> list[dict[str, str]]:
-    """Rows of the first pipe table in ``markdown`` as {column: cell}."""
-    header, rows = None, []
-    for line in markdown.splitlines():
-        stripped = line.strip()
-        if not stripped.startswith("|"):
-            if header is not None and rows:
-                break
-            continue
-        cells = [c.strip() for c in stripped.strip("|").split("|")]
-        if header is None:
-            header = cells
-        elif not all(set(c) <= set("-: ") for c in cells) and len(cells) == len(header):
-            rows.append(dict(zip(header, cells)))
-    return rows
-
-
-def _first_line(markdown: str) -> str:
-    return next((line.lstrip("# ").strip() for line in markdown.splitlines() if line.strip()), "")
-
-
-def _number(cell: str) -> float:
-    return float(cell.replace(",", "").rstrip("x×"))
 
 
 def _where(result: dict) -> str:
@@ -336,11 +314,12 @@ def recompute_table(measured: Measured) -> Table:
     h100 = DEVICES["H100"]
     L = cfg.n_layer
     model_flops = est.flops_per_token(cfg, s)
-    analytic = {}
+    analytic, with_tp = {}, {}
     rows = []
     for policy, (claim_mem, claim_cost) in CHAPTER_RECOMPUTE.items():
         per_layer = est.activation_bytes_per_layer(cfg, s, b, policy, attention="materialized")
         flash = est.activation_bytes_per_layer(cfg, s, b, policy, attention="flash")
+        with_tp[policy] = L * per_layer_tp_sp(cfg, s, b, policy)
         overhead = est.recompute_flops_per_token(cfg, s, policy) / model_flops
         analytic[policy] = L * per_layer
         if policy == "offload":
@@ -355,7 +334,8 @@ def recompute_table(measured: Measured) -> Table:
         else:
             cost = f"{overhead:.1%} extra FLOPs" + (" (element-wise only; memory-bound)" if policy == "op_selective" else "")
             mem = f"{gib(L * per_layer)} ({gib(per_layer)}/layer); flash/SDPA: {gib(L * flash)}"
-        rows.append([policy, f"{claim_mem}, {claim_cost}", mem, cost, _recompute_measured(policy, measured)])
+        rows.append([policy, f"{claim_mem}, {claim_cost}", mem, _tp_sp_cell(cfg, s, b, policy), cost,
+                     _recompute_measured(policy, measured)])
     share_chapter = 2 * 4096 / (2 * 4096 + 4 * 4096)
     attn_term = 5 * cfg.n_head * s / cfg.d_model
     notes = [
@@ -371,6 +351,8 @@ def recompute_table(measured: Measured) -> Table:
         "Selective recompute costs one extra attention-core forward (QKᵀ and ·V), a few percent; full recompute "
         "one extra forward of every layer, ~33% of model FLOPs, in line with the chapter. The √n memory claim "
         "belongs to segment checkpointing (Chen et al. 2016), not per-layer recompute.",
+        _tp_sp_note(cfg, s, b),
+        _planner_note(p70),
         "Offloading is not '0% + PCIe': hundreds of GiB per GPU per step cross PCIe on the compute stream "
         "(torch.autograd.graph.save_on_cpu does not overlap), and a node lacks the host memory to hold them.",
         "Measured here: bytes autograd saves per block (tools/bench_memory.py, counted once per storage) next to "
@@ -385,13 +367,60 @@ def recompute_table(measured: Measured) -> Table:
         setup=[
             "chapter: the 8.2 'memory savings estimate' table (70B model, s=4096, b=4)",
             f"analytic: Korthikanti et al. 2022 at h={cfg.d_model}, a={cfg.n_head}, L={L}, s={s}, b={b}, "
-            "16-bit activations, dropout (materialized scores, as in the paper), and the same with flash/SDPA",
+            "16-bit activations, dropout (materialized scores, as in the paper), and the same with flash/SDPA; "
+            f"per GPU with tensor parallelism t={TP_COLUMN} + sequence parallelism (section 4.2.2)",
             "measured here: " + (f"{rec['setup']} on {_where(rec)}" if rec else "tools/bench_memory.py not available"),
         ],
-        columns=["policy", "chapter's claim", "analytic at the chapter's scale", "recompute cost (analytic)", "measured here"],
+        columns=["policy", "chapter's claim", "analytic at the chapter's scale",
+                 f"analytic per GPU, t={TP_COLUMN} + SP", "recompute cost (analytic)", "measured here"],
         rows=rows,
         notes=notes,
-        plot=lambda path: _plot_recompute(analytic, path),
+        plot=lambda path: _plot_recompute(analytic, with_tp, path),
+    )
+
+
+TP_COLUMN = 8  # one node of tensor parallelism, the paper's t
+
+
+def per_layer_tp_sp(cfg, s, b, policy: str, tp: int = TP_COLUMN) -> float:
+    return est.activation_bytes_per_layer(cfg, s, b, policy, attention="materialized", tp=tp, sequence_parallel=True)
+
+
+def _tp_sp_cell(cfg, s, b, policy: str) -> str:
+    L = cfg.n_layer
+    if policy == "offload":
+        host = L * per_layer_tp_sp(cfg, s, b, "none")
+        return f"~0 on GPU (+1 layer in flight, {gib(host / L)}); {gib(host)} on host"
+    per_layer = per_layer_tp_sp(cfg, s, b, policy)
+    return f"{gib(L * per_layer)} ({gib(per_layer)}/layer)"
+
+
+def _tp_sp_note(cfg, s, b) -> str:
+    L, t = cfg.n_layer, TP_COLUMN
+    tp_only = {p: L * est.activation_bytes_per_layer(cfg, s, b, p, attention="materialized", tp=t)
+               for p in ("none", "selective")}
+    return (
+        f"With tensor parallelism over t={t} GPUs (Korthikanti et al. 2022, 4.2.1) only the attention and MLP "
+        f"internals are split: s·b·h·(10 + 24/t + 5·a·s/(h·t)) per layer, {gib(tp_only['none'])} per GPU without "
+        f"recompute and {gib(tp_only['selective'])} with selective; the 10·s·b·h of norm inputs, matmul inputs and "
+        f"dropout masks stays whole on every GPU. Sequence parallelism (4.2.2) splits those along the sequence, "
+        f"so everything is divided by t: s·b·h·(34 + 5·a·s/h)/t, and 34·s·b·h/t = "
+        f"{gib(L * per_layer_tp_sp(cfg, s, b, 'selective'))} with selective recompute (the column above)."
+    )
+
+
+def _planner_note(p70) -> str:
+    h100 = DEVICES["H100"]
+    global_batch = p70.micro_batch * p70.world_size
+    plans = est.plan_layouts(p70.model, p70.seq_len, p70.world_size, h100, global_batch=global_batch, top=1)
+    data_parallel = sorted({plan.job.policy for plan in est.plan_fits(p70.model, p70.seq_len, p70.world_size, h100, top=None)})
+    if not plans:
+        return f"The planner finds no layout that fits on {p70.world_size}× H100 at {global_batch} sequences per step."
+    return (
+        f"On {p70.world_size}× H100 at the chapter's {p70.micro_batch} sequences per GPU ({global_batch} per step), "
+        f"data parallelism alone fits only with checkpointing={' or '.join(data_parallel) or 'nothing'}; the planner "
+        f"(tools/estimate.py --preset 70b --plan) searches tensor, sequence and pipeline parallelism too, and its "
+        f"cheapest layout is {est.describe_plan(plans[0])}."
     )
 
 
@@ -429,14 +458,16 @@ def _recompute_measured(policy: str, measured: Measured) -> str:
     return "; ".join(cells)
 
 
-def _plot_recompute(analytic: dict, path: Path) -> None:
+def _plot_recompute(analytic: dict, with_tp: dict, path: Path) -> None:
     fig, ax = new_figure(width=7)
     chapter = {"none": 80, "selective": 40, "full": 15, "offload": 10}
     labels = ["none", "selective", "full", "offload"]
     xs = range(len(labels))
-    ax.bar([x - 0.2 for x in xs], [chapter[k] for k in labels], 0.4, label="chapter (GB)")
+    ax.bar([x - 0.27 for x in xs], [chapter[k] for k in labels], 0.27, label="chapter (GB)")
     ours = [max(analytic[k] / GIB, 1e-1) for k in labels]
-    ax.bar([x + 0.2 for x in xs], ours, 0.4, label="Korthikanti 2022 (GiB, offload: on GPU ~0)")
+    ax.bar(list(xs), ours, 0.27, label="Korthikanti 2022 (GiB, offload: on GPU ~0)")
+    split = [max(with_tp[k] / GIB, 1e-1) for k in labels]
+    ax.bar([x + 0.27 for x in xs], split, 0.27, label=f"per GPU with t={TP_COLUMN} + SP (GiB)")
     ax.set_yscale("log")
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("activation memory, 70B, s=4096, b=4")
@@ -583,23 +614,18 @@ NOT_BENCHMARKED = {
 }
 
 
-def bench_data_rows(markdown: str) -> dict[str, list[str]]:
-    """{format: ['tokens/s ... (workers w, batch b)', ...]} from tools/bench_data.py's loader table."""
-    header, found = None, {}
-    for line in markdown.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells and cells[0] == "format":
-            header = cells
-        elif header and len(cells) == len(header) and cells[0] in ("naive", "mmap", "webdataset"):
-            row = dict(zip(header, cells))
-            found.setdefault(cells[0], []).append(
-                f"{row.get('tokens/s', '?')} tokens/s (workers {row.get('workers', '?')}, batch {row.get('batch', '?')})"
-            )
+def bench_data_rows(document: dict) -> dict[str, list[str]]:
+    """{format: ['tokens/s ... (workers w, batch b)', ...]} from tools/bench_data.py's loader rows."""
+    found: dict[str, list[str]] = {}
+    for row in document["rows"]:
+        found.setdefault(row["format"], []).append(
+            f"{row['tokens_per_s']:,.0f} tokens/s (workers {row['workers']}, batch {row['batch']})"
+        )
     return found
 
 
 def data_formats_table(measured: Measured) -> Table:
-    bench = bench_data_rows(measured.data_formats_md) if measured.data_formats_md else {}
+    bench = bench_data_rows(measured.data_bench) if measured.data_bench else {}
     rows = []
     for fmt, mode, use, ra, analysis, bench_name in CHAPTER_DATA:
         if fmt in NOT_BENCHMARKED:
@@ -626,7 +652,7 @@ def data_formats_table(measured: Measured) -> Table:
         setup=[
             "chapter: the 8.4 'efficient data formats' table",
             "analytic: what each format's layout implies for random access of token windows",
-            "measured here: " + (f"tools/bench_data.py on this machine: {_bench_data_setup(measured.data_formats_md)} "
+            "measured here: " + (f"tools/bench_data.py on this machine: {_bench_data_setup(measured.data_bench)} "
                                  f"(full table in {DATA_FORMATS_MEASURED_NAME})"
                                  if bench else "not run (python tools/reproduce.py runs it)"),
         ],
@@ -639,11 +665,8 @@ def data_formats_table(measured: Measured) -> Table:
 DATA_FORMATS_MEASURED_NAME = "data_formats_measured.md"
 
 
-def _bench_data_setup(markdown: str) -> str:
-    for line in markdown.splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-    return "settings not recorded"
+def _bench_data_setup(document: dict) -> str:
+    return f"Loader throughput ({document.get('setting', 'settings not recorded')})"
 
 
 # --------------------------------------------------------------------------- 8.3 communication
@@ -654,8 +677,6 @@ BUCKET_BYTES = 25e6  # one DDP bucket (PyTorch's default bucket_cap_mb=25)
 
 
 def _topology(nodes: int, gpus_per_node: int = 8):
-    from analysis import comm_model as cm
-
     h100, eff = DEVICES["H100"], est.Assumptions().link_fraction
     return cm.Topology(
         gpus_per_node, nodes, h100.nvlink_one_way_gb_s * eff, h100.network_gb_s * eff, NVLINK_STEP_US, NETWORK_STEP_US
@@ -663,8 +684,6 @@ def _topology(nodes: int, gpus_per_node: int = 8):
 
 
 def communication_table(measured: Measured) -> Table:
-    from analysis import comm_model as cm
-
     h100 = DEVICES["H100"]
     top = _topology(nodes=8)
     grads = 2 * est.count_parameters(est.preset("llama2-7b").model)  # bf16 gradients
@@ -713,8 +732,6 @@ def communication_table(measured: Measured) -> Table:
 
 
 def _plot_comm(nbytes: float, path: Path) -> None:
-    from analysis import comm_model as cm
-
     fig, ax = new_figure(width=6.5)
     nodes = [2, 4, 8, 16, 32, 64]
     series: dict[str, list[float]] = {}
@@ -776,7 +793,7 @@ def priority_table(measured: Measured) -> Table:
          _recompute_summary(rec)],
         ["5", "DataLoader tuning", "removes the data bottleneck",
          "workload-dependent: the trainer logs the fraction of step time spent waiting for data",
-         "run tools/bench_data.py" if not measured.data_formats_md else f"see {DATA_FORMATS_MEASURED_NAME}"],
+         "run tools/bench_data.py" if not measured.data_bench else f"see {DATA_FORMATS_MEASURED_NAME}"],
         ["6", "communication overlap", "10-20% throughput",
          f"7B, ZeRO-2 on 64 GPUs (DDP's 2Ψ traffic), micro-batch 1: {t.comm_s * 1e3:.0f} ms of gradient "
          "reduce-scatter + all-gather hidden behind "
@@ -818,12 +835,12 @@ def priority_table(measured: Measured) -> Table:
     )
 
 
-def _compile_measured(bench_train_md: str | None) -> str:
-    """torch.compile's speed-up from tools/bench_train.py's table: each compiled variant against the
+def _compile_measured(bench_train: dict | None) -> str:
+    """torch.compile's speed-up from tools/bench_train.py's rows: each compiled variant against the
     same variant without compile, from the same run."""
-    if not bench_train_md:
+    if not bench_train:
         return f"{NOT_MEASURED} ({BENCH_TRAIN_CPU} not found); GPU: {NEEDS_GPU}"
-    rows = {row.get("variant", ""): row for row in markdown_table_rows(bench_train_md)}
+    rows = {row["variant"]: row for row in bench_train["rows"]}
     cells = []
     for variant, row in rows.items():
         words = variant.split()
@@ -832,25 +849,29 @@ def _compile_measured(bench_train_md: str | None) -> str:
         eager = rows.get(" ".join(w for w in words if w != "train.compile=true"))
         if eager is None or row.get("status") != "ok" or eager.get("status") != "ok":
             continue
-        ratio = _number(row["tokens/s"]) / _number(eager["tokens/s"])
+        ratio = row["tokens_per_s"] / eager["tokens_per_s"]
         cells.append(f"{ratio:.2f}× tokens/s for {variant} vs without compile")
     if not cells:
         return f"{NOT_MEASURED} (no compiled variant with an eager twin in {BENCH_TRAIN_CPU}); GPU: {NEEDS_GPU}"
-    return "; ".join(cells) + f" ({BENCH_TRAIN_CPU}: {_first_line(bench_train_md)}); GPU: {NEEDS_GPU}"
+    return "; ".join(cells) + f" ({BENCH_TRAIN_CPU}: {bench_train['title']}); GPU: {NEEDS_GPU}"
 
 
-def _sharding_measured(parallel_md: str | None) -> str:
-    """Per-rank model-state bytes of FSDP vs DDP from tools/bench_parallel.py's table."""
-    if not parallel_md:
+def _state_bytes(row: dict) -> float:
+    return sum(row["measured"][k] for k in ("params", "grads", "optimizer"))
+
+
+def _sharding_measured(parallel: dict | None) -> str:
+    """Per-rank model-state bytes of FSDP vs DDP from tools/bench_parallel.py's rows."""
+    if not parallel:
         return f"{NOT_MEASURED} ({PARALLEL_CPU} not found); GPU memory: {NEEDS_GPU}"
-    rows = {row.get("strategy", ""): row for row in markdown_table_rows(parallel_md)}
+    rows = {row["strategy"]: row for row in parallel["rows"] if row["status"] == "ok"}
     ddp, fsdp = rows.get("ddp"), rows.get("fsdp")
-    if ddp is None or fsdp is None or "states KiB" not in ddp:
+    if ddp is None or fsdp is None:
         return f"{NOT_MEASURED} (no ddp and fsdp rows in {PARALLEL_CPU}); GPU memory: {NEEDS_GPU}"
     return (
-        f"model states per rank {fsdp['states KiB']} KiB (fsdp) vs {ddp['states KiB']} KiB (ddp), "
-        f"{_number(fsdp['states KiB']) / _number(ddp['states KiB']):.2f}×, loss vs one process "
-        f"{fsdp.get('Δ vs 1 proc', '?')} ({PARALLEL_CPU}: {_first_line(parallel_md)}); GPU memory: {NEEDS_GPU}"
+        f"model states per rank {_state_bytes(fsdp) / 1024:,.0f} KiB (fsdp) vs {_state_bytes(ddp) / 1024:,.0f} KiB "
+        f"(ddp), {_state_bytes(fsdp) / _state_bytes(ddp):.2f}×, loss vs one process {fsdp['delta']:+.1e} "
+        f"({PARALLEL_CPU}: {parallel['title']}); GPU memory: {NEEDS_GPU}"
     )
 
 

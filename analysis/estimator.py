@@ -1,4 +1,5 @@
-"""Analytic model of one data-parallel training step: memory per GPU, communication, time, MFU.
+"""Analytic model of one training step on a data x tensor x pipeline layout: memory per GPU,
+communication, time, MFU, and a planner that searches layouts.
 
 Everything here is arithmetic on a ``ModelConfig`` and a ``DeviceSpec``; nothing touches a GPU.
 Parameter counts and FLOPs come from ``model/flops.py`` (the same functions the trainer logs),
@@ -19,8 +20,10 @@ hidden size, a = heads, 16-bit activations, 1-byte dropout masks and a 4h GELU M
 ``activation_bytes_per_layer`` generalizes the same accounting to any activation width p
 (``dtype_bytes``), mask width m, MLP width f and kind (SwiGLU keeps gate and up, silu(gate) and
 the product: 4f), with or without dropout, and with flash-style attention (the s^2 terms become
-a fp32 log-sum-exp of a*s*b values). At p=2, m=1, f=4h with dropout it is the formula above
-exactly. The policies the paper does not cover are derived the same way:
+a fp32 log-sum-exp of a*s*b values). With grouped-query attention K and V are n_kv_head*head_dim
+wide instead of h (the QKV output and the K, V inputs of the attention shrink; the scores do
+not). At p=2, m=1, f=4h with dropout it is the formula above exactly. The policies the paper does
+not cover are derived the same way:
     op_selective  the block input, plus the outputs of the matmuls and of the attention kernel
                   (what ``model.checkpointing``'s op-level policy keeps)
     every_k       floor(L/k) layers at ``full``, the rest at ``none`` (averaged per layer)
@@ -54,6 +57,10 @@ Time (stated assumptions, all in ``Assumptions``):
   is ignored (large buckets).
 - overlap: gradient reduction overlaps the backward pass (2/3 of compute) for DDP/ZeRO-1/2;
   ZeRO-3/FSDP prefetching can hide communication behind the whole step. Only the excess shows.
+  Under pp, FSDP's one all-gather per step hides behind the first micro-batch's forward and its
+  reduce-scatter, after the last backward, shows.
+- with tensor parallelism each GPU computes 1/t of its stage's FLOPs (the whole FLOPs of the
+  replicated norms are counted as split too: a rounding error).
 - offload copies saved activations to the host in forward and back in backward on the compute
   stream (``torch.autograd.graph.save_on_cpu`` does not overlap), at 0.8 of PCIe one-way peak.
 - memory-bound work runs at 0.8 of HBM bandwidth: the optimizer step reads and writes every
@@ -63,22 +70,90 @@ Time (stated assumptions, all in ``Assumptions``):
   16-bit logits gradient), for ZeRO-3/FSDP two unsharded layers (current and prefetched) and
   their gradients, and a fixed 2 GiB for the CUDA context, communicator buffers and allocator
   fragmentation.
-Data parallelism only: no tensor or pipeline parallelism is modelled.
+
+Layout (the words of the config's ``parallel`` section): dp_replicate x dp_shard x tp x pp = GPUs,
+tensor parallelism innermost (inside a node), then dp_shard, dp_replicate, and pipeline stages
+outermost. ``parallel.strategy`` says what dp_shard shards (nothing for DDP, optimizer state and
+gradients for ZeRO-1/2, everything for ZeRO-3/FSDP); dp_replicate > 1 is HSDP (FSDP only). The
+pipeline runs m = ``train.grad_accum_steps`` micro-batches per step.
+
+Tensor and sequence parallelism (Korthikanti et al. 2022, section 4.2). Megatron's tensor
+parallelism splits the attention heads and the MLP's inner width over t GPUs; what lies between
+those regions (the two norms' inputs, the inputs of the QKV and first MLP matmuls, the two
+dropout masks: 10*s*b*h bytes in the paper's setting) is whole on every rank:
+    tp          s*b*h*(10 + 24/t + 5*a*s/(h*t))    (Q, K, V, projection input, GELU in/out and
+                                                    the scores are split: 24*s*b*h/t + 5*a*s^2*b/t)
+Sequence parallelism splits the norm and dropout regions along the sequence, so everything is
+divided by t:
+    tp + sp     s*b*h*(34 + 5*a*s/h)/t;    with selective recompute 34*s*b*h/t
+Full recompute keeps the layer input: 2*s*b*h, or 2*s*b*h/t when it is sequence-parallel (the
+paper's table lists 2*s*b*h, its tp-only case). ``activation_bytes_per_layer(..., tp=,
+sequence_parallel=)`` applies the same split to the generalized count: each saved tensor is either
+inside the tensor-parallel region (divided by t; K and V by t as well, so t must divide the KV
+heads) or outside it (divided by t only with sequence parallelism). At the paper's settings it
+equals the closed forms exactly (``korthikanti_bytes_per_layer``, tested).
+
+Pipeline parallelism (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", sections 2.2 and 3.3; Korthikanti section 4.2.3). p stages of L/p
+layers (pp_virtual_stages v: v chunks of L/(p*v) layers per GPU, so p*v must divide L); the first
+stage also holds the embedding output, the last the logits and the loss. What a stage holds at its
+peak, in micro-batches' worth of its own layers (``pipeline_in_flight``):
+    gpipe             m          (every forward runs before any backward)
+    1f1b              min(p - i, m) on stage i: the first stage holds p
+    interleaved_1f1b  (warm-up + 1) / v chunks, warm-up = (v-1)*r + 2*(p-1-i) with r = m // max(1,
+                      m // p) micro-batches per round (torch's ScheduleInterleaved1F1B): with m a
+                      multiple of p the first stage holds p*(1 + (p-1)/(p*v)), Narayanan's (and
+                      Korthikanti's) interleaved memory factor
+    zero_bubble       the same with warm-up (v-1)*r + (p-1-i) (torch's ScheduleInterleavedZeroBubble):
+                      p - i at v=1, the 1F1B peak (Qi et al. 2023, ZB-H1)
+Memory per GPU is the maximum over stages. Bubble: Narayanan's idle time relative to the ideal
+compute time is (p-1)/m for GPipe and 1F1B and (p-1)/(v*m) interleaved; zero_bubble assumes
+equal forward, input-gradient and weight-gradient times, which leaves a third of 1F1B's idle
+time, (p-1)/(3*v*m). As a fraction of the whole step that is (p-1)/(m+p-1) for GPipe/1F1B,
+(p-1)/(v*m+p-1) interleaved and (p-1)/(3*v*m+p-1) zero-bubble (``bubble_fraction``); the step
+takes m * (slowest stage's time per micro-batch) * (1 + idle/ideal) (``bubble_overhead``).
+
+Model states with tp and pp: every GPU holds L/p blocks whose matmul weights are split by t (norm
+gains and the row-parallel output biases are whole); the first stage also holds the token table
+(vocab-parallel: divided by t) and learned positions (whole), the last stage the final norm and
+the LM head (vocab-parallel; with tied embeddings and p > 1 the last stage keeps its own copy).
+These are then sharded by the strategy over dp_shard, as above. Under pp,
+``torch.distributed.pipelining`` keeps FSDP2's parameters and gradients unsharded until the last
+micro-batch's backward (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``
+in its stage code), so an FSDP stage also holds its whole (1/t) parameters and gradients, and
+gathers and reduce-scatters once per step, after the last backward (exposed).
+
+Communication with tp and pp (time on the critical path of every micro-batch):
+- tensor parallel, per layer and micro-batch: with sp, forward 2 all-gathers + 2 reduce-scatters of
+  the s*b*h activation, backward the same; without sp 2 all-reduces forward and 2 backward (the
+  same bytes: an all-reduce is a reduce-scatter plus an all-gather); full recompute repeats the
+  forward's. The embedding and the LM head add one collective each way. Inside a node at 0.8 of
+  NVLink, and not overlapped with compute (Megatron's sequence-parallel collectives sit between
+  dependent GEMMs; overlapping them needs userbuffer kernels this model does not assume). The
+  re-gather of the sequence-parallel input for the weight gradient is taken as overlapped.
+- pipeline, per micro-batch and stage: the activation forward and its gradient backward,
+  s*b*h (divided by t with sp) each, over NVLink when neighbouring stages share a node, else
+  over the NIC; not overlapped.
+- data parallel: as above, on each GPU's own (1/(t*p)) parameters, over dp ranks that sit tp apart
+  (so fewer of them share a node); HSDP reduce-scatters and all-gathers inside dp_shard and
+  all-reduces the shard across dp_replicate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
-from analysis.hardware import DEVICES, DeviceSpec, lookup_device
-from analysis.report import gib
-from model.config import CHECKPOINT_POLICIES, ModelConfig
+from common.hardware import DEVICES, DeviceSpec, lookup_device
+from common.report import gib
+from model.config import RECOMPUTE_POLICIES, ModelConfig
 from model.flops import block_parameters, count_parameters, flops_per_token, matmul_parameters
 
 GIB = 2**30
 
-POLICIES = CHECKPOINT_POLICIES
+POLICIES = RECOMPUTE_POLICIES
 STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 PRECISION_MODES = ("fp32", "bf16", "fp16", "bf16_master", "fp8")
 ATTENTION_KINDS = ("materialized", "flash")
@@ -88,6 +163,10 @@ ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_a
 # zero3 is modelled exactly like fsdp (both shard parameters, gradients and optimizer state), so
 # the planner lists fsdp for both.
 PLANNER_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+# parallel.pp_schedule: torch.distributed.pipelining's GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble.
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+# Schedules that run several model chunks (virtual stages) per GPU.
+MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 
 
 class EstimatorError(ValueError):
@@ -163,68 +242,100 @@ def activation_bytes_per_layer(
     attention: str = "materialized",
     dropout_mask_bytes: int = 1,
     every_k: int | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> float:
-    """Bytes one transformer layer keeps on the GPU for backward (Korthikanti et al. 2022, generalized).
+    """Bytes one transformer layer keeps on one GPU for backward (Korthikanti et al. 2022, generalized).
 
     ``dropout`` defaults to ``model_cfg.dropout > 0``; ``attention`` is ``materialized`` (the
     s x s scores are stored, the paper's case) or ``flash`` (only a fp32 log-sum-exp per row), or
     a backend name (``reference`` stores the scores; ``sdpa``, ``flash_attn`` do not);
-    ``every_k`` defaults to ``model_cfg.checkpoint_every_k``. See the module docstring.
+    ``every_k`` defaults to ``model_cfg.checkpoint_every_k``. With ``tp`` > 1 the tensors inside
+    the tensor-parallel region are split over ``tp`` GPUs, and the rest too when
+    ``sequence_parallel``. See the module docstring.
     """
     _check_choice("policy", policy, POLICIES)
     attention = ATTENTION_BACKEND_KIND.get(attention, attention)
     _check_choice("attention", attention, ATTENTION_KINDS + tuple(ATTENTION_BACKEND_KIND))
+    if tp < 1:
+        raise EstimatorError(f"tp must be >= 1 (got {tp})")
     s, b, h, a = seq_len, micro_batch, model_cfg.d_model, model_cfg.n_head
+    kv = model_cfg.kv_dim  # K and V are each kv wide; h with multi-head attention, less with GQA
     p, m = dtype_bytes, dropout_mask_bytes
     with_dropout = model_cfg.dropout > 0 if dropout is None else dropout
     tokens = s * b
+    split = dict(tp=tp, sequence_parallel=sequence_parallel)
 
     if policy == "full":
-        return float(p * tokens * h)
+        return _tp_split(p * tokens * h, 0, **split)  # the layer input lies outside the TP region
     if policy == "offload":
         return 0.0
     if policy == "every_k":
         k = every_k or model_cfg.checkpoint_every_k
         kept = _checkpointed_layers(model_cfg.n_layer, k)
-        full = activation_bytes_per_layer(model_cfg, s, b, "full", p, with_dropout, attention=attention)
+        full = activation_bytes_per_layer(model_cfg, s, b, "full", p, with_dropout, attention=attention, **split)
         none = activation_bytes_per_layer(
-            model_cfg, s, b, "none", p, with_dropout, attention=attention, dropout_mask_bytes=m
+            model_cfg, s, b, "none", p, with_dropout, attention=attention, dropout_mask_bytes=m, **split
         )
         return (kept * full + (model_cfg.n_layer - kept) * none) / model_cfg.n_layer
 
+    # Attention scores and their log-sum-exp are per head: inside the TP region.
     if attention == "flash":
         scores = 4.0 * a * s * b  # fp32 log-sum-exp; the mask is regenerated from the RNG state
     else:
         scores = (2 * p + m if with_dropout else p) * a * s * s * b
     if policy == "op_selective":
-        matmul_outputs = 3 * h + h + h + _mlp_matmul_output_elements(model_cfg) + h  # qkv, core, proj, fc, out
+        outside = h + h + h  # block input, projection output, MLP output
+        inside = (h + 2 * kv) + h + _mlp_matmul_output_elements(model_cfg)  # qkv, core output, fc
         core_extra = 4.0 * a * s * b if attention == "flash" else p * a * s * s * b  # lse, or the QK^T bmm output
-        return p * tokens * (h + matmul_outputs) + core_extra
+        return _tp_split(p * tokens * outside, p * tokens * inside + core_extra, **split)
 
-    per_token = (
+    outside = (
         2 * h  # inputs of the two norms
         + h  # QKV matmul input
-        + 3 * h  # Q and K (for QK^T) and V (for @V)
-        + h  # output projection input
         + h  # MLP first matmul input
+    )
+    inside = (
+        h + 2 * kv  # Q and K (for QK^T) and V (for @V)
+        + h  # output projection input
         + _mlp_activation_elements(model_cfg)
     )
-    masks = 2 * m * tokens * h if with_dropout else 0  # after attention and after the MLP
+    masks = 2 * m * tokens * h if with_dropout else 0  # after attention and after the MLP: outside
     core = 0.0 if policy == "selective" else scores
-    return p * tokens * per_token + masks + core
+    return _tp_split(p * tokens * outside + masks, p * tokens * inside + core, **split)
 
 
-def korthikanti_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, policy: str) -> float:
-    """The paper's closed forms (16-bit activations, dropout, 4h MLP), for checking the general one."""
-    sbh = seq_len * micro_batch * hidden
-    forms = {
-        "none": sbh * (34 + 5 * heads * seq_len / hidden),
-        "selective": 34.0 * sbh,
-        "full": 2.0 * sbh,
-    }
+def _tp_split(outside: float, inside: float, *, tp: int, sequence_parallel: bool) -> float:
+    """Bytes on one GPU: the TP region is split over ``tp``; the rest only with sequence parallelism."""
+    if tp == 1:
+        return float(outside + inside)
+    return outside / (tp if sequence_parallel else 1) + inside / tp
+
+
+def korthikanti_bytes_per_layer(
+    seq_len: int, micro_batch: int, hidden: int, heads: int, policy: str, tp: int = 1, sequence_parallel: bool = False
+) -> float:
+    """The paper's closed forms (16-bit activations, dropout, 4h MLP), for checking the general one.
+
+    Section 4.1 (t = 1), 4.2.1 (tensor parallel), 4.2.2 (+ sequence parallel) and its table of
+    per-layer activation memory. Evaluated in exact rational arithmetic and rounded once. Full
+    recompute with sequence parallelism keeps a sequence-split input, 2*s*b*h/t (the paper's
+    table lists full recompute only as 2*s*b*h, without sequence parallelism).
+    """
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    sbh = Fraction(s * b * h)
+    scores = Fraction(5 * a * s, h)
+    if sequence_parallel and t > 1:
+        forms = {"none": sbh / t * (34 + scores), "selective": 34 * sbh / t, "full": 2 * sbh / t}
+    else:
+        forms = {
+            "none": sbh * (10 + Fraction(24, t) + scores / t),
+            "selective": sbh * (10 + Fraction(24, t)),
+            "full": 2 * sbh,
+        }
     if policy not in forms:
         raise EstimatorError(f"policy={policy!r}: the paper gives none, selective and full only")
-    return forms[policy]
+    return float(forms[policy])
 
 
 def saved_bytes_per_layer(
@@ -259,8 +370,9 @@ def saved_bytes_per_layer(
     mask = p if device == "cpu" else 1
     fused = attention == "sdpa" and not (dropout and device == "cpu")
     rope_tables = 2 * s * (cfg.head_dim // 2) * p if cfg.position == "rope" else 0
-    rotated_qk = 2 * p * n * h if cfg.position == "rope" else 0
-    qkv_out = 3 * p * n * h
+    kv = cfg.kv_dim  # narrower than h with grouped-query attention
+    rotated_qk = p * n * (h + kv) if cfg.position == "rope" else 0
+    qkv_out = p * n * (h + 2 * kv)
 
     if policy == "full":
         return float(p * n * h + rope_tables)
@@ -325,8 +437,12 @@ def _unfused_core_bytes(p: int, n: int, h: int, a: int, s: int, b: int, attentio
 # --------------------------------------------------------------------------- model states, comm
 
 
-def model_state_bytes(n_params: int, strategy: str, world_size: int, precision: str) -> StateBytes:
-    """Bytes per GPU of weights, gradients and optimizer state (ZeRO paper, section 5)."""
+def model_state_bytes(n_params: float, strategy: str, world_size: int, precision: str) -> StateBytes:
+    """Bytes per GPU of weights, gradients and optimizer state (ZeRO paper, section 5).
+
+    ``n_params`` is what one GPU holds before data-parallel sharding (all of it without tensor or
+    pipeline parallelism, ``stage_parameters`` with them); ``world_size`` the ranks it is sharded over.
+    """
     _check_choice("strategy", strategy, STRATEGIES)
     _check_choice("precision", precision, PRECISION_MODES)
     per = STATE_BYTES[precision]
@@ -348,17 +464,24 @@ class CommVolume:
     all_reduce: float  # M of the all-reduces
     reduce_scatter: float
     all_gather: float
-    world_size: int
+    world_size: int  # ranks of those collectives (the data-parallel, or HSDP shard, group)
+    replica_all_reduce: float = 0.0  # HSDP: M of the all-reduce across replicas
+    replicas: int = 1
+    tensor_parallel: float = 0.0  # bytes each GPU sends in tensor-parallel collectives per step
+    pipeline: float = 0.0  # bytes each GPU sends to its neighbouring stages per step
 
     @property
     def sent_per_gpu(self) -> float:
+        extra = self.tensor_parallel + self.pipeline
+        if self.replicas > 1:
+            extra += 2 * (self.replicas - 1) / self.replicas * self.replica_all_reduce
         if self.world_size <= 1:
-            return 0.0
+            return extra
         frac = (self.world_size - 1) / self.world_size
-        return frac * (2 * self.all_reduce + self.reduce_scatter + self.all_gather)
+        return frac * (2 * self.all_reduce + self.reduce_scatter + self.all_gather) + extra
 
 
-def comm_volume(n_params: int, strategy: str, world_size: int, precision: str) -> CommVolume:
+def comm_volume(n_params: float, strategy: str, world_size: int, precision: str) -> CommVolume:
     """What each strategy puts through collectives per step (ZeRO paper, section 7)."""
     _check_choice("strategy", strategy, STRATEGIES)
     per = STATE_BYTES[precision]
@@ -370,6 +493,103 @@ def comm_volume(n_params: int, strategy: str, world_size: int, precision: str) -
     if strategy in ("zero1", "zero2"):
         return CommVolume(0.0, grads, params, world_size)
     return CommVolume(0.0, grads, 2 * params, world_size)  # all-gather in forward and in backward
+
+
+# --------------------------------------------------------------------------- tensor and pipeline parallelism
+
+
+def block_parameters_per_gpu(cfg: ModelConfig, tp: int = 1) -> float:
+    """One block's parameters on one of ``tp`` GPUs: the matmul weights (and column-parallel
+    biases) are split; norm gains and the two row-parallel output biases are whole (Megatron-LM)."""
+    block = block_parameters(cfg)
+    if tp == 1:
+        return block
+    norm = cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+    whole = 2 * norm + (2 * cfg.d_model if cfg.bias else 0)
+    return (block - whole) / tp + whole
+
+
+def stage_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> float:
+    """Parameters one GPU of pipeline stage ``stage`` holds under tensor parallelism ``tp``.
+
+    Each of its L/p blocks counts ``block_parameters_per_gpu``. The first stage holds
+    the vocab-parallel token table (1/t) and the learned positions (whole), the last stage the
+    final norm and the vocab-parallel LM head. Tied embeddings share one table when one stage
+    holds both ends; with p > 1 the last stage keeps its own copy (Megatron-LM keeps the two in
+    sync by all-reducing their gradients). At tp = pp = 1 this is ``count_parameters(cfg)``.
+    """
+    d, v = cfg.d_model, cfg.vocab_size
+    norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+    n = cfg.n_layer // pp * block_parameters_per_gpu(cfg, tp)
+    table = v * d if tp == 1 else v * d / tp
+    if stage == 0:
+        n += table + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
+    if stage == pp - 1:
+        head = 0 if cfg.tie_embeddings and pp == 1 else table
+        n += norm + head
+    return n
+
+
+def pipeline_in_flight(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1, stage: int = 0) -> float:
+    """Micro-batches' worth of its own layers' activations stage ``stage`` holds at its peak.
+
+    Counts forwards whose backward has not run yet, in units of the whole stage (an interleaved
+    GPU runs ``virtual_stages`` chunks, each 1/v of its layers). The warm-up counts are those of
+    torch.distributed.pipelining's schedules (see the module docstring); without a pipeline one
+    micro-batch is in flight (gradient accumulation frees each before the next).
+    """
+    _check_choice("pp_schedule", schedule, PP_SCHEDULES)
+    p, m, v, i = stages, microbatches, virtual_stages, stage
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(p - i, m))
+    per_round = m // max(1, m // p)
+    hops = 2 * (p - 1 - i) if schedule == "interleaved_1f1b" else p - 1 - i
+    chunks = min((v - 1) * per_round + hops + 1, m * v)
+    return chunks / v
+
+
+def bubble_overhead(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Pipeline idle time relative to the ideal compute time (Narayanan et al. 2021, section 2.2)."""
+    _check_choice("pp_schedule", schedule, PP_SCHEDULES)
+    p, m, v = stages, microbatches, virtual_stages
+    if p == 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / m
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (v * m)
+    # zero_bubble (ZB-H1): weight-gradient work fills the warm-up, leaving (p-1)*(F + B - W) of
+    # 1F1B's (p-1)*(F + B + W) idle; a third with equal F, B and W.
+    return (p - 1) / (3 * v * m)
+
+
+def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Share of the step the pipeline stands idle: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1)
+    interleaved, (p-1)/(3*v*m+p-1) zero-bubble."""
+    idle = bubble_overhead(schedule, stages, microbatches, virtual_stages)
+    return idle / (1 + idle)
+
+
+def torch_microbatch_rule(schedule: str, stages: int, microbatches: int) -> str | None:
+    """Why torch's schedule refuses ``microbatches`` on ``stages`` stages, or None.
+
+    Every schedule needs at least one micro-batch per stage (Schedule1F1B checks it; the layout
+    requires it of all); the interleaved schedules run max(1, m // p) rounds and need m to be a
+    multiple of them.
+    """
+    if stages == 1:
+        return None
+    if microbatches < stages:
+        return f"grad_accum={microbatches} micro-batches must be >= pp={stages} stages"
+    rounds = max(1, microbatches // stages)
+    if schedule in MULTI_CHUNK_SCHEDULES and microbatches % rounds:
+        return (f"pp_schedule={schedule} runs {rounds} rounds of micro-batches; grad_accum={microbatches} "
+                f"must be a multiple of {rounds}")
+    return None
 
 
 # --------------------------------------------------------------------------- the job and its estimate
@@ -388,6 +608,13 @@ class Assumptions:
 
 @dataclass(frozen=True)
 class JobSpec:
+    """One training job: model, batch, layout, strategy, recompute policy, precision and GPU.
+
+    The layout fields are the config's ``parallel`` words; dp_shard is what remains of
+    ``world_size`` after tp, pp and dp_replicate. ``grad_accum`` is the number of micro-batches
+    per step (the pipeline's micro-batches under pp).
+    """
+
     model: ModelConfig
     seq_len: int
     micro_batch: int
@@ -398,18 +625,74 @@ class JobSpec:
     device: DeviceSpec = field(default_factory=lambda: DEVICES["H100"])
     grad_accum: int = 1
     assumptions: Assumptions = field(default_factory=Assumptions)
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    sequence_parallel: bool | None = None  # None: on whenever tp > 1 (the config's default)
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("precision", self.precision, PRECISION_MODES)
-        for key in ("seq_len", "micro_batch", "world_size", "grad_accum"):
+        _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        counts = ("seq_len", "micro_batch", "world_size", "grad_accum", "tp", "pp", "dp_replicate", "pp_virtual_stages")
+        for key in counts:
             if getattr(self, key) < 1:
                 raise EstimatorError(f"{key} must be >= 1 (got {getattr(self, key)})")
-        if self.strategy == "none" and self.world_size > 1:
-            raise EstimatorError(f"strategy=none runs one process; world_size={self.world_size} needs ddp, zero1-3 or fsdp")
+        self._check_layout()
+        if self.strategy == "none" and self.dp > 1:
+            raise EstimatorError(
+                f"strategy=none has no data parallelism; {self.dp} data-parallel ranks (world_size="
+                f"{self.world_size} / (tp*pp)) needs ddp, zero1-3 or fsdp"
+            )
         if self.precision == "fp8" and self.device.fp8_tflops is None:
             raise EstimatorError(f"precision=fp8 needs FP8 tensor cores; {self.device.name} has none (use bf16_master)")
+
+    def _check_layout(self) -> None:
+        cfg, t, p, v = self.model, self.tp, self.pp, self.pp_virtual_stages
+        if self.world_size % (t * p * self.dp_replicate):
+            raise EstimatorError(
+                f"world_size={self.world_size} is not divisible by tp*pp*dp_replicate={t * p * self.dp_replicate}"
+            )
+        if cfg.n_head % t or cfg.kv_heads % t:
+            raise EstimatorError(f"tp={t} must divide model.n_head={cfg.n_head} and the KV heads ({cfg.kv_heads})")
+        if cfg.n_layer % (p * v):
+            raise EstimatorError(
+                f"pp*pp_virtual_stages={p}*{v} must divide model.n_layer={cfg.n_layer} (equal stages)"
+            )
+        if v > 1 and self.pp_schedule not in MULTI_CHUNK_SCHEDULES:
+            raise EstimatorError(
+                f"pp_virtual_stages={v} needs pp_schedule in {', '.join(MULTI_CHUNK_SCHEDULES)} "
+                f"(pp_schedule={self.pp_schedule} runs one chunk per GPU)"
+            )
+        if self.pp_schedule == "interleaved_1f1b" and p > 1 and v < 2:
+            raise EstimatorError("pp_schedule=interleaved_1f1b needs pp_virtual_stages >= 2")
+        problem = torch_microbatch_rule(self.pp_schedule, p, self.grad_accum)
+        if problem:
+            raise EstimatorError(problem)
+        if self.dp_replicate > 1 and self.strategy not in ("zero3", "fsdp"):
+            raise EstimatorError(f"dp_replicate={self.dp_replicate} (HSDP) needs strategy=fsdp, not {self.strategy}")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks (dp_replicate x dp_shard): how many micro-batches run side by side."""
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (it only means something with tp > 1)."""
+        return self.tp > 1 and self.sequence_parallel is not False
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all GPUs."""
+        return self.micro_batch * self.grad_accum * self.dp
 
     @property
     def attention(self) -> str:
@@ -423,7 +706,7 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per GPU at the peak of a step (forward end / backward start)."""
+    """Bytes per GPU at the peak of a step (forward end / backward start), on the fullest stage."""
 
     params: float
     grads: float
@@ -433,6 +716,7 @@ class MemoryEstimate:
     unsharded_params: float  # ZeRO-3/FSDP gathered layers and their unreduced gradients
     overhead: float
     host: float  # offloaded activations, in host memory (not part of total)
+    stage: int = 0  # the pipeline stage these figures belong to (the one with the largest total)
 
     @property
     def states(self) -> float:
@@ -454,10 +738,14 @@ class TimeEstimate:
     model_flops_per_step: float  # over all GPUs, recomputation excluded (MFU convention)
     peak_tflops: float | None  # per GPU; None for fp8, where no single peak applies
     world_size: int
+    tp_comm_s: float = 0.0  # tensor-parallel collectives, not overlapped
+    pp_comm_s: float = 0.0  # pipeline sends between stages, not overlapped
+    bubble_s: float = 0.0  # pipeline fill and drain
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s + self.offload_s + self.memory_bound_s
+        return (self.compute_s + self.exposed_comm_s + self.offload_s + self.memory_bound_s
+                + self.tp_comm_s + self.pp_comm_s + self.bubble_s)
 
     @property
     def seconds_per_token(self) -> float:
@@ -489,55 +777,106 @@ class Estimate:
         return not self.problems
 
 
-def activation_bytes_total(job: JobSpec) -> tuple[float, float]:
-    """(device bytes, host bytes) of saved activations over all layers, with the recompute working set.
+def _layer_bytes(job: JobSpec, policy: str) -> float:
+    return activation_bytes_per_layer(
+        job.model, job.seq_len, job.micro_batch, policy, job.activation_dtype_bytes,
+        attention=job.attention, tp=job.tp, sequence_parallel=job.sp,
+    )
 
-    Recomputing (or reloading) a layer during backward rebuilds what that layer dropped, on the
-    device, so every policy but ``none`` adds that much for one layer at the peak. The output of
-    the embedding (the first layer's input) is counted too.
-    """
-    cfg, L = job.model, job.model.n_layer
-    args = (cfg, job.seq_len, job.micro_batch)
-    kw = dict(dtype_bytes=job.activation_dtype_bytes, attention=job.attention)
-    none = activation_bytes_per_layer(*args, "none", **kw)
-    embeddings = job.activation_dtype_bytes * job.seq_len * job.micro_batch * cfg.d_model
+
+def _in_flight(job: JobSpec, stage: int) -> float:
+    return pipeline_in_flight(job.pp_schedule, job.pp, job.grad_accum, job.pp_virtual_stages, stage)
+
+
+@dataclass(frozen=True)
+class _LayerActivations:
+    """Per-layer bytes of a job, the same on every stage: computed once per estimate."""
+
+    kept: float  # what the policy keeps per layer and micro-batch (on the host for offload)
+    rebuilt: float  # one layer's recompute (or reload) working set at the peak
+    embeddings: float  # the embedding output, on the first stage
+
+
+def _layer_activations(job: JobSpec) -> _LayerActivations:
+    cfg = job.model
+    none = _layer_bytes(job, "none")
+    embeddings = _tp_split(job.activation_dtype_bytes * job.seq_len * job.micro_batch * cfg.d_model, 0,
+                           tp=job.tp, sequence_parallel=job.sp)
     if job.policy == "offload":
-        return none + embeddings, L * none
-    per_layer = activation_bytes_per_layer(*args, job.policy, **kw)
+        return _LayerActivations(none, none, embeddings)
+    kept = _layer_bytes(job, job.policy)
     if job.policy == "every_k":
-        full = activation_bytes_per_layer(*args, "full", **kw)
-        rebuilt = none - full if _checkpointed_layers(L, cfg.checkpoint_every_k) else 0.0
+        full = _layer_bytes(job, "full")
+        rebuilt = none - full if _checkpointed_layers(cfg.n_layer, cfg.checkpoint_every_k) else 0.0
     else:
-        rebuilt = max(none - per_layer, 0.0)
-    return L * per_layer + rebuilt + embeddings, 0.0
+        rebuilt = max(none - kept, 0.0)
+    return _LayerActivations(kept, rebuilt, embeddings)
 
 
-def _logits_bytes(job: JobSpec) -> float:
-    # fp32 log-probabilities saved by the loss, their fp32 gradient, and the logits' gradient.
-    return job.seq_len * job.micro_batch * job.model.vocab_size * (4 + 4 + job.activation_dtype_bytes)
+def activation_bytes_total(job: JobSpec, stage: int = 0, layer: _LayerActivations | None = None) -> tuple[float, float]:
+    """(device bytes, host bytes) of saved activations on one GPU of ``stage``, with the recompute working set.
+
+    Each in-flight micro-batch keeps the stage's L/p layers; recomputing (or reloading) a layer
+    during backward rebuilds what that layer dropped, on the device, so every policy but ``none``
+    adds that much for one layer at the peak. The first stage also keeps the embedding output.
+    """
+    layer = layer or _layer_activations(job)
+    layers = job.model.n_layer // job.pp
+    in_flight = _in_flight(job, stage)
+    embeddings = layer.embeddings if stage == 0 else 0.0
+    if job.policy == "offload":
+        return layer.rebuilt + in_flight * embeddings, in_flight * layers * layer.kept
+    return in_flight * layers * layer.kept + layer.rebuilt + in_flight * embeddings, 0.0
 
 
-def _unsharded_bytes(job: JobSpec) -> float:
-    if job.strategy not in ("zero3", "fsdp") or job.world_size == 1:
+def _logits_bytes(job: JobSpec, stage: int | None = None) -> float:
+    """fp32 log-probabilities the loss saves (per in-flight micro-batch), their fp32 gradient and the
+    logits' gradient (one micro-batch at a time); vocab-parallel over tp; on the last stage only."""
+    last = job.pp - 1
+    if stage is not None and stage != last:
+        return 0.0
+    tokens_vocab = job.seq_len * job.micro_batch * job.model.vocab_size / job.tp
+    return tokens_vocab * (4 * _in_flight(job, last) + 4 + job.activation_dtype_bytes)
+
+
+def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
+    if job.strategy not in ("zero3", "fsdp") or job.dp_shard == 1:
         return 0.0
     per = STATE_BYTES[job.precision]
-    return job.assumptions.unsharded_layers * block_parameters(job.model) * (per.param + per.grad)
+    if job.pp > 1:  # pipelining keeps the stage gathered, and its gradients unreduced, until the last backward
+        return stage_parameters(job.model, job.tp, job.pp, stage) * (per.param + per.grad)
+    block = block_parameters_per_gpu(job.model, job.tp)
+    return job.assumptions.unsharded_layers * block * (per.param + per.grad)
 
 
-def estimate_memory(job: JobSpec) -> MemoryEstimate:
-    n_params = count_parameters(job.model)
-    states = model_state_bytes(n_params, job.strategy, job.world_size, job.precision)
-    device_acts, host_acts = activation_bytes_total(job)
+def stage_memory(job: JobSpec, stage: int, layer: _LayerActivations | None = None) -> MemoryEstimate:
+    """Bytes per GPU of pipeline stage ``stage`` at its peak."""
+    n_params = stage_parameters(job.model, job.tp, job.pp, stage)
+    states = model_state_bytes(n_params, job.strategy, job.dp_shard, job.precision)
+    device_acts, host_acts = activation_bytes_total(job, stage, layer)
     return MemoryEstimate(
         params=states.param,
         grads=states.grad,
         optimizer=states.optimizer,
         activations=device_acts,
-        logits=_logits_bytes(job),
-        unsharded_params=_unsharded_bytes(job),
+        logits=_logits_bytes(job, stage),
+        unsharded_params=_unsharded_bytes(job, stage),
         overhead=job.assumptions.overhead_gib * GIB,
         host=host_acts,
+        stage=stage,
     )
+
+
+def _edge_stages(job: JobSpec) -> tuple[int, ...]:
+    # A middle stage holds no more than the first (the same blocks, no embedding, no more micro-batches
+    # in flight) and computes no more than the first or the last, so these two decide (tested).
+    return (0,) if job.pp == 1 else (0, job.pp - 1)
+
+
+def estimate_memory(job: JobSpec) -> MemoryEstimate:
+    """The fullest stage's memory (every GPU must fit, so the largest decides)."""
+    layer = _layer_activations(job)
+    return max((stage_memory(job, i, layer) for i in _edge_stages(job)), key=lambda m: (m.total, m.host))
 
 
 def recompute_flops_per_token(model_cfg: ModelConfig, seq_len: int, policy: str, every_k: int | None = None) -> float:
@@ -565,28 +904,106 @@ def _peak_tflops(device: DeviceSpec, precision: str) -> float:
     return device.tf32_tflops if precision == "fp32" else device.bf16_tflops
 
 
-def _compute_seconds(job: JobSpec, tokens_per_gpu: int) -> float:
+def _stage_compute_seconds(job: JobSpec, stage: int) -> float:
+    """One micro-batch through one GPU of ``stage``: its share (1/t) of the stage's FLOPs.
+
+    The stage's model FLOPs are 6*N + 12*d*s per token for its L/p blocks, plus the final norm and
+    LM head on the last stage (summed over stages: ``flops_per_token``); recomputation adds the
+    stage's share of ``_recompute_flops_split``. Norms replicated under tp are counted as split
+    (a rounding error).
+    """
     cfg, a = job.model, job.assumptions
+    L, layers = cfg.n_layer, cfg.n_layer // job.pp
+    head_and_norm = matmul_parameters(cfg) - L * block_parameters(cfg)
+    matmul = layers * block_parameters(cfg) + (head_and_norm if stage == job.pp - 1 else 0)
     extra_gemm, extra_core = _recompute_flops_split(cfg, job.seq_len, job.policy)
-    gemm_flops = 6.0 * matmul_parameters(cfg) + extra_gemm
-    core_flops = flops_per_token(cfg, job.seq_len) - 6.0 * matmul_parameters(cfg) + extra_core
+    gemm_flops = 6.0 * matmul + extra_gemm * layers / L
+    core_flops = 12.0 * layers * cfg.d_model * job.seq_len + extra_core * layers / L
     core_rate = _peak_tflops(job.device, job.precision) * 1e12 * a.compute_fraction
     if job.precision == "fp8":  # FP8 GEMMs; attention and the rest stay at the BF16 rate
         gemm_rate = job.device.fp8_tflops * 1e12 * a.fp8_compute_fraction
     else:
         gemm_rate = core_rate
-    return tokens_per_gpu * (gemm_flops / gemm_rate + core_flops / core_rate)
+    tokens = job.seq_len * job.micro_batch
+    return tokens * (gemm_flops / gemm_rate + core_flops / core_rate) / job.tp
 
 
-def collective_seconds(nbytes: float, world_size: int, device: DeviceSpec, link_fraction: float = 0.8) -> float:
-    """One reduce-scatter or all-gather of a ``nbytes`` tensor over ``world_size`` GPUs (two-level)."""
+def collective_seconds(
+    nbytes: float, world_size: int, device: DeviceSpec, link_fraction: float = 0.8, *, ranks_per_node: int | None = None
+) -> float:
+    """One reduce-scatter or all-gather of a ``nbytes`` tensor over ``world_size`` GPUs (two-level).
+
+    ``ranks_per_node``: how many of the group share a node (default: as many as fit, i.e. the
+    group is packed); a data-parallel group strided by tensor parallelism has fewer per node.
+    """
     if world_size <= 1 or nbytes == 0:
         return 0.0
-    local = min(world_size, device.gpus_per_node)
+    local = max(1, min(world_size, ranks_per_node or device.gpus_per_node))
     nodes = math.ceil(world_size / local)
     intra = (local - 1) / local * nbytes / (device.nvlink_one_way_gb_s * 1e9 * link_fraction)
     inter = (nodes - 1) / nodes * nbytes / local / (device.network_gb_s * 1e9 * link_fraction)
     return intra + inter
+
+
+def _per_node(job: JobSpec, stride: int, group: int) -> int:
+    """Ranks of a mesh group whose members sit ``stride`` ranks apart that share one node."""
+    return max(1, min(group, job.device.gpus_per_node // stride))
+
+
+def tp_comm_seconds(job: JobSpec, stage: int = 0) -> tuple[float, float]:
+    """(seconds, bytes sent per GPU) of tensor-parallel collectives for one micro-batch on ``stage``.
+
+    Per layer 8 reduce-scatter/all-gather-equivalents of the s*b*h activation (4 forward, 4
+    backward; an all-reduce counts as two), 4 more for a layer recomputed in full; the embedding
+    and the LM head one each way on their stages (module docstring).
+    """
+    t = job.tp
+    if t == 1:
+        return 0.0, 0.0
+    cfg = job.model
+    activation = job.activation_dtype_bytes * job.seq_len * job.micro_batch * cfg.d_model
+    one = collective_seconds(activation, t, job.device, job.assumptions.link_fraction,
+                             ranks_per_node=_per_node(job, 1, t))
+    layers = cfg.n_layer // job.pp
+    recomputed = {"full": layers, "every_k": _checkpointed_layers(cfg.n_layer, cfg.checkpoint_every_k) / job.pp}
+    count = 8 * layers + 4 * recomputed.get(job.policy, 0)
+    count += 2 * (stage == 0) + 2 * (stage == job.pp - 1)
+    return count * one, count * (t - 1) / t * activation
+
+
+def pp_comm_seconds(job: JobSpec) -> tuple[float, float]:
+    """(seconds, bytes sent per GPU) of one micro-batch's activation and gradient between stages."""
+    if job.pp == 1:
+        return 0.0, 0.0
+    cfg, frac = job.model, job.assumptions.link_fraction
+    nbytes = _tp_split(job.activation_dtype_bytes * job.seq_len * job.micro_batch * cfg.d_model, 0,
+                       tp=job.tp, sequence_parallel=job.sp)
+    same_node = job.world_size <= job.device.gpus_per_node  # stages are the outermost mesh dimension
+    link = job.device.nvlink_one_way_gb_s if same_node else job.device.network_gb_s
+    return 2 * nbytes / (link * 1e9 * frac), 2 * nbytes
+
+
+def _dp_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, float]:
+    """Data-parallel traffic of one GPU holding ``n_params`` per step, and its time (before overlap)."""
+    frac = job.assumptions.link_fraction
+    if job.dp_replicate == 1:
+        volume = comm_volume(n_params, job.strategy, job.dp, job.precision)
+        group = job.dp
+    else:  # HSDP: FSDP inside dp_shard, then the reduced shard is all-reduced across replicas
+        shard = comm_volume(n_params, job.strategy, job.dp_shard, job.precision)
+        grads = n_params * STATE_BYTES[job.precision].grad / job.dp_shard
+        volume = dataclasses.replace(shard, replica_all_reduce=grads, replicas=job.dp_replicate)
+        group = job.dp_shard
+    link = dict(ranks_per_node=_per_node(job, job.tp, group))
+    seconds = (
+        2 * collective_seconds(volume.all_reduce, group, job.device, frac, **link)
+        + collective_seconds(volume.reduce_scatter, group, job.device, frac, **link)
+        + collective_seconds(volume.all_gather, group, job.device, frac, **link)
+    )
+    if volume.replicas > 1:
+        outer = dict(ranks_per_node=_per_node(job, job.tp * job.dp_shard, volume.replicas))
+        seconds += 2 * collective_seconds(volume.replica_all_reduce, volume.replicas, job.device, frac, **outer)
+    return volume, seconds
 
 
 def _memory_bound_seconds(job: JobSpec, state_bytes: float) -> float:
@@ -594,57 +1011,85 @@ def _memory_bound_seconds(job: JobSpec, state_bytes: float) -> float:
     optimizer = 2 * state_bytes / hbm
     if job.policy != "op_selective":
         return optimizer
-    args = (job.model, job.seq_len, job.micro_batch)
-    kw = dict(dtype_bytes=job.activation_dtype_bytes, attention=job.attention)
-    dropped = activation_bytes_per_layer(*args, "none", **kw) - activation_bytes_per_layer(*args, "op_selective", **kw)
-    return optimizer + job.grad_accum * job.model.n_layer * 2 * max(dropped, 0.0) / hbm
+    dropped = _layer_bytes(job, "none") - _layer_bytes(job, "op_selective")
+    layers = job.model.n_layer // job.pp
+    return optimizer + job.grad_accum * layers * 2 * max(dropped, 0.0) / hbm
 
 
-def estimate_time(job: JobSpec, comm: CommVolume, host_bytes: float, state_bytes: float) -> TimeEstimate:
-    a = job.assumptions
-    tokens_per_gpu = job.seq_len * job.micro_batch * job.grad_accum
-    compute = _compute_seconds(job, tokens_per_gpu)
-    link = (job.world_size, job.device, a.link_fraction)
-    comm_s = (
-        2 * collective_seconds(comm.all_reduce, *link)
-        + collective_seconds(comm.reduce_scatter, *link)
-        + collective_seconds(comm.all_gather, *link)
-    )
-    if job.strategy in ("zero3", "fsdp"):
-        comm_s *= job.grad_accum  # parameters are gathered again for every micro-batch
+def _largest_stage_parameters(job: JobSpec) -> float:
+    return max(stage_parameters(job.model, job.tp, job.pp, i) for i in _edge_stages(job))
+
+
+def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
+    """Step time: m micro-batches through the slowest stage, the bubble, and what communication shows.
+
+    ``state_bytes``: model-state bytes per GPU, which the optimizer step reads and writes.
+    """
+    a, m = job.assumptions, job.grad_accum
+    per_stage = []
+    for stage in _edge_stages(job):
+        compute = _stage_compute_seconds(job, stage)
+        tp_s, _ = tp_comm_seconds(job, stage)
+        per_stage.append((compute + tp_s + pp_comm_seconds(job)[0], compute, tp_s))
+    slowest, compute_mb, tp_mb = max(per_stage)
+    compute = m * compute_mb
+    pp_s = m * pp_comm_seconds(job)[0]
+    _, dp_s = _dp_comm(job, _largest_stage_parameters(job))
+    if job.strategy in ("zero3", "fsdp") and job.pp == 1:
+        dp_s *= m  # parameters are gathered again for every micro-batch
         hideable = compute
+    elif job.strategy in ("zero3", "fsdp"):
+        # one gather per step hides behind the first forward; the reduce-scatter after the last backward shows
+        hideable = compute / m / 3
     else:
-        hideable = compute / 3 * 2 / job.grad_accum  # only the last micro-batch's backward overlaps
-    offload = job.grad_accum * 2 * host_bytes / (job.device.pcie_gb_s * 1e9 * a.link_fraction)
+        hideable = compute / 3 * 2 / m  # only the last micro-batch's backward overlaps
+    layers = job.model.n_layer // job.pp
+    offloaded = layers * _layer_bytes(job, "none") if job.policy == "offload" else 0.0
+    offload = m * 2 * offloaded / (job.device.pcie_gb_s * 1e9 * a.link_fraction)
     peak = None if job.precision == "fp8" else _peak_tflops(job.device, job.precision)
+    tokens = job.seq_len * job.micro_batch * m * job.dp
     return TimeEstimate(
         compute_s=compute,
-        comm_s=comm_s,
-        exposed_comm_s=max(0.0, comm_s - hideable),
+        comm_s=dp_s,
+        exposed_comm_s=max(0.0, dp_s - hideable),
         offload_s=offload,
         memory_bound_s=_memory_bound_seconds(job, state_bytes),
-        tokens_per_step=tokens_per_gpu * job.world_size,
-        model_flops_per_step=flops_per_token(job.model, job.seq_len) * tokens_per_gpu * job.world_size,
+        tokens_per_step=tokens,
+        model_flops_per_step=flops_per_token(job.model, job.seq_len) * tokens,
         peak_tflops=peak,
         world_size=job.world_size,
+        tp_comm_s=m * tp_mb,
+        pp_comm_s=pp_s,
+        bubble_s=bubble_overhead(job.pp_schedule, job.pp, m, job.pp_virtual_stages) * m * slowest,
     )
 
 
 def estimate(job: JobSpec) -> Estimate:
     """Memory, communication and time of one optimizer step of ``job``, and why it does not fit."""
+    return _estimate_with(job, estimate_memory(job))
+
+
+def _estimate_with(job: JobSpec, memory: MemoryEstimate) -> Estimate:
     n_params = count_parameters(job.model)
-    memory = estimate_memory(job)
-    comm = comm_volume(n_params, job.strategy, job.world_size, job.precision)
-    time = estimate_time(job, comm, memory.host, memory.states)
+    comm, _ = _dp_comm(job, _largest_stage_parameters(job))
+    tp_bytes = job.grad_accum * max(tp_comm_seconds(job, i)[1] for i in _edge_stages(job))
+    comm = dataclasses.replace(comm, tensor_parallel=tp_bytes, pipeline=job.grad_accum * pp_comm_seconds(job)[1])
+    time = estimate_time(job, memory.states)
+    return Estimate(job, n_params, flops_per_token(job.model, job.seq_len), memory, time, comm,
+                    memory_problems(job, memory))
+
+
+def memory_problems(job: JobSpec, memory: MemoryEstimate) -> tuple[str, ...]:
+    """Why ``memory`` does not fit on ``job.device`` (empty when it does)."""
     problems = []
-    capacity = job.device.hbm_gib * GIB
-    if memory.total > capacity:
-        problems.append(f"needs {gib(memory.total)} per GPU, {job.device.name} has {job.device.hbm_gib:g} GiB")
+    where = f" (pipeline stage {memory.stage})" if job.pp > 1 else ""
+    if memory.total > job.device.hbm_gib * GIB:
+        problems.append(f"needs {gib(memory.total)} per GPU{where}, {job.device.name} has {job.device.hbm_gib:g} GiB")
     if memory.host > job.device.host_mem_gib * GIB:
         problems.append(
             f"offload needs {gib(memory.host)} of host memory per GPU, a node has ~{job.device.host_mem_gib:g} GiB per GPU"
         )
-    return Estimate(job, n_params, flops_per_token(job.model, job.seq_len), memory, time, comm, tuple(problems))
+    return tuple(problems)
 
 
 # --------------------------------------------------------------------------- planning
@@ -682,6 +1127,143 @@ def plan_fits(
                     fitting.append(result)
     fitting.sort(key=lambda e: (e.time.seconds_per_token, e.memory.total))
     return fitting if top is None else fitting[:top]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def model_parallel_sizes(model_cfg: ModelConfig, world_size: int, gpus_per_node: int) -> list[tuple[int, int]]:
+    """Every (tp, pp) a job can use: tp divides the heads and the KV heads and stays inside a node;
+    pp divides the layers; both divide the GPU count (any count, not only powers of two)."""
+    sizes = []
+    for tp in _divisors(world_size):
+        if tp > gpus_per_node or model_cfg.n_head % tp or model_cfg.kv_heads % tp:
+            continue
+        sizes += [(tp, pp) for pp in _divisors(world_size // tp) if model_cfg.n_layer % pp == 0]
+    return sizes
+
+
+def _data_parallel_options(dp: int, tp: int, pp: int, strategies: tuple[str, ...] | None) -> list[tuple[str, int]]:
+    """(strategy, dp_replicate) pairs for ``dp`` data-parallel ranks.
+
+    Tensor and pipeline layouts compose with FSDP2 on one device mesh (issue 11); DDP and ZeRO are
+    proposed only where they run today, without tp or pp. HSDP replicas are tried at every
+    divisor of dp that leaves at least two shards.
+    """
+    if dp == 1:
+        return [("none", 1)]
+    if strategies is None:
+        strategies = PLANNER_STRATEGIES if tp == pp == 1 else ("fsdp",)
+    options = []
+    for strategy in strategies:
+        options.append((strategy, 1))
+        if strategy in ("zero3", "fsdp"):
+            options += [(strategy, r) for r in _divisors(dp)[1:] if dp // r >= 2]
+    return options
+
+
+def _pipeline_options(
+    model_cfg: ModelConfig, pp: int, schedules: tuple[str, ...], virtual_stages: tuple[int, ...]
+) -> list[tuple[str, int]]:
+    """(pp_schedule, pp_virtual_stages) pairs whose chunks split the layers evenly."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    options = []
+    for schedule in schedules:
+        if schedule in MULTI_CHUNK_SCHEDULES:
+            low = 2 if schedule == "interleaved_1f1b" else 1
+            options += [(schedule, v) for v in virtual_stages if v >= low and model_cfg.n_layer % (pp * v) == 0]
+        else:
+            options.append((schedule, 1))
+    return options
+
+
+def plan_layouts(
+    model_cfg: ModelConfig,
+    seq_len: int,
+    world_size: int,
+    device: DeviceSpec,
+    precision: str = "bf16_master",
+    *,
+    global_batch: int,
+    strategies: tuple[str, ...] | None = None,
+    policies: tuple[str, ...] = POLICIES,
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+    schedules: tuple[str, ...] = PP_SCHEDULES,
+    virtual_stages: tuple[int, ...] = (1, 2, 4),
+    top: int | None = 10,
+    assumptions: Assumptions | None = None,
+) -> list[Estimate]:
+    """Layouts that fit at a fixed global batch, cheapest per token first.
+
+    Searches dp_replicate x dp_shard x tp x pp over ``world_size`` GPUs (``model_parallel_sizes``,
+    ``_data_parallel_options``), the pipeline schedule and virtual stages, the strategy, the
+    recompute policy and the micro-batch; grad_accum follows from micro_batch x grad_accum x dp =
+    ``global_batch`` (sequences per step). The GPUs per node come from ``device.gpus_per_node``.
+    Ties in time per token go to less memory, then to the simpler layout.
+    """
+    if global_batch < 1:
+        raise EstimatorError(f"global_batch must be >= 1 (got {global_batch})")
+    _check_choice("precision", precision, PRECISION_MODES)
+    fitting = []
+    for tp, pp in model_parallel_sizes(model_cfg, world_size, device.gpus_per_node):
+        dp = world_size // (tp * pp)
+        if global_batch % dp:
+            continue
+        per_rank = global_batch // dp
+        for strategy, dp_replicate in _data_parallel_options(dp, tp, pp, strategies):
+            for schedule, v in _pipeline_options(model_cfg, pp, schedules, virtual_stages):
+                for policy in policies:
+                    # Memory never shrinks as the micro-batch grows at a fixed global batch (GPipe
+                    # holds b*m = b*per_rank/b sequences either way), so the first miss ends the row.
+                    for micro_batch in sorted(b for b in micro_batches if per_rank % b == 0):
+                        grad_accum = per_rank // micro_batch
+                        if torch_microbatch_rule(schedule, pp, grad_accum):
+                            continue
+                        job = JobSpec(
+                            model_cfg, seq_len, micro_batch, world_size, strategy, policy, precision, device,
+                            grad_accum, assumptions or Assumptions(), tp=tp, pp=pp, dp_replicate=dp_replicate,
+                            pp_schedule=schedule, pp_virtual_stages=v,
+                        )
+                        memory = estimate_memory(job)
+                        if memory_problems(job, memory):
+                            break
+                        fitting.append(_estimate_with(job, memory))
+    fitting.sort(key=lambda e: (e.time.seconds_per_token, e.memory.total, e.job.dp_replicate, e.job.pp, e.job.tp))
+    return fitting if top is None else fitting[:top]
+
+
+def layout_words(job: JobSpec) -> str:
+    """The job in the config's own words, e.g. ``strategy=fsdp dp_shard=8 tp=8 pp=1 ...``.
+
+    Keys: parallel.{strategy, dp_replicate, dp_shard, tp, pp, pp_schedule, pp_virtual_stages,
+    sequence_parallel}, model.checkpointing, train.micro_batch_size (micro_batch) and
+    train.grad_accum_steps (grad_accum). dp_replicate, the schedule and sequence_parallel are
+    named only where they apply.
+    """
+    words = [f"strategy={job.strategy}"]
+    if job.dp_replicate > 1:
+        words.append(f"dp_replicate={job.dp_replicate}")
+    words += [f"dp_shard={job.dp_shard}", f"tp={job.tp}", f"pp={job.pp}"]
+    if job.pp > 1:
+        words.append(f"pp_schedule={job.pp_schedule}")
+        if job.pp_virtual_stages > 1:
+            words.append(f"pp_virtual_stages={job.pp_virtual_stages}")
+    if job.tp > 1:
+        words.append(f"sequence_parallel={'true' if job.sp else 'false'}")
+    words += [f"checkpointing={job.policy}", f"micro_batch={job.micro_batch}", f"grad_accum={job.grad_accum}"]
+    return " ".join(words)
+
+
+def describe_plan(result: Estimate) -> str:
+    """One planner line: the layout in config words, then predicted memory, step time and MFU."""
+    mem, t, job = result.memory, result.time, result.job
+    where = f" (stage {mem.stage})" if job.pp > 1 else ""
+    mfu = f", MFU {t.mfu:.0%}" if t.mfu is not None else ""
+    idle = bubble_fraction(job.pp_schedule, job.pp, job.grad_accum, job.pp_virtual_stages)
+    bubble = f", bubble {idle:.1%}" if job.pp > 1 else ""
+    return f"{layout_words(job)}: {gib(mem.total)}/GPU{where}, {t.step_s:,.3g} s/step{mfu}{bubble}"
 
 
 def _fits_on(model_cfg: ModelConfig, seq_len: int, device: DeviceSpec, precision: str, n: int) -> bool:
@@ -736,33 +1318,37 @@ def fit_verdict(
     policy: str,
     precision_mode: str,
     device_name: str,
+    **layout,
 ) -> str:
-    """One or two lines for the trainer's start-up log: does this job fit, and if not, what would."""
+    """One or two lines for the trainer's start-up log: does this job fit, and if not, what would.
+
+    ``layout``: any of JobSpec's grad_accum, tp, pp, dp_replicate, pp_schedule, pp_virtual_stages,
+    sequence_parallel. When the job does not fit, the cheapest layout that does at the same global
+    batch (``plan_layouts``) is named in the config's words.
+    """
     device = resolve_device(device_name)
     try:
         if device is None:
-            job = JobSpec(model_cfg, seq_len, micro_batch_size, world_size, strategy, policy, precision_mode)
+            job = JobSpec(model_cfg, seq_len, micro_batch_size, world_size, strategy, policy, precision_mode, **layout)
             mem = estimate_memory(job)
             return (
                 f"fit check: no memory figures for device {device_name!r}; on a GPU this job would need "
                 f"~{gib(mem.total)} per GPU (model states {gib(mem.states)}, activations "
                 f"{gib(mem.activations + mem.logits)})"
             )
-        job = JobSpec(model_cfg, seq_len, micro_batch_size, world_size, strategy, policy, precision_mode, device)
+        job = JobSpec(model_cfg, seq_len, micro_batch_size, world_size, strategy, policy, precision_mode, device, **layout)
     except EstimatorError as exc:
         return f"fit check skipped: {exc}"
     result = estimate(job)
-    head = f"{world_size}x {device.name}, {strategy}, checkpointing={policy}, micro-batch {micro_batch_size}, {precision_mode}"
+    shape = f", tp={job.tp}, pp={job.pp}" if job.tp * job.pp > 1 else ""
+    head = f"{world_size}x {device.name}, {strategy}{shape}, checkpointing={policy}, micro-batch {micro_batch_size}, {precision_mode}"
     if result.fits:
         return f"fit: yes, {describe_estimate(result)} ({head})"
     first = f"fit: NO, {result.problems[0]} ({head})"
-    plans = plan_fits(model_cfg, seq_len, world_size, device, precision_mode, top=1)
+    plans = plan_layouts(model_cfg, seq_len, world_size, device, precision_mode, global_batch=job.global_batch, top=1)
     if plans:
-        best = plans[0]
-        return first + (
-            f"\n  cheapest that fits: strategy={best.job.strategy}, checkpointing={best.job.policy}, "
-            f"micro-batch {best.job.micro_batch}: {describe_estimate(best)}"
-        )
+        same = f"same global batch: {job.global_batch} sequences"
+        return first + f"\n  cheapest that fits: {describe_plan(plans[0])} ({same})"
     need = min_gpus_to_fit(model_cfg, seq_len, device, precision_mode)
     more = (
         f"at least {need} GPUs (smallest power of two: {smallest_power_of_two(need)})"

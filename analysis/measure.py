@@ -4,23 +4,25 @@ Each function runs on whatever device it is given and returns plain dicts (JSON-
 name the hardware. On CPU the figures are what this machine can say (numeric formats, bytes
 saved for backward, relative CPU throughput); figures that only mean something on a GPU
 (kernel time, allocator peaks) are measured only when the device is CUDA. Ratios are always
-measured in one run with the variants interleaved, never against a number from another run.
+measured in one run with the variants interleaved (common/measure.py), never against a number
+from another run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import importlib
 import math
-import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from model.config import ModelConfig
+from analysis import recompute_bench
+from common.measure import interleaved, peak_bytes, provenance, summarize
+from data import bench as data_bench
+from model.attention import AttentionCore
+from model.config import RECOMPUTE_POLICIES, ModelConfig
+from model.gpt import GPT
+from training.config import load_config
 
 FORMAT_DTYPES = {
     "FP32": "float32",
@@ -29,27 +31,6 @@ FORMAT_DTYPES = {
     "FP8 (E4M3)": "float8_e4m3fn",
     "FP8 (E5M2)": "float8_e5m2",
 }
-
-
-def hardware_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    threads = torch.get_num_threads()
-    return f"CPU {platform.machine()} ({threads} thread{'s' if threads > 1 else ''})"
-
-
-def provenance(device: torch.device) -> dict:
-    """Where and when a measurement was taken, written next to every result."""
-    return {
-        "hardware": hardware_name(device),
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-    }
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # --------------------------------------------------------------------------- numeric formats
@@ -129,8 +110,6 @@ def measure_precision_modes(
     round and the median is reported, with ratios to fp32 from the same run. fp16 here has no
     loss scaler: this measures speed, not training stability.
     """
-    from model.gpt import GPT
-
     torch.manual_seed(0)
     idx = torch.randint(0, model_cfg.vocab_size, (micro_batch, seq_len + 1), device=device)
     inputs, targets = idx[:, :-1], idx[:, 1:]
@@ -160,16 +139,10 @@ def measure_precision_modes(
         loss.backward()
         model.zero_grad(set_to_none=True)
         saved[variant] = counted["bytes"]
-    samples = {v: [] for v in PRECISION_VARIANTS}
-    for _ in range(rounds):
-        for variant in PRECISION_VARIANTS:
-            _synchronize(device)
-            start = time.perf_counter()
-            step(variant)
-            _synchronize(device)
-            samples[variant].append(time.perf_counter() - start)
+    # warm-up already done above, with the saved-bytes count
+    samples = interleaved({v: (lambda v=v: step(v)) for v in PRECISION_VARIANTS}, rounds, warmup=0, device=device)
     tokens = seq_len * micro_batch
-    seconds = {v: statistics.median(s) for v, s in samples.items()}
+    seconds = {v: summarize(s).median for v, s in samples.items()}
     return {
         **provenance(device),
         "setup": _model_setup(model_cfg, seq_len, micro_batch) + f", {rounds} interleaved rounds",
@@ -195,8 +168,6 @@ def measure_attention(
 ) -> dict:
     """Bytes the attention core saves for backward, reference (explicit scores) vs SDPA, and on
     CUDA their forward+backward time side by side."""
-    from model.attention import AttentionCore
-
     torch.manual_seed(0)
     shape = (batch, seq_len, heads, head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -214,61 +185,22 @@ def measure_attention(
         "saved_ratio": saved["reference"] / saved["sdpa"],
     }
     if device.type == "cuda":
-        result["seconds"] = _time_interleaved(
-            {name: (lambda core=core: core(q, k, v).sum().backward()) for name, core in cores.items()}, device, rounds
-        )
+        steps = {name: (lambda core=core: core(q, k, v).sum().backward()) for name, core in cores.items()}
+        samples = interleaved(steps, rounds, warmup=1, device=device)
+        result["seconds"] = {name: summarize(s).median for name, s in samples.items()}
         result["speedup"] = result["seconds"]["reference"] / result["seconds"]["sdpa"]
-        result["peak_bytes"] = _cuda_peaks({name: (lambda core=core: core(q, k, v).sum().backward()) for name, core in cores.items()}, device)
+        result["peak_bytes"] = {name: peak_bytes(fn, device) for name, fn in steps.items()}
     return result
 
 
-def _time_interleaved(fns: dict, device: torch.device, rounds: int) -> dict[str, float]:
-    for fn in fns.values():
-        fn()  # warm-up
-    samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            _synchronize(device)
-            start = time.perf_counter()
-            fn()
-            _synchronize(device)
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
+# --------------------------------------------------------------------------- the benches' libraries
 
 
-def _cuda_peaks(fns: dict, device: torch.device) -> dict[str, int]:
-    peaks = {}
-    for name, fn in fns.items():
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        peaks[name] = torch.cuda.max_memory_allocated(device) - base
-    return peaks
-
-
-# --------------------------------------------------------------------------- other helpers' tools
-
-
-def optional_module(name: str):
-    """Import a module another part of the project provides, or None when it is not there yet."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
-
-def measure_recompute(model_cfg: ModelConfig, seq_len: int, micro_batch: int, device: torch.device, steps: int) -> dict | None:
-    """Rows of tools/bench_memory.py's benchmark (saved bytes per block, time vs none), or None."""
-    bench = optional_module("tools.bench_memory")
-    if bench is None or not hasattr(bench, "run_benchmark"):
-        return None
-    from model.config import CHECKPOINT_POLICIES
-
+def measure_recompute(model_cfg: ModelConfig, seq_len: int, micro_batch: int, device: torch.device, steps: int) -> dict:
+    """Rows of the recompute benchmark (analysis/recompute_bench.py): saved bytes per block, time vs none."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows = bench.run_benchmark(
-        model_cfg, list(CHECKPOINT_POLICIES), ["reference", "sdpa"], seq_len, micro_batch, dtype, device, steps
+    rows = recompute_bench.run_benchmark(
+        model_cfg, list(RECOMPUTE_POLICIES), ["reference", "sdpa"], seq_len, micro_batch, dtype, device, steps
     )
     return {
         **provenance(device),
@@ -277,18 +209,21 @@ def measure_recompute(model_cfg: ModelConfig, seq_len: int, micro_batch: int, de
     }
 
 
-def run_data_benchmark(markdown: Path, plot: Path) -> bool:
-    """Run tools/bench_data.py (another helper's tool) at a small scale into ``markdown``; False if absent."""
-    bench = optional_module("tools.bench_data")
-    if bench is None or not hasattr(bench, "main"):
-        return False
-    root = Path(__file__).resolve().parents[1]
-    argv = [
-        "--mb", "2", "--seq-len", "1024", "--batch-sizes", "8", "--workers", "0,2", "--batches", "20",
-        "--tokenizer", "byte", "--models", str(root / "configs" / "tiny.yaml"),
-        "--markdown", str(markdown), "--plot", str(plot),
-    ]
-    return bench.main(argv) == 0
+# The data-loader grid the chapter's data-format table quotes: small enough for every CPU run.
+DATA_GRID = data_bench.GridOptions(mb=2, seq_len=1024, batch_sizes=[8], workers=[0, 2], batches=20, tokenizer="byte")
+
+
+def run_data_benchmark(markdown: Path, plot: Path) -> list[Path]:
+    """The data-loader benchmark (data/bench.py) at the small DATA_GRID scale, written to ``markdown``
+    (with its rows as JSON next to it) and ``plot``."""
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"))
+    tiny = data_bench.ConsumerModel("tiny", cfg.model, cfg.data.seq_len or cfg.model.max_seq_len,
+                                    cfg.train.micro_batch_size)
+    result = data_bench.run_benchmark(DATA_GRID, [tiny], log=lambda line: print(line, flush=True))
+    data_bench.write_plot(result, plot)
+    where = provenance(data_bench.CPU)  # loaders run on the host whatever the model's device
+    command = " ".join(["python tools/bench_data.py", *DATA_GRID.as_flags(), "--models configs/tiny.yaml"])
+    return data_bench.write_markdown(result, where, markdown, command) + [plot]
 
 
 def measurement_model(quick: bool, device_type: str = "cpu") -> tuple[ModelConfig, int, int]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from training.fields import ConfigError, doc
+from common.errors import ConfigError
+from common.fields import doc
 
 
 @dataclass

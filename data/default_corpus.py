@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.errors import DataError
+from common.errors import DataError
 from data.shards import META_FILE, TokenShardWriter, write_meta
 from data.tokenizer import ByteTokenizer
 

@@ -38,10 +38,10 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from common.errors import DataError
 from data.config import DataConfig
 from data.default_corpus import ensure_default_corpus
-from data.errors import DataError
-from data.shards import DatasetMeta, TokenShard, read_meta
+from data.shards import DatasetMeta, TokenShard, read_dataset_meta
 from data.stream import STATE_VERSION, DataBundle, TrainStream, ValSource, seed_worker, split_windows
 from data.webdataset_loader import build_webdataset_data
 
@@ -113,7 +113,7 @@ def _open_mmap_dataset(cfg: DataConfig) -> DatasetMeta:
         root = ensure_default_corpus(cfg.cache_dir, cfg.default_corpus_max_mb, cfg.val_fraction)
     else:
         root = Path(cfg.path)
-    meta = read_meta(root)
+    meta = read_dataset_meta(root)
     if meta.format != "mmap":
         raise DataError(
             f"{root} holds a {meta.format} dataset but data.format={cfg.format}; set data.format={meta.format}"

@@ -24,7 +24,6 @@ from __future__ import annotations
 import codecs
 import itertools
 import json
-import logging
 import multiprocessing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,8 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from data.errors import DataError
+from common.errors import DataError
+from common.log import get_logger
 from data.shards import DEFAULT_CHUNK_TOKENS, META_FILE, TokenShardWriter, write_meta
 from data.tokenizer import build_tokenizer
 from data.wds_format import TokenSampleWriter
@@ -42,7 +42,7 @@ TEXT_SPLITS = ("file", "paragraph", "line")
 OUTPUTS = ("mmap", "webdataset")
 UTF8_POLICIES = ("replace", "error")
 
-log = logging.getLogger("perfgpt.data")
+log = get_logger("data")
 
 
 @dataclass

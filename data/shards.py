@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.errors import DataError
+from common.errors import DataError
 
 MAGIC = b"PGPTTOK\0"
 SHARD_VERSION = 2  # what the writer produces
@@ -365,7 +365,7 @@ def write_meta(root: str | os.PathLike, *, format: str, tokenizer: str, vocab_si
     return root / META_FILE
 
 
-def read_meta(root: str | os.PathLike) -> DatasetMeta:
+def read_dataset_meta(root: str | os.PathLike) -> DatasetMeta:
     root = Path(root)
     file = root / META_FILE
     if not root.is_dir():

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from common.errors import DataError
 from data.config import DataConfig
-from data.errors import DataError
 
 STATE_VERSION = 1
 
@@ -62,7 +62,7 @@ def one_line(error: DataError) -> DataError:
     """A DataError re-raised by DataLoader from a worker, cut back to its own one-line message.
 
     DataLoader rebuilds a worker's exception with the worker's traceback in the message; the
-    last line of that is ``data.errors.DataError: <the original message>``.
+    last line of that is ``common.errors.DataError: <the original message>``.
     """
     text = str(error).strip()
     if "\n" not in text:

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from data.errors import DataError
+from common.errors import DataError
 
 
 class Tokenizer(Protocol):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.errors import DataError
+from common.errors import DataError
 from data.shards import token_dtype
 
 TOKEN_EXTENSIONS = {"u16": np.dtype("<u2"), "u32": np.dtype("<u4")}

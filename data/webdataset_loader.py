@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import logging
 import os
 import random
 
@@ -58,13 +57,14 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from common.errors import DataError
+from common.log import get_logger
 from data.config import DataConfig
-from data.errors import DataError
-from data.shards import DatasetMeta, read_meta
+from data.shards import DatasetMeta, read_dataset_meta
 from data.stream import DataBundle, TrainStream, split_windows
 from data.wds_format import decode_tokens, import_webdataset, iter_shard_samples
 
-log = logging.getLogger("perfgpt.data")
+log = get_logger("data")
 
 
 def corrupt_shard_error(path: str, error: Exception) -> DataError:
@@ -286,7 +286,7 @@ def shard_sample_counts(meta: DatasetMeta, split: str) -> list[int]:
 def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, seed: int, rank: int,
                           world_size: int, vocab_size: int) -> DataBundle:
     import_webdataset()
-    meta = read_meta(cfg.path)
+    meta = read_dataset_meta(cfg.path)
     if meta.format != "webdataset":
         raise DataError(
             f"{meta.root} holds a {meta.format} dataset but data.format=webdataset; set data.format={meta.format}"

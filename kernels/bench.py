@@ -2,14 +2,15 @@
 reference function, and the Triton kernel; forward and backward time, achieved GB/s, and that
 rate as a fraction of the device's copy bandwidth measured in the same run.
 
-Times are medians of CUDA-event timings after warm-up. Backward time is the median of
-forward+backward minus the median of forward (the same for all three implementations, and it
-needs no retained graph). Bytes are each op's minimal traffic: every input read once, every
+Times are medians of CUDA-event timings after warm-up (common/measure.py's ``repeat``).
+Backward time is the median of forward+backward minus the median of forward (the same for all
+three implementations, and it needs no retained graph). Bytes are each op's minimal traffic: every input read once, every
 output written once (weights and per-row statistics are negligible and left out), so GB/s is
 what an ideal fused kernel would need divided by the time taken.
 
 Without CUDA nothing is timed: the kernels run in Triton's interpreter on small shapes and only
-their correctness against the fp32 reference is reported.
+their correctness against the fp32 reference is reported, by the project's one tolerance rule
+(common/measure.py's ``check_against_fp32``, which the kernel tests use too).
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ from typing import Callable
 
 import torch
 
+from common.hardware import lookup_device
+from common.measure import ToleranceCheck, check_against_fp32, hardware_name, peak_bytes, provenance, repeat
+from common.report import markdown_table, new_figure, save_figure, text_table, write_results
 from kernels import reference
+from kernels.registry import TRITON_OPS
+from kernels.triton import load_op_modules
 
 IMPLEMENTATIONS = ("eager", "compile", "triton")
-ULP_BITS = {torch.bfloat16: 7, torch.float16: 10}
 
 
 @dataclass(frozen=True)
@@ -112,27 +117,16 @@ def case_bytes(case: Case, dtype: torch.dtype) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------ timing
 
 
-def median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> float:
     """Median CUDA-event time of fn() in milliseconds, after warm-up."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(repeat(fn, device, reps, warmup, events=True)) * 1e3
 
 
 def copy_bandwidth_gb_s(device: torch.device, warmup: int, reps: int, nbytes: int = 2**30) -> float:
     """Device-to-device copy rate (read + write bytes per second), the ceiling for these ops."""
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), warmup, reps)
+    ms = median_ms(lambda: dst.copy_(src), device, warmup, reps)
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
@@ -163,63 +157,19 @@ def time_op(fn: Callable, args: list, grad_positions: list[int], warmup: int, re
     def forward_backward():
         torch.autograd.grad(fn(*args), leaves, dy)
 
-    fwd = median_ms(forward, warmup, reps)
-    both = median_ms(forward_backward, warmup, reps)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    forward_backward()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    fwd = median_ms(forward, dy.device, warmup, reps)
+    both = median_ms(forward_backward, dy.device, warmup, reps)
+    peak = peak_bytes(forward_backward, dy.device) / 2**20
     return Timing(fwd, max(both - fwd, 0.0), peak)
 
 
 # ------------------------------------------------------------------------------- correctness
 
 
-def outputs_and_grads(fn: Callable, args: list, grad_positions: list[int], dy: torch.Tensor) -> list[torch.Tensor]:
-    args = with_grads([a.clone() if isinstance(a, torch.Tensor) else a for a in args], grad_positions)
-    out = fn(*args)
-    return [out.detach(), *torch.autograd.grad(out, [args[i] for i in grad_positions], dy)]
-
-
-def error_floor(dtype: torch.dtype, oracle: torch.Tensor, interpreted: bool) -> float:
-    scale = oracle.abs().max().item()
-    if dtype == torch.float32:
-        return 1e-5 * (1.0 + scale)
-    ulp = 2.0 ** (math.floor(math.log2(max(scale, 1e-30))) - ULP_BITS[dtype])
-    return ulp if interpreted else ulp / 2  # the interpreter truncates fp32 -> bf16 casts
-
-
-@dataclass
-class Check:
-    errors: list[float]  # per output (forward, then each gradient): max |kernel - fp32 oracle|
-    tolerances: list[float]  # 2 x eager's error in the same dtype + a floor
-
-    @property
-    def ok(self) -> bool:
-        return all(e <= t for e, t in zip(self.errors, self.tolerances))
-
-    @property
-    def worst_ratio(self) -> float:
-        return max(e / t for e, t in zip(self.errors, self.tolerances))
-
-
-def check_op(kernel: Callable, ref: Callable, args: list, grad_positions: list[int], interpreted: bool) -> Check:
-    """The kernel's forward and gradients against the fp32 reference, flash-attention style."""
-    with torch.no_grad():
-        probe = ref(*args)
-    dy = torch.randn(probe.shape, generator=torch.Generator().manual_seed(1)).to(probe.device, probe.dtype)
-    oracle_args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    ours = outputs_and_grads(kernel, args, grad_positions, dy)
-    eager = outputs_and_grads(ref, args, grad_positions, dy)
-    oracle = outputs_and_grads(ref, oracle_args, grad_positions, dy.float())
-    errors, tolerances = [], []
-    for o, e, r in zip(ours, eager, oracle):
-        errors.append((o.float() - r.float()).abs().max().item())
-        eager_err = (e.float() - r.float()).abs().max().item()
-        tolerances.append(2 * eager_err + error_floor(o.dtype, r, interpreted))
-    return Check(errors, tolerances)
+def check_op(kernel: Callable, ref: Callable, args: list, grad_positions: list[int],
+             interpreted: bool) -> ToleranceCheck:
+    """The kernel's forward and gradients against the fp32 reference, by the project's tolerance rule."""
+    return check_against_fp32(kernel, ref, args, grad_positions, interpreted, seed=1)
 
 
 # -------------------------------------------------------------------------------------- runs
@@ -231,7 +181,7 @@ class Row:
     dtype: torch.dtype
     impl: str
     timing: Timing | None = None
-    check: Check | None = None
+    check: ToleranceCheck | None = None
     fwd_bytes: int = 0
     bwd_bytes: int = 0
     error: str = ""  # why this implementation produced no timing (e.g. compile failed)
@@ -255,9 +205,6 @@ def triton_ops(device: torch.device) -> dict:
     """Triton functions by op name; on CPU, in the interpreter (set before triton is imported)."""
     if device.type != "cuda":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from kernels.registry import TRITON_OPS
-    from kernels.triton import load_op_modules
-
     modules = load_op_modules()
     return {op: getattr(modules[module], function) for op, (module, function) in TRITON_OPS.items()}
 
@@ -266,8 +213,6 @@ def run_benchmark(
     cases: list[Case], dtype: torch.dtype, device: torch.device, warmup: int, reps: int, use_compile: bool,
     log: Callable[[str], None] = print,
 ) -> Results:
-    from analysis.measure import hardware_name
-
     kernels = triton_ops(device)
     timed = device.type == "cuda"
     copy = copy_bandwidth_gb_s(device, warmup, reps) if timed else None
@@ -344,16 +289,13 @@ def table(results: Results) -> tuple[list[str], list[list[str]]]:
 
 
 def header_lines(results: Results, warmup: int, reps: int) -> list[str]:
-    import datetime
-
+    where = provenance(results.device)
     lines = [
-        f"date: {datetime.date.today().isoformat()}",
-        f"hardware: {results.hardware}; torch {torch.__version__}; triton {_triton_version()}",
+        f"date: {where['date']}",
+        f"hardware: {results.hardware}; torch {where['torch']}; triton {_triton_version()}",
         f"dtype: {str(results.dtype).removeprefix('torch.')}",
     ]
     if results.timed:
-        from analysis.hardware import lookup_device
-
         spec = lookup_device(results.hardware)
         datasheet = f" (datasheet HBM {spec.hbm_tb_s * 1000:,.0f} GB/s)" if spec else ""
         lines.append(f"measured copy bandwidth: {results.copy_gb_s:,.0f} GB/s read+write{datasheet}")
@@ -364,34 +306,58 @@ def header_lines(results: Results, warmup: int, reps: int) -> list[str]:
 
 def _triton_version() -> str:
     try:
-        import triton
+        import triton  # optional: the report says when it is missing
     except ImportError:
         return "not installed"
     return triton.__version__
 
 
 def format_text(head: list[str], body: list[list[str]]) -> str:
-    widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
-    return "\n".join(lines)
+    return text_table(head, body, numeric=False)
+
+
+TITLE = "Fused kernels: eager vs torch.compile vs Triton"
 
 
 def format_markdown(results: Results, warmup: int, reps: int) -> str:
     head, body = table(results)
-    lines = ["# Fused kernels: eager vs torch.compile vs Triton", ""]
+    lines = [f"# {TITLE}", ""]
     lines += [f"- {line}" for line in header_lines(results, warmup, reps)]
-    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in body]
+    lines += ["", markdown_table(head, body, left=3)]
     return "\n".join(lines) + "\n"
+
+
+def result_rows(results: Results) -> list[dict]:
+    """The table's rows as numbers: one per (case, implementation)."""
+    rows = []
+    for r in results.rows:
+        row = {"op": r.case.op, "shape": list(r.case.shape), "dtype": str(r.dtype).removeprefix("torch."),
+               "impl": r.impl, "fwd_bytes": r.fwd_bytes, "bwd_bytes": r.bwd_bytes, "error": r.error or None}
+        if r.timing is not None:
+            row |= {"fwd_ms": r.timing.fwd_ms, "bwd_ms": r.timing.bwd_ms, "peak_mib": r.timing.peak_mib}
+        if r.check is not None:
+            row |= {"check": {"outputs": r.check.names, "errors": r.check.errors,
+                              "eager_errors": r.check.eager_errors, "tolerances": r.check.tolerances,
+                              "ok": r.check.ok}}
+        rows.append(row)
+    return rows
+
+
+def write_markdown(all_results: list[Results], warmup: int, reps: int, path: Path) -> list[Path]:
+    """One Markdown file for every dtype run, and the rows of all of them as JSON next to it."""
+    text = "\n".join(format_markdown(results, warmup, reps) for results in all_results)
+    first = all_results[0]
+    dtypes = ", ".join(str(r.dtype).removeprefix("torch.") for r in all_results)
+    title = f"{TITLE}: {first.hardware}, {dtypes}, {provenance(first.device)['date']}"
+    rows = [row for results in all_results for row in result_rows(results)]
+    return write_results(path, text, title, rows, provenance=provenance(first.device),
+                         copy_gb_s=first.copy_gb_s, warmup=warmup, reps=reps)
 
 
 def write_plot(results: Results, path: str) -> bool:
     """Bars of fwd+bwd achieved bandwidth as a share of copy bandwidth; False when nothing was timed."""
     if not results.timed:
         return False
-    from analysis.report import new_figure, save_figure
-
     cases = list(dict.fromkeys(r.case for r in results.rows))
     fig, ax = new_figure(width=max(7.0, 1.1 * len(cases)), height=4.5)
     width = 0.8 / len(IMPLEMENTATIONS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from training.fields import doc
+from common.fields import doc
 
 
 @dataclass

@@ -12,19 +12,22 @@ the reason is logged once per op and reason. A fallback costs speed, never corre
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from common.errors import ConfigError
+from common.fields import choices
+from common.log import get_logger
 from kernels import reference
-from training.fields import ConfigError
+from kernels.config import KernelsConfig
+from kernels.triton import load_op_modules
 
-logger = logging.getLogger(__name__)
+logger = get_logger("kernels")
 
-BACKENDS = ("auto", "triton", "torch")
+KERNEL_BACKENDS = choices(KernelsConfig, "backend")
 
 # KernelOps field -> (Triton op file, function in it). The reference function has the field's name.
 TRITON_OPS = {
@@ -104,8 +107,6 @@ def interpreter_requested() -> bool:
 
 def build_triton_ops() -> KernelOps:
     """Triton kernels for every op, each falling back to its reference per call."""
-    from kernels.triton import load_op_modules
-
     modules = load_op_modules()
     ops = {
         field: KernelWithFallback(
@@ -132,8 +133,8 @@ def outside_torch_compile(kernel: Callable) -> Callable:
 def resolve_kernel_ops(backend: str, device: torch.device) -> tuple[KernelOps, str]:
     """The ops for ``kernels.backend`` on ``device``, and one line saying what was chosen and why."""
     device = torch.device(device)
-    if backend not in BACKENDS:
-        raise ConfigError(f"kernels.backend={backend!r} is not one of {BACKENDS}")
+    if backend not in KERNEL_BACKENDS:
+        raise ConfigError(f"kernels.backend={backend!r} is not one of {KERNEL_BACKENDS}")
     if backend == "torch":
         return REFERENCE_OPS, "kernels: torch reference ops (kernels.backend=torch)"
     version = triton_version()

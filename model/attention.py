@@ -1,10 +1,15 @@
-"""Attention backends behind one interface: core(q, k, v) -> out, all (B, T, H, D), causal.
+"""Attention backends behind one interface: core(q, k, v) -> out, all (B, T, heads, D), causal.
+
+k and v may have fewer heads than q (grouped-query attention; one head = multi-query): query
+head i attends to key/value head i // (H / H_kv), the grouping of flash-attn, SDPA's
+``enable_gqa`` and Hugging Face's ``repeat_kv``.
 
 - flash_attn: the flash-attn package (CUDA compute capability >= 8.0, fp16/bf16, head_dim <= 256).
-  Imported only here.
-- sdpa: torch.nn.functional.scaled_dot_product_attention (picks its own fused kernel).
+  Imported only here. Takes the narrow k/v as they are.
+- sdpa: torch.nn.functional.scaled_dot_product_attention (picks its own fused kernel). Narrow k/v
+  go in with ``enable_gqa`` where a fused kernel accepts them, else are repeated first (below).
 - reference: explicit QK^T / sqrt(d), causal mask, softmax, dropout, @V. It materializes the
-  (B, H, T, T) scores, which is what the memory tools measure against.
+  (B, H, T, T) scores, which is what the memory tools measure against, and repeats narrow k/v.
 
 ``select_attention`` resolves ``auto`` and explains the choice in one line for the log.
 """
@@ -18,8 +23,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-BACKENDS = ("flash_attn", "sdpa", "reference")
+from common.errors import CapabilityError
+
+# What "auto" resolves to (model.attention's other choices): the kernels that actually run.
+ATTENTION_BACKENDS = ("flash_attn", "sdpa", "reference")
 FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2 builds its kernels for Ampere, Ada and Hopper only
+# SDPA's enable_gqa appeared in torch 2.5 (the floor is 2.6; checked so the explicit repeat stays the fallback).
+SDPA_HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 def flash_attn_available() -> bool:
@@ -34,8 +44,6 @@ def select_attention(requested: str, device: torch.device, dtype: torch.dtype, h
             return "flash_attn", "attention: flash_attn (auto: package installed, CUDA >= sm80, half precision)"
         return "sdpa", f"attention: sdpa (auto: flash_attn not used because {flash_why})"
     if requested == "flash_attn" and not flash_ok:
-        from training.errors import CapabilityError
-
         raise CapabilityError(
             f"model.attention=flash_attn cannot run: {flash_why}; "
             "install with `pip install perfgpt[flash]` on a CUDA machine or use model.attention=sdpa"
@@ -63,35 +71,131 @@ class AttentionCore(nn.Module):
 
     def __init__(self, backend: str, dropout: float):
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
         self.backend = backend
         self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, T, H, D), k and v (B, S, H_kv, D) with H_kv dividing H -> (B, T, H, D).
+
+        S > T when k/v come from a KV cache: the queries are the last T of S positions, and
+        query i sees keys up to position S - T + i (the causal mask aligned bottom-right).
+        """
         p = self.dropout if self.training else 0.0
         if self.backend == "flash_attn":
             from flash_attn import flash_attn_func
 
-            return flash_attn_func(q, k, v, dropout_p=p, causal=True)  # takes (B, T, H, D) directly
+            # (B, T, H, D) and GQA natively; causal aligns bottom-right when S > T (flash-attn >= 2.1)
+            return flash_attn_func(q, k, v, dropout_p=p, causal=True)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if self.backend == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            out = sdpa_attention(q, k, v, p)
         else:
-            out = reference_attention(q, k, v, p)
+            groups = q.shape[1] // k.shape[1]
+            out = reference_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), p)
         return out.transpose(1, 2)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend}, dropout={self.dropout}"
 
 
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, H_kv, T, D) -> (B, H_kv * groups, T, D), each head repeated for its group of query heads."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal SDPA on (B, H, T, D) with k/v of H_kv heads.
+
+    ``enable_gqa`` only helps where a fused kernel takes unequal head counts: the CPU flash kernel,
+    and on CUDA the flash kernel (sm80+, fp16/bf16, head_dim <= 256). Elsewhere (fp32 on CUDA, older
+    GPUs) SDPA would drop from the memory-efficient kernel to the math path, which materializes
+    the (T, T) scores; repeating k/v first keeps the memory-efficient kernel.
+    """
+    groups = q.shape[1] // k.shape[1]
+    causal = _sdpa_causal(q.shape[-2], k.shape[-2], q.device)
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **causal)
+    if _sdpa_takes_gqa(q):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=True, **causal)
+    return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), dropout_p=dropout_p, **causal)
+
+
+def _sdpa_causal(q_len: int, k_len: int, device: torch.device) -> dict:
+    """SDPA's causal arguments; ``is_causal`` alone aligns the mask top-left, wrong for a KV cache."""
+    if q_len == k_len:
+        return {"is_causal": True}
+    if q_len == 1:
+        return {}  # the newest position sees every key
+    return {"attn_mask": causal_mask(q_len, k_len, device)}
+
+
+def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """(q_len, k_len) bool, True where query i, at position k_len - q_len + i, may see key j."""
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+
+
+def _sdpa_takes_gqa(q: torch.Tensor) -> bool:
+    if not SDPA_HAS_ENABLE_GQA:
+        return False
+    if q.device.type == "cpu":
+        return True
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256:
+        return False
+    return torch.cuda.get_device_capability(q.device) >= FLASH_MIN_CAPABILITY
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    """softmax(QK^T / sqrt(d) + causal mask) V on (B, H, T, D); softmax in fp32."""
-    t = q.shape[-2]
+    """softmax(QK^T / sqrt(d) + causal mask) V on q (B, H, T, D), k and v (B, H, S >= T, D); softmax in fp32."""
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    causal = causal_mask(q.shape[-2], k.shape[-2], q.device)
     scores = scores.masked_fill(~causal, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
     return probs @ v
+
+
+class KVCache:
+    """Keys and values of every layer, kept between generation steps so each new token attends
+    to the past without recomputing it.
+
+    Stored as (n_layer, B, max_len, n_kv_head, D): only the key/value heads, so grouped-query
+    attention shrinks the cache by n_head / n_kv_head. ``length`` positions are filled; the model
+    writes the next T at [length, length + T) in every layer, then ``advance(T)``.
+    """
+
+    def __init__(self, n_layer: int, batch: int, max_len: int, n_kv_head: int, head_dim: int,
+                 device: torch.device | str, dtype: torch.dtype):
+        shape = (n_layer, batch, max_len, n_kv_head, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def layer(self, index: int) -> "LayerKV":
+        return LayerKV(self, index)
+
+    def advance(self, t: int) -> None:
+        self.length += t
+
+
+class LayerKV:
+    """One layer's view of a ``KVCache``: what ``Attention.forward`` receives."""
+
+    def __init__(self, cache: KVCache, index: int):
+        self.cache, self.index = cache, index
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, T, H_kv, D) after the cached positions; return every position so far."""
+        start = self.cache.length
+        end = start + k.shape[1]
+        if end > self.cache.max_len:
+            raise ValueError(f"KV cache holds {self.cache.max_len} positions; {end} were asked for")
+        self.cache.k[self.index, :, start:end] = k
+        self.cache.v[self.index, :, start:end] = v
+        return self.cache.k[self.index, :, :end], self.cache.v[self.index, :, :end]

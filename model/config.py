@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from training.fields import ConfigError, doc
-
-CHECKPOINT_POLICIES = ("none", "selective", "op_selective", "full", "every_k", "offload")
+from common.errors import ConfigError
+from common.fields import choices, doc
 
 
 @dataclass
@@ -16,6 +15,9 @@ class ModelConfig:
     max_seq_len: int = doc(256, "longest sequence the model accepts (size of learned positions)")
     n_layer: int = doc(4, "transformer blocks")
     n_head: int = doc(4, "attention heads")
+    n_kv_head: int | None = doc(
+        None, "key/value heads (grouped-query attention; 1 = multi-query); default: n_head (plain multi-head)"
+    )
     d_model: int = doc(128, "residual stream width")
     d_ff: int | None = doc(
         None, "MLP hidden width; default 4*d_model for gelu, 8/3*d_model rounded up to 64 for swiglu"
@@ -23,6 +25,9 @@ class ModelConfig:
     norm: Literal["layernorm", "rmsnorm"] = doc("layernorm", "normalization layer")
     norm_eps: float = doc(1e-5, "normalization epsilon")
     mlp: Literal["gelu", "swiglu"] = doc("gelu", "MLP activation")
+    gelu: Literal["tanh", "exact"] = doc(
+        "tanh", "GELU form of mlp=gelu: tanh approximation (GPT-2, HF gelu_new) or exact erf (nanoGPT, HF gelu)"
+    )
     position: Literal["learned", "rope"] = doc("learned", "learned absolute positions or rotary embeddings")
     rope_theta: float = doc(10000.0, "rotary base")
     tie_embeddings: bool = doc(True, "share the token embedding with the LM head")
@@ -34,7 +39,8 @@ class ModelConfig:
     )
     layers: Literal["torch", "te"] = doc("torch", "torch layers, or Transformer Engine layers (needs TE)")
     checkpointing: Literal["none", "selective", "op_selective", "full", "every_k", "offload"] = doc(
-        "none", "activation checkpointing policy"
+        "none", "activation recompute policy (model/recompute.py): which activations are dropped in "
+        "forward and recomputed in backward"
     )
     checkpoint_every_k: int = doc(2, "with checkpointing=every_k: recompute every k-th block")
 
@@ -49,6 +55,17 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_head``, or ``n_head`` when unset (kept unset so a saved config
+        re-read with another n_head stays multi-head instead of silently becoming GQA)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection: kv_heads * head_dim."""
+        return self.kv_heads * self.head_dim
+
     def validate(self) -> None:
         for key in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model", "d_ff"):
             if getattr(self, key) < 1:
@@ -58,8 +75,18 @@ class ModelConfig:
                 f"model.n_head={self.n_head} must divide model.d_model={self.d_model} "
                 f"(e.g. n_head in {[h for h in range(1, 65) if self.d_model % h == 0][-6:]})"
             )
+        if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+            raise ConfigError(
+                f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head} "
+                f"(choose one of {[k for k in range(1, self.n_head + 1) if self.n_head % k == 0]})"
+            )
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(f"model.position=rope needs an even head dim; d_model/n_head={self.head_dim}")
+        if self.layers == "te" and self.mlp == "gelu" and self.gelu == "exact":
+            raise ConfigError(
+                "model.gelu=exact has no Transformer Engine activation (TE's gelu is the tanh form); "
+                "use model.gelu=tanh or model.layers=torch"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.checkpoint_every_k < 1:
@@ -67,4 +94,10 @@ class ModelConfig:
 
     def gemm_dims(self) -> dict[str, int]:
         """Dimensions that appear in GEMMs of the transformer blocks (FP8 needs them % 16 == 0)."""
-        return {"model.d_model": self.d_model, "model.d_ff": self.d_ff}
+        dims = {"model.d_model": self.d_model, "model.d_ff": self.d_ff}
+        if self.kv_heads != self.n_head:  # the fused QKV GEMM's output width
+            dims["(n_head + 2*n_kv_head) * head_dim"] = self.d_model + 2 * self.kv_dim
+        return dims
+
+
+RECOMPUTE_POLICIES = choices(ModelConfig, "checkpointing")

@@ -6,7 +6,8 @@ Convention (stated in every log line that uses it, see ``FLOPS_CONVENTION``):
   excluded; a tied token table is counted once, as the LM head. Norm gains and biases are
   included (they are a rounding error).
 - Training FLOPs per token = 6·N (forward 2·N, backward 4·N) + attention
-  12·L·d·s (QKᵀ and A·V: 2·2·s·d per token per layer forward, times 3 for fwd+bwd), with
+  12·L·d·s (QKᵀ and A·V: 2·2·s·d per token per layer forward, times 3 for fwd+bwd; every query
+  head still scores every key, so grouped-query attention shrinks only N, not this term), with
   **no causal halving**, as in PaLM appendix B and Megatron-LM's MFU; so MFU here is comparable
   to theirs. Activation recomputation is *not* counted (that would be HFU, not MFU).
 """
@@ -21,7 +22,8 @@ FLOPS_CONVENTION = "6*N_matmul + 12*L*d*s per token (no causal halving, recomput
 def block_parameters(cfg: ModelConfig) -> int:
     d, f = cfg.d_model, cfg.d_ff
     norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-    attn = 3 * d * d + d * d + (4 * d if cfg.bias else 0)
+    qkv_out = d + 2 * cfg.kv_dim  # query heads, then the (possibly fewer) key and value heads
+    attn = d * qkv_out + d * d + ((qkv_out + d) if cfg.bias else 0)
     if cfg.mlp == "swiglu":
         mlp = 2 * d * f + f * d + ((2 * f + d) if cfg.bias else 0)
     else:

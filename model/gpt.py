@@ -17,8 +17,9 @@ import torch.nn as nn
 
 from kernels.reference import rope_tables
 from kernels.registry import REFERENCE_OPS, KernelOps
-from model.attention import AttentionCore
+from model.attention import AttentionCore, KVCache, LayerKV
 from model.config import ModelConfig
+from model.te import TEBlock
 
 
 class Norm(nn.Module):
@@ -40,19 +41,28 @@ class Norm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelOps, attention_backend: str):
         super().__init__()
-        self.n_head, self.head_dim, self.ops = cfg.n_head, cfg.head_dim, ops
+        self.n_head, self.n_kv_head, self.head_dim, self.ops = cfg.n_head, cfg.kv_heads, cfg.head_dim, ops
         self.use_rope = cfg.position == "rope"
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        # One fused projection, laid out [all query heads | key heads | value heads]; with
+        # n_kv_head == n_head this is exactly the (3, H, D) layout of plain multi-head attention.
+        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.bias)
         self.core = AttentionCore(attention_backend, cfg.dropout)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj.residual_projection = True  # scaled init, see GPT.init_weights
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerKV | None = None
+    ) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, self.head_dim).unbind(dim=2)  # each (B, T, H, D)
+        kv_dim = self.n_kv_head * self.head_dim
+        q, k, v = self.qkv(x).split((c, kv_dim, kv_dim), dim=-1)
+        q = q.view(b, t, self.n_head, self.head_dim)  # (B, T, H, D)
+        k, v = (z.view(b, t, self.n_kv_head, self.head_dim) for z in (k, v))  # (B, T, H_kv, D)
         if self.use_rope:
             q, k = self.ops.apply_rope(q, *rope), self.ops.apply_rope(k, *rope)
+        if cache is not None:  # generation: attend to every earlier position too
+            k, v = cache.update(k, v)
         y = self.core(q, k, v).reshape(b, t, c)
         return self.resid_drop(self.proj(y))
 
@@ -61,6 +71,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelOps):
         super().__init__()
         self.swiglu, self.ops = cfg.mlp == "swiglu", ops
+        self.gelu_approximate = "tanh" if cfg.gelu == "tanh" else "none"  # torch's names for the two forms
         # fc carries the bias separately so bias + GELU can run as one fused op.
         width = 2 * cfg.d_ff if self.swiglu else cfg.d_ff
         self.fc = nn.Linear(cfg.d_model, width, bias=False)
@@ -77,7 +88,7 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = self.ops.swiglu(gate, up)
         else:
-            h = self.ops.bias_gelu(h, self.fc_bias, "tanh")
+            h = self.ops.bias_gelu(h, self.fc_bias, self.gelu_approximate)
         return self.drop(self.out(h))
 
 
@@ -89,8 +100,10 @@ class Block(nn.Module):
         self.norm2 = Norm(cfg, ops)
         self.mlp = MLP(cfg, ops)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: LayerKV | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, cache)
         return x + self.mlp(self.norm2(x))
 
 
@@ -115,8 +128,6 @@ class GPT(nn.Module):
     @staticmethod
     def _make_block(cfg: ModelConfig, ops: KernelOps, attention_backend: str, layer_idx: int) -> nn.Module:
         if cfg.layers == "te":
-            from model.te import TEBlock
-
             return TEBlock(cfg, layer_idx)
         return Block(cfg, ops, attention_backend)
 
@@ -144,18 +155,26 @@ class GPT(nn.Module):
             cos, sin = rope_tables(self.cfg.max_seq_len, self.cfg.head_dim, self.cfg.rope_theta, self.tok_emb.weight.device)
             self.rope_cos, self.rope_sin = cos, sin
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """idx (B, T) token ids -> mean next-token loss if targets are given, else logits (B, T, V)."""
-        t = idx.shape[1]
-        if t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """idx (B, T) token ids -> mean next-token loss if targets are given, else logits (B, T, V).
+
+        With a ``cache`` (generation, model/generate.py) idx holds the T tokens after the cached
+        ones: they take positions [cache.length, cache.length + T) and the cache grows by T.
+        """
+        start, t = (cache.length if cache is not None else 0), idx.shape[1]
+        if start + t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(t, device=idx.device))
+            x = x + self.pos_emb(torch.arange(start, start + t, device=idx.device))
         x = self.drop(x)
-        rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
-        for block in self.blocks:
-            x = block(x, rope)
+        rope = (self.rope_cos[start:], self.rope_sin[start:]) if self.cfg.position == "rope" else None
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope) if cache is None else block(x, rope, cache.layer(i))
+        if cache is not None:
+            cache.advance(t)
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits

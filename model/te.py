@@ -4,8 +4,9 @@ TE is GPU-only (it builds against a CUDA torch); on a machine without it, asking
 ``model.layers=te`` or ``precision.mode=fp8`` fails with an install hint before any work starts.
 Interface facts checked against TE 2.x's ``TransformerLayer`` source: the epsilon
 argument is ``layernorm_epsilon``; dropouts default to 0.1, so they are passed explicitly; the
-default layout is ``sbhd`` so ``attn_input_format="bshd"`` is set; the layer returns hidden
-states, not a loss; FP8 GEMMs need dimensions divisible by 16 (checked in the config).
+default layout is ``sbhd`` so ``attn_input_format="bshd"`` is set; the key/value head count is
+``num_gqa_groups`` (TE 2.0 has it); the layer returns hidden states, not a loss; FP8 GEMMs need
+dimensions divisible by 16 (checked in the config).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import math
 import torch
 import torch.nn as nn
 
+from common.errors import CapabilityError
 from model.config import ModelConfig
-from training.errors import CapabilityError
 
 INSTALL_HINT = "install Transformer Engine on a CUDA machine: pip install 'perfgpt[te]'"
 
@@ -46,6 +47,7 @@ class TEBlock(nn.Module):
             hidden_size=cfg.d_model,
             ffn_hidden_size=cfg.d_ff,
             num_attention_heads=cfg.n_head,
+            num_gqa_groups=cfg.kv_heads,  # TE's name for the key/value head count (GQA; = n_head is MHA)
             layernorm_epsilon=cfg.norm_eps,
             hidden_dropout=cfg.dropout,
             attention_dropout=cfg.dropout,

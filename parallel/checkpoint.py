@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from common.errors import CheckpointError
+
 DCP_SUBDIR = "dcp"
 METADATA = ".metadata"
 DIGEST = "metadata.sha256.json"  # written by the coordinator after DCP's own files
@@ -90,8 +92,6 @@ def load_model_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, pat
 
 
 def _require_checkpoint(path: Path) -> None:
-    from training.checkpoint import CheckpointError
-
     if not (Path(path) / METADATA).is_file():
         raise CheckpointError(f"no sharded (DCP) checkpoint in {path} (missing .metadata); was it saved with "
                               "parallel.strategy=fsdp?")
@@ -121,8 +121,6 @@ def read_verified_metadata(path: Path):
     nothing but DCP metadata; otherwise a one-line ``CheckpointError``."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from training.checkpoint import CheckpointError
-
     meta_path = path / METADATA
     data = meta_path.read_bytes()
     expected = _saved_digest(path)
@@ -143,8 +141,6 @@ def read_verified_metadata(path: Path):
 
 
 def _saved_digest(path: Path) -> str:
-    from training.checkpoint import CheckpointError
-
     digest_path = path / DIGEST
     if not digest_path.is_file():
         raise CheckpointError(f"{path} has no {DIGEST}, so its {METADATA} cannot be verified; it was not saved by "
@@ -170,8 +166,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def _check_storage_paths(metadata, meta_path: Path) -> None:
     """DCP opens ``<dir>/<relative_path>`` for every item: only plain file names may appear."""
-    from training.checkpoint import CheckpointError
-
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name or "\\" in name:
@@ -182,8 +176,6 @@ def _dcp_load(state: dict[str, Any], path: Path, metadata) -> None:
     """``dcp.load`` with the verified index and weights-only reading of non-tensor values."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from training.checkpoint import CheckpointError
 
     try:
         dcp.load(state, storage_reader=_verified_reader(path, metadata), planner=_weights_only_planner())
@@ -216,8 +208,6 @@ def _weights_only_planner():
     """DCP's default load planner, except that non-tensor values are unpickled weights-only."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    from training.checkpoint import CheckpointError
-
     class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             try:
@@ -247,24 +237,35 @@ def _first_line(exc: BaseException) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
-# --------------------------------------------------------------------------- the engine's hooks
+# --------------------------------------------------------------------------- the engines' hooks
 
 
-def save_sharded(engine, directory: Path) -> None:
-    """TorchEngine.save under FSDP2: model + optimizer (+ fp16 loss scale) into ``directory/dcp``."""
-    save_model_optimizer(engine.model, engine.optimizer, Path(directory) / DCP_SUBDIR, _scaler_tensors(engine))
+def safe_torch_load(path: Path, map_location: Any = "cpu") -> Any:
+    """``torch.load(weights_only=True)`` with a one-line error naming the file when it is missing or damaged."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file missing: {path} (the checkpoint is incomplete; pick another)")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # torch raises several types for truncated or foreign files
+        raise CheckpointError(f"cannot read checkpoint file {path}: {_first_line(exc)}") from None
 
 
-def load_sharded(engine, directory: Path) -> None:
-    extra = _scaler_tensors(engine)
-    load_model_optimizer(engine.model, engine.optimizer, Path(directory) / DCP_SUBDIR, extra)
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+                 directory: Path) -> None:
+    """A DTensor-parameterized model (FSDP2) with its optimizer (+ fp16 loss scale) into ``directory/dcp``."""
+    save_model_optimizer(model, optimizer, Path(directory) / DCP_SUBDIR, _scaler_tensors(scaler))
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+                 directory: Path) -> None:
+    extra = _scaler_tensors(scaler)
+    load_model_optimizer(model, optimizer, Path(directory) / DCP_SUBDIR, extra)
     if extra:
-        engine.scaler.load_state_dict(_scaler_state(engine.scaler, extra))
+        scaler.load_state_dict(_scaler_state(scaler, extra))
 
 
-def _scaler_tensors(engine) -> dict[str, torch.Tensor] | None:
+def _scaler_tensors(scaler: torch.amp.GradScaler | None) -> dict[str, torch.Tensor] | None:
     """The fp16 GradScaler's state as tensors (DCP stores tensors; the scalars are the same on all ranks)."""
-    scaler = getattr(engine, "scaler", None)
     if scaler is None:
         return None
     state = scaler.state_dict()

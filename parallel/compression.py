@@ -21,7 +21,6 @@ Where compression stops paying (n ranks, ring all-reduce as the dense reference,
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,6 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from common.errors import ConfigError
+from common.log import get_logger
 from parallel.comm import (
     CommStats,
     HierarchicalHookState,
@@ -40,7 +41,6 @@ from parallel.comm import (
     ring_all_reduce_bytes,
 )
 from parallel.dims import NodeGroups
-from training.fields import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CommStats", "ErrorFeedback", "OneBitCompressor", "TopKCompressor", "register_comm_hook"]
 
-log = logging.getLogger(__name__)
+log = get_logger("parallel")
 
 Segments = list[tuple[int, int]]  # (key of a parameter, its number of entries), in buffer order
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from training.fields import ConfigError, doc
+from common.errors import ConfigError
+from common.fields import doc
+from parallel.nccl import validate_nccl_env
 
 
 @dataclass
@@ -35,8 +37,6 @@ class ParallelConfig:
     )
 
     def _validate_communication(self) -> None:
-        from parallel.nccl import validate_nccl_env
-
         if self.ddp_comm_hook != "none" and self.strategy != "ddp":
             raise ConfigError(
                 f"parallel.ddp_comm_hook={self.ddp_comm_hook} is a DDP comm hook; set parallel.strategy=ddp "
@@ -128,3 +128,12 @@ class ParallelConfig:
             raise ConfigError("parallel.timeout_s must be >= 1")
         self._validate_communication()
         self._validate_strategies()
+
+    def for_world(self, world_size: int) -> tuple[ParallelConfig, str | None]:
+        """This section as it applies to ``world_size`` ranks, and a log line if that changed it:
+        several processes with strategy none would train unsynchronized replicas, so they get DDP."""
+        if world_size > 1 and self.strategy == "none":
+            note = (f"parallel: strategy none with {world_size} processes -> ddp "
+                    "(gradients averaged across ranks)")
+            return replace(self, strategy="ddp"), note
+        return self, None

@@ -4,24 +4,25 @@ DDP registers a hook per parameter; when all gradients of a bucket (``ddp_bucket
 ready it launches that bucket's all-reduce asynchronously, so communication of late layers
 overlaps the backward of early ones, and waits for all buckets before ``backward()`` returns.
 An optional comm hook (``parallel.ddp_comm_hook``, parallel/compression.py) replaces the
-all-reduce of each bucket; its byte counter is kept on the wrapped model as ``comm_stats``.
+all-reduce of each bucket; its byte counter goes to the engine (``DDPEngine.comm_stats``).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-if TYPE_CHECKING:
-    from parallel.config import ParallelConfig
-    from parallel.dims import ParallelDims
+from parallel.comm import CommStats
+from parallel.compression import register_comm_hook
+from parallel.config import ParallelConfig
+from parallel.dims import ParallelDims, build_node_groups
 
 
-def apply_ddp(model: nn.Module, device: torch.device, cfg: ParallelConfig, dims: ParallelDims) -> DistributedDataParallel:
-    """Wrap ``model`` in DDP with the configured buckets and comm hook (call on every rank)."""
+def apply_ddp(model: nn.Module, device: torch.device, cfg: ParallelConfig,
+              dims: ParallelDims) -> tuple[DistributedDataParallel, CommStats | None]:
+    """Wrap ``model`` in DDP with the configured buckets and comm hook (call on every rank);
+    returns the wrapped model and the hook's byte counter (None without a hook)."""
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -29,18 +30,11 @@ def apply_ddp(model: nn.Module, device: torch.device, cfg: ParallelConfig, dims:
         gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view,
         static_graph=cfg.ddp_static_graph,
     )
-    ddp.comm_stats = _register_hook(ddp, cfg, dims)
-    return ddp
+    return ddp, _register_hook(ddp, cfg, dims)
 
 
-def _register_hook(ddp: DistributedDataParallel, cfg: ParallelConfig, dims: ParallelDims):
+def _register_hook(ddp: DistributedDataParallel, cfg: ParallelConfig, dims: ParallelDims) -> CommStats | None:
     if cfg.ddp_comm_hook == "none":
         return None
-    from parallel.compression import register_comm_hook
-
-    groups = None
-    if cfg.ddp_comm_hook == "hierarchical":
-        from parallel.dims import build_node_groups
-
-        groups = build_node_groups(dims)  # a collective: every rank reaches this line
+    groups = build_node_groups(dims) if cfg.ddp_comm_hook == "hierarchical" else None  # a collective
     return register_comm_hook(ddp, cfg, groups)

@@ -15,12 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.errors import LayoutError
+
 if TYPE_CHECKING:  # torch.distributed is only needed once groups are built
     from torch.distributed import ProcessGroup
-
-
-class LayoutError(ValueError):
-    """The launcher's world/node numbers do not describe a usable layout; one line with the fix."""
 
 
 @dataclass(frozen=True)
@@ -29,8 +27,13 @@ class ParallelDims:
     local_world_size: int  # ranks per node
     rank: int
     local_rank: int  # index of this rank inside its node
+    # The launcher's LOCAL_RANK, which names this process's GPU; differs from local_rank only
+    # when parallel.local_world_size regroups the ranks into pretend nodes (-1: same as local_rank).
+    device_index: int = -1
 
     def __post_init__(self) -> None:
+        if self.device_index < 0:
+            object.__setattr__(self, "device_index", self.local_rank)
         if self.world_size < 1:
             raise LayoutError(f"WORLD_SIZE={self.world_size} must be >= 1")
         if self.local_world_size < 1:
@@ -66,7 +69,8 @@ class ParallelDims:
         world_size = _env_int(env, "WORLD_SIZE", 1)
         rank = _env_int(env, "RANK", 0)
         if local_world_size is not None:
-            return cls(world_size, local_world_size, rank, rank % local_world_size)
+            return cls(world_size, local_world_size, rank, rank % local_world_size,
+                       device_index=_env_int(env, "LOCAL_RANK", rank % local_world_size))
         if "LOCAL_WORLD_SIZE" not in env and world_size > 1:
             raise LayoutError(
                 "LOCAL_WORLD_SIZE is not set: launch with torchrun, export it, or set parallel.local_world_size"
@@ -94,6 +98,13 @@ class ParallelDims:
     def peer_members(self, local_rank: int) -> list[int]:
         """Global ranks with this local index on every node (one inter-node group)."""
         return list(range(local_rank, self.world_size, self.local_world_size))
+
+    @property
+    def tag(self) -> str:
+        """The log prefix naming rank, local rank and node (empty for a single process)."""
+        if self.world_size == 1:
+            return ""
+        return f"[rank {self.rank} local {self.local_rank} node {self.node_rank}] "
 
     def describe(self) -> str:
         return (

@@ -22,26 +22,22 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from common.errors import ConfigError
+from model.te import TEBlock
+from parallel.config import ParallelConfig
+from parallel.dims import ParallelDims
+from parallel.precision import PrecisionPolicy
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from parallel.config import ParallelConfig
-    from parallel.dims import ParallelDims
 
-
-def mixed_precision_policy(mode: str) -> MixedPrecisionPolicy:
-    """Compute dtype for gathered weights and the dtype gradients are reduced in, per precision mode."""
+def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
+    """Compute dtype for gathered weights and the dtype gradients are reduced in (decided by the policy)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if mode in ("bf16", "bf16_master"):
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if mode == "fp16":
-        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    if mode == "fp32":
-        return MixedPrecisionPolicy()
-    raise ValueError(f"precision.mode={mode} is not supported with parallel.strategy=fsdp; use fp32, bf16, "
-                     "bf16_master or fp16")
+    return MixedPrecisionPolicy(param_dtype=policy.fsdp_param_dtype, reduce_dtype=policy.fsdp_reduce_dtype)
 
 
 def build_fsdp_mesh(dims: ParallelDims, device_type: str, hybrid: bool) -> DeviceMesh:
@@ -57,14 +53,14 @@ def build_fsdp_mesh(dims: ParallelDims, device_type: str, hybrid: bool) -> Devic
     return init_device_mesh(device_type, (dims.nodes, dims.local_world_size), mesh_dim_names=("replicate", "shard"))
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, precision_mode: str,
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, policy: PrecisionPolicy,
                device: torch.device) -> nn.Module:
     """Shard ``model`` (a GPT with ``.blocks``) in place; materialize it first if it is on meta."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     common = dict(
         mesh=mesh,
-        mp_policy=mixed_precision_policy(precision_mode),
+        mp_policy=mixed_precision_policy(policy),
         # Pinned memory needs CUDA; on a CPU run "offload" changes nothing but is still accepted.
         offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.fsdp_cpu_offload else OffloadPolicy(),
     )
@@ -87,9 +83,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, precisio
 def _refuse_te_layers_on_meta(model: nn.Module) -> None:
     """Transformer Engine layers allocate their own CUDA weights and initialize them when built;
     ``to_empty`` would replace those with garbage that ``init_weights`` (GPT's init) never touches."""
-    from model.te import TEBlock
-    from training.fields import ConfigError
-
     if any(isinstance(m, TEBlock) for m in model.modules()):
         raise ConfigError("parallel.init_on_meta=true cannot initialize Transformer Engine layers "
                           "(model.layers=te); set parallel.init_on_meta=false")

@@ -14,14 +14,14 @@ This module imports nothing heavy: the config loader calls ``validate_nccl_env``
 from __future__ import annotations
 
 import difflib
-import logging
 import os
 import re
 from collections.abc import Callable, Mapping, MutableMapping
 
-from training.fields import ConfigError
+from common.errors import ConfigError
+from common.log import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger("parallel")
 
 _PCI_LEVELS = ("LOC", "PIX", "PXB", "PHB", "SYS")  # path distance between GPU and NIC / GPU and GPU
 _ALGORITHMS = ("RING", "TREE", "COLLNETDIRECT", "COLLNETCHAIN", "NVLS", "NVLSTREE", "PAT")

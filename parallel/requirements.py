@@ -31,9 +31,11 @@ NEEDS: tuple[ApiNeed, ...] = (
             "parallel/zero.py"),
     ApiNeed("deepspeed", "0.17.1", "bf16.check_grad_overflow (skips non-finite bf16_master steps)", "parallel/zero.py"),
     ApiNeed("flash-attn", "2.7.0", "the torch op flash_attn::_flash_attn_forward, whose output op_selective keeps",
-            "model/checkpointing.py"),
+            "model/recompute.py"),
+    ApiNeed("transformers", "4.41", "LlamaConfig.mlp_bias: a Llama-layout export with biases loads with its MLP "
+            "biases (older releases drop them)", "model/interop.py, tests/test_interop.py"),
     ApiNeed("transformer-engine", "2.0", "transformer_engine.pytorch.checkpoint and TransformerLayer's "
-            "attn_input_format", "model/te.py, model/checkpointing.py"),
+            "attn_input_format", "model/te.py, model/recompute.py"),
 )
 
 

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stages 1-3 behind the same five calls as TorchEngine (the one deepspeed import).
+"""DeepSpeed ZeRO stages 1-3 as an ``Engine`` (parallel/engine.py); the one deepspeed import.
 
 ZeRO partitions what DDP replicates (Rajbhandari et al., 2020): stage 1 the optimizer state
 (with the fp32 master weights), stage 2 also the gradients, stage 3 also the parameters.
@@ -42,10 +42,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from common.errors import CapabilityError, CheckpointError, ConfigError
+from parallel.config import ParallelConfig
+from parallel.engine import Engine, StepResult, unwrap
+from parallel.optim import OptimConfig, build_adamw, decay_groups
+from parallel.precision import PrecisionPolicy
 from parallel.requirements import install_floor
-from training.engine import StepResult, build_adamw, decay_groups
-from training.errors import CapabilityError
-from training.fields import ConfigError
 
 CHECKPOINT_TAG = "deepspeed"
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -54,9 +56,10 @@ ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 # --------------------------------------------------------------------------- the DeepSpeed config
 
 
-def deepspeed_config(cfg, world_size: int) -> dict[str, Any]:
-    """Our JobConfig as a DeepSpeed config dict (pure: no DeepSpeed import, unit-testable)."""
-    p, t = cfg.parallel, cfg.train
+def deepspeed_config(parallel_cfg: ParallelConfig, policy: PrecisionPolicy, optim_cfg: OptimConfig, *,
+                     micro_batch_size: int, grad_accum_steps: int, world_size: int) -> dict[str, Any]:
+    """Our config sections as a DeepSpeed config dict (pure: no DeepSpeed import, unit-testable)."""
+    p = parallel_cfg
     if p.strategy not in ZERO_STAGES:
         raise ConfigError(f"parallel.strategy={p.strategy} is not a ZeRO stage; choose zero1, zero2 or zero3")
     bucket = int(p.ddp_bucket_cap_mb * 2**20 / 4)  # DeepSpeed counts bucket sizes in elements
@@ -72,22 +75,22 @@ def deepspeed_config(cfg, world_size: int) -> dict[str, Any]:
     if p.zero_offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     ds: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.grad_accum_steps,
-        "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
-        "gradient_clipping": cfg.optim.grad_clip,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "train_batch_size": micro_batch_size * grad_accum_steps * world_size,
+        "gradient_clipping": optim_cfg.grad_clip,
         "zero_optimization": zero,
         "steps_per_print": 2**31 - 1,  # our logger reports; DeepSpeed's own step prints stay off
         "wall_clock_breakdown": False,
     }
     if p.zero_offload_optimizer and not p.zero_cpu_adam:
         ds["zero_force_ds_cpu_optimizer"] = False  # lets torch AdamW step the offloaded masters
-    ds.update(_precision_section(cfg.precision))
+    ds.update(_precision_section(policy))
     return ds
 
 
-def _precision_section(precision) -> dict[str, Any]:
-    mode = precision.mode
+def _precision_section(policy: PrecisionPolicy) -> dict[str, Any]:
+    mode = policy.mode
     if mode == "fp32":
         return {}
     if mode == "bf16":
@@ -96,7 +99,7 @@ def _precision_section(precision) -> dict[str, Any]:
         return {"bf16": {"enabled": True, "check_grad_overflow": True}}
     if mode == "fp16":
         return {"fp16": {"enabled": True, "loss_scale": 0,  # 0: dynamic
-                         "initial_scale_power": int(round(math.log2(precision.fp16_init_scale)))}}
+                         "initial_scale_power": int(round(math.log2(policy.config.fp16_init_scale)))}}
     raise ConfigError(f"precision.mode={mode} is not supported with DeepSpeed ZeRO; use fp32, bf16, bf16_master or fp16")
 
 
@@ -127,21 +130,18 @@ def _skip_shm_comm_build(deepspeed) -> None:
         compatible["deepspeed_shm_comm"] = False
 
 
-def build_zero_engine(model: nn.Module, cfg, ctx) -> ZeroEngine:
-    if ctx.backend is None:
-        raise ConfigError(
-            f"parallel.strategy={cfg.parallel.strategy} needs several processes; launch with torchrun "
-            "(e.g. torchrun --nproc_per_node=2 train.py ...) or use parallel.strategy=none"
-        )
-    deepspeed = import_deepspeed(ctx.device)
-    _check_precision_supported(cfg.precision.mode)
-    ds_config = deepspeed_config(cfg, ctx.world_size)
+def apply_zero(model: nn.Module, parallel_cfg: ParallelConfig, policy: PrecisionPolicy, optim_cfg: OptimConfig, *,
+               micro_batch_size: int, grad_accum_steps: int, world_size: int, device: torch.device) -> ZeroEngine:
+    """Hand ``model`` to DeepSpeed (collective: every rank calls this) and return its engine."""
+    deepspeed = import_deepspeed(device)
+    _check_precision_supported(policy.mode)
+    ds_config = deepspeed_config(parallel_cfg, policy, optim_cfg, micro_batch_size=micro_batch_size,
+                                 grad_accum_steps=grad_accum_steps, world_size=world_size)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = decay_groups(params, cfg.optim.weight_decay)
-    optimizer = _optimizer(groups, cfg, ctx.device)
+    optimizer = _optimizer(decay_groups(params, optim_cfg.weight_decay), parallel_cfg, optim_cfg, device)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
-    return ZeroEngine(engine, cfg, ctx.device)
+    return ZeroEngine(engine, policy, device)
 
 
 def _check_precision_supported(mode: str) -> None:
@@ -155,36 +155,26 @@ def _check_precision_supported(mode: str) -> None:
         )
 
 
-def _optimizer(groups: list[dict], cfg, device: torch.device) -> torch.optim.Optimizer:
-    o = cfg.optim
-    if cfg.parallel.zero_offload_optimizer and cfg.parallel.zero_cpu_adam:
+def _optimizer(groups: list[dict], parallel_cfg: ParallelConfig, o: OptimConfig,
+               device: torch.device) -> torch.optim.Optimizer:
+    if parallel_cfg.zero_offload_optimizer and parallel_cfg.zero_cpu_adam:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                                 adamw_mode=True)
     # Fused AdamW cannot step parameters DeepSpeed keeps on another device (offload): off there.
-    fused_ok = not cfg.parallel.zero_offload_optimizer
-    return build_adamw(groups, o if fused_ok else _unfused(o), device)
-
-
-def _unfused(optim_cfg):
-    from dataclasses import replace
-
-    return replace(optim_cfg, fused="off")
+    return build_adamw(groups, o, device, allow_fused=not parallel_cfg.zero_offload_optimizer)
 
 
 # --------------------------------------------------------------------------- the engine
 
 
-class ZeroEngine:
-    """TorchEngine's interface over a DeepSpeed engine."""
+class ZeroEngine(Engine):
+    """The Engine interface over a DeepSpeed engine."""
 
-    comm_stats = None  # DeepSpeed's collectives are not counted (no comm hook)
-
-    def __init__(self, ds_engine, cfg, device: torch.device):
-        self.engine, self.cfg, self.device = ds_engine, cfg, device
-        self.model = ds_engine  # what train.py and tools read as "the model"
-        self.mode = cfg.precision.mode
+    def __init__(self, ds_engine, policy: PrecisionPolicy, device: torch.device):
+        self.engine, self.policy, self.device = ds_engine, policy, device
+        self.model = ds_engine
         load_checkpoints_weights_only(ds_engine)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, is_last_micro: bool, n_micro: int) -> torch.Tensor:
@@ -206,11 +196,10 @@ class ZeroEngine:
         skipped = not self.engine.was_step_applied()
         norm = self.engine.get_global_grad_norm()
         grad_norm = torch.tensor(float("nan") if norm is None else float(norm))
-        scale = self._loss_scale()
-        return StepResult(grad_norm=grad_norm, skipped=skipped, loss_scale=scale)
+        return StepResult(grad_norm=grad_norm, skipped=skipped, loss_scale=self._loss_scale())
 
     def _loss_scale(self) -> float | None:
-        if self.mode != "fp16":
+        if self.policy.mode != "fp16":
             return None
         return float(self.engine.optimizer.cur_scale)  # ZeRO optimizers' dynamic loss scale
 
@@ -221,6 +210,28 @@ class ZeroEngine:
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
 
+    def comm_stats(self) -> dict[str, float]:
+        return {}  # DeepSpeed's collectives are not counted (no comm hook)
+
+    def local_weights(self) -> list[torch.Tensor]:
+        """Under ZeRO-3 ``param.data`` is an empty placeholder and the rank's slice lives in
+        ``param.ds_tensor``, padded at the end with uninitialized memory that must not be read
+        (garbage there would look like a NaN)."""
+        tensors = []
+        for param in self.engine.module.parameters():
+            ds_tensor = getattr(param, "ds_tensor", None)
+            if ds_tensor is None:
+                tensors.append(param.detach())
+                continue
+            part = ds_tensor.numel()
+            rank = getattr(param, "ds_zero_partition_rank", 0)  # the rank within the partition group
+            valid = max(0, min(part, getattr(param, "ds_numel", part) - part * rank))
+            tensors.append(ds_tensor.detach().view(-1).narrow(0, 0, valid))
+        return [t for t in tensors if t.numel() > 0]
+
+    def module(self) -> nn.Module:
+        return unwrap(self.engine.module)
+
     # ----------------------------------------------------------------- checkpoint
 
     def save(self, directory: Path, rank: int) -> None:
@@ -228,8 +239,6 @@ class ZeroEngine:
         self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state={}, save_latest=False)
 
     def load(self, directory: Path) -> None:
-        from training.checkpoint import CheckpointError
-
         if not (Path(directory) / CHECKPOINT_TAG).is_dir():
             raise CheckpointError(f"no DeepSpeed checkpoint in {directory} (missing {CHECKPOINT_TAG}/); was it "
                                   "saved with a parallel.strategy=zero* run?")
@@ -286,8 +295,6 @@ def deepspeed_checkpoint_classes() -> list[type]:
 def load_deepspeed_file(path: Path, map_location=None) -> Any:
     """``torch.load(weights_only=True)`` with DeepSpeed's checkpoint classes allowed; anything else
     in the file is refused in one line before it is built."""
-    from training.checkpoint import CheckpointError
-
     try:
         with torch.serialization.safe_globals(deepspeed_checkpoint_classes()):
             return torch.load(path, map_location=map_location, weights_only=True)

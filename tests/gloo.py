@@ -49,3 +49,22 @@ def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
             with open(os.path.join(out_dir, f"{r}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
     return results
+
+
+def gloo_context(rank: int, world: int, local_world: int | None = None):
+    """The DistContext of a worker started by ``run_workers`` (CPU, gloo); ``local_world`` ranks per node."""
+    from parallel.dims import ParallelDims
+    from parallel.distributed import DistContext
+
+    local = local_world or world
+    return DistContext(ParallelDims(world, local, rank, rank % local), torch.device("cpu"), "gloo")
+
+
+def data_parallel_engine(model, parallel_cfg, ctx, mode: str = "fp32", **optim):
+    """``model`` wrapped for ``parallel_cfg.strategy`` through the build path's data-parallel step."""
+    from parallel.optim import OptimConfig
+    from parallel.parallelize import apply_data_parallel
+    from parallel.precision import PrecisionConfig, precision_policy
+
+    policy = precision_policy(PrecisionConfig(mode=mode), parallel_cfg.strategy)
+    return apply_data_parallel(model, parallel_cfg, ctx, policy, OptimConfig(**optim))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from common.report import read_results, rows_path
 from tools import bench_train
 
 
@@ -22,3 +23,10 @@ def test_bench_train_table_markdown_and_plot(tmp_path, capsys):
     assert "skipped: precision.mode=fp8 needs Transformer Engine" in rows[2]
     assert png.stat().st_size > 1000
     assert table.splitlines()[0] in capsys.readouterr().out
+    # the rows as data next to the table: what tools/reproduce.py and the chapter tables read
+    document = read_results(rows_path(md))
+    assert document["title"] == table.splitlines()[0]
+    assert [r["variant"] for r in document["rows"]] == ["precision.mode=fp32", "precision.mode=bf16",
+                                                         "precision.mode=fp8 model.layers=te"]
+    assert f"{document['rows'][1]['tokens_per_s']:,.0f}" in rows[1]
+    assert document["rows"][2]["step_s"] is None and document["rows"][2]["status"].startswith("skipped")

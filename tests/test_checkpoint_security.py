@@ -37,8 +37,7 @@ class Payload:
 def _model_and_optimizer(seed: int):
     from model.config import ModelConfig
     from model.gpt import GPT
-    from training.config import OptimConfig
-    from training.engine import build_adamw, decay_groups
+    from parallel.optim import OptimConfig, build_adamw, decay_groups
 
     torch.manual_seed(seed)
     model = GPT(ModelConfig(n_layer=1, d_model=16, n_head=2, max_seq_len=8, vocab_size=32))
@@ -93,8 +92,8 @@ def test_a_checkpoint_saved_here_loads_and_carries_its_digest(dcp_checkpoint):
 
 
 def test_a_swapped_metadata_file_is_refused_before_it_is_unpickled(dcp_checkpoint, tmp_path):
+    from common.errors import CheckpointError
     from parallel.checkpoint import METADATA
-    from training.checkpoint import CheckpointError
 
     marker = tmp_path / "pwned"
     (dcp_checkpoint / METADATA).write_bytes(pickle.dumps(Payload(marker)))
@@ -105,8 +104,8 @@ def test_a_swapped_metadata_file_is_refused_before_it_is_unpickled(dcp_checkpoin
 
 
 def test_a_crafted_metadata_file_with_a_matching_digest_runs_nothing(dcp_checkpoint, tmp_path):
+    from common.errors import CheckpointError
     from parallel.checkpoint import METADATA
-    from training.checkpoint import CheckpointError
 
     marker = tmp_path / "pwned"
     (dcp_checkpoint / METADATA).write_bytes(pickle.dumps(Payload(marker)))
@@ -122,8 +121,8 @@ def test_a_crafted_value_inside_a_data_file_runs_nothing(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from common.errors import CheckpointError
     from parallel.checkpoint import _write_metadata_digest
-    from training.checkpoint import CheckpointError
 
     marker = tmp_path / "pwned"
     path = tmp_path / "dcp"
@@ -139,8 +138,8 @@ def test_a_crafted_value_inside_a_data_file_runs_nothing(tmp_path):
 
 
 def test_an_index_pointing_outside_its_directory_is_refused(dcp_checkpoint):
+    from common.errors import CheckpointError
     from parallel.checkpoint import METADATA, read_verified_metadata
-    from training.checkpoint import CheckpointError
 
     metadata = read_verified_metadata(dcp_checkpoint)
     first = next(iter(metadata.storage_data.values()))
@@ -153,8 +152,8 @@ def test_an_index_pointing_outside_its_directory_is_refused(dcp_checkpoint):
 
 
 def test_a_checkpoint_without_a_digest_is_refused(dcp_checkpoint):
+    from common.errors import CheckpointError
     from parallel.checkpoint import DIGEST
-    from training.checkpoint import CheckpointError
 
     (dcp_checkpoint / DIGEST).unlink()
     with pytest.raises(CheckpointError) as exc:
@@ -167,9 +166,10 @@ def test_a_checkpoint_without_a_digest_is_refused(dcp_checkpoint):
 
 def _zero_engine(seed: int, rank: int, world: int):
     from model.gpt import GPT
-    from parallel.zero import build_zero_engine
+    from parallel.precision import precision_policy
+    from parallel.zero import apply_zero
+    from tests.gloo import gloo_context
     from training.config import load_config
-    from training.distributed import DistContext
 
     # zero1 + bf16_master writes all three DeepSpeed classes the loader allows (loss scaler,
     # stage enum, bf16 fragment addresses), so a clean load proves the allow-list is complete.
@@ -178,12 +178,14 @@ def _zero_engine(seed: int, rank: int, world: int):
                                             "--train.micro_batch_size=2"])
     torch.manual_seed(seed)
     model = GPT(cfg.model).to(torch.bfloat16)
-    ctx = DistContext(rank, world, rank, world, 0, torch.device("cpu"), "gloo")
-    return build_zero_engine(model, cfg, ctx)
+    ctx = gloo_context(rank, world)
+    policy = precision_policy(cfg.precision, cfg.parallel.strategy)
+    return apply_zero(model, cfg.parallel, policy, cfg.optim, micro_batch_size=cfg.train.micro_batch_size,
+                      grad_accum_steps=cfg.train.grad_accum_steps, world_size=ctx.world_size, device=ctx.device)
 
 
 def _zero_worker(rank: int, world: int, root: str, marker: str) -> dict[str, Any]:
-    from training.checkpoint import CheckpointError
+    from common.errors import CheckpointError
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)

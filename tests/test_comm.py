@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from tests.gloo import run_workers
 
-
 # ----------------------------------------------------------------------------- the 4-process worker
 
 SHAPES = [(1,), (7,), (1001,), (3, 5), (13, 4)]  # none divisible by the local size 2 or 4 except 13*4

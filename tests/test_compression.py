@@ -44,9 +44,9 @@ def test_error_feedback_adds_residual_per_segment():
 
 
 def test_register_comm_hook_rejects_a_plain_module():
+    from common.errors import ConfigError
     from parallel.compression import register_comm_hook
     from parallel.config import ParallelConfig
-    from training.fields import ConfigError
 
     cfg = ParallelConfig(strategy="ddp", ddp_comm_hook="topk")
     with pytest.raises(ConfigError, match="DDP-wrapped"):

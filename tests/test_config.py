@@ -8,10 +8,10 @@ import glob
 import pytest
 import torch
 
+from common.errors import ConfigError
 from model.flops import count_parameters
 from model.gpt import GPT
 from training.config import JobConfig, describe_fields, dump_yaml, load_config
-from training.fields import ConfigError
 
 
 def test_overrides_are_typed_and_take_precedence(tmp_path):

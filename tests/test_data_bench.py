@@ -1,4 +1,5 @@
-"""tools/bench_data.py: the naive baseline yields the right windows, and the CLI writes its table, Markdown and plot."""
+"""tools/bench_data.py: the naive baseline yields the right windows, and the CLI writes its table, Markdown
+(with its rows as JSON) and plot."""
 
 import subprocess
 import sys
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.report import read_results, rows_path
 from data.bench import naive_stream
 from data.config import DataConfig
 
@@ -38,3 +40,11 @@ def test_cli_runs_a_tiny_grid_and_writes_markdown_and_plot(tmp_path):
     assert "tiny (this CPU)" in done.stdout
     assert md.read_text().count("| naive |") == 1 and png.stat().st_size > 1000
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # the rows as data next to the Markdown, which tools/reproduce.py and the chapter tables read
+    document = read_results(rows_path(md))
+    assert [(r["format"], r["workers"], r["batch"]) for r in document["rows"]] == [
+        ("naive", 0, 2), ("mmap", 0, 2), ("webdataset", 0, 2)]
+    assert all(r["tokens_per_s"] > 0 for r in document["rows"])
+    assert f"{document['rows'][1]['tokens_per_s']:,.0f}" in md.read_text()
+    assert [c["name"] for c in document["consumers"]] == ["tiny (this CPU)"]
+    assert "seq_len 64, tokenizer byte" in document["setting"] and document["title"] in md.read_text()

@@ -8,14 +8,14 @@ import pytest
 from data.config import DataConfig
 from data.default_corpus import ensure_default_corpus, is_validation_document, list_source_files, stdlib_root
 from data.loader import build_data
-from data.shards import TokenShard, read_meta
+from data.shards import TokenShard, read_dataset_meta
 
 SMALL_MB = 0.4  # a few dozen files: builds in well under a second
 
 
 def test_corpus_holds_the_stdlib_files_as_bytes(tmp_path):
     root = ensure_default_corpus(str(tmp_path), SMALL_MB, 0.2)
-    meta = read_meta(root)
+    meta = read_dataset_meta(root)
     assert (meta.format, meta.tokenizer, meta.vocab_size, meta.eot_id) == ("mmap", "byte", 256, 0)
     files = [rel for rel, _ in list_source_files(stdlib_root(), int(SMALL_MB * 1e6))]
     expected = {"train": [], "val": []}

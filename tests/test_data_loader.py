@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from common.errors import DataError
 from data.config import DataConfig
-from data.errors import DataError
 from data.loader import build_data
 from data.prefetch import DevicePrefetcher
 from data.shards import HEADER, TokenShardWriter, write_meta

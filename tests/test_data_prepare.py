@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data.errors import DataError
+from common.errors import DataError
 from data.prepare import PrepareOptions, is_validation_index, prepare
-from data.shards import TokenShard, read_meta
+from data.shards import TokenShard, read_dataset_meta
 from data.tokenizer import ByteTokenizer, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ def opts(inputs, out, **kw):
 
 def read_documents(out):
     """Documents of each split from an mmap dataset, in order."""
-    meta = read_meta(out)
+    meta = read_dataset_meta(out)
     docs = {}
     for split in ("train", "val"):
         docs[split] = []
@@ -107,7 +107,7 @@ def test_webdataset_samples_are_the_token_stream_in_windows(tmp_path, encoding):
     src = write_texts(tmp_path / "txt", TEXTS)
     summary = prepare(opts([src], tmp_path / "w", output="webdataset", seq_len=16, samples_per_shard=10,
                            wds_encoding=encoding))
-    meta = read_meta(tmp_path / "w")
+    meta = read_dataset_meta(tmp_path / "w")
     stream = np.concatenate([np.r_[d, 0] for d in expected_documents(TEXTS, ByteTokenizer())["train"]])
     samples = [decode_tokens(s, p, 17) for p in map(str, meta.files("train")) for s in iter_shard_samples(p, 0)]
     assert len(samples) == summary["train"].samples == (len(stream) - 1) // 16
@@ -130,7 +130,7 @@ def test_hf_tokenizer_json_round_trips(tmp_path):
     hf = build_tokenizer(spec)
     assert (hf.vocab_size, hf.eot_id) == (4, 0)
     assert read_documents(tmp_path / "out") == expected_documents(texts, hf, 0.25)
-    assert read_meta(tmp_path / "out").tokenizer == spec
+    assert read_dataset_meta(tmp_path / "out").tokenizer == spec
 
 
 def test_tiktoken_without_a_cached_file_errors_instead_of_downloading(tmp_path, monkeypatch):

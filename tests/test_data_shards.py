@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from data.errors import DataError
-from data.shards import HEADER, TokenShard, TokenShardWriter, read_meta, token_dtype, write_meta
+from common.errors import DataError
+from data.shards import HEADER, TokenShard, TokenShardWriter, read_dataset_meta, token_dtype, write_meta
 
 
 def write_shard(path, docs, vocab_size=256, eot_id=0):
@@ -90,17 +90,17 @@ def test_verify_catches_flipped_token_bytes(tmp_path):
 def test_meta_round_trip_and_errors(tmp_path):
     write_meta(tmp_path, format="mmap", tokenizer="byte", vocab_size=256, eot_id=0,
                splits={"train": [{"file": "t.bin", "tokens": 3}]})
-    meta = read_meta(tmp_path)
+    meta = read_dataset_meta(tmp_path)
     assert meta.files("train") == [tmp_path / "t.bin"] and meta.tokens("train") == 3
     (tmp_path / "meta.json").write_text("{not json")
     with pytest.raises(DataError, match="corrupt"):
-        read_meta(tmp_path)
+        read_dataset_meta(tmp_path)
     with pytest.raises(DataError, match="does not exist"):
-        read_meta(tmp_path / "nope")
+        read_dataset_meta(tmp_path / "nope")
 
 
 def test_meta_rejects_paths_outside_the_dataset(tmp_path):
     write_meta(tmp_path, format="mmap", tokenizer="byte", vocab_size=256, eot_id=0,
                splits={"train": [{"file": "../escape.bin", "tokens": 3}]})
     with pytest.raises(DataError, match="inside the dataset"):
-        read_meta(tmp_path).files("train")
+        read_dataset_meta(tmp_path).files("train")

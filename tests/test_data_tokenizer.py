@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from data.errors import DataError
+from common.errors import DataError
 from data.tokenizer import ByteTokenizer, build_tokenizer
 
 

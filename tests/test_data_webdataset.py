@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("webdataset", reason="webdataset not installed")
 
+from common.errors import DataError  # noqa: E402
 from data.config import DataConfig  # noqa: E402
-from data.errors import DataError  # noqa: E402
 from data.loader import build_data  # noqa: E402
 from data.shards import write_meta  # noqa: E402
 from data.wds_format import TokenSampleWriter  # noqa: E402

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.dims import LayoutError, ParallelDims
+from common.errors import LayoutError
+from parallel.dims import ParallelDims
 
 
 def _env(world, rank, local_world=None, local_rank=None):

@@ -44,8 +44,7 @@ def _build(seed: int, device: str = "cpu"):
 
 
 def _optimizer(model):
-    from training.config import OptimConfig
-    from training.engine import build_adamw, decay_groups
+    from parallel.optim import OptimConfig, build_adamw, decay_groups
 
     params = [(n, p) for n, p in model.named_parameters()]
     return build_adamw(decay_groups(params, 0.1), OptimConfig(lr=1e-2), torch.device("cpu"))
@@ -68,18 +67,17 @@ def _step(model, optimizer, step: int) -> float:
 
 
 def _ctx(rank: int, world: int, local_world: int | None = None):
-    from training.distributed import DistContext
+    from tests.gloo import gloo_context
 
-    local = local_world or world
-    return DistContext(rank, world, rank % local, local, rank // local, torch.device("cpu"), "gloo")
+    return gloo_context(rank, world, local_world)
 
 
 def _fsdp(model, rank: int, world: int, **parallel: Any):
     from parallel.config import ParallelConfig
-    from parallel.parallelize import apply_data_parallel
+    from tests.gloo import data_parallel_engine
 
     cfg = ParallelConfig(strategy="fsdp", **parallel)
-    return apply_data_parallel(model, cfg, _ctx(rank, world, parallel.get("local_world_size")), "fp32")
+    return data_parallel_engine(model, cfg, _ctx(rank, world, parallel.get("local_world_size"))).model
 
 
 def _full_state(model, optimizer) -> dict[str, torch.Tensor]:
@@ -138,19 +136,15 @@ def _meta_init_checks(rank: int, world: int) -> dict[str, Any]:
 
 def _ddp_checks(rank: int, world: int) -> dict[str, Any]:
     from parallel.config import ParallelConfig
-    from parallel.parallelize import apply_data_parallel
-    from training.config import JobConfig
-    from training.engine import TorchEngine
+    from tests.gloo import data_parallel_engine
 
-    cfg = JobConfig()
-    cfg.parallel = ParallelConfig(strategy="ddp", ddp_bucket_cap_mb=0.01, ddp_static_graph=True,
-                                  ddp_comm_hook="bf16")
-    ddp = apply_data_parallel(_build(seed=0), cfg.parallel, _ctx(rank, world))
-    engine = TorchEngine(ddp, cfg, torch.device("cpu"), world)
+    parallel = ParallelConfig(strategy="ddp", ddp_bucket_cap_mb=0.01, ddp_static_graph=True, ddp_comm_hook="bf16")
+    engine = data_parallel_engine(_build(seed=0), parallel, _ctx(rank, world))
+    ddp = engine.model
     x, y = _batch(rank)  # different data per rank: the hook must average
     engine.forward_backward(x, y, True, 1)
     grad = ddp.module.lm_head.weight.grad.detach().clone()
-    stats = engine.comm_stats.pop_step() if engine.comm_stats is not None else None
+    stats = engine.comm_stats() or None
     n_bytes = sum(p.numel() * 4 for p in ddp.module.parameters())
     return {
         "bucket_cap_bytes": ddp.bucket_bytes_cap,
@@ -240,8 +234,8 @@ def test_checkpoint_saved_on_2_ranks_loads_into_a_plain_module_on_1(runs):
 
 
 def test_loading_a_missing_checkpoint_names_the_directory(tmp_path):
+    from common.errors import CheckpointError
     from parallel.checkpoint import load_model_optimizer
-    from training.checkpoint import CheckpointError
 
     model = _build(seed=0)
     with pytest.raises(CheckpointError, match="no sharded"):

@@ -19,7 +19,6 @@ The oracle is the reference run in fp32 on the same (already rounded) inputs and
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 import pytest
@@ -28,16 +27,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import reference
+from common.errors import ConfigError
+from common.measure import check_against_fp32
+from common.report import read_results, rows_path
+from kernels import bench, reference
 from kernels.registry import REFERENCE_OPS, KernelWithFallback, resolve_kernel_ops
-from training.fields import ConfigError
+from tools import bench_kernels
 
 pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LOW = torch.bfloat16
 DTYPES = [torch.float32, torch.bfloat16]
-ULP_BITS = {torch.bfloat16: 7, torch.float16: 10}
 
 
 @pytest.fixture(scope="module")
@@ -49,45 +50,16 @@ def tk():
 
 
 # ---------------------------------------------------------------------------------------------
-# The comparison every op test uses (also imported by the GPU and model-level kernel tests).
-
-
-def floor_for(dtype: torch.dtype, oracle: torch.Tensor) -> float:
-    scale = oracle.abs().max().item() if oracle.numel() else 0.0
-    if dtype == torch.float32:
-        return 1e-5 * (1.0 + scale)
-    ulp = 2.0 ** (math.floor(math.log2(max(scale, 1e-30))) - ULP_BITS[dtype])
-    return ulp if DEVICE.type == "cpu" else ulp / 2
-
-
-def forward_and_grads(fn, args: list, grad_positions: list[int], dy: torch.Tensor | None):
-    """fn(*args) and the gradients of <out, dy> with respect to args[grad_positions]."""
-    args = [
-        a.detach().clone().requires_grad_(i in grad_positions) if isinstance(a, torch.Tensor) else a
-        for i, a in enumerate(args)
-    ]
-    out = fn(*args)
-    grads = torch.autograd.grad(out, [args[i] for i in grad_positions], dy)
-    return [out, *grads]
+# The comparison every op test uses (also imported by the GPU and model-level kernel tests): the
+# project's one tolerance rule, common/measure.py's check_against_fp32, which tools/bench_kernels.py
+# applies too. On CPU the kernels run in Triton's interpreter.
 
 
 def assert_matches_reference(kernel_fn, reference_fn, args: list, grad_positions: list[int], seed: int = 0):
     """Kernel vs reference in the args' own dtypes, both measured against the fp32 reference."""
-    oracle_args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    with torch.no_grad():
-        probe = reference_fn(*args)
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    dy = torch.randn(probe.shape, generator=generator).to(device=probe.device, dtype=probe.dtype)
-    ours = forward_and_grads(kernel_fn, args, grad_positions, dy)
-    eager = forward_and_grads(reference_fn, args, grad_positions, dy)
-    oracle = forward_and_grads(reference_fn, oracle_args, grad_positions, dy.float())
-    names = ["output"] + [f"grad of arg {i}" for i in grad_positions]
-    for name, o, e, r in zip(names, ours, eager, oracle):
-        assert o.shape == e.shape and o.dtype == e.dtype, f"{name}: {o.shape} {o.dtype} vs {e.shape} {e.dtype}"
-        err = (o.float() - r.float()).abs().max().item()
-        eager_err = (e.float() - r.float()).abs().max().item()
-        tolerance = 2 * eager_err + floor_for(o.dtype, r)
-        assert err <= tolerance, f"{name}: kernel error {err:.3g} > {tolerance:.3g} (eager error {eager_err:.3g})"
+    check = check_against_fp32(kernel_fn, reference_fn, args, grad_positions, interpreted=DEVICE.type == "cpu",
+                               seed=seed)
+    assert check.ok, "; ".join(check.failures())
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0, shift=0.0, seed=0):
@@ -406,3 +378,19 @@ def test_kernel_with_fallback_dispatch():
     )
     assert op(3) == 6 and op(-1) == -2 and op(-2) == -4
     assert calls == ["kernel", "fallback", "fallback"] and op.logged_reasons == {"negative"}
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/bench_kernels.py: the same rule decides its "correct" column, and its rows come as JSON too.
+
+
+def test_bench_kernels_writes_its_rows_as_json_next_to_the_markdown(tmp_path, capsys):
+    md = tmp_path / "kernels.md"
+    assert bench_kernels.main(["--ops", "rms_norm", "--dtype", "fp32", "--markdown", str(md)]) == 0
+    document = read_results(rows_path(md))
+    triton = [r for r in document["rows"] if r["impl"] == "triton"]
+    assert [(r["op"], r["dtype"]) for r in triton] == [("rms_norm", "float32")]
+    check = triton[0]["check"]
+    assert check["ok"] and check["outputs"] == ["output", "grad of arg 0", "grad of arg 1"]
+    assert all(e <= t for e, t in zip(check["errors"], check["tolerances"]))
+    assert document["title"].startswith(bench.TITLE) and "| rms_norm |" in md.read_text()

@@ -26,15 +26,17 @@ out N elements) plus the block input N: (11N + BHT^2) * 4 bytes.
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 
+from analysis import estimator as est
+from analysis import recompute_bench
+from analysis.recompute_bench import measure_saved_bytes
+from common.errors import ConfigError
+from common.measure import provenance
+from common.report import read_results, rows_path
 from model.config import ModelConfig
 from tools import bench_memory
-from tools.bench_memory import measure_saved_bytes
 
 B, T, D, H, L = 2, 32, 64, 4, 4
 N = B * T * D
@@ -120,23 +122,36 @@ def test_cli_rejects_bad_input_in_one_line(capsys):
     assert "--steps must be >= 1" in capsys.readouterr().err
 
 
-def test_estimate_columns_appear_only_when_the_estimator_provides_them(monkeypatch):
+def test_cli_writes_the_rows_as_json_next_to_the_markdown(tmp_path):
+    markdown = tmp_path / "recompute.md"
+    args = ["--d-model", "32", "--n-head", "2", "--n-layer", "1", "--seq-len", "16", "--micro-batch", "2",
+            "--steps", "1", "--attention", "sdpa", "--policies", "none", "full", "--device", "cpu",
+            "--markdown", str(markdown)]
+    assert bench_memory.main(args) == 0
+    document = read_results(rows_path(markdown))
+    assert [(r["attention"], r["policy"]) for r in document["rows"]] == [("sdpa", "none"), ("sdpa", "full")]
+    assert document["rows"][1]["block_bytes"] == [4 * 2 * 16 * 32]  # full keeps the block input: B*T*d fp32
+    where = provenance(torch.device("cpu"))
+    assert where["hardware"] in document["title"] and where["date"] in document["title"]
+
+
+def test_estimate_columns_come_from_the_estimator_and_its_errors_stay_errors(monkeypatch):
+    args = (CFG, T, B, "full", torch.float32, "reference", "cpu")
+    assert recompute_bench.analytic_per_layer_bytes(*args) == est.activation_bytes_per_layer(
+        CFG, T, B, "full", 4, attention="reference", dropout_mask_bytes=4)
+    assert recompute_bench.exact_per_layer_bytes(*args) == est.saved_bytes_per_layer(
+        CFG, T, B, "full", 4, attention="reference", device="cpu")
+    # a backend the exact count does not model has no cell, decided up front, not by a swallowed error
+    assert recompute_bench.exact_per_layer_bytes(CFG, T, B, "full", torch.float32, "flash_attn", "cpu") is None
     row = measure_saved_bytes(CFG, "full", T, B, "reference", torch.float32) | {
         "step_seconds": 0.1, "overhead": 1.0, "saved_vs_none": 0.1,
     }
-    args = (CFG, T, B, "full", torch.float32, "reference", "cpu")
-    monkeypatch.setitem(sys.modules, "analysis.estimator", None)  # import fails as if absent
-    assert bench_memory.analytic_per_layer_bytes(*args) is None
-    assert bench_memory.exact_per_layer_bytes(*args) is None
-    table = bench_memory.format_table([row | {"analytic_per_layer_bytes": None, "exact_per_layer_bytes": None}])
-    assert "Korthikanti" not in table and "exact count" not in table
-
-    # An estimator with only the formula, and a narrower signature than the bench could pass.
-    fake = types.ModuleType("analysis.estimator")
-    fake.activation_bytes_per_layer = lambda cfg, s, b, policy, dtype_bytes=2: s * b * cfg.d_model * dtype_bytes
-    monkeypatch.setitem(sys.modules, "analysis.estimator", fake)
-    estimate = bench_memory.analytic_per_layer_bytes(*args)
-    assert estimate == 4 * N
-    assert bench_memory.exact_per_layer_bytes(*args) is None
-    table = bench_memory.format_table([row | {"analytic_per_layer_bytes": estimate, "exact_per_layer_bytes": None}])
+    table = recompute_bench.format_table([row | {"analytic_per_layer_bytes": 1.0, "exact_per_layer_bytes": None}])
     assert "Korthikanti/block MiB" in table and "exact count" not in table
+
+    def broken(*args, **kwargs):
+        raise ConfigError("the estimator cannot do this")
+
+    monkeypatch.setattr(est, "activation_bytes_per_layer", broken)
+    with pytest.raises(ConfigError, match="the estimator cannot do this"):
+        recompute_bench.analytic_per_layer_bytes(*args)

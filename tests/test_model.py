@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
+from common.errors import CapabilityError
 from model.attention import AttentionCore, reference_attention, select_attention
 from model.config import ModelConfig
 from model.flops import count_parameters, flops_per_token
 from model.gpt import GPT
-from training.errors import CapabilityError
 
 VARIANTS = [
     dict(position="learned", mlp="gelu", norm="layernorm"),

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
+from common.errors import ConfigError
 from parallel.nccl import apply_nccl_env, validate_nccl_env
-from training.fields import ConfigError
 
 
 @pytest.mark.parametrize("name", ["NCCL_INTER_NODE_CONNECTIVITY", "NCCL_INTRA_NODE_CONNECTIVITY", "NCCL_PROFILE"])

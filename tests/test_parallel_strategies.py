@@ -9,14 +9,23 @@ import pytest
 import torch
 import torch.nn as nn
 
+from common.errors import ConfigError
 from parallel.config import ParallelConfig
+from parallel.distributed import DistContext
+from parallel.precision import PrecisionConfig, precision_policy
 from training.config import load_config
-from training.distributed import DistContext
-from training.fields import ConfigError
 
 
 def job(*overrides: str):
     return load_config("configs/tiny.yaml", list(overrides))
+
+
+def ds_config(cfg, world_size: int) -> dict:
+    from parallel.zero import deepspeed_config
+
+    policy = precision_policy(cfg.precision, cfg.parallel.strategy)
+    return deepspeed_config(cfg.parallel, policy, cfg.optim, micro_batch_size=cfg.train.micro_batch_size,
+                            grad_accum_steps=cfg.train.grad_accum_steps, world_size=world_size)
 
 
 # --------------------------------------------------------------------------- config validation
@@ -44,12 +53,10 @@ def test_valid_strategy_options_load():
 
 
 def test_deepspeed_config_carries_batch_clipping_stage_and_offload():
-    from parallel.zero import deepspeed_config
-
     cfg = job("--parallel.strategy=zero3", "--train.micro_batch_size=3", "--train.grad_accum_steps=4",
               "--optim.grad_clip=0.5", "--parallel.zero_offload_optimizer=true", "--parallel.zero_offload_params=true",
               "--parallel.zero_cpu_adam=false", "--parallel.ddp_bucket_cap_mb=1")
-    ds = deepspeed_config(cfg, world_size=8)
+    ds = ds_config(cfg, world_size=8)
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 4
     assert ds["train_batch_size"] == 3 * 4 * 8  # DeepSpeed checks this product itself
     assert ds["gradient_clipping"] == 0.5
@@ -66,18 +73,14 @@ def test_deepspeed_config_carries_batch_clipping_stage_and_offload():
     ("fp16", "fp16", {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}),
 ])
 def test_deepspeed_precision_sections_follow_precision_mode(mode, key, expected):
-    from parallel.zero import deepspeed_config
-
-    ds = deepspeed_config(job("--parallel.strategy=zero1", f"--precision.mode={mode}"), world_size=2)
+    ds = ds_config(job("--parallel.strategy=zero1", f"--precision.mode={mode}"), world_size=2)
     assert ds[key] == expected
     assert "offload_optimizer" not in ds["zero_optimization"] and "zero_force_ds_cpu_optimizer" not in ds
 
 
 def test_fp8_is_refused_for_zero_with_the_supported_modes_named():
-    from parallel.zero import _precision_section
-
     with pytest.raises(ConfigError, match="use fp32, bf16, bf16_master or fp16"):
-        _precision_section(type("P", (), {"mode": "fp8"})())
+        precision_policy(PrecisionConfig(mode="fp8"), "zero1")
 
 
 # --------------------------------------------------------------------------- FSDP2 pieces
@@ -90,7 +93,7 @@ def test_fp8_is_refused_for_zero_with_the_supported_modes_named():
 def test_fsdp_mixed_precision_policy_per_mode(mode, param, reduce):
     from parallel.fsdp import mixed_precision_policy
 
-    policy = mixed_precision_policy(mode)
+    policy = mixed_precision_policy(precision_policy(PrecisionConfig(mode=mode), "fsdp"))
     assert policy.param_dtype == param and policy.reduce_dtype == reduce
 
 
@@ -122,7 +125,8 @@ def _prefetch_worker(rank: int, world_size: int) -> dict:
     for forward, backward in PREFETCH_SETTINGS:
         torch.manual_seed(0)
         model = apply_fsdp(GPT(cfg), mesh, ParallelConfig(strategy="fsdp", fsdp_forward_prefetch=forward,
-                                                          fsdp_backward_prefetch=backward), "fp32", torch.device("cpu"))
+                                                          fsdp_backward_prefetch=backward),
+                           precision_policy(PrecisionConfig(), "fsdp"), torch.device("cpu"))
         states = [block._get_fsdp_state() for block in model.blocks]
         block_of_state = {id(state): i for i, state in enumerate(states)}
         block_of_group = {id(g): i for i, state in enumerate(states) for g in state._fsdp_param_groups}
@@ -181,28 +185,25 @@ def test_prefetching_changes_no_loss(prefetch_results):
 # --------------------------------------------------------------------------- apply_data_parallel
 
 
-def _single_ctx() -> DistContext:
-    return DistContext(0, 1, 0, 1, 0, torch.device("cpu"), None)
-
-
 @pytest.mark.parametrize("strategy", ["none", "ddp"])
 def test_unsharded_strategies_in_one_process_return_the_model_itself(strategy):
-    from parallel.parallelize import apply_data_parallel
+    from tests.gloo import data_parallel_engine
 
     model = nn.Linear(2, 2)
-    assert apply_data_parallel(model, ParallelConfig(strategy=strategy), _single_ctx()) is model
+    assert data_parallel_engine(model, ParallelConfig(strategy=strategy), DistContext.single()).model is model
 
 
 def test_fsdp_in_one_process_is_a_config_error():
-    from parallel.parallelize import apply_data_parallel
+    from tests.gloo import data_parallel_engine
 
     with pytest.raises(ConfigError, match="needs several processes"):
-        apply_data_parallel(nn.Linear(2, 2), ParallelConfig(strategy="fsdp"), _single_ctx())
+        data_parallel_engine(nn.Linear(2, 2), ParallelConfig(strategy="fsdp"), DistContext.single())
 
 
 def test_layout_uses_the_configured_ranks_per_node():
-    from parallel.parallelize import layout_of
+    from parallel.dims import ParallelDims
 
-    ctx = DistContext(3, 4, 3, 4, 0, torch.device("cpu"), "gloo")  # launcher: one node of 4
-    dims = layout_of(ctx, local_world_size=2)  # config: pretend 2 nodes of 2
+    env = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}  # launcher: one node of 4
+    dims = ParallelDims.from_env(env, local_world_size=2)  # config: pretend 2 nodes of 2
     assert (dims.nodes, dims.node_rank, dims.local_rank) == (2, 1, 1)
+    assert dims.device_index == 3  # the launcher's LOCAL_RANK still names the device

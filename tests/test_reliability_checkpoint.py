@@ -16,15 +16,18 @@ import subprocess
 import sys
 from collections import namedtuple
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from common.errors import ConfigError
+from parallel.checkpoint import safe_torch_load
+from parallel.engine import TorchEngine
+from parallel.optim import OptimConfig
+from parallel.precision import PrecisionConfig, precision_policy
 from tests.conftest import ROOT, run_train, tiny_overrides
 from training import checkpoint as ckpt
 from training.config import load_config
-from training.fields import ConfigError
 
 TINY = "configs/tiny.yaml"
 
@@ -111,7 +114,7 @@ def test_a_diverged_model_is_never_saved_and_the_last_good_checkpoint_stays(base
     run_dir = _copy(base_run, tmp_path)
     root = run_dir / "checkpoints"
     step_dir = root / "step_00000002"
-    state = ckpt.safe_torch_load(step_dir / "model_optim.pt")
+    state = safe_torch_load(step_dir / "model_optim.pt")
     state["model"]["tok_emb.weight"][0, 0] = float("nan")
     torch.save(state, step_dir / "model_optim.pt")
     meta = json.loads((step_dir / "meta.json").read_text())
@@ -131,17 +134,17 @@ def test_a_diverged_model_is_never_saved_and_the_last_good_checkpoint_stays(base
 def test_the_finite_check_looks_at_every_weight_and_refuses_before_writing(tmp_path):
     root = tmp_path / "ckpt"
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    engine = SimpleNamespace(model=model)
-    _save(root, 1, model, weights=ckpt.local_weights(engine))
+    engine = TorchEngine(model, precision_policy(PrecisionConfig(), "none"), OptimConfig(), torch.device("cpu"))
+    _save(root, 1, model, weights=engine.local_weights())
     with torch.no_grad():
         model[1].bias[2] = float("nan")  # one element of the last, smallest tensor
     with pytest.raises(ckpt.CheckpointError, match=r"^step 2: .*NaN or inf.*step_00000001 is kept"):
-        _save(root, 2, model, weights=ckpt.local_weights(engine))
+        _save(root, 2, model, weights=engine.local_weights())
     assert _steps(root) == ["step_00000001"]
     # Huge but finite weights are not mistaken for overflow (a 2-norm of them would be inf).
     with torch.no_grad():
         model[1].bias.fill_(3e38)
-    _save(root, 3, model, weights=ckpt.local_weights(engine))
+    _save(root, 3, model, weights=engine.local_weights())
 
 
 # ----------------------------------------------------------------------------- 2: skip streaks
@@ -208,8 +211,8 @@ def test_a_resave_killed_between_the_renames_leaves_a_complete_copy_to_resume(tm
     assert proc.returncode == -9, proc.stderr[-2000:]
     warnings: list[str] = []
     found = ckpt.resolve_resume("latest", root, warn=warnings.append)
-    assert found is not None and ckpt.read_meta(found, 1, "none")["step"] == 10
-    weight = ckpt.safe_torch_load(found / "model_optim.pt")["weight"]
+    assert found is not None and ckpt.read_checkpoint_meta(found, 1, "none")["step"] == 10
+    weight = safe_torch_load(found / "model_optim.pt")["weight"]
     assert torch.equal(weight, torch.ones(4, 4))  # the old copy, whole
     assert any("was being replaced when a save was interrupted" in w for w in warnings), warnings
     # The next save puts the old copy back under its name before it cleans up.
@@ -230,7 +233,7 @@ def test_latest_falls_back_past_a_torn_checkpoint_with_a_warning(tmp_path):
     assert any("step_00000002" in w and "rank_00000.pt" in w for w in warnings), warnings
     assert any("latest" in w and "names step_00000002" in w for w in warnings), warnings
     with pytest.raises(ckpt.CheckpointError, match="not a complete checkpoint: checkpoint file missing"):
-        ckpt.read_meta(root / "step_00000002", 1, "none")
+        ckpt.read_checkpoint_meta(root / "step_00000002", 1, "none")
     # Truncation is caught too, and with nothing complete left, resuming is an error, not step 0.
     (root / "step_00000001" / "model_optim.pt").write_bytes(b"trunc")
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint under .*5 bytes"):
@@ -336,10 +339,9 @@ def test_resume_refuses_a_changed_lr_schedule_naming_the_keys(base_run, tmp_path
 
 def _finite_check_worker(rank: int, world: int, root: str) -> dict:
     from parallel.config import ParallelConfig
-    from parallel.parallelize import apply_data_parallel
-    from training.distributed import DistContext
+    from tests.gloo import data_parallel_engine, gloo_context
 
-    ctx = DistContext(rank, world, rank, world, 0, torch.device("cpu"), "gloo")
+    ctx = gloo_context(rank, world)
     out: dict = {}
     # FSDP2: DTensor parameters; each rank checks its own shards.
     from model.config import ModelConfig
@@ -348,9 +350,9 @@ def _finite_check_worker(rank: int, world: int, root: str) -> dict:
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layer=1, d_model=32, n_head=2, max_seq_len=16, vocab_size=256))
     out["full_numel"] = sum(p.numel() for p in model.parameters())
-    model = apply_data_parallel(model, ParallelConfig(strategy="fsdp"), ctx, "fp32")
-    engine = SimpleNamespace(model=model)
-    out["fsdp_local_numel"] = sum(t.numel() for t in ckpt.local_weights(engine))
+    engine = data_parallel_engine(model, ParallelConfig(strategy="fsdp"), ctx)
+    model = engine.model
+    out["fsdp_local_numel"] = sum(t.numel() for t in engine.local_weights())
     out["fsdp"] = _try_save(Path(root) / "fsdp", engine, rank, world)
     with torch.no_grad():
         if rank == 1:
@@ -363,20 +365,24 @@ def _finite_check_worker(rank: int, world: int, root: str) -> dict:
 
 def _zero3_checks(rank: int, world: int, root: str) -> dict:
     from parallel.config import ParallelConfig
-    from parallel.zero import deepspeed_config, import_deepspeed
-    from training.config import JobConfig
+    from parallel.optim import OptimConfig
+    from parallel.precision import PrecisionConfig, precision_policy
+    from parallel.zero import ZeroEngine, deepspeed_config, import_deepspeed
 
     deepspeed = import_deepspeed(torch.device("cpu"))
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 3)  # 9 weights over 2 ranks: 5 + 4 and one padding element on rank 1
-    cfg = JobConfig(parallel=ParallelConfig(strategy="zero3"))
+    parallel = ParallelConfig(strategy="zero3")
+    policy = precision_policy(PrecisionConfig(), "zero3")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ds_engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world),
+    ds_config = deepspeed_config(parallel, policy, OptimConfig(), micro_batch_size=8, grad_accum_steps=1,
+                                 world_size=world)
+    ds_engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                          dist_init_required=False)
-    engine = SimpleNamespace(model=ds_engine)
+    engine = ZeroEngine(ds_engine, policy, torch.device("cpu"))
     weight = ds_engine.module.weight
     out = {"zero3_data_numel": weight.data.numel(),
-           "zero3_local_numel": sum(t.numel() for t in ckpt.local_weights(engine))}
+           "zero3_local_numel": sum(t.numel() for t in engine.local_weights())}
     with torch.no_grad():
         if rank == 1:
             weight.ds_tensor[-1] = float("nan")  # padding: garbage there must not count
@@ -393,7 +399,7 @@ def _try_save(root: Path, engine, rank: int, world: int) -> str:
     torch.distributed.barrier()  # every rank counts before any rank saves
     try:
         ckpt.save_checkpoint(root, step, lambda d: None, {}, rank=rank, world_size=world, strategy="x",
-                             barrier=torch.distributed.barrier, keep_last=0, weights=ckpt.local_weights(engine))
+                             barrier=torch.distributed.barrier, keep_last=0, weights=engine.local_weights())
         return "saved"
     except ckpt.CheckpointError as exc:
         return str(exc)

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.errors import DataError
 from data.config import DataConfig
-from data.errors import DataError
 from data.loader import build_data
 from data.prepare import PrepareOptions, Utf8Report, decode_utf8, prepare
-from data.shards import HEADER, HEADER_V1, TokenShard, read_header, read_meta, write_meta
+from data.shards import HEADER, HEADER_V1, TokenShard, read_dataset_meta, read_header, write_meta
 from data.tokenizer import ByteTokenizer
 from data.wds_format import TokenSampleWriter
 
@@ -191,7 +191,7 @@ def test_verify_modes_are_named_and_behave(tmp_path):
         mmap_bundle(root, verify="full")
     skipped = mmap_bundle(root, verify="full", on_bad_shard="skip")
     assert "verify=full" in skipped.description and "SKIPPED 1 bad shard" in skipped.description
-    assert len(read_meta(root).files("train")) > 1 and "train-000000.bin" in skipped.skipped_shards[0]
+    assert len(read_dataset_meta(root).files("train")) > 1 and "train-000000.bin" in skipped.skipped_shards[0]
 
 
 def as_version_1(path: Path) -> None:
@@ -242,7 +242,7 @@ def test_default_corpus_is_written_in_the_new_format(tmp_path):
     data = build_data(DataConfig(cache_dir=str(tmp_path), default_corpus_max_mb=0.2, val_fraction=0.2),
                       seq_len=16, micro_batch_size=2, seed=0, rank=0, world_size=1, vocab_size=256)
     assert "verify=lazy" in data.description and "version-1" not in data.description
-    meta = read_meta(next(tmp_path.iterdir()))
+    meta = read_dataset_meta(next(tmp_path.iterdir()))
     assert all(TokenShard(p).header.version == 2 for s in ("train", "val") for p in meta.files(s))
 
 
@@ -272,7 +272,7 @@ def test_invalid_utf8_is_replaced_counted_and_reported(tmp_path):
     assert report.examples[0] == f"{inputs[-2]} (byte 3, 3 replaced)"
     assert report.examples[1] == f"{inputs[-1]}:2 (byte 34, 1 replaced)"  # file offset of the bad byte
     assert "replaced 4 invalid UTF-8 sequence(s)" in report.summary()
-    meta = read_meta(tmp_path / "o")
+    meta = read_dataset_meta(tmp_path / "o")
     docs = []
     for split in ("train", "val"):
         for path in meta.files(split):

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from common.errors import CapabilityError, ConfigError
+from parallel.precision import PrecisionConfig, precision_policy
 from tests.conftest import ROOT
-from training.errors import CapabilityError
-from training.fields import ConfigError
 
 
 def job(*overrides: str):
@@ -72,8 +72,8 @@ def test_the_fsdp_root_gets_an_explicit_bool_that_every_supported_torch_accepts(
     for reshard in (True, False):
         calls.clear()
         model = _Stack([nn.Linear(4, 4), nn.Linear(4, 4)])
-        apply_fsdp(model, None, ParallelConfig(strategy="fsdp", fsdp_reshard_after_forward=reshard), "fp32",
-                   torch.device("cpu"))
+        apply_fsdp(model, None, ParallelConfig(strategy="fsdp", fsdp_reshard_after_forward=reshard),
+                   precision_policy(PrecisionConfig(), "fsdp"), torch.device("cpu"))
         assert calls == [reshard, reshard, False]  # two blocks, then the root kept gathered
 
 
@@ -92,7 +92,9 @@ def test_deepspeed_parses_our_config_into_what_we_asked_for(strategy, mode):
     cfg = job(f"--parallel.strategy={strategy}", f"--precision.mode={mode}", "--train.micro_batch_size=3",
               "--train.grad_accum_steps=2", "--optim.grad_clip=0.5", "--parallel.ddp_bucket_cap_mb=2")
     # Without a process group DeepSpeedConfig counts one rank, and checks the batch product for it.
-    parsed = DeepSpeedConfig(deepspeed_config(cfg, world_size=1))
+    policy = precision_policy(cfg.precision, strategy)
+    parsed = DeepSpeedConfig(deepspeed_config(cfg.parallel, policy, cfg.optim, micro_batch_size=3,
+                                              grad_accum_steps=2, world_size=1))
     assert parsed.zero_optimization_stage == int(strategy[-1])
     batch = (parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps, parsed.train_batch_size)
     assert batch == (3, 2, 6)
@@ -114,7 +116,7 @@ def test_deepspeed_parses_our_config_into_what_we_asked_for(strategy, mode):
 
 
 class _Stack(nn.Module):
-    """The shape parallel/ and model/checkpointing.py rely on: an embedding and ``.blocks``."""
+    """The shape parallel/ and model/recompute.py rely on: an embedding and ``.blocks``."""
 
     def __init__(self, blocks: list[nn.Module]):
         super().__init__()
@@ -169,11 +171,11 @@ def te_checkpoint_calls(monkeypatch) -> list[dict]:
 
 @pytest.mark.parametrize("policy, every_k, expected_calls", [("full", 2, 3), ("every_k", 2, 1)])
 def test_te_blocks_recompute_through_te_checkpoint(te_checkpoint_calls, policy, every_k, expected_calls):
-    from model.checkpointing import apply_activation_checkpointing, checkpointed_modules
+    from model.recompute import apply_recompute, recomputed_modules
 
     model = _Stack([_fake_te_block() for _ in range(3)])
-    apply_activation_checkpointing(model, policy, every_k)
-    assert all("te.checkpoint" in label for label in checkpointed_modules(model).values())
+    apply_recompute(model, policy, every_k)
+    assert all("te.checkpoint" in label for label in recomputed_modules(model).values())
     model(torch.tensor([[1, 2, 3]])).sum().backward()
     assert len(te_checkpoint_calls) == expected_calls
     assert all(call["use_reentrant"] is False for call in te_checkpoint_calls)
@@ -181,19 +183,19 @@ def test_te_blocks_recompute_through_te_checkpoint(te_checkpoint_calls, policy, 
 
 
 def test_torch_blocks_keep_torch_checkpoint(te_checkpoint_calls):
-    from model.checkpointing import apply_activation_checkpointing
+    from model.recompute import apply_recompute
 
     model = _Stack([nn.Linear(4, 4) for _ in range(2)])
-    apply_activation_checkpointing(model, "full")
+    apply_recompute(model, "full")
     model(torch.tensor([[1, 2]])).sum().backward()
     assert te_checkpoint_calls == []
 
 
 def test_op_selective_refuses_te_blocks():
-    from model.checkpointing import CheckpointError, apply_activation_checkpointing
+    from model.recompute import RecomputeError, apply_recompute
 
-    with pytest.raises(CheckpointError, match="op_selective cannot select inside Transformer Engine layers"):
-        apply_activation_checkpointing(_Stack([_fake_te_block()]), "op_selective")
+    with pytest.raises(RecomputeError, match="op_selective cannot select inside Transformer Engine layers"):
+        apply_recompute(_Stack([_fake_te_block()]), "op_selective")
 
 
 # --------------------------------------------------------------------------- item 18: FP8 shapes
@@ -235,7 +237,8 @@ def test_fsdp_refuses_to_materialize_te_layers_from_meta(monkeypatch):
         model = _Stack([])
     model.blocks.append(_fake_te_block())  # TE allocates its own (CUDA) weights, not on meta
     with pytest.raises(ConfigError, match="init_on_meta=true cannot initialize Transformer Engine layers"):
-        apply_fsdp(model, None, ParallelConfig(strategy="fsdp", init_on_meta=True), "fp32", torch.device("cpu"))
+        apply_fsdp(model, None, ParallelConfig(strategy="fsdp", init_on_meta=True),
+                   precision_policy(PrecisionConfig(), "fsdp"), torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------- item 20: V100 vs A100
@@ -280,7 +283,7 @@ def test_requested_flash_attn_on_a_v100_is_a_one_line_capability_error(gpu):
 
 @pytest.mark.parametrize("mode", ["bf16", "bf16_master"])
 def test_bf16_on_a_v100_is_refused_although_torch_reports_emulated_support(gpu, mode):
-    from training.precision import check_precision_supported
+    from parallel.precision import check_precision_supported
 
     with pytest.raises(CapabilityError, match=r"compute capability 7\.0\) has no bf16 tensor cores.*use fp16"):
         check_precision_supported(mode, gpu((7, 0)))
@@ -288,12 +291,12 @@ def test_bf16_on_a_v100_is_refused_although_torch_reports_emulated_support(gpu, 
 
 @pytest.mark.parametrize("mode", ["bf16", "bf16_master", "fp16"])
 def test_bf16_and_fp16_pass_on_an_a100(gpu, mode):
-    from training.precision import check_precision_supported
+    from parallel.precision import check_precision_supported
 
     check_precision_supported(mode, gpu((8, 0)))
 
 
 def test_fp16_passes_on_a_v100(gpu):
-    from training.precision import check_precision_supported
+    from parallel.precision import check_precision_supported
 
     check_precision_supported("fp16", gpu((7, 0)))

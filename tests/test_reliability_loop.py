@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from parallel.checkpoint import safe_torch_load
 from tests.conftest import ROOT, free_port, run_train, tiny_overrides
 from training import checkpoint as ckpt
 
@@ -164,7 +165,7 @@ def test_torchrun_forwards_sigterm_and_every_rank_saves_the_same_step(tmp_path, 
     step_dir = run_dir / "checkpoints" / ckpt.step_dir_name(int(match.group(2)))
     meta = json.loads((step_dir / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["step"] == int(match.group(2))
-    states = [ckpt.safe_torch_load(step_dir / f"rank_{r:05d}.pt") for r in (0, 1)]
+    states = [safe_torch_load(step_dir / f"rank_{r:05d}.pt") for r in (0, 1)]
     assert [s["step"] for s in states] == [meta["step"]] * 2  # both ranks stopped after the same step
     assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out
 
@@ -231,7 +232,7 @@ def test_gradients_underflowed_to_zero_are_reported(tmp_path, corpus_cache):
 
 
 def test_peer_failures_are_recognised_narrowly():
-    from training.errors import describe_peer_failure, is_peer_failure
+    from common.errors import describe_peer_failure, is_peer_failure
 
     gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
                         "by peer [127.0.0.1]:3509. This is typically caused by a remote worker crashing.")
@@ -257,4 +258,4 @@ def test_a_rank_count_change_is_named_before_the_strategy(tmp_path):
     ckpt.save_checkpoint(root, 4, lambda d: None, {"step": 4}, rank=0, world_size=1, strategy="none",
                          barrier=lambda: None, keep_last=0)
     with pytest.raises(ckpt.CheckpointError, match=r"saved by 1 rank\(s\), this run has 2.*start 1 rank\(s\)"):
-        ckpt.read_meta(root / ckpt.step_dir_name(4), world_size=2, strategy="ddp")  # none -> ddp under torchrun
+        ckpt.read_checkpoint_meta(root / ckpt.step_dir_name(4), world_size=2, strategy="ddp")  # none -> ddp under torchrun

@@ -23,8 +23,9 @@ from analysis.chapter_tables import (
     format_from_layout,
     priority_table,
 )
-from analysis.hardware import DEVICES
 from analysis.measure import measure_formats
+from common.hardware import DEVICES
+from common.report import read_results, rows_path, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = ("numeric_formats", "precision_modes", "activation_recompute", "attention", "data_formats",
@@ -112,21 +113,30 @@ def test_saved_gpu_results_fill_the_needs_gpu_cells():
 
 # --------------------------------------------------------------------------- provenance of what is printed
 
-BENCH_TRAIN_MD = """bench_train: configs/tiny.yaml on CPU, torch 9.9, 2030-01-01; median of 10 steps
+# The rows tools/bench_train.py and tools/bench_parallel.py write as JSON next to their Markdown.
+BENCH_TRAIN_ROWS = {
+    "title": "bench_train: configs/tiny.yaml on CPU, torch 9.9, 2030-01-01; median of 10 steps",
+    "rows": [
+        {"variant": "precision.mode=fp32", "step_s": 0.2, "tokens_per_s": 1000.0, "status": "ok"},
+        {"variant": "precision.mode=bf16", "step_s": 0.1, "tokens_per_s": 2000.0, "status": "ok"},
+        {"variant": "precision.mode=bf16 train.compile=true", "step_s": 0.08, "tokens_per_s": 2500.0, "status": "ok"},
+    ],
+}
 
-| variant | step (ms) | tokens/s | vs first | MFU | peak mem (GiB) | status |
-|---|---:|---:|---:|---:|---:|---|
-| precision.mode=fp32 | 200.0 | 1,000 | 1.00x | n/a | n/a (CPU) | ok |
-| precision.mode=bf16 | 100.0 | 2,000 | 2.00x | n/a | n/a (CPU) | ok |
-| precision.mode=bf16 train.compile=true | 80.0 | 2,500 | 2.50x | n/a | n/a (CPU) | ok |
-"""
-PARALLEL_MD = """# Data-parallel strategies on CPU (gloo, 2 processes, 2030-01-01)
 
-| strategy | loss | Δ vs 1 proc | states KiB | (formula) |
-|---|---|---|---|---|
-| ddp | 3.7 | -1.0e-07 | 1,000 | 1,000 |
-| fsdp | 3.7 | -2.0e-07 | 250 | 250 |
-"""
+def _states(kib: float) -> dict:
+    return {"params": kib * 1024 / 4, "grads": kib * 1024 / 4, "optimizer": kib * 1024 / 2, "buffers": 0}
+
+
+PARALLEL_ROWS = {
+    "title": "Data-parallel strategies on CPU (gloo, 2 processes, 2030-01-01)",
+    "rows": [
+        {"strategy": "ddp", "loss": 3.7, "delta": -1.0e-07, "measured": _states(1000), "formula": _states(1000),
+         "status": "ok"},
+        {"strategy": "fsdp", "loss": 3.7, "delta": -2.0e-07, "measured": _states(250), "formula": _states(250),
+         "status": "ok"},
+    ],
+}
 
 
 def _row(table, technique: str) -> list[str]:
@@ -134,7 +144,7 @@ def _row(table, technique: str) -> list[str]:
 
 
 def test_priority_table_quotes_measured_files_or_says_not_measured():
-    documents = {BENCH_TRAIN_CPU: BENCH_TRAIN_MD, PARALLEL_CPU: PARALLEL_MD}
+    documents = {BENCH_TRAIN_CPU: BENCH_TRAIN_ROWS, PARALLEL_CPU: PARALLEL_ROWS}
     quoted = priority_table(Measured(formats={}, documents=documents))
     compile_cell = _row(quoted, "torch.compile")[-1]
     # the compiled bf16 variant against its eager twin (2,500 / 2,000), not against the first row
@@ -147,9 +157,36 @@ def test_priority_table_quotes_measured_files_or_says_not_measured():
     assert _row(bare, "FSDP / ZeRO")[-1].startswith("not measured")
 
 
+def test_data_formats_table_quotes_the_loader_rows_of_bench_data():
+    document = {
+        "title": "Data loader throughput vs model consumption (CPU, torch 9.9, 2030-01-01)",
+        "setting": "seq_len 1024, tokenizer byte, 20 timed batches per row",
+        "rows": [{"format": "mmap", "workers": 0, "batch": 8, "tokens_per_s": 1234567.8},
+                 {"format": "naive", "workers": 2, "batch": 8, "tokens_per_s": 1000.0}],
+    }
+    table = {t.name: t for t in build_tables(Measured(formats=measure_formats(), data_bench=document))}["data_formats"]
+    cells = {row[0]: row[-1] for row in table.rows}
+    assert cells["MMAP Binary"] == "1,234,568 tokens/s (workers 0, batch 8)"
+    assert cells["CSV/JSON"] == "raw text tokenized on the fly: 1,000 tokens/s (workers 2, batch 8)"
+    assert cells["WebDataset (TAR)"] == "run tools/bench_data.py"
+    assert "Loader throughput (seq_len 1024, tokenizer byte, 20 timed batches per row)" in table.markdown()
+
+
+def test_reproduce_reads_the_rows_other_tools_wrote_never_their_markdown(tmp_path):
+    from tools import reproduce
+
+    write_results(tmp_path / BENCH_TRAIN_CPU, "| variant |\n|---|\n| not read |\n", BENCH_TRAIN_ROWS["title"],
+                  BENCH_TRAIN_ROWS["rows"])
+    (tmp_path / PARALLEL_CPU).write_text("# a Markdown table without its rows is not read\n")
+    documents = reproduce.read_measured_documents(tmp_path)
+    assert documents[BENCH_TRAIN_CPU] == BENCH_TRAIN_ROWS
+    # no rows in --out: the repository's committed ones
+    assert documents[PARALLEL_CPU] == read_results(rows_path(ROOT / "docs" / "results" / PARALLEL_CPU))
+
+
 def test_committed_priority_table_quotes_the_committed_measurements():
     results = ROOT / "docs" / "results"
-    documents = {name: (results / name).read_text() for name in (BENCH_TRAIN_CPU, PARALLEL_CPU)}
+    documents = {name: read_results(rows_path(results / name)) for name in (BENCH_TRAIN_CPU, PARALLEL_CPU)}
     expected = priority_table(Measured(formats={}, documents=documents))
     committed = (results / "priority.md").read_text()
     for technique in ("torch.compile", "FSDP / ZeRO"):

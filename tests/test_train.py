@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from parallel.checkpoint import safe_torch_load
 from tests.conftest import ROOT, free_port, read_metrics, run_train, step_losses, tiny_overrides
 from training import checkpoint as ckpt
 
@@ -75,7 +76,7 @@ ckpt.save_checkpoint(Path({str(root)!r}), 20, write, {{"step": 20}}, rank=0, wor
     assert (root / ".tmp-step_00000020").is_dir()  # the debris is there...
     latest = ckpt.find_latest(root)
     assert latest is not None and latest.name == "step_00000010"  # ...but never taken as a checkpoint
-    state = ckpt.safe_torch_load(latest / "model_optim.pt")
+    state = safe_torch_load(latest / "model_optim.pt")
     torch.testing.assert_close(state["weight"], model.weight)
     # The next successful save cleans the debris.
     ckpt.save_checkpoint(root, 30, write, {"step": 30}, rank=0, world_size=1, strategy="none", barrier=barrier, keep_last=2)

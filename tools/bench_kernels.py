@@ -21,9 +21,10 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
+from common.errors import ConfigError  # noqa: E402
+from common.measure import resolve_device  # noqa: E402
 from kernels import bench  # noqa: E402
 from kernels.registry import TRITON_OPS  # noqa: E402
-from training.fields import ConfigError  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -40,7 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=20,
                         help="timed calls; the median is reported (default: %(default)s)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    parser.add_argument("--markdown", metavar="PATH", help="write the table as Markdown, with date and hardware")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="write the table as Markdown, with date and hardware (and its rows as JSON next to it)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of achieved bandwidth (needs a GPU run)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.ops.split(",")) - set(TRITON_OPS))
@@ -51,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device("auto")
     ops = set(args.ops.split(","))
     if device.type == "cuda":
         cases = bench.QUICK_GPU_CASES if args.quick else bench.GPU_CASES
@@ -61,7 +63,7 @@ def main(argv=None) -> int:
         cases = bench.CPU_CASES
         dtypes = [DTYPES[args.dtype]] if args.dtype else [torch.float32, torch.bfloat16]
     cases = [c for c in cases if c.op in ops]
-    markdown, ok = [], True
+    all_results, ok = [], True
     for dtype in dtypes:
         try:
             results = bench.run_benchmark(cases, dtype, device, args.warmup, args.reps, not args.no_compile,
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
         head, body = bench.table(results)
         print("\n".join(bench.header_lines(results, args.warmup, args.reps)))
         print(bench.format_text(head, body) + "\n")
-        markdown.append(bench.format_markdown(results, args.warmup, args.reps))
+        all_results.append(results)
         ok &= all(r.check.ok for r in results.rows if r.check is not None)
         if args.plot:
             suffix = f"_{str(dtype).removeprefix('torch.')}.png"
@@ -82,9 +84,8 @@ def main(argv=None) -> int:
             else:
                 print(f"--plot: nothing was timed on {device.type}, no plot written")
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text("\n".join(markdown))
-        print(f"wrote {args.markdown}")
+        written = bench.write_markdown(all_results, args.warmup, args.reps, Path(args.markdown))
+        print("wrote " + ", ".join(str(p) for p in written))
     if not ok:
         print("some kernels did not match the reference within tolerance (see the table)", file=sys.stderr)
     return 0 if ok else 1

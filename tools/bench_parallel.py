@@ -5,7 +5,7 @@
     python tools/bench_parallel.py --strategies ddp,fsdp -- --model.n_layer=4 --precision.mode=bf16
 
 For each strategy the tool launches ``torchrun --nproc_per_node=N`` on itself; each rank builds
-the model and engine exactly as train.py does (train.build_model / train.build_engine), trains
+the model and engine exactly as train.py does (training/build.py, the one build path), trains
 ``--steps`` steps, and reports:
 
 - the loss after the last step next to a single-process run that sees the same global batch
@@ -20,7 +20,8 @@ the model and engine exactly as train.py does (train.build_model / train.build_e
 
 Measured and formula differ where the engines hold more than the paper counts; the notes under
 the table say where (e.g. DeepSpeed keeps an fp32 master partition even in fp32 training, FSDP2
-pads shards to a multiple of N rows, DDP/ZeRO buckets).
+pads shards to a multiple of N rows, DDP/ZeRO buckets). With --markdown the rows are also
+written as JSON next to the table (same stem), which tools/reproduce.py reads.
 """
 
 from __future__ import annotations
@@ -36,6 +37,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from analysis.estimator import model_state_bytes  # noqa: E402
+from common.measure import provenance  # noqa: E402
+from common.report import markdown_table, new_figure, save_figure, text_table, write_results  # noqa: E402
+from model.flops import count_parameters  # noqa: E402
+from parallel.distributed import init_distributed, shutdown_distributed  # noqa: E402
+from parallel.engine import TorchEngine  # noqa: E402
+from parallel.optim import lr_at  # noqa: E402
+from parallel.zero import ZeroEngine  # noqa: E402
+from training.build import build_batches, build_from_config  # noqa: E402
+from training.config import load_config  # noqa: E402
+from training.loop import train_step  # noqa: E402
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 DEFAULT_OVERRIDES = ["--train.eval_interval=0", "--checkpoint.interval=0", "--checkpoint.save_final=false",
@@ -53,8 +68,6 @@ class StorageLedger:
         self.bytes: dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
 
     def add(self, category: str, tensor) -> None:
-        import torch
-
         if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
             return
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
@@ -69,8 +82,6 @@ class StorageLedger:
 def _tensors_in(obj, depth: int = 4):
     """(attribute path, tensor) for tensors reachable from a DeepSpeed object through its
     attributes, lists, tuples and dicts."""
-    import torch
-
     seen: set[int] = set()
     stack = [(obj, "", depth)]
     while stack:
@@ -123,7 +134,7 @@ def record_optimizer(engine, ledger: StorageLedger) -> None:
         _add_inner_optimizer(ds_optimizer.optimizer, ledger, with_state=True)
         return
     _add_inner_optimizer(engine.optimizer, ledger, with_state=True)
-    if getattr(engine, "masters", None) is not None:
+    if isinstance(engine, TorchEngine) and engine.masters is not None:
         for m in engine.masters.masters:
             ledger.add("optimizer", m)
 
@@ -143,50 +154,32 @@ def _add_inner_optimizer(optimizer, ledger: StorageLedger, with_state: bool) -> 
 
 
 def _model_of(engine):
-    return engine.engine.module if hasattr(engine, "engine") else engine.model
+    return engine.module()
 
 
 def _deepspeed_optimizer(engine):
-    return engine.engine.optimizer if hasattr(engine, "engine") else None
+    return engine.engine.optimizer if isinstance(engine, ZeroEngine) else None
 
 
 def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) -> None:
     """One rank (or the single process): train like train.py, then write this rank's numbers."""
-    import torch
-
-    import train as trainer
-    from data.loader import build_data
-    from data.prefetch import DevicePrefetcher
-    from model.flops import count_parameters
-    from training.config import load_config
-    from training.distributed import init_distributed, shutdown_distributed
-    from training.schedule import lr_at
-
     cfg = load_config(config, overrides)
-    ctx = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+    p = cfg.parallel
+    ctx = init_distributed(cfg.train.device, p.backend, p.timeout_s, p.nccl, p.local_world_size)
     try:
-        torch.manual_seed(cfg.train.seed)
-        model, _ = trainer.build_model(cfg, ctx.device)
-        n_params = sum(p.numel() for p in model.parameters())  # unique tensors: a tied weight once
-        engine = trainer.build_engine(model, cfg, ctx)
-        t = cfg.train
-        data = build_data(cfg.data, seq_len=cfg.seq_len, micro_batch_size=t.micro_batch_size, seed=t.seed,
-                          rank=ctx.rank, world_size=ctx.world_size, vocab_size=cfg.model.vocab_size)
-        batches = DevicePrefetcher(data.train, ctx.device)
+        built = build_from_config(cfg, ctx)
+        n_params = sum(p.numel() for p in built.model.parameters())  # unique tensors: a tied weight once
+        engine = built.engine
+        _, batches = build_batches(cfg, ctx)
         engine.train(True)
         losses, ledger = [], StorageLedger()
+        schedule = cfg.optim.schedule(steps)
         for step in range(steps):
-            o = cfg.optim
-            lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, decay_steps=o.decay_steps or steps)
-            step_loss = torch.zeros((), device=ctx.device)
-            for micro in range(t.grad_accum_steps):
-                x, y = next(batches)
-                step_loss += engine.forward_backward(x, y, micro == t.grad_accum_steps - 1, t.grad_accum_steps).float()
-            step_loss /= t.grad_accum_steps
-            if step == steps - 1:
-                record_params_and_grads(engine, ledger)
-            engine.optimizer_step(lr, step_loss)
-            losses.append(float(ctx.all_reduce_mean(step_loss.detach().clone())))
+            # Gradients exist between the last backward and the optimizer step that frees them.
+            record = (lambda: record_params_and_grads(engine, ledger)) if step == steps - 1 else None
+            outcome = train_step(engine, batches, cfg.train.grad_accum_steps, lr_at(step, **schedule),
+                                 before_optimizer_step=record)
+            losses.append(float(ctx.all_reduce_mean(outcome.loss.detach().clone())))
         record_optimizer(engine, ledger)
         result = {"rank": ctx.rank, "world": ctx.world_size, "losses": losses, "bytes": ledger.bytes,
                   "n_params": n_params, "n_params_config": count_parameters(cfg.model)}
@@ -231,15 +224,11 @@ def launch(strategy: str, args: argparse.Namespace, extra: list[str], work: Path
 
 
 def formula_bytes(n_params: int, strategy: str, world: int, precision: str) -> dict[str, float]:
-    from analysis.estimator import model_state_bytes
-
     s = model_state_bytes(n_params, strategy, world, precision)
     return {"params": s.param, "grads": s.grad, "optimizer": s.optimizer}
 
 
 def measure_all(args: argparse.Namespace, extra: list[str]) -> tuple[list[Row], dict]:
-    from training.config import load_config
-
     precision = load_config(args.config, [*DEFAULT_OVERRIDES, *extra]).precision.mode
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -269,7 +258,7 @@ def _kib(x: float) -> str:
     return f"{x / 1024:,.0f}"
 
 
-def table_lines(rows: list[Row], markdown: bool) -> list[str]:
+def table(rows: list[Row], markdown: bool) -> str:
     head = ["strategy", "loss", "Δ vs 1 proc", "params KiB", "(formula)", "grads KiB", "(formula)",
             "optim KiB", "(formula)", "states KiB", "(formula)", "+ buckets KiB"]
     body = []
@@ -283,12 +272,7 @@ def table_lines(rows: list[Row], markdown: bool) -> list[str]:
             cells += [_kib(m[key]), _kib(f[key])]
         cells += [_kib(m["params"] + m["grads"] + m["optimizer"]), _kib(sum(f.values())), _kib(m["buffers"])]
         body.append(cells)
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return lines + ["| " + " | ".join(c) + " |" for c in body]
-    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-    fmt = lambda row: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
-    return [fmt(head), fmt(["-" * w for w in widths]), *[fmt(row) for row in body]]
+    return markdown_table(head, body) if markdown else text_table(head, body)
 
 
 NOTES = [
@@ -310,13 +294,8 @@ NOTES = [
 
 
 def plot(rows: list[Row], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ok = [r for r in rows if r.status == "ok"]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = new_figure(width=8, height=4)
     x = range(len(ok))
     bottom = [0.0] * len(ok)
     for key, colour in (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")):
@@ -329,9 +308,18 @@ def plot(rows: list[Row], path: Path) -> None:
     ax.set_ylabel("KiB per rank")
     ax.set_title("Model-state memory per rank")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def write_markdown(rows: list[Row], setting: str, nproc: int, command: str, path: Path) -> list[Path]:
+    """The table with its notes as Markdown, and the rows as JSON next to it (same stem)."""
+    where = provenance(torch.device("cpu"))  # the ranks run on CPU (DEFAULT_OVERRIDES)
+    title = (f"Data-parallel strategies, loss parity and model-state memory: gloo, {nproc} processes, "
+             f"{where['hardware']}, torch {where['torch']}, {where['date']}")
+    text = [f"# {title}", "", setting, "", table(rows, markdown=True), "", *[f"- {n}" for n in NOTES], "",
+            f"Command: `{command}`", ""]
+    return write_results(path, "\n".join(text), title, rows, provenance=where, setting=setting, nproc=nproc,
+                         command=command, notes=NOTES)
 
 
 # --------------------------------------------------------------------------- entry
@@ -349,7 +337,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--strategies", type=lambda s: [x for x in s.split(",") if x], default=list(STRATEGIES),
                         help="comma-separated subset of " + ",".join(STRATEGIES))
     parser.add_argument("--timeout", type=float, default=600, help="seconds per launch")
-    parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
+    parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here "
+                        "(and its rows as JSON next to it)")
     parser.add_argument("--plot", type=Path, help="also write a PNG bar chart here")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # internal: run one rank
     if "--" in argv:
@@ -375,15 +364,11 @@ def main(argv: list[str]) -> int:
              f"{info['precision']}, micro-batch {args.micro_batch_size}/rank (single process: "
              f"{args.micro_batch_size * args.nproc})")
     print(title)
-    print("\n".join(table_lines(rows, markdown=False)))
+    print(table(rows, markdown=False))
     for note in NOTES:
         print("- " + note)
     if args.markdown:
-        text = ["# Data-parallel strategies: loss parity and model-state memory", "", title, "",
-                *table_lines(rows, markdown=True), "", *[f"- {n}" for n in NOTES], "",
-                f"Command: `python tools/bench_parallel.py {' '.join(argv)}`", ""]
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text("\n".join(text))
+        write_markdown(rows, title, args.nproc, f"python tools/bench_parallel.py {' '.join(argv)}", args.markdown)
     if args.plot:
         plot(rows, args.plot)
     return 0 if all(r.status == "ok" for r in rows) else 1

@@ -23,8 +23,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis import comm_model as cm  # noqa: E402
-from analysis.hardware import DEVICES  # noqa: E402
-from analysis.report import human_bytes, markdown_table, text_table  # noqa: E402
+from common.hardware import DEVICES  # noqa: E402
+from common.report import human_bytes, markdown_table, new_figure, save_figure, text_table  # noqa: E402
 
 CHAPTER_FLAT_RING_STEPS = 63  # "需要 63 步才能完成一圈" in the chapter's diagram
 
@@ -130,8 +130,6 @@ def _pays(saving: float) -> str:
 
 
 def plot(top: cm.Topology, path: Path) -> None:
-    from analysis.report import new_figure, save_figure
-
     sizes = [10 ** (k / 4) for k in range(0, 4 * 4 + 1)]  # 1 MB .. 10 GB
     fig, ax = new_figure()
     names = [c.algorithm for c in cm.all_algorithms(top, 1.0)]

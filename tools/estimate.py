@@ -3,11 +3,18 @@ GPU, communication, step time, MFU, and whether it fits (analysis/estimator.py e
 
 Examples:
   python tools/estimate.py --preset 70b                          # the chapter's 70B activation example
+  python tools/estimate.py --preset 70b --plan                   # the cheapest layouts on its 64 H100s
+  python tools/estimate.py --preset 70b --tp 8                   # one layout: tensor + sequence parallel
   python tools/estimate.py --preset gpt3-175b --gpus 8           # does GPT-3 fit on 8x H100? (no)
-  python tools/estimate.py --config configs/llama-7b.yaml --gpus 8 --device H100 --plan
+  python tools/estimate.py --config configs/llama-7b.yaml --gpus 48 --device H100 --plan --global-batch 96
   python tools/estimate.py --config configs/tiny.yaml --model.n_layer=12 --gpus 1 --device A100
-Presets: 70b (h=8192, a=64, L=80, s=4096, b=4), gpt3-175b (h=12288, a=96, L=96, s=2048), llama2-7b.
-Devices: H100, H200, A100 (analysis/hardware.py, with sources).
+Presets: 70b (h=8192, a=64, L=80, s=4096, b=4 on 64 GPUs), gpt3-175b (h=12288, a=96, L=96, s=2048),
+llama2-7b. Devices: H100, H200, A100 (common/hardware.py, with sources).
+
+--plan searches dp_replicate x dp_shard x tp x pp over any GPU count, the pipeline schedule and
+virtual stages, the strategy, the recompute policy and the micro-batch, at a fixed global batch
+(sequences per step; default: micro-batch x grad-accum x data-parallel ranks of the job as given),
+and prints the best --top layouts one per line in the config's own words.
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis import estimator as est  # noqa: E402
-from analysis.hardware import DEVICES  # noqa: E402
-from analysis.report import gib, human_bytes, markdown_table, text_table  # noqa: E402
+from common.errors import ConfigError  # noqa: E402
+from common.hardware import DEVICES  # noqa: E402
+from common.report import gib, human_bytes, markdown_table, text_table  # noqa: E402
 from model.flops import FLOPS_CONVENTION  # noqa: E402
-from training.fields import ConfigError  # noqa: E402
+from training.config import load_config  # noqa: E402
+
+# The config's parallel layout words (issue 11); a config written before they exist reads as tp=pp=1.
+LAYOUT_KEYS = ("tp", "pp", "dp_replicate", "pp_schedule", "pp_virtual_stages", "sequence_parallel")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -32,14 +43,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="job YAML (configs/*.yaml); extra --section.key=value arguments override it")
     source.add_argument("--preset", choices=est.PRESET_NAMES, help="one of the chapter's models")
-    parser.add_argument("--gpus", type=int, help="data-parallel GPUs (default: the preset's, or 1)")
+    parser.add_argument("--gpus", type=int, help="GPUs in all (default: the preset's, or 1)")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs per node: tp stays inside one (default: 8)")
     parser.add_argument("--device", choices=sorted(DEVICES), help="GPU type (default H100)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's or preset's)")
-    parser.add_argument("--micro-batch", type=int, help="sequences per GPU per step")
+    parser.add_argument("--micro-batch", type=int, help="sequences per GPU per forward/backward")
+    parser.add_argument("--grad-accum", type=int, help="micro-batches per step (the pipeline's under --pp)")
     parser.add_argument("--strategy", choices=est.STRATEGIES, help="default: the config's parallel.strategy, or fsdp")
-    parser.add_argument("--policy", choices=est.POLICIES, help="activation checkpointing (default: the config's, or none)")
+    parser.add_argument("--policy", choices=est.POLICIES, help="activation recompute (default: the config's, or none)")
     parser.add_argument("--precision", choices=est.PRECISION_MODES, help="default: the config's, or bf16_master")
-    parser.add_argument("--plan", action="store_true", help="list the cheapest strategy x policy x micro-batch that fit")
+    layout = parser.add_argument_group("layout (default: the config's parallel section, or 1)")
+    layout.add_argument("--tp", type=int, help="tensor-parallel GPUs (inside a node)")
+    layout.add_argument("--pp", type=int, help="pipeline stages")
+    layout.add_argument("--dp-replicate", type=int, help="HSDP replicas (fsdp only)")
+    layout.add_argument("--pp-schedule", choices=est.PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
+    layout.add_argument("--pp-virtual-stages", type=int, help="model chunks per GPU (interleaved_1f1b, zero_bubble)")
+    layout.add_argument("--sequence-parallel", choices=("true", "false"), help="default: true with tp > 1")
+    parser.add_argument("--plan", action="store_true", help="list the cheapest layouts that fit (see above)")
+    parser.add_argument("--global-batch", type=int, help="--plan: sequences per optimizer step")
     parser.add_argument("--top", type=int, default=10, help="rows of --plan (default 10)")
     parser.add_argument("--markdown", type=Path, help="also write the tables as Markdown here")
     args, rest = parser.parse_known_args(argv)
@@ -48,27 +69,44 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides look like --model.n_layer=12)")
     if rest and not args.config:
         parser.error("--section.key=value overrides need --config")
+    for key in ("gpus", "gpus_per_node", "micro_batch", "grad_accum", "global_batch", "top", "tp", "pp",
+                "dp_replicate", "pp_virtual_stages", "seq_len"):
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1 (got {value})")
     return args, rest
+
+
+def _config_layout(parallel: object) -> dict:
+    """The layout words a config's parallel section has (all of them once issue 11 lands)."""
+    return {key: getattr(parallel, key) for key in LAYOUT_KEYS if getattr(parallel, key, None) is not None}
 
 
 def build_job(args: argparse.Namespace, overrides: list[str]) -> est.JobSpec:
     device = DEVICES[args.device or "H100"]
     if args.preset:
         p = est.preset(args.preset)
-        model, seq_len, micro_batch, gpus = p.model, p.seq_len, p.micro_batch, p.world_size
-        strategy, policy, precision = "fsdp", "none", "bf16_master"
+        model, seq_len, micro_batch, gpus, grad_accum = p.model, p.seq_len, p.micro_batch, p.world_size, 1
+        strategy, policy, precision, layout = "fsdp", "none", "bf16_master", {}
         device = DEVICES[args.device or p.device]
     else:
-        from training.config import load_config
-
         cfg = load_config(args.config, overrides)
         model, seq_len, micro_batch, gpus = cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 1
+        grad_accum = cfg.train.grad_accum_steps
         strategy, policy, precision = cfg.parallel.strategy, cfg.model.checkpointing, cfg.precision.mode
+        layout = _config_layout(cfg.parallel)
+    if args.gpus_per_node:
+        device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
+    for key in LAYOUT_KEYS:
+        value = getattr(args, key)
+        if value is not None:
+            layout[key] = value == "true" if key == "sequence_parallel" else value
     gpus = args.gpus or gpus
+    dp = gpus // (layout.get("tp", 1) * layout.get("pp", 1))
     if args.strategy:
         strategy = args.strategy
-    elif gpus == 1:
-        strategy = "none"  # one process: nothing to shard whatever the config says
+    elif dp <= 1:
+        strategy = "none"  # no data-parallel ranks: nothing to shard whatever the config says
     elif strategy == "none":
         strategy = "fsdp"  # a one-process config spread over --gpus: estimate the sharded version
     if seq_len > model.max_seq_len or (args.seq_len or 0) > model.max_seq_len:
@@ -82,6 +120,8 @@ def build_job(args: argparse.Namespace, overrides: list[str]) -> est.JobSpec:
         policy=args.policy or policy,
         precision=args.precision or precision,
         device=device,
+        grad_accum=args.grad_accum or grad_accum,
+        **layout,
     )
 
 
@@ -92,33 +132,44 @@ def model_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
         ["parameters", f"{n:,} ({n / 1e9:.2f} B)"],
         ["matmul parameters N", f"{est.matmul_parameters(cfg):,}"],
         ["training FLOPs/token", f"{est.flops_per_token(cfg, job.seq_len):.4g}"],
-        ["shape", f"L={cfg.n_layer}, d={cfg.d_model}, heads={cfg.n_head}, d_ff={cfg.d_ff} {cfg.mlp}, "
-                  f"vocab={cfg.vocab_size}, s={job.seq_len}, b={job.micro_batch}"],
+        ["shape", f"L={cfg.n_layer}, d={cfg.d_model}, heads={cfg.n_head}, kv heads={cfg.kv_heads}, "
+                  f"d_ff={cfg.d_ff} {cfg.mlp}, vocab={cfg.vocab_size}, s={job.seq_len}, b={job.micro_batch}"],
+        ["layout", est.layout_words(job)],
     ]
     return ["model", "value"], rows
 
 
 def activation_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
+    """Per layer and per GPU for each policy, with the job's tensor/sequence parallelism."""
     cfg = job.model
+    layers = cfg.n_layer // job.pp
+    args, kw = (job.seq_len, job.micro_batch), dict(attention=job.attention, tp=job.tp, sequence_parallel=job.sp)
     rows = []
     for policy in est.POLICIES:
-        per_layer = est.activation_bytes_per_layer(
-            cfg, job.seq_len, job.micro_batch, policy, job.activation_dtype_bytes, attention=job.attention
-        )
+        per_layer = est.activation_bytes_per_layer(cfg, *args, policy, job.activation_dtype_bytes, **kw)
         extra = est.recompute_flops_per_token(cfg, job.seq_len, policy) / est.flops_per_token(cfg, job.seq_len)
         if policy == "offload":  # nothing stays on the GPU; the none bytes go to host memory
-            host = est.activation_bytes_per_layer(
-                cfg, job.seq_len, job.micro_batch, "none", job.activation_dtype_bytes, attention=job.attention
-            )
-            rows.append([policy, f"0 (host {human_bytes(host)})", f"0 (host {gib(host * cfg.n_layer)})", "0.0% + PCIe"])
+            host = est.activation_bytes_per_layer(cfg, *args, "none", job.activation_dtype_bytes, **kw)
+            rows.append([policy, f"0 (host {human_bytes(host)})", f"0 (host {gib(host * layers)})", "0.0% + PCIe"])
             continue
-        rows.append([policy, human_bytes(per_layer), gib(per_layer * cfg.n_layer), f"{extra:.1%}"])
-    return ["policy", "per layer", f"x {cfg.n_layer} layers", "recompute FLOPs"], rows
+        rows.append([policy, human_bytes(per_layer), gib(per_layer * layers), f"{extra:.1%}"])
+    return ["policy", "per layer per GPU", f"x {layers} layers", "recompute FLOPs"], rows
+
+
+def _activation_title(job: est.JobSpec) -> str:
+    split = f", tp={job.tp}{' + SP' if job.sp else ' without SP'}" if job.tp > 1 else ""
+    return (f"Activations saved for backward per micro-batch ({job.precision}, {job.attention} attention{split}, "
+            "Korthikanti et al. 2022)")
 
 
 def strategy_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
     rows = []
-    strategies = ("none",) if job.world_size == 1 else est.STRATEGIES[1:]
+    if job.dp == 1:
+        strategies: tuple[str, ...] = ("none",)
+    elif job.dp_replicate > 1:
+        strategies = ("zero3", "fsdp")  # HSDP shards inside dp_shard only with these
+    else:
+        strategies = est.STRATEGIES[1:]
     for strategy in strategies:
         result = est.estimate(dataclasses.replace(job, strategy=strategy))
         m, t = result.memory, result.time
@@ -136,14 +187,28 @@ def strategy_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
-def plan_section(job: est.JobSpec, top: int) -> tuple[list[str], list[list[str]]]:
-    plans = est.plan_fits(job.model, job.seq_len, job.world_size, job.device, job.precision, top=top)
-    rows = [
-        [p.job.strategy, p.job.policy, str(p.job.micro_batch), gib(p.memory.total), f"{p.time.step_s:.3g}",
-         f"{p.time.tokens_per_s:,.0f}", "-" if p.time.mfu is None else f"{p.time.mfu:.0%}"]
-        for p in plans
-    ]
-    return ["strategy", "policy", "micro-batch", "memory/GPU", "step s", "tokens/s", "MFU"], rows
+def stage_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
+    """Under pp: what each stage holds (every GPU must fit, so the largest decides)."""
+    rows = []
+    for stage in range(job.pp):
+        m = est.stage_memory(job, stage)
+        held = est.pipeline_in_flight(job.pp_schedule, job.pp, job.grad_accum, job.pp_virtual_stages, stage)
+        rows.append([str(stage), f"{est.stage_parameters(job.model, job.tp, job.pp, stage) / 1e9:.3g} B",
+                     f"{held:g}", gib(m.states), gib(m.activations + m.logits), gib(m.total)])
+    return ["stage", "parameters/GPU", "micro-batches held", "states/GPU", "activations/GPU", "total/GPU"], rows
+
+
+def _pipeline_title(job: est.JobSpec) -> str:
+    bubble = est.bubble_fraction(job.pp_schedule, job.pp, job.grad_accum, job.pp_virtual_stages)
+    virtual = f", {job.pp_virtual_stages} virtual stages" if job.pp_virtual_stages > 1 else ""
+    return (f"Pipeline: {job.pp} stages of {job.model.n_layer // job.pp} layers, {job.pp_schedule}{virtual}, "
+            f"{job.grad_accum} micro-batches: bubble {bubble:.1%} of the step")
+
+
+def plan_lines(job: est.JobSpec, global_batch: int, top: int) -> list[str]:
+    plans = est.plan_layouts(job.model, job.seq_len, job.world_size, job.device, job.precision,
+                             global_batch=global_batch, top=top)
+    return [est.describe_plan(p) for p in plans]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,26 +217,32 @@ def main(argv: list[str] | None = None) -> int:
         job = build_job(args, overrides)
         sections = [
             ("Model", *model_section(job)),
-            (f"Activations saved for backward ({job.precision}, {job.attention} attention, Korthikanti et al. 2022)",
-             *activation_section(job)),
+            (_activation_title(job), *activation_section(job)),
             (f"Per GPU on {job.world_size}x {job.device.name} (policy {job.policy}, micro-batch {job.micro_batch})",
              *strategy_section(job)),
         ]
-        if args.plan:
-            sections.append((f"Cheapest that fit on {job.world_size}x {job.device.name}", *plan_section(job, args.top)))
-        verdict = est.fit_verdict(
-            job.model, job.seq_len, job.micro_batch, job.world_size, job.strategy, job.policy, job.precision, job.device.name
-        )
+        if job.pp > 1:
+            sections.append((_pipeline_title(job), *stage_section(job)))
+        global_batch = args.global_batch or job.global_batch
+        plan = plan_lines(job, global_batch, args.top) if args.plan else []
+        layout = {key: getattr(job, key) for key in ("grad_accum", *LAYOUT_KEYS)}
+        verdict = est.fit_verdict(job.model, job.seq_len, job.micro_batch, job.world_size, job.strategy, job.policy,
+                                  job.precision, job.device.name, **layout)
     except (est.EstimatorError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for title, headers, rows in sections:
         print(f"\n{title}\n" + text_table(headers, rows, numeric=headers[0] != "model"))
-    if args.plan and not sections[-1][2]:
-        print("nothing fits; try more GPUs, a larger device, or a shorter sequence")
+    plan_title = (f"Cheapest layouts that fit on {job.world_size}x {job.device.name} ({job.device.gpus_per_node} per "
+                  f"node), global batch {global_batch} sequences, {job.precision}")
+    if args.plan:
+        print(f"\n{plan_title}")
+        print("\n".join(plan) if plan else "nothing fits; try more GPUs, a larger device, or a shorter sequence")
     print(f"\n{verdict}\nFLOPs convention: {FLOPS_CONVENTION}; memory in GiB (2^30 bytes).")
     if args.markdown:
         body = [f"## {title}\n\n{markdown_table(headers, rows)}\n" for title, headers, rows in sections]
+        if args.plan:
+            body.append(f"## {plan_title}\n\n```\n" + ("\n".join(plan) or "nothing fits") + "\n```\n")
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text("# Estimate\n\n" + "\n".join(body) + f"\n{verdict}\n")
         print(f"wrote {args.markdown}")

@@ -4,8 +4,10 @@
 #   2. tools/bench_kernels.py: eager vs torch.compile vs Triton, time and GB/s vs measured copy bandwidth;
 #   3. tools/bench_train.py, if it exists: GPT-2 124M steps with the torch ops, the Triton kernels,
 #      and torch.compile (BENCH_TRAIN_ARGS replaces those options).
-# Everything it writes goes under $OUT (default ./gpu_results), at most 8 files:
-#   env.txt, tests.log, bench_kernels.log, kernels.md, kernels.png, bench_train.log, train.md, train.png
+# Everything it writes goes under $OUT (default ./gpu_results), at most 10 files:
+#   env.txt, tests.log, bench_kernels.log, kernels.md, kernels.json, kernels.png,
+#   bench_train.log, train.md, train.json, train.png
+# (each .json holds the rows of the .md of the same name, for tools that read the results).
 # Each stage has its own time limit (together 440 s, plus ~10 s of set-up); a failing stage is
 # recorded and the next one still runs. The kernel tests compile a few hundred kernel variants
 # (dtypes x block sizes x integer specializations), so they run on 8 pytest-xdist workers.

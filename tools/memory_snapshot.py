@@ -3,9 +3,8 @@
     python tools/memory_snapshot.py --config configs/tiny.yaml --out runs/tiny/profile
     python tools/memory_snapshot.py --config configs/gpt2-124m.yaml --model.checkpointing=full
 
-It builds the model and optimizer exactly as ``train.py`` does in one process (its
-``build_model`` and the trainer's engine: same kernels, attention backend, precision mode and
-checkpointing policy), runs ``--steps`` steps on random tokens of the configured shape, then:
+It builds the model and engine exactly as ``train.py`` does in one process (the one build path,
+``training/build.py``: same kernels, attention backend, precision mode and recompute policy), runs ``--steps`` steps on random tokens of the configured shape, then:
 
 - on CUDA records the caching allocator's history (``torch.cuda.memory._record_memory_history``)
   and dumps ``memory_snapshot.pickle``: drag it into https://pytorch.org/memory_viz (the page
@@ -30,6 +29,12 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.errors import USER_FACING_ERRORS  # noqa: E402
+from parallel.distributed import DistContext, pick_device  # noqa: E402
+from training.build import build_from_config  # noqa: E402
+from training.config import load_config  # noqa: E402
+from training.loop import train_step  # noqa: E402
+
 MIB = 2**20
 HISTORY_ENTRIES = 100_000  # alloc/free events kept; several KB each, so the pickle stays ~100s of MB at most
 
@@ -40,10 +45,6 @@ class SnapshotError(ValueError):
 
 def build_training_step(cfg, device: torch.device):
     """(one_step, describe) for the trainer's model and engine on ``device``, in one process."""
-    from parallel.parallelize import apply_activation_checkpointing
-    from train import build_model
-    from training.engine import TorchEngine
-
     if cfg.parallel.strategy != "none":
         raise SnapshotError(
             f"parallel.strategy={cfg.parallel.strategy} needs several processes; snapshot one process with "
@@ -52,21 +53,19 @@ def build_training_step(cfg, device: torch.device):
     if cfg.train.compile:
         raise SnapshotError("train.compile=true: snapshot the eager model (--train.compile=false); compiled "
                             "graphs allocate differently, profile train.py for them")
-    model, notes = build_model(cfg, device)
-    if any(p.is_meta for p in model.parameters()):
+    if cfg.parallel.init_on_meta:
         raise SnapshotError("parallel.init_on_meta=true leaves the model unallocated; pass --parallel.init_on_meta=false")
-    apply_activation_checkpointing(model, cfg.model.checkpointing, cfg.model.checkpoint_every_k)
-    engine = TorchEngine(model, cfg, device, world_size=1)
+    built = build_from_config(cfg, DistContext.single(device))
+    engine = built.engine
     engine.train(True)
     gen = torch.Generator().manual_seed(cfg.train.seed)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.seq_len + 1), generator=gen)
-    x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    batch = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
 
     def one_step() -> None:
-        loss = engine.forward_backward(x, y, is_last_micro=True, n_micro=1)
-        engine.optimizer_step(cfg.optim.lr, loss)
+        train_step(engine, iter([batch] * cfg.train.grad_accum_steps), cfg.train.grad_accum_steps, cfg.optim.lr)
 
-    return one_step, notes
+    return one_step, built.notes[:2]
 
 
 def snapshot_cuda(one_step, steps: int, out: Path, device: torch.device) -> Path:
@@ -122,18 +121,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
-    from training.config import load_config
-
     try:
         cfg = load_config(args.config, overrides)
         if args.steps < 1:
             raise SnapshotError("--steps must be >= 1")
-        want = cfg.train.device
-        device = torch.device("cuda" if (want == "cuda" or (want == "auto" and torch.cuda.is_available())) else "cpu")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise SnapshotError("train.device=cuda but no CUDA device is visible; use --train.device=cpu")
+        device = pick_device(cfg.train.device, 0)
         one_step, notes = build_training_step(cfg, device)
-    except ValueError as exc:  # ConfigError, SnapshotError, CapabilityError, CheckpointError
+    except (SnapshotError, *USER_FACING_ERRORS) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = args.out or Path(cfg.logging.run_dir.format(name=cfg.name)) / "profile"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.errors import DataError  # noqa: E402
+from common.errors import DataError  # noqa: E402
 from data.prepare import OUTPUTS, TEXT_SPLITS, UTF8_POLICIES, PrepareOptions, Utf8Report, prepare  # noqa: E402
 from data.shards import DEFAULT_CHUNK_TOKENS  # noqa: E402
 

@@ -7,6 +7,8 @@ a CUDA machine measures them and saves gpu_measurements.json (with date and hard
 which later CPU runs read back to fill those cells. A CPU run saves its own measurements in
 cpu_measurements.json, so that a change to the analytic side can be regenerated with
 --reuse-measurements instead of measuring again (timings on a shared machine are noisy).
+Measured files other tools wrote (bench_train, bench_parallel, bench_data) are read through the
+rows each wrote as JSON next to its Markdown, never by parsing the Markdown.
 
 Examples:
   python tools/reproduce.py                      # all tables, measurements at a small CPU scale
@@ -30,12 +32,14 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from analysis import measure  # noqa: E402
-from analysis.chapter_tables import MEASURED_FILES, Measured, build_tables  # noqa: E402
+from analysis.chapter_tables import DATA_FORMATS_MEASURED_NAME, MEASURED_FILES, Measured, build_tables  # noqa: E402
+from common.errors import USER_FACING_ERRORS  # noqa: E402
+from common.measure import hardware_name, resolve_device  # noqa: E402
+from common.report import read_results, rows_path  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 
 GPU_RESULTS = "gpu_measurements.json"
 CPU_RESULTS = "cpu_measurements.json"
-DATA_FORMATS_MEASURED = "data_formats_measured.md"  # written by tools/bench_data.py
 REPO_RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
@@ -58,14 +62,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda: no CUDA device is visible here; use --device cpu")
-    return torch.device(name)
-
-
 def run_measurements(device: torch.device, quick: bool) -> dict:
     """Everything 'measured here' for this device, as JSON-ready dicts."""
     cfg, seq_len, micro_batch = measure.measurement_model(quick, device.type)
@@ -79,10 +75,9 @@ def run_measurements(device: torch.device, quick: bool) -> dict:
         "attention": measure.measure_attention(*attention_shape, device, dtype, rounds),
     }
     recompute = measure.measure_recompute(cfg, seq_len, micro_batch, device, steps=1 if quick else 3)
-    if recompute is not None:
-        recompute["model"] = dataclasses.asdict(cfg)
-        recompute["device"] = device.type
-        results["recompute"] = recompute
+    recompute["model"] = dataclasses.asdict(cfg)
+    recompute["device"] = device.type
+    results["recompute"] = recompute
     return results
 
 
@@ -108,14 +103,15 @@ def load_gpu_results(path: Path | None) -> dict:
         raise SystemExit(f"error: {path} is not valid JSON ({exc}); delete it or rerun on a GPU") from None
 
 
-def read_measured_documents(out: Path) -> dict[str, str]:
-    """The measured files the tables quote (MEASURED_FILES), from --out, else from the repository's
-    docs/results/; a file found in neither is left out and its cells say "not measured"."""
+def read_measured_documents(out: Path) -> dict[str, dict]:
+    """The rows of the measured files the tables quote (MEASURED_FILES; each tool writes them as JSON
+    next to its Markdown), from --out, else from the repository's docs/results/; a file found in
+    neither is left out and its cells say "not measured"."""
     documents = {}
     for name in MEASURED_FILES:
         for folder in (out, REPO_RESULTS):
-            if (folder / name).is_file():
-                documents[name] = (folder / name).read_text()
+            if rows_path(folder / name).is_file():
+                documents[name] = read_results(rows_path(folder / name))
                 break
     return documents
 
@@ -125,14 +121,14 @@ def assemble(measurements: dict, device: torch.device, gpu_results: dict, out: P
     if recompute is not None:
         recompute = {**recompute, "model_cfg": ModelConfig(**recompute["model"])}
     gpu = measurements if device.type == "cuda" else gpu_results
-    data_md = out / DATA_FORMATS_MEASURED
+    data_rows = rows_path(out / DATA_FORMATS_MEASURED_NAME)
     return Measured(
         formats=measure.measure_formats(),
         precision=measurements.get("precision"),
         attention=measurements.get("attention"),
         recompute=recompute,
         gpu=gpu,
-        data_formats_md=data_md.read_text() if data_md.is_file() else None,
+        data_bench=read_results(data_rows) if data_rows.is_file() else None,
         documents=read_measured_documents(out),
     )
 
@@ -157,6 +153,13 @@ def write_index(tables, out: Path, device_line: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return run(args)
+    except USER_FACING_ERRORS as exc:  # no CUDA for --device cuda, a damaged results file
+        raise SystemExit(f"error: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     threads = args.threads or (1 if args.quick else None)
     if threads is not None:
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     fresh = bool(measurements) and not args.reuse_measurements
     if fresh and not args.quick:  # --quick reuses an earlier result if there is one
-        data_md = args.out / DATA_FORMATS_MEASURED
+        data_md = args.out / DATA_FORMATS_MEASURED_NAME
         measure.run_data_benchmark(data_md, data_md.with_suffix(".png"))
     if fresh:
         saved.write_text(json.dumps(measurements, indent=1, default=str) + "\n")
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     measured = assemble(measurements, device, gpu_results, args.out)
     tables = build_tables(measured)
     if measurements:  # from the measurements themselves, also when they were saved by an earlier run
-        where = measurements.get("precision", {}).get("hardware") or measure.hardware_name(device)
+        where = measurements.get("precision", {}).get("hardware") or hardware_name(device)
     else:
         where = "no measurements (--no-measure)"
     written = []

@@ -21,6 +21,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.report import text_table  # noqa: E402
+
 COMM_PATTERN = re.compile(r"nccl|gloo|c10d::|all_?reduce|reduce_?scatter|all_?gather|broadcast|all_to_all", re.I)
 MIB = 2**20
 
@@ -201,11 +206,7 @@ def _op_table(title: str, ops: list[OpTime], wall: float, self_column: bool) -> 
     for op in ops:
         t = op.self_us if self_column else op.total_us
         rows.append([_shorten(op.name), str(op.calls), f"{t / 1e3:.2f}", f"{t / wall:.1%}" if wall else "-"])
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
-    out = [title, "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
-    out.append("  ".join("-" * w for w in widths))
-    out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    return "\n".join(out)
+    return f"{title}\n{text_table(header, rows)}"
 
 
 def _shorten(name: str, width: int = 70) -> str:

@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
+from common.errors import CheckpointError
+
 FORMAT_VERSION = 1  # new meta keys are optional: checkpoints written before them still load
 META = "meta.json"
 TMP_PREFIX = ".tmp-"
@@ -49,22 +51,8 @@ _STEP_RE = re.compile(r"^(?:\.old-)?step_(\d+)$")
 Warn = Callable[[str], None]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used or written; the message names the file and what to do."""
-
-
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def safe_torch_load(path: Path, map_location: Any = "cpu") -> Any:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file missing: {path} (the checkpoint is incomplete; pick another)")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # torch raises several types for truncated or foreign files
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"cannot read checkpoint file {path}: {first_line[:200]}") from None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -122,32 +110,6 @@ def _agree(error: CheckpointError | None, world_size: int, device: torch.device,
 
 
 # ----------------------------------------------------------------------- the finite check
-
-
-def local_weights(engine: Any) -> list[torch.Tensor]:
-    """The parameter values this rank actually holds, whatever the parallel strategy.
-
-    Under FSDP2 a parameter is a DTensor whose local shard is what this rank stores; under
-    ZeRO-3 the module's ``param.data`` is an empty placeholder and the rank's slice lives in
-    ``param.ds_tensor`` (padded at the end with uninitialized memory, which must not be read,
-    or garbage would look like a NaN). bf16_master keeps fp32 masters next to the bf16 model.
-    """
-    tensors = [_held_part(p) for p in engine.model.parameters()]
-    masters = getattr(engine, "masters", None)
-    if masters is not None:
-        tensors += [m.detach() for m in masters.masters]
-    return [t for t in tensors if t.numel() > 0]
-
-
-def _held_part(param: torch.Tensor) -> torch.Tensor:
-    ds_tensor = getattr(param, "ds_tensor", None)
-    if ds_tensor is not None:
-        part = ds_tensor.numel()
-        rank = getattr(param, "ds_zero_partition_rank", 0)  # the rank within the partition group
-        valid = max(0, min(part, getattr(param, "ds_numel", part) - part * rank))
-        return ds_tensor.detach().view(-1).narrow(0, 0, valid)
-    to_local = getattr(param, "to_local", None)  # a DTensor (FSDP2)
-    return (to_local() if callable(to_local) else param).detach()
 
 
 def _weights_nonfinite(tensors: Iterable[torch.Tensor], world_size: int, device: torch.device) -> bool:
@@ -502,7 +464,7 @@ def _read_pointer(root: Path) -> str | None:
         return None
 
 
-def read_meta(path: Path, world_size: int, strategy: str, model: dict[str, Any] | None = None) -> dict[str, Any]:
+def read_checkpoint_meta(path: Path, world_size: int, strategy: str, model: dict[str, Any] | None = None) -> dict[str, Any]:
     meta_path = path / META
     if not path.is_dir():
         raise CheckpointError(f"checkpoint not found: {path} (pass --resume latest or a step_XXXXXXXX directory)")

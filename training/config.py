@@ -10,7 +10,6 @@ naming the key and, where there is a fixed set, the valid choices.
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,71 +18,14 @@ from typing import Any, Literal
 
 import yaml
 
+from common.errors import ConfigError
+from common.fields import doc, require_finite
 from data.config import DataConfig
 from kernels.config import KernelsConfig
 from model.config import ModelConfig
 from parallel.config import ParallelConfig
-from training.fields import ConfigError, doc
-
-
-@dataclass
-class OptimConfig:
-    lr: float = doc(6e-4, "peak learning rate reached at the end of warmup")
-    min_lr: float = doc(6e-5, "learning rate at the end of the cosine decay")
-    warmup_steps: int = doc(
-        100, "linear warmup length in optimizer steps; at most train.max_steps unless optim.decay_steps is set "
-        "(a run that is the first part of a longer schedule)"
-    )
-    decay_steps: int | None = doc(
-        None, "step at which the cosine decay reaches optim.min_lr (counted from step 0, warmup included; "
-        ">= optim.warmup_steps); default: train.max_steps. Set it when one schedule spans several runs"
-    )
-    weight_decay: float = doc(0.1, "decoupled weight decay, applied to matrices only (not norms, biases)")
-    beta1: float = doc(0.9, "AdamW beta1, in [0, 1)")
-    beta2: float = doc(0.95, "AdamW beta2, in [0, 1)")
-    eps: float = doc(1e-8, "AdamW epsilon, > 0")
-    grad_clip: float = doc(1.0, "clip the global gradient norm to this value; 0 disables")
-    fused: Literal["auto", "on", "off"] = doc(
-        "auto", "fused AdamW kernel: auto uses it where PyTorch supports the device"
-    )
-
-    def validate(self) -> None:
-        # inf and nan pass every comparison-based check below (nan fails none of them), and
-        # an infinite lr turns the first update into NaN weights: finiteness comes first.
-        for key in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
-            _require_finite(f"optim.{key}", getattr(self, key))
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0 (got {self.lr})")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ConfigError(f"optim.min_lr must be between 0 and optim.lr={self.lr} (got {self.min_lr})")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
-        if self.decay_steps is not None and self.decay_steps < 0:
-            raise ConfigError(f"optim.decay_steps must be >= 0, or null for train.max_steps (got {self.decay_steps})")
-        if self.decay_steps is not None and self.decay_steps < self.warmup_steps:
-            raise ConfigError(
-                f"optim.decay_steps={self.decay_steps} ends the decay before optim.warmup_steps={self.warmup_steps} "
-                "ends the warmup; set optim.decay_steps >= optim.warmup_steps"
-            )
-        if self.weight_decay < 0:
-            raise ConfigError(f"optim.weight_decay must be >= 0 (got {self.weight_decay})")
-        for key in ("beta1", "beta2"):
-            if not 0 <= getattr(self, key) < 1:
-                raise ConfigError(f"optim.{key} must be in [0, 1) (got {getattr(self, key)})")
-        if self.eps <= 0:
-            raise ConfigError(f"optim.eps must be > 0 (got {self.eps})")
-        if self.grad_clip < 0:
-            raise ConfigError(f"optim.grad_clip must be >= 0, 0 disables clipping (got {self.grad_clip})")
-
-
-_FLOAT32_MAX = 3.4028234663852886e38
-
-
-def _require_finite(key: str, value: float | None) -> None:
-    # Parameters and optimizer states are float32 at least: a value beyond float32's range is
-    # inf there (or makes torch raise mid-step), although Python calls it finite.
-    if value is not None and not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
-        raise ConfigError(f"{key} must be a finite number within float32 range (got {value})")
+from parallel.optim import OptimConfig
+from parallel.precision import PrecisionConfig
 
 
 @dataclass
@@ -106,7 +48,7 @@ class TrainConfig:
     profile_warmup: int = doc(1, "profiler: warmup steps (recorded but discarded)")
     profile_active: int = doc(3, "profiler: steps recorded")
     peak_tflops: float | None = doc(
-        None, "per-device dense peak TFLOP/s for MFU; default: the device table in analysis/hardware.py"
+        None, "per-device dense peak TFLOP/s for MFU; default: the device table in common/hardware.py"
     )
     data_wait_warn: float = doc(0.2, "warn when the fraction of step time spent waiting for data exceeds this")
 
@@ -119,42 +61,12 @@ class TrainConfig:
                 raise ConfigError(f"train.{key} must be >= 0 (got {getattr(self, key)})")
         if self.eval_interval < 0 or self.eval_steps < 1:
             raise ConfigError("train.eval_interval must be >= 0 and train.eval_steps >= 1")
-        _require_finite("train.data_wait_warn", self.data_wait_warn)
+        require_finite("train.data_wait_warn", self.data_wait_warn, ConfigError)
         if self.data_wait_warn < 0:
             raise ConfigError(f"train.data_wait_warn must be >= 0 (got {self.data_wait_warn})")
-        _require_finite("train.peak_tflops", self.peak_tflops)
+        require_finite("train.peak_tflops", self.peak_tflops, ConfigError)
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"train.peak_tflops must be > 0, or null for the device table (got {self.peak_tflops})")
-
-
-@dataclass
-class PrecisionConfig:
-    mode: Literal["fp32", "bf16", "fp16", "bf16_master", "fp8"] = doc(
-        "fp32",
-        "fp32 | bf16 (autocast) | fp16 (autocast + grad scaler) | bf16_master (bf16 weights, "
-        "fp32 norms and fp32 master weights) | fp8 (Transformer Engine, delayed scaling)",
-    )
-    nonfinite: Literal["skip", "stop"] = doc(
-        "skip", "on a non-finite loss or grad norm: skip the optimizer step, or stop the run"
-    )
-    fp16_init_scale: float = doc(2.0**16, "initial loss scale for fp16")
-    fp8_format: Literal["hybrid", "e4m3"] = doc("hybrid", "fp8: hybrid = E4M3 forward, E5M2 backward")
-    fp8_amax_history_len: int = doc(16, "fp8 delayed scaling: amax history length")
-    fp8_amax_compute_algo: Literal["max", "most_recent"] = doc("max", "fp8 delayed scaling: amax reduction")
-    fp8_margin: int = doc(0, "fp8 delayed scaling: margin (power-of-two headroom)")
-    max_skipped_steps: int = doc(
-        10, "with nonfinite=skip, stop after this many consecutive skipped steps"
-    )
-
-    def validate(self) -> None:
-        _require_finite("precision.fp16_init_scale", self.fp16_init_scale)
-        if self.fp16_init_scale <= 0:
-            raise ConfigError(f"precision.fp16_init_scale must be > 0 (got {self.fp16_init_scale})")
-        if self.fp8_amax_history_len < 1:
-            raise ConfigError(f"precision.fp8_amax_history_len must be >= 1 (got {self.fp8_amax_history_len})")
-        for key in ("fp8_margin", "max_skipped_steps"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"precision.{key} must be >= 0 (got {getattr(self, key)})")
 
 
 @dataclass
@@ -225,9 +137,7 @@ class JobConfig:
     def lr_schedule(self) -> dict[str, Any]:
         """The learning-rate schedule with decay_steps resolved: ``lr_at``'s keyword arguments,
         and what a checkpoint records so a resumed run can be checked against it."""
-        o = self.optim
-        decay_steps = self.train.max_steps if o.decay_steps is None else o.decay_steps
-        return {"lr": o.lr, "min_lr": o.min_lr, "warmup_steps": o.warmup_steps, "decay_steps": decay_steps}
+        return self.optim.schedule(self.train.max_steps)
 
     def _validate_cross_sections(self) -> None:
         if self.precision.mode == "fp8" and self.model.layers != "te":

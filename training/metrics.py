@@ -1,12 +1,14 @@
 """Where a run's numbers go: the terminal (progress bar or plain lines), metrics.jsonl, wandb, TensorBoard.
 
-Only rank 0 writes files and summaries; every rank may print warnings through ``RunLogger.warn``
-with its rank/node prefix. wandb defaults to offline mode so a run never needs the network.
+Only rank 0 writes files and summaries. Lines go through the project's one logging channel
+(``common/log.py``), which ``RunLogger`` points at the terminal with this rank's prefix: info from
+rank 0, warnings from every rank. wandb defaults to offline mode so a run never needs the network.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from common.log import EVERY_RANK, configure_logging, get_logger, print_line
 
 
 def peak_memory_gib(device: torch.device) -> tuple[float, str]:
@@ -34,7 +38,9 @@ class RunLogger:
         self._bar = None
         self._wandb = None
         self._tb = None
+        self._log = get_logger("run")
         if not is_main:
+            configure_logging(tag, main=False, write=self._write)
             return
         if logging_cfg.jsonl:
             self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
@@ -49,19 +55,23 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        configure_logging(tag, main=is_main, write=self._write)
 
     def info(self, message: str) -> None:
-        if self.is_main:
-            self._print(message)
+        self._log.info(message)
 
     def warn(self, message: str) -> None:
-        self._print(f"{self.tag}WARNING: {message}")
+        self._log.warning(message)
 
-    def _print(self, message: str) -> None:
+    def info_every_rank(self, message: str) -> None:
+        """An info line from this rank whatever its rank (only rank 0 prints plain info)."""
+        logging.getLogger(EVERY_RANK).info(message)
+
+    def _write(self, line: str) -> None:
         if self._bar is not None:
-            self._bar.write(message, file=sys.stderr)
+            self._bar.write(line, file=sys.stderr)
         else:
-            print(message, flush=True)
+            print_line(line)
 
     def set_start(self, step: int) -> None:
         if self._bar is not None:
@@ -101,7 +111,7 @@ class RunLogger:
             if self._bar is not None:
                 self._bar.set_postfix_str(line, refresh=False)
             else:
-                self._print(line)
+                self.info(line)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
@@ -116,6 +126,12 @@ class RunLogger:
             self._wandb.finish()
         if self._tb is not None:
             self._tb.close()
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class LearningAlarms:

@@ -3,7 +3,7 @@
 Preemptible clusters send SIGTERM some seconds before SIGKILL (Slurm: ``KillWait``, 30 s by
 default; torchrun forwards it to every worker and waits 30 s). The handler only records the
 signal; the training loop asks ``StopRequest.requested`` after each optimizer step, and under
-several ranks ``distributed.StopAgreement`` makes every rank stop, and so save, at the same step.
+several ranks ``StopAgreement`` makes every rank stop, and so save, at the same step.
 """
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ import os
 import signal
 import threading
 import time
+
+import torch
+import torch.distributed as dist
+
+from parallel.distributed import DistContext
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 # Slurm signals every process of a job step and torchrun forwards the same signal to its workers,
@@ -103,3 +108,51 @@ class StopRequest:
         # wakeup fd since, the stop still happens; only the "second signal" exit would be lost.
         if not self.signum:
             self.signum, self._first_at = signum, time.monotonic()
+
+
+class StopAgreement:
+    """Makes every rank stop at the same step when any of them was asked to (SIGTERM, Ctrl-C).
+
+    Ranks receive a signal at different steps, yet must save the same one. Each step every rank
+    starts an all-reduce (MAX) of its signal number and reads the result of the previous step's:
+    one step of lag, so the read never waits (on CUDA the value comes back through pinned memory
+    behind an event, keeping the engine's one host sync per step the only one). A single process
+    needs no agreement and stops after the step in which the signal arrived.
+    """
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+        self._pending: tuple | None = None
+
+    def poll(self, local_signum: int) -> int:
+        """The agreed signal number (0: keep going). A collective: every rank calls it once per step."""
+        if self.ctx.backend is None:
+            return local_signum
+        agreed = self._collect()
+        value = torch.tensor([local_signum], dtype=torch.int32, device=self.ctx.device)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True)
+        if value.is_cuda:
+            work.wait()  # orders the copy after the all-reduce on the stream; does not block the host
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(value, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (None, host, event)
+        else:
+            self._pending = (work, value, None)
+        return agreed
+
+    def finish(self) -> None:
+        """Complete the outstanding all-reduce before the process group goes away."""
+        self._collect()
+
+    def _collect(self) -> int:
+        if self._pending is None:
+            return 0
+        work, host, event = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        if event is not None:
+            event.synchronize()
+        return int(host.item())

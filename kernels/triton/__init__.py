@@ -8,18 +8,23 @@ setting instead of failing obscurely at the first launch.
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
+
+from common.errors import ConfigError
 
 OP_MODULES = ("layer_norm", "rms_norm", "bias_gelu", "swiglu", "cross_entropy", "rope")
 
 
 def load_op_modules() -> dict[str, ModuleType]:
     """The op modules by name; raises if they were built for another TRITON_INTERPRET setting."""
-    from training.fields import ConfigError
+    # These files import triton at their top: only a run that asks for the Triton kernels pays
+    # for (and needs) it.
+    from kernels.triton import _common as common
+    from kernels.triton import bias_gelu, cross_entropy, layer_norm, rms_norm, rope, swiglu
 
-    common = importlib.import_module("kernels.triton._common")
-    modules = {name: importlib.import_module(f"kernels.triton.{name}") for name in OP_MODULES}
+    modules = {"layer_norm": layer_norm, "rms_norm": rms_norm, "bias_gelu": bias_gelu, "swiglu": swiglu,
+               "cross_entropy": cross_entropy, "rope": rope}
+    assert tuple(modules) == OP_MODULES
     wanted = common.interpreter_active()
     if common.language_interpreted() != wanted:
         raise ConfigError(

@@ -18,13 +18,13 @@ POLICIES = ("full", "op_selective", "offload")
 
 
 def _build(policy: str):
-    from model.checkpointing import apply_activation_checkpointing
     from model.config import ModelConfig
     from model.gpt import GPT
+    from model.recompute import apply_recompute
 
     torch.manual_seed(0)
     model = GPT(ModelConfig(max_seq_len=16, d_model=32, n_head=2, n_layer=2), attention_backend="reference")
-    apply_activation_checkpointing(model, policy)
+    apply_recompute(model, policy)
     return model
 
 

@@ -10,17 +10,17 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from model.checkpointing import (
-    CheckpointError,
-    CheckpointedModule,
-    apply_activation_checkpointing,
-    checkpointed_modules,
-    describe_checkpointing,
-)
-from model.config import CHECKPOINT_POLICIES, ModelConfig
+from model.config import RECOMPUTE_POLICIES, ModelConfig
 from model.gpt import GPT
+from model.recompute import (
+    RecomputedModule,
+    RecomputeError,
+    apply_recompute,
+    describe_recompute,
+    recomputed_modules,
+)
 
-POLICIES = [p for p in CHECKPOINT_POLICIES if p != "none"]
+POLICIES = [p for p in RECOMPUTE_POLICIES if p != "none"]
 B, T = 2, 32
 
 # Two shapes of block: learned positions + LayerNorm + GELU on the reference attention (which
@@ -55,7 +55,7 @@ def loss_and_grads(model: GPT, seed: int = 7):
 
 def with_policy(base: GPT, policy: str, every_k: int = 2) -> GPT:
     model = copy.deepcopy(base)
-    apply_activation_checkpointing(model, policy, every_k)
+    apply_recompute(model, policy, every_k)
     return model
 
 
@@ -127,48 +127,48 @@ def test_state_dict_keys_are_identical_and_load_across_policies():
 
 def test_each_policy_wraps_the_modules_it_names():
     base = GPT(tiny_config(), attention_backend="reference")
-    assert checkpointed_modules(with_policy(base, "none")) == {}
-    assert checkpointed_modules(with_policy(base, "full")) == {f"blocks.{i}": "full" for i in range(4)}
-    assert checkpointed_modules(with_policy(base, "selective")) == {f"blocks.{i}.attn.core": "selective" for i in range(4)}
+    assert recomputed_modules(with_policy(base, "none")) == {}
+    assert recomputed_modules(with_policy(base, "full")) == {f"blocks.{i}": "full" for i in range(4)}
+    assert recomputed_modules(with_policy(base, "selective")) == {f"blocks.{i}.attn.core": "selective" for i in range(4)}
     # every_k counts blocks from 1: the k-th, 2k-th, ... block is recomputed; k=1 is full.
-    assert list(checkpointed_modules(with_policy(base, "every_k", every_k=2))) == ["blocks.1", "blocks.3"]
-    assert list(checkpointed_modules(with_policy(base, "every_k", every_k=3))) == ["blocks.2"]
-    assert len(checkpointed_modules(with_policy(base, "every_k", every_k=1))) == 4
-    assert set(checkpointed_modules(with_policy(base, "op_selective")).values()) == {"op_selective"}
+    assert list(recomputed_modules(with_policy(base, "every_k", every_k=2))) == ["blocks.1", "blocks.3"]
+    assert list(recomputed_modules(with_policy(base, "every_k", every_k=3))) == ["blocks.2"]
+    assert len(recomputed_modules(with_policy(base, "every_k", every_k=1))) == 4
+    assert set(recomputed_modules(with_policy(base, "op_selective")).values()) == {"op_selective"}
     offloaded = with_policy(base, "offload")
-    assert set(checkpointed_modules(offloaded).values()) == {"offload"}
+    assert set(recomputed_modules(offloaded).values()) == {"offload"}
     # The wrapped module keeps its type for isinstance checks, and the log line names what was done.
     assert isinstance(offloaded.blocks[0], type(base.blocks[0]))
-    assert "offload on 4 modules" in describe_checkpointing(offloaded)
-    assert describe_checkpointing(base) == "activation checkpointing: none"
+    assert "offload on 4 modules" in describe_recompute(offloaded)
+    assert describe_recompute(base) == "activation checkpointing: none"
 
 
 def test_bad_requests_fail_with_a_message_that_says_what_to_do():
     base = GPT(tiny_config(), attention_backend="reference")
-    with pytest.raises(CheckpointError, match="choose one of none, selective"):
-        apply_activation_checkpointing(copy.deepcopy(base), "sometimes")
-    with pytest.raises(CheckpointError, match="every_k must be >= 1"):
-        apply_activation_checkpointing(copy.deepcopy(base), "every_k", every_k=0)
+    with pytest.raises(RecomputeError, match="choose one of none, selective"):
+        apply_recompute(copy.deepcopy(base), "sometimes")
+    with pytest.raises(RecomputeError, match="every_k must be >= 1"):
+        apply_recompute(copy.deepcopy(base), "every_k", every_k=0)
     twice = with_policy(base, "full")
-    with pytest.raises(CheckpointError, match="already applied"):
-        apply_activation_checkpointing(twice, "full")
+    with pytest.raises(RecomputeError, match="already applied"):
+        apply_recompute(twice, "full")
 
     class BlocksWithoutAttentionCore(nn.Module):
         def __init__(self):
             super().__init__()
             self.blocks = nn.ModuleList([nn.Linear(4, 4)])
 
-    with pytest.raises(CheckpointError, match="use checkpointing=full"):
-        apply_activation_checkpointing(BlocksWithoutAttentionCore(), "selective")
-    with pytest.raises(CheckpointError, match="before wrapping it"):
-        apply_activation_checkpointing(nn.Sequential(nn.Linear(4, 4)), "full")
+    with pytest.raises(RecomputeError, match="use checkpointing=full"):
+        apply_recompute(BlocksWithoutAttentionCore(), "selective")
+    with pytest.raises(RecomputeError, match="before wrapping it"):
+        apply_recompute(nn.Sequential(nn.Linear(4, 4)), "full")
 
 
 def test_checkpointed_modules_deepcopy_and_share_one_generated_class():
     model = with_policy(GPT(tiny_config(), attention_backend="reference"), "full")
     clone = copy.deepcopy(model)
     assert type(clone.blocks[0]) is type(model.blocks[0]) is type(model.blocks[3])
-    assert isinstance(clone.blocks[0], CheckpointedModule)
+    assert isinstance(clone.blocks[0], RecomputedModule)
     assert_same_step(loss_and_grads(model), loss_and_grads(clone))
 
 

@@ -1,4 +1,7 @@
-"""Activation checkpointing policies, applied in place to a built GPT.
+"""Activation recompute policies (``model.checkpointing``), applied in place to a built GPT.
+
+"Recompute" here always means activations dropped in forward and rebuilt in backward; saving and
+loading training state is "checkpoint" (training/checkpoint.py), a different thing with its own errors.
 
     none          keep every activation autograd saves (the baseline)
     selective     recompute only each block's attention core (QK^T, softmax, dropout, @V), as in
@@ -23,7 +26,7 @@ optimizer-state FQNs are identical under every policy: a checkpoint saved with `
 ``full`` and vice versa, and DCP/FSDP2 see the names they would see without checkpointing. A wrapper
 module holding the original as a child would add a prefix to every name instead.
 
-Order (as in torchtitan): apply checkpointing to the plain model, then torch.compile, then
+Order (as in torchtitan): apply recompute to the plain model, then torch.compile, then
 FSDP2/DDP. FSDP2 swaps the class once more (``FSDPCheckpointedBlock``) and still calls our forward.
 Under torch.compile, full/selective/every_k/op_selective become part of the compiled graph (SAC's
 policy is handed to the partitioner); offload's save_on_cpu hooks cannot be traced, so dynamo runs
@@ -44,7 +47,9 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from model.config import CHECKPOINT_POLICIES
+from common.errors import RecomputeError
+from model.config import RECOMPUTE_POLICIES
+from model.te import TEBlock, te_checkpoint
 
 # Called with ("cached", tensor) for each output op_selective keeps and ("offloaded", tensor) for each
 # tensor offload moves to the host: memory an outer saved_tensors_hooks cannot see. Used by
@@ -70,10 +75,6 @@ SAVED_OP_NAMES = (
 )
 
 
-class CheckpointError(ValueError):
-    """A checkpointing policy cannot be applied to this model; the message says why and what to use."""
-
-
 # --------------------------------------------------------------------------- what runs a forward
 
 
@@ -94,8 +95,6 @@ class TERecompute:
     label: str = "recompute"
 
     def __call__(self, forward: Callable, *args, **kwargs):
-        from model.te import te_checkpoint
-
         return te_checkpoint(forward, *args, **kwargs)
 
 
@@ -193,7 +192,7 @@ def _tensors_in(value) -> list[torch.Tensor]:
 # --------------------------------------------------------------------------- the class swap
 
 
-class CheckpointedModule:
+class RecomputedModule:
     """Mixin placed in front of a module's own class: its forward goes through ``activation_checkpoint``."""
 
     activation_checkpoint: Callable
@@ -208,20 +207,20 @@ class CheckpointedModule:
 
 
 @functools.cache
-def _checkpointed_class(cls: type) -> type:
+def _recomputed_class(cls: type) -> type:
     # One generated class per original class, so every block shares it (as FSDP2 does for its own).
-    return type(f"Checkpointed{cls.__name__}", (CheckpointedModule, cls), {})
+    return type(f"Checkpointed{cls.__name__}", (RecomputedModule, cls), {})
 
 
 def _wrap_in_place(module: nn.Module, runner: Callable) -> None:
-    module.__class__ = _checkpointed_class(type(module))
+    module.__class__ = _recomputed_class(type(module))
     module.activation_checkpoint = runner
 
 
 # --------------------------------------------------------------------------- policies
 
 
-def apply_activation_checkpointing(
+def apply_recompute(
     model: nn.Module, policy: str, every_k: int = 2, *, observer: Observer | None = None
 ) -> None:
     """Apply ``policy`` to ``model.blocks`` in place; a no-op for ``none``.
@@ -229,20 +228,20 @@ def apply_activation_checkpointing(
     Call on the plain model, before torch.compile and FSDP2/DDP. ``observer`` (see ``Observer``) is
     for measurement only.
     """
-    if policy not in CHECKPOINT_POLICIES:
-        raise CheckpointError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(CHECKPOINT_POLICIES)}")
+    if policy not in RECOMPUTE_POLICIES:
+        raise RecomputeError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(RECOMPUTE_POLICIES)}")
     if policy == "none":
         return
     if every_k < 1:
-        raise CheckpointError(f"checkpoint_every_k must be >= 1 (got {every_k})")
+        raise RecomputeError(f"checkpoint_every_k must be >= 1 (got {every_k})")
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
-        raise CheckpointError(
+        raise RecomputeError(
             f"{type(model).__name__} has no `blocks` ModuleList; apply checkpointing to the GPT itself, "
             "before wrapping it with torch.compile, DDP or FSDP"
         )
-    if any(isinstance(m, CheckpointedModule) for m in model.modules()):
-        raise CheckpointError("activation checkpointing is already applied to this model; apply it once")
+    if any(isinstance(m, RecomputedModule) for m in model.modules()):
+        raise RecomputeError("activation checkpointing is already applied to this model; apply it once")
     for index, block in enumerate(blocks):
         target = _target_module(policy, block, index, every_k)
         if target is not None:
@@ -253,7 +252,7 @@ def _target_module(policy: str, block: nn.Module, index: int, every_k: int) -> n
     if policy == "selective":
         core = getattr(getattr(block, "attn", None), "core", None)
         if not isinstance(core, nn.Module):
-            raise CheckpointError(
+            raise RecomputeError(
                 f"checkpointing=selective recomputes block.attn.core, which {type(block).__name__} does not have "
                 "(Transformer Engine layers: use checkpointing=full)"
             )
@@ -267,7 +266,7 @@ def _runner(policy: str, observer: Observer | None, target: nn.Module | None = N
     te_block = target is not None and _is_te_block(target)
     if policy == "op_selective":
         if te_block:
-            raise CheckpointError(
+            raise RecomputeError(
                 "checkpointing=op_selective cannot select inside Transformer Engine layers (their GEMMs are not "
                 "aten ops, and torch's recompute would leave TE's FP8 autocast); use checkpointing=full or every_k"
             )
@@ -280,8 +279,6 @@ def _runner(policy: str, observer: Observer | None, target: nn.Module | None = N
 
 
 def _is_te_block(module: nn.Module) -> bool:
-    from model.te import TEBlock
-
     return isinstance(module, TEBlock)
 
 
@@ -296,18 +293,18 @@ def saved_ops() -> frozenset:
     return frozenset(found)
 
 
-def checkpointed_modules(model: nn.Module) -> dict[str, str]:
+def recomputed_modules(model: nn.Module) -> dict[str, str]:
     """{qualified module name: policy label} for every module that checkpointing wraps."""
     return {
         name: module.activation_checkpoint.label
         for name, module in model.named_modules()
-        if isinstance(module, CheckpointedModule)
+        if isinstance(module, RecomputedModule)
     }
 
 
-def describe_checkpointing(model: nn.Module) -> str:
+def describe_recompute(model: nn.Module) -> str:
     """One log line: which modules are wrapped, and how."""
-    wrapped = checkpointed_modules(model)
+    wrapped = recomputed_modules(model)
     if not wrapped:
         return "activation checkpointing: none"
     labels = sorted(set(wrapped.values()))

@@ -1,0 +1,484 @@
+"""Weights in and out: perfgpt <-> Hugging Face GPT-2 and Llama layouts, and nanoGPT checkpoints.
+
+Pure functions on a ``ModelConfig`` and a state dict (name -> tensor), plus reading and writing
+a Hugging Face model directory (``config.json`` and ``model.safetensors`` or
+``pytorch_model.bin``, sharded or not) and a nanoGPT ``ckpt.pt``. Nothing here needs
+``transformers``; the layouts below are what its ``GPT2LMHeadModel`` and ``LlamaForCausalLM``
+read and write.
+
+Which layout a perfgpt model exports to follows from its shape:
+- GPT-2: learned positions, LayerNorm, GELU MLP (``model.gelu`` tanh = ``gelu_new``, exact =
+  ``gelu``), multi-head attention. GPT-2's linear layers are ``Conv1D``, weights stored (in, out),
+  so they are transposed. GPT-2 always has biases: a bias-free model is written with zero biases.
+- Llama: rotary positions, RMSNorm, SwiGLU; ``num_key_value_heads`` = ``model.n_kv_head``. Our
+  fused projections are split (qkv -> q/k/v_proj, fc -> gate_proj|up_proj) and joined back.
+  Rotary embeddings use the same convention on both sides (the two halves of a head are the
+  real and imaginary parts, HF's ``rotate_half``; ``kernels.reference.apply_rope``), so q/k
+  weights are copied without a permutation. Llama has no residual dropout; ``attention_dropout``
+  carries ``model.dropout``.
+Anything else (e.g. learned positions with SwiGLU, GQA in the GPT-2 layout, bias on only some
+layers) is refused with one line naming the key.
+
+nanoGPT (karpathy/nanoGPT ``ckpt.pt``): ``model_args`` (n_layer, n_head, n_embd, block_size,
+bias, vocab_size, dropout) and a state dict under GPT-2's names but with ``nn.Linear`` weights
+(no transpose), an optional ``_orig_mod.`` prefix (torch.compile), exact GELU, LayerNorm eps 1e-5,
+tied head, and all biases on or off together.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from common.errors import InteropError
+from model.config import ModelConfig
+from model.gpt import GPT
+
+State = dict[str, torch.Tensor]
+
+GPT2, LLAMA = "gpt2", "llama"
+# What each layout requires of a perfgpt model: (config key, required value).
+LAYOUT_NEEDS = {
+    GPT2: (("position", "learned"), ("norm", "layernorm"), ("mlp", "gelu")),
+    LLAMA: (("position", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu")),
+}
+HF_GELU = {"tanh": "gelu_new", "exact": "gelu"}
+HF_GELU_IMPORT = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "exact"}
+# Buffers that HF GPT-2 (older versions), nanoGPT (without flash attention) and older HF Llama
+# save next to the weights: causal masks and rotary frequencies, rebuilt by every model.
+DERIVED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+# --------------------------------------------------------------------------- choosing the layout
+
+
+def hf_layout(cfg: ModelConfig) -> str:
+    """``gpt2`` or ``llama``: the Hugging Face layout that expresses this model, or InteropError."""
+    if cfg.layers != "torch":
+        raise InteropError(
+            f"model.layers={cfg.layers}: export from a model.layers=torch build (TE names its weights differently)"
+        )
+    misses = {layout: [k for k, v in needs if getattr(cfg, k) != v] for layout, needs in LAYOUT_NEEDS.items()}
+    layout = min(misses, key=lambda name: len(misses[name]))
+    if misses[layout]:
+        wanted = ", ".join(f"model.{k}={v}" for k, v in LAYOUT_NEEDS[layout])
+        found = ", ".join(f"model.{k}={getattr(cfg, k)}" for k in misses[layout])
+        raise InteropError(
+            f"{found}: no Hugging Face layout expresses this model (the nearest, {layout}, needs {wanted}; "
+            f"the other needs {', '.join(f'model.{k}={v}' for k, v in LAYOUT_NEEDS[_other(layout)])})"
+        )
+    if layout == GPT2 and cfg.kv_heads != cfg.n_head:
+        raise InteropError(
+            f"model.n_kv_head={cfg.n_kv_head}: the GPT-2 layout has no grouped-query attention "
+            "(export needs n_kv_head unset or equal to model.n_head)"
+        )
+    return layout
+
+
+def _other(layout: str) -> str:
+    return LLAMA if layout == GPT2 else GPT2
+
+
+# --------------------------------------------------------------------------- name maps
+
+
+def _gpt2_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
+    """(perfgpt name, GPT-2/nanoGPT name, is a linear weight) for every tensor."""
+    yield "tok_emb.weight", "transformer.wte.weight", False
+    yield "pos_emb.weight", "transformer.wpe.weight", False
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        for a, b in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            yield f"{ours}{a}.weight", f"{theirs}{b}.weight", False
+            yield f"{ours}{a}.bias", f"{theirs}{b}.bias", False
+        for a, b in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"), ("mlp.out", "mlp.c_proj")):
+            yield f"{ours}{a}.weight", f"{theirs}{b}.weight", True
+            yield f"{ours}{a}.bias", f"{theirs}{b}.bias", False
+        yield f"{ours}mlp.fc.weight", f"{theirs}mlp.c_fc.weight", True
+        yield f"{ours}mlp.fc_bias", f"{theirs}mlp.c_fc.bias", False
+    yield "norm_f.weight", "transformer.ln_f.weight", False
+    yield "norm_f.bias", "transformer.ln_f.bias", False
+    if not cfg.tie_embeddings:
+        yield "lm_head.weight", "lm_head.weight", False
+
+
+def _llama_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], tuple[int, ...]]]:
+    """(perfgpt name, Llama names, row sizes of the split) for every tensor; one name = a copy."""
+    d, kv, f = cfg.d_model, cfg.kv_dim, cfg.d_ff
+    yield "tok_emb.weight", ("model.embed_tokens.weight",), ()
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        yield f"{ours}norm1.weight", (f"{theirs}input_layernorm.weight",), ()
+        yield f"{ours}norm2.weight", (f"{theirs}post_attention_layernorm.weight",), ()
+        qkv = tuple(f"{theirs}self_attn.{p}_proj" for p in "qkv")
+        gate_up = (f"{theirs}mlp.gate_proj", f"{theirs}mlp.up_proj")
+        yield f"{ours}attn.qkv.weight", tuple(f"{n}.weight" for n in qkv), (d, kv, kv)
+        yield f"{ours}attn.proj.weight", (f"{theirs}self_attn.o_proj.weight",), ()
+        yield f"{ours}mlp.fc.weight", tuple(f"{n}.weight" for n in gate_up), (f, f)
+        yield f"{ours}mlp.out.weight", (f"{theirs}mlp.down_proj.weight",), ()
+        if cfg.bias:
+            yield f"{ours}attn.qkv.bias", tuple(f"{n}.bias" for n in qkv), (d, kv, kv)
+            yield f"{ours}attn.proj.bias", (f"{theirs}self_attn.o_proj.bias",), ()
+            yield f"{ours}mlp.fc_bias", tuple(f"{n}.bias" for n in gate_up), (f, f)
+            yield f"{ours}mlp.out.bias", (f"{theirs}mlp.down_proj.bias",), ()
+    yield "norm_f.weight", ("model.norm.weight",), ()
+    if not cfg.tie_embeddings:
+        yield "lm_head.weight", ("lm_head.weight",), ()
+
+
+# --------------------------------------------------------------------------- perfgpt -> HF
+
+
+def to_hf_config(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``config.json`` of the HF model; ``extra`` adds or overrides keys (e.g. eos_token_id).
+
+    bos/eos token ids are written as null unless given: HF's defaults (50256 for GPT-2, 1 and 2
+    for Llama) are ids of tokenizers this model may not use, and ``generate`` would stop on them.
+    """
+    layout = hf_layout(cfg)
+    if layout == GPT2:
+        config = {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size, "n_positions": cfg.max_seq_len, "n_embd": cfg.d_model,
+            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": cfg.d_ff,
+            "activation_function": HF_GELU[cfg.gelu], "layer_norm_epsilon": cfg.norm_eps,
+            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        }
+    else:
+        config = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+            "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout, "pretraining_tp": 1,
+        }
+    config.update({"tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+                   "bos_token_id": None, "eos_token_id": None})
+    config.update(extra or {})
+    return config
+
+
+def to_hf_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> State:
+    """perfgpt weights under HF names; new tensors throughout (safetensors refuses shared storage)."""
+    if hf_layout(cfg) == GPT2:
+        return _to_gpt2_names(cfg, state, transpose=True)
+    out: State = {}
+    for ours, theirs, rows in _llama_names(cfg):
+        tensor = _get(state, ours)
+        parts = tensor.split(rows) if rows else (tensor,)
+        out.update({name: part.detach().clone() for name, part in zip(theirs, parts)})
+    return out
+
+
+def _to_gpt2_names(cfg: ModelConfig, state: Mapping[str, torch.Tensor], transpose: bool) -> State:
+    out: State = {}
+    for ours, theirs, linear in _gpt2_names(cfg):
+        if ours in state:
+            tensor = state[ours].detach()
+            out[theirs] = tensor.t().contiguous() if linear and transpose else tensor.clone()
+        elif ours.endswith("bias"):
+            # A bias-free perfgpt model in a layout that always has biases: zero biases are exact.
+            out[theirs] = torch.zeros(_bias_size(cfg, ours), dtype=state["tok_emb.weight"].dtype)
+        else:
+            raise InteropError(f"the state dict has no {ours!r}; is it a perfgpt model of this config?")
+    return out
+
+
+def _bias_size(cfg: ModelConfig, name: str) -> int:
+    if name.endswith("attn.qkv.bias"):
+        return cfg.d_model + 2 * cfg.kv_dim
+    return cfg.d_ff if name.endswith("fc_bias") else cfg.d_model
+
+
+# --------------------------------------------------------------------------- HF -> perfgpt
+
+
+def from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
+    """A perfgpt ModelConfig for an HF GPT-2 or Llama ``config.json``; InteropError for what it cannot express."""
+    model_type = config.get("model_type")
+    if model_type == GPT2:
+        cfg = _from_gpt2_config(config)
+    elif model_type == LLAMA:
+        cfg = _from_llama_config(config)
+    else:
+        raise InteropError(f"config.json model_type={model_type!r}: perfgpt reads the {GPT2} and {LLAMA} layouts only")
+    cfg.validate()
+    return cfg
+
+
+def _from_gpt2_config(c: Mapping[str, Any]) -> ModelConfig:
+    activation = c.get("activation_function", "gelu_new")
+    if activation not in HF_GELU_IMPORT:
+        raise InteropError(f"config.json activation_function={activation!r}: perfgpt has {sorted(HF_GELU_IMPORT)}")
+    _refuse_if(c, "scale_attn_by_inverse_layer_idx", True, "perfgpt scales attention scores by 1/sqrt(head_dim) only")
+    _refuse_if(c, "scale_attn_weights", False, "perfgpt always scales attention scores by 1/sqrt(head_dim)")
+    _refuse_if(c, "add_cross_attention", True, "perfgpt is decoder-only")
+    d = c.get("n_embd", 768)
+    dropout = max(c.get("resid_pdrop", 0.0), c.get("embd_pdrop", 0.0), c.get("attn_pdrop", 0.0))  # perfgpt has one rate
+    return ModelConfig(
+        vocab_size=c.get("vocab_size", 50257), max_seq_len=c.get("n_positions", 1024), n_layer=c.get("n_layer", 12),
+        n_head=c.get("n_head", 12), d_model=d, d_ff=c.get("n_inner") or 4 * d, norm="layernorm",
+        norm_eps=c.get("layer_norm_epsilon", 1e-5), mlp="gelu", gelu=HF_GELU_IMPORT[activation], position="learned",
+        tie_embeddings=c.get("tie_word_embeddings", True), bias=True, dropout=dropout,
+        init_std=c.get("initializer_range", 0.02),
+    )
+
+
+def _from_llama_config(c: Mapping[str, Any]) -> ModelConfig:
+    if c.get("hidden_act", "silu") != "silu":
+        raise InteropError(f"config.json hidden_act={c.get('hidden_act')!r}: perfgpt's SwiGLU uses silu")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise InteropError(f"config.json rope type {rope_type!r}: perfgpt has plain rotary embeddings (no scaling)")
+    if c.get("attention_bias", False) != c.get("mlp_bias", False):
+        raise InteropError(
+            f"config.json attention_bias={c.get('attention_bias', False)} with mlp_bias={c.get('mlp_bias', False)}: "
+            "perfgpt's model.bias puts biases on every linear layer or none"
+        )
+    d, heads = c.get("hidden_size", 4096), c.get("num_attention_heads", 32)
+    if c.get("head_dim") not in (None, d // heads):
+        raise InteropError(
+            f"config.json head_dim={c['head_dim']}: perfgpt's head dim is hidden_size/num_attention_heads={d // heads}"
+        )
+    kv_heads = c.get("num_key_value_heads") or heads
+    return ModelConfig(
+        vocab_size=c.get("vocab_size", 32000), max_seq_len=c.get("max_position_embeddings", 2048),
+        n_layer=c.get("num_hidden_layers", 32), n_head=heads, n_kv_head=None if kv_heads == heads else kv_heads,
+        d_model=d, d_ff=c.get("intermediate_size", 11008), norm="rmsnorm", norm_eps=c.get("rms_norm_eps", 1e-6),
+        mlp="swiglu", position="rope", rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        tie_embeddings=c.get("tie_word_embeddings", False), bias=bool(c.get("attention_bias", False)),
+        dropout=c.get("attention_dropout", 0.0) or 0.0, init_std=c.get("initializer_range", 0.02),
+    )
+
+
+def _refuse_if(c: Mapping[str, Any], key: str, value: Any, why: str) -> None:
+    if c.get(key, not value) == value:
+        raise InteropError(f"config.json {key}={value}: {why}")
+
+
+def from_hf_state_dict(config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> tuple[ModelConfig, State]:
+    """(perfgpt config, perfgpt state dict) from an HF ``config.json`` and its weights.
+
+    Missing, unexpected or mis-shaped weights are one InteropError naming the first such key.
+    """
+    cfg = from_hf_config(config)
+    state = _without_derived(state)
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)  # some tied checkpoints store the shared table twice
+    check_shapes(state, to_hf_state_dict(cfg, _meta_state(cfg)), "the config.json")
+    out: State = {}
+    if hf_layout(cfg) == GPT2:
+        for ours, theirs, linear in _gpt2_names(cfg):
+            out[ours] = state[theirs].t() if linear else state[theirs]
+    else:
+        for ours, theirs, _rows in _llama_names(cfg):
+            out[ours] = torch.cat([state[name] for name in theirs]) if len(theirs) > 1 else state[theirs[0]]
+    return cfg, _tie(cfg, out)
+
+
+# --------------------------------------------------------------------------- nanoGPT
+
+
+def from_nanogpt(checkpoint: Mapping[str, Any]) -> tuple[ModelConfig, State]:
+    """(perfgpt config, perfgpt state dict) from a nanoGPT checkpoint dict (``torch.load`` of ckpt.pt)."""
+    args, state = checkpoint.get("model_args"), checkpoint.get("model")
+    if not isinstance(args, Mapping) or not isinstance(state, Mapping):
+        raise InteropError(
+            "not a nanoGPT checkpoint: it needs the keys 'model_args' and 'model' (as nanoGPT's train.py saves)"
+        )
+    missing = [k for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size") if k not in args]
+    if missing:
+        raise InteropError(f"nanoGPT model_args lacks {missing[0]!r}")
+    d = args["n_embd"]
+    cfg = ModelConfig(
+        vocab_size=args["vocab_size"], max_seq_len=args["block_size"], n_layer=args["n_layer"], n_head=args["n_head"],
+        d_model=d, d_ff=4 * d, norm="layernorm", norm_eps=1e-5, mlp="gelu", gelu="exact", position="learned",
+        tie_embeddings=True, bias=bool(args["bias"]), dropout=float(args.get("dropout", 0.0)),
+    )
+    cfg.validate()
+    state = _without_derived({k.removeprefix("_orig_mod."): v for k, v in state.items()})
+    state.pop("lm_head.weight", None)  # tied to transformer.wte.weight
+    names = [(ours, theirs) for ours, theirs, _ in _gpt2_names(cfg) if cfg.bias or not ours.endswith("bias")]
+    expected = _meta_state(cfg)
+    check_shapes(state, {theirs: expected[ours] for ours, theirs in names}, "nanoGPT's model_args")
+    return cfg, _tie(cfg, {ours: state[theirs] for ours, theirs in names})
+
+
+def to_nanogpt(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """A nanoGPT checkpoint dict (``model_args`` and ``model``) for a model nanoGPT expresses."""
+    needs = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "gelu": "exact", "tie_embeddings": True,
+             "layers": "torch", "d_ff": 4 * cfg.d_model, "norm_eps": 1e-5, "kv_heads": cfg.n_head}
+    for key, value in needs.items():
+        if getattr(cfg, key) != value:
+            name = "n_kv_head" if key == "kv_heads" else key
+            raise InteropError(f"model.{name}={getattr(cfg, key)}: nanoGPT's GPT needs {value}")
+    names = [(ours, theirs) for ours, theirs, _ in _gpt2_names(cfg) if cfg.bias or not ours.endswith("bias")]
+    model = {theirs: _get(state, ours).detach().clone() for ours, theirs in names}
+    model["lm_head.weight"] = model["transformer.wte.weight"]
+    args = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.d_model, "block_size": cfg.max_seq_len,
+            "bias": cfg.bias, "vocab_size": cfg.vocab_size, "dropout": cfg.dropout}
+    return {"model_args": args, "model": model}
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> None:
+    """A perfgpt state dict against the model ``cfg`` builds: one InteropError naming the first bad key."""
+    check_shapes(state, _meta_state(cfg), "the model config")
+
+
+def check_shapes(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], source: str) -> None:
+    """Same keys and shapes as ``expected``, or one InteropError naming the first difference."""
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise InteropError(f"missing weight {missing[0]!r}{_more(missing)}, which {source} implies")
+    unexpected = [k for k in state if k not in expected]
+    if unexpected:
+        raise InteropError(f"unexpected weight {unexpected[0]!r}{_more(unexpected)}, which {source} does not describe")
+    bad = [k for k in expected if tuple(state[k].shape) != tuple(expected[k].shape)]
+    if bad:
+        k = bad[0]
+        raise InteropError(
+            f"weight {k!r} has shape {tuple(state[k].shape)}, {source} implies {tuple(expected[k].shape)}{_more(bad)}"
+        )
+
+
+def _more(keys: list[str]) -> str:
+    return f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+
+
+def _meta_state(cfg: ModelConfig) -> State:
+    """Every tensor the model of ``cfg`` has, with its shape, allocating nothing."""
+    with torch.device("meta"):
+        return GPT(cfg).state_dict()
+
+
+def _without_derived(state: Mapping[str, torch.Tensor]) -> State:
+    return {k: v for k, v in state.items() if not k.endswith(DERIVED_SUFFIXES)}
+
+
+def _tie(cfg: ModelConfig, state: State) -> State:
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    return state
+
+
+def _get(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in state:
+        raise InteropError(f"the state dict has no {name!r}; is it a perfgpt model of this config?")
+    return state[name]
+
+
+# --------------------------------------------------------------------------- files
+
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+BIN_FILE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+
+
+def read_hf_dir(path: str | Path) -> tuple[ModelConfig, State]:
+    """(perfgpt config, perfgpt state dict) from a Hugging Face model directory."""
+    path = Path(path)
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise InteropError(f"{path} is not a Hugging Face model directory (no {CONFIG_FILE})")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InteropError(f"{config_path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return from_hf_state_dict(config, read_hf_weights(path))
+
+
+def read_hf_weights(path: Path) -> State:
+    """Every tensor of model.safetensors / pytorch_model.bin in ``path``, sharded (with an index) or not."""
+    for single, index, reader in ((SAFETENSORS_FILE, SAFETENSORS_INDEX, _read_safetensors),
+                                  (BIN_FILE, BIN_INDEX, _read_bin)):
+        if (path / single).is_file():
+            return reader(path / single)
+        if (path / index).is_file():
+            try:
+                shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, AttributeError):
+                raise InteropError(f"{path / index} is not a weight index (no weight_map)") from None
+            state: State = {}
+            for shard in shards:
+                state.update(reader(path / shard))
+            return state
+    raise InteropError(f"{path} has no {SAFETENSORS_FILE}, {BIN_FILE} or their .index.json")
+
+
+def _read_safetensors(file: Path) -> State:
+    from safetensors.torch import load_file
+
+    return _read(file, lambda: load_file(str(file)))
+
+
+def _read_bin(file: Path) -> State:
+    return _read(file, lambda: torch.load(file, map_location="cpu", weights_only=True))
+
+
+def _read(file: Path, load: Callable[[], Any]) -> State:
+    if not file.is_file():
+        raise InteropError(f"{file} is missing (named by the weight index)")
+    try:
+        state = load()
+    except Exception as exc:  # a truncated or foreign file: any reader error means the same to the user
+        raise InteropError(f"{file} cannot be read as weights: {_why(exc)}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise InteropError(f"{file} does not hold a flat name -> tensor state dict")
+    return state
+
+
+def write_hf_dir(cfg: ModelConfig, state: Mapping[str, torch.Tensor], path: str | Path,
+                 extra_config: Mapping[str, Any] | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` that ``transformers`` loads as
+    GPT2LMHeadModel or LlamaForCausalLM; returns the directory."""
+    from safetensors.torch import save_file
+
+    config = to_hf_config(cfg, extra_config)
+    tensors = {k: v.cpu().contiguous() for k, v in to_hf_state_dict(cfg, state).items()}
+    path = Path(path)
+    weights, config_file = path / SAFETENSORS_FILE, path / CONFIG_FILE
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # Each file is written aside and renamed into place, so a failed write never leaves a
+        # previous export half-overwritten.
+        save_file(tensors, str(weights.with_name(weights.name + ".tmp")), metadata={"format": "pt"})
+        config_file.with_name(config_file.name + ".tmp").write_text(json.dumps(config, indent=2) + "\n")
+        weights.with_name(weights.name + ".tmp").replace(weights)
+        config_file.with_name(config_file.name + ".tmp").replace(config_file)
+    except OSError as exc:
+        raise InteropError(f"cannot write the model to {path}: {exc.strerror or exc} (errno {exc.errno})") from None
+    return path
+
+
+def read_nanogpt_ckpt(path: str | Path) -> tuple[ModelConfig, State]:
+    """(perfgpt config, perfgpt state dict) from a nanoGPT ``ckpt.pt``, loaded weights-only."""
+    path = Path(path)
+    if not path.is_file():
+        raise InteropError(f"nanoGPT checkpoint not found: {path}")
+    return from_nanogpt(_read_nanogpt(path))
+
+
+def _read_nanogpt(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # corrupt, or pickled objects weights_only refuses: both unusable here
+        raise InteropError(f"{path} cannot be read weights-only: {_why(exc)}") from None
+
+
+def _why(exc: Exception) -> str:
+    """The reader's complaint in one line (torch's weights-only refusal is a page of advice)."""
+    if isinstance(exc, pickle.UnpicklingError):
+        return "it holds pickled objects other than tensors and plain containers, which loading refuses (no code runs)"
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {first[:160]}"

@@ -1,0 +1,120 @@
+"""Where this process runs: the validated layout, its device and its process group.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE; ``python train.py`` sets none,
+which means one process and no process group. ``ParallelDims.from_env`` is the one place that
+reads those variables; everything else asks the ``DistContext`` built from it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from common.errors import CapabilityError, LayoutError
+from parallel.dims import ParallelDims
+from parallel.nccl import apply_nccl_env
+
+
+@dataclass(frozen=True)
+class DistContext:
+    dims: ParallelDims
+    device: torch.device
+    backend: str | None  # None: no process group
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> DistContext:
+        """One process, no process group (tools and tests that measure in-process)."""
+        return cls(ParallelDims(1, 1, 0, 0), torch.device(device), None)
+
+    @property
+    def rank(self) -> int:
+        return self.dims.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.dims.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self.dims.local_world_size
+
+    @property
+    def node(self) -> int:
+        return self.dims.node_rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def tag(self) -> str:
+        """Log prefix naming rank, local rank and node, as multi-node debugging needs."""
+        return self.dims.tag
+
+    def barrier(self) -> None:
+        if self.backend is not None:
+            dist.barrier()
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.backend is not None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            tensor /= self.world_size
+        return tensor
+
+
+def env_rank_tag() -> str:
+    """The rank prefix for errors raised before (or without) a DistContext; empty if the
+    environment does not describe a layout (that error is reported by the run itself)."""
+    try:
+        return ParallelDims.from_env().tag
+    except LayoutError:
+        return ""
+
+
+def pick_device(requested: str, device_index: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise CapabilityError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+        torch.cuda.set_device(device_index)
+        return torch.device("cuda", device_index)
+    return torch.device("cpu")
+
+
+def init_distributed(device_request: str, backend_request: str, timeout_s: int,
+                     nccl_env: dict[str, str] | None = None, local_world_size: int | None = None) -> DistContext:
+    """The context of this process; creates the default process group under torchrun.
+
+    ``local_world_size`` (parallel.local_world_size) regroups the ranks into nodes of that size.
+    """
+    dims = ParallelDims.from_env(local_world_size=local_world_size)
+    device = pick_device(device_request, dims.device_index)
+    if dims.world_size == 1:
+        return DistContext(dims, device, None)
+    backend = backend_request if backend_request != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise CapabilityError("parallel.backend=nccl needs CUDA devices; use parallel.backend=gloo on CPU")
+    if nccl_env and backend == "nccl":
+        apply_nccl_env(nccl_env)  # NCCL reads these once, when the communicator is created
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+    return DistContext(dims, device, backend)
+
+
+def shutdown_distributed(ctx: DistContext) -> None:
+    if ctx.backend is not None and dist.is_initialized():
+        # Drop wrappers (FSDP state, DDP reducers) that still reference the group before it is
+        # destroyed, so nothing tears a gloo context down later during interpreter exit.
+        gc.collect()
+        dist.destroy_process_group()

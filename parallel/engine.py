@@ -1,0 +1,241 @@
+"""The training step behind one interface, whatever the parallel layout.
+
+The loop (``training/loop.py``) drives an ``Engine`` through a few calls: ``forward_backward``
+per micro-batch, ``optimizer_step`` once per step, ``eval_loss``, ``save``/``load`` for
+checkpoints, ``comm_stats`` and ``local_weights`` for what it logs and checks. Each layout has
+its own engine, chosen once by the build path (``parallel/parallelize.py``):
+
+    TorchEngine    a plain module (one process)
+    DDPEngine      DDP: gradient all-reduce skipped on all but the last micro-batch; comm-hook bytes
+    ShardedEngine  DTensor parameters (FSDP2): gradient sync only on the last micro-batch; DCP
+                   checkpoints that reshard to any rank count
+    ZeroEngine     DeepSpeed ZeRO 1-3 (parallel/zero.py)
+
+The torch engines share the step itself: autocast from the precision policy, an fp16
+GradScaler, fp32 master copies for bf16 weights, gradient clipping, and the finite check.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from common.errors import CheckpointError
+from parallel.checkpoint import load_sharded, safe_torch_load, save_sharded
+from parallel.optim import OptimConfig, build_adamw, decay_groups
+from parallel.precision import MasterWeights, PrecisionPolicy
+
+FULL_STATE_FILE = "model_optim.pt"
+
+
+@dataclass
+class StepResult:
+    grad_norm: torch.Tensor  # on device; read only at log intervals
+    skipped: bool
+    loss_scale: float | None = None
+
+
+class Engine(abc.ABC):
+    """What the training loop, evaluation and checkpointing need from a parallel layout."""
+
+    model: nn.Module  # the module as wrapped for training (DDP, FSDP2, DeepSpeed)
+
+    @abc.abstractmethod
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, is_last_micro: bool, n_micro: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its (unscaled, detached) mean loss."""
+
+    @abc.abstractmethod
+    def optimizer_step(self, lr: float, loss: torch.Tensor) -> StepResult:
+        """Step with learning rate ``lr`` unless the gradients or ``loss`` are non-finite."""
+
+    @abc.abstractmethod
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def train(self, mode: bool = True) -> None: ...
+
+    @abc.abstractmethod
+    def save(self, directory: Path, rank: int) -> None:
+        """Collective: write this rank's part of the model and optimizer state into ``directory``."""
+
+    @abc.abstractmethod
+    def load(self, directory: Path) -> None: ...
+
+    @abc.abstractmethod
+    def comm_stats(self) -> dict[str, float]:
+        """This rank's gradient communication during the last step (``comm_bytes_sent``,
+        ``comm_bytes_uncompressed``, ...); empty when nothing counts it. Host-side numbers: reading
+        them never syncs the device. Each call starts a new count."""
+
+    @abc.abstractmethod
+    def local_weights(self) -> list[torch.Tensor]:
+        """The parameter values this rank actually holds (shards, partitions, fp32 masters), for the
+        finite check before a save."""
+
+    @abc.abstractmethod
+    def module(self) -> nn.Module:
+        """The user's GPT under every wrapper (for tools that inspect parameters and gradients)."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module under DDP / compile wrappers (FSDP2 shards in place, nothing to unwrap)."""
+    while True:
+        if isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+class TorchEngine(Engine):
+    """A plain module; the base of the DDP and sharded engines, which differ only in gradient
+    synchronization and in how they write checkpoints."""
+
+    def __init__(self, model: nn.Module, policy: PrecisionPolicy, optim_cfg: OptimConfig, device: torch.device):
+        self.model, self.policy, self.device = model, policy, device
+        self.grad_clip = optim_cfg.grad_clip
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.masters = MasterWeights([p for _, p in params]) if policy.engine_masters else None
+        if self.masters is not None:
+            params = [(n, m) for (n, _), m in zip(params, self.masters.masters)]
+        self.optimizer = build_adamw(decay_groups(params, optim_cfg.weight_decay), optim_cfg, device)
+        self.scaler = (torch.amp.GradScaler(device.type, init_scale=policy.config.fp16_init_scale)
+                       if policy.grad_scaler else None)
+        self._grad_params = [p for _, p in params]
+
+    # ----------------------------------------------------------------- step
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, is_last_micro: bool, n_micro: int) -> torch.Tensor:
+        with self._grad_sync(is_last_micro):
+            with self.policy.forward_context(self.device):
+                loss = self.model(x, y)
+            scaled = loss / n_micro
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
+            scaled.backward()
+        return loss.detach()
+
+    def _grad_sync(self, is_last_micro: bool) -> contextlib.AbstractContextManager:
+        """Where gradients are averaged across ranks, skip it on all but the last micro-batch."""
+        return contextlib.nullcontext()
+
+    def optimizer_step(self, lr: float, loss: torch.Tensor) -> StepResult:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.masters is not None:
+            self.masters.grads_to_masters()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = self._clip_and_norm()
+        # The one deliberate host sync per step: a non-finite gradient must never reach the weights.
+        finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips by itself on inf/nan and lowers the scale
+            self.scaler.update()
+        elif finite:
+            self.optimizer.step()
+        if self.masters is not None and finite:
+            self.masters.masters_to_model()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        scale = self.scaler.get_scale() if self.scaler is not None else None
+        return StepResult(grad_norm=grad_norm, skipped=not finite, loss_scale=scale)
+
+    def _clip_and_norm(self) -> torch.Tensor:
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grads = [p for p in self._grad_params if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.policy.forward_context(self.device):
+            return self.model(x, y).detach()
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def comm_stats(self) -> dict[str, float]:
+        return {}
+
+    def local_weights(self) -> list[torch.Tensor]:
+        tensors = [_local_part(p) for p in self.model.parameters()]
+        if self.masters is not None:
+            tensors += [m.detach() for m in self.masters.masters]
+        return [t for t in tensors if t.numel() > 0]
+
+    def module(self) -> nn.Module:
+        return unwrap(self.model)
+
+    # ----------------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full (unsharded) states: model, optimizer, fp32 masters, loss scaler."""
+        state = {"model": self.module().state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.masters is not None:
+            state["masters"] = self.masters.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            self.module().load_state_dict(state["model"])
+        except RuntimeError as exc:
+            detail = str(exc).strip().splitlines()[-1].strip()[:200]
+            raise CheckpointError(f"checkpoint does not match the model: {detail}") from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.masters is not None:
+            self.masters.load_state_dict(state["masters"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def save(self, directory: Path, rank: int) -> None:
+        if rank == 0:  # every rank holds the same full state
+            torch.save(self.state_dict(), directory / FULL_STATE_FILE)
+
+    def load(self, directory: Path) -> None:
+        self.load_state_dict(safe_torch_load(directory / FULL_STATE_FILE, map_location=self.device))
+
+
+def _local_part(param: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of a parameter: a DTensor's local shard, else the tensor itself."""
+    to_local = getattr(param, "to_local", None)
+    return (to_local() if callable(to_local) else param).detach()
+
+
+class DDPEngine(TorchEngine):
+    """DDP-wrapped model: every rank holds everything; gradients are all-reduced in buckets."""
+
+    def __init__(self, model: nn.Module, policy: PrecisionPolicy, optim_cfg: OptimConfig, device: torch.device,
+                 comm_counter: Any = None):
+        super().__init__(model, policy, optim_cfg, device)
+        self._comm_counter = comm_counter  # a comm hook's byte counter (parallel/compression.py)
+
+    def _grad_sync(self, is_last_micro: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if is_last_micro else self.model.no_sync()
+
+    def comm_stats(self) -> dict[str, float]:
+        return {} if self._comm_counter is None else self._comm_counter.pop_step()
+
+
+class ShardedEngine(TorchEngine):
+    """Parameters are DTensors sharded by FSDP2: each rank steps only its shards, and checkpoints
+    are DCP directories that load into any other sharding (or into one process)."""
+
+    def _grad_sync(self, is_last_micro: bool) -> contextlib.AbstractContextManager:
+        self.model.set_requires_gradient_sync(is_last_micro)
+        return contextlib.nullcontext()
+
+    def save(self, directory: Path, rank: int) -> None:
+        save_sharded(self.model, self.optimizer, self.scaler, directory)
+
+    def load(self, directory: Path) -> None:
+        load_sharded(self.model, self.optimizer, self.scaler, directory)

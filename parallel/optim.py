@@ -1,0 +1,106 @@
+"""AdamW and its learning-rate schedule: ``OptimConfig`` (the ``optim`` section) and what it builds.
+
+The engines (``parallel/engine.py``, ``parallel/zero.py``) own the optimizer, so its config and
+its construction live next to them. Weight decay applies to matrices only (linear weights and
+embeddings), never to norm gains and biases. The schedule is a linear warmup to the peak, a
+cosine decay to ``min_lr`` at ``decay_steps`` (counted from step 0), then flat.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+
+from common.errors import ConfigError
+from common.fields import doc, require_finite
+
+
+@dataclass
+class OptimConfig:
+    lr: float = doc(6e-4, "peak learning rate reached at the end of warmup")
+    min_lr: float = doc(6e-5, "learning rate at the end of the cosine decay")
+    warmup_steps: int = doc(
+        100, "linear warmup length in optimizer steps; at most train.max_steps unless optim.decay_steps is set "
+        "(a run that is the first part of a longer schedule)"
+    )
+    decay_steps: int | None = doc(
+        None, "step at which the cosine decay reaches optim.min_lr (counted from step 0, warmup included; "
+        ">= optim.warmup_steps); default: train.max_steps. Set it when one schedule spans several runs"
+    )
+    weight_decay: float = doc(0.1, "decoupled weight decay, applied to matrices only (not norms, biases)")
+    beta1: float = doc(0.9, "AdamW beta1, in [0, 1)")
+    beta2: float = doc(0.95, "AdamW beta2, in [0, 1)")
+    eps: float = doc(1e-8, "AdamW epsilon, > 0")
+    grad_clip: float = doc(1.0, "clip the global gradient norm to this value; 0 disables")
+    fused: Literal["auto", "on", "off"] = doc(
+        "auto", "fused AdamW kernel: auto uses it where PyTorch supports the device"
+    )
+
+    def validate(self) -> None:
+        # An infinite lr turns the first update into NaN weights: finiteness comes first.
+        for key in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+            require_finite(f"optim.{key}", getattr(self, key), ConfigError)
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be > 0 (got {self.lr})")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"optim.min_lr must be between 0 and optim.lr={self.lr} (got {self.min_lr})")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if self.decay_steps is not None and self.decay_steps < 0:
+            raise ConfigError(f"optim.decay_steps must be >= 0, or null for train.max_steps (got {self.decay_steps})")
+        if self.decay_steps is not None and self.decay_steps < self.warmup_steps:
+            raise ConfigError(
+                f"optim.decay_steps={self.decay_steps} ends the decay before optim.warmup_steps={self.warmup_steps} "
+                "ends the warmup; set optim.decay_steps >= optim.warmup_steps"
+            )
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay must be >= 0 (got {self.weight_decay})")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"optim.{key} must be in [0, 1) (got {getattr(self, key)})")
+        if self.eps <= 0:
+            raise ConfigError(f"optim.eps must be > 0 (got {self.eps})")
+        if self.grad_clip < 0:
+            raise ConfigError(f"optim.grad_clip must be >= 0, 0 disables clipping (got {self.grad_clip})")
+
+    def schedule(self, max_steps: int) -> dict[str, Any]:
+        """The schedule with decay_steps resolved: ``lr_at``'s keyword arguments, and what a
+        checkpoint records so a resumed run can be checked against it."""
+        decay_steps = max_steps if self.decay_steps is None else self.decay_steps
+        return {"lr": self.lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps, "decay_steps": decay_steps}
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based)."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if step >= decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def decay_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (linear weights, embeddings), none on norm gains and biases."""
+    decay = [p for _, p in named_params if p.ndim >= 2]
+    no_decay = [p for _, p in named_params if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_adamw(params_or_groups, optim_cfg: OptimConfig, device: torch.device, *,
+                allow_fused: bool = True) -> torch.optim.Optimizer:
+    """AdamW from the ``optim`` section; ``allow_fused=False`` where the parameters live on another
+    device than the one the fused kernel would run on (DeepSpeed's optimizer offload)."""
+    fused = allow_fused and (optim_cfg.fused == "on" or (optim_cfg.fused == "auto" and device.type == "cuda"))
+    return torch.optim.AdamW(
+        params_or_groups,
+        lr=optim_cfg.lr,
+        betas=(optim_cfg.beta1, optim_cfg.beta2),
+        eps=optim_cfg.eps,
+        weight_decay=optim_cfg.weight_decay,
+        fused=fused or None,
+    )

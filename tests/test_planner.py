@@ -1,0 +1,394 @@
+"""Tensor, sequence and pipeline parallelism in the estimator, and the layout planner: pure arithmetic.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") give the
+per-layer activation memory with tensor parallelism t, with and without sequence parallelism; their
+table 3 trains 22B, 175B, 530B and 1T GPTs at s=2048, t=8. Narayanan et al. 2021 give the pipeline
+bubble. The pipeline figures are checked against an independent count: a small event simulation of
+each schedule's per-GPU order of forwards and backwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+
+import pytest
+
+from analysis import estimator as est
+from common.hardware import DEVICES
+from model.config import ModelConfig
+from model.flops import count_parameters
+
+GIB = 2**30
+H100 = DEVICES["H100"]
+
+# Korthikanti et al. 2022, table 3: (name, heads a, hidden h, layers L, micro-batch b); s=2048, t=8.
+PAPER_ROWS = [
+    ("22B", 64, 6144, 48, 4),
+    ("175B", 96, 12288, 96, 1),
+    ("530B", 128, 20480, 105, 1),
+    ("1T", 160, 25600, 128, 1),
+]
+
+
+def paper_model(heads: int, hidden: int, layers: int, **changes) -> ModelConfig:
+    """The paper's setting: 4h GELU MLP, dropout, attention scores stored (reference attention)."""
+    fields = dict(vocab_size=51200, max_seq_len=2048, n_layer=layers, n_head=heads, d_model=hidden, mlp="gelu",
+                  dropout=0.1, attention="reference")
+    fields.update(changes)
+    return ModelConfig(**fields)
+
+
+# --------------------------------------------------------------------------- activations with t and SP
+
+
+@pytest.mark.parametrize("name,heads,hidden,layers,micro_batch", PAPER_ROWS)
+def test_tp_and_sp_activations_equal_korthikanti_at_the_papers_rows(name, heads, hidden, layers, micro_batch):
+    cfg = paper_model(heads, hidden, layers)
+    for sp in (False, True):
+        for policy in ("none", "selective", "full"):
+            general = est.activation_bytes_per_layer(cfg, 2048, micro_batch, policy, tp=8, sequence_parallel=sp)
+            paper = est.korthikanti_bytes_per_layer(2048, micro_batch, hidden, heads, policy, tp=8, sequence_parallel=sp)
+            assert general == paper, (name, policy, sp)
+
+
+def test_tp_and_sp_activations_by_hand_at_175b():
+    # s=2048, b=1, h=12288, a=96, t=8: 5*a*s/h = 5*96*2048/12288 = 80
+    cfg = paper_model(96, 12288, 96)
+    sbh = 2048 * 1 * 12288
+
+    def per_layer(policy: str, sp: bool) -> float:
+        return est.activation_bytes_per_layer(cfg, 2048, 1, policy, tp=8, sequence_parallel=sp)
+
+    assert per_layer("none", False) == sbh * (10 + 24 / 8 + 80 / 8)  # 23 sbh: only the TP region is split
+    assert per_layer("none", True) == sbh * (34 + 80) / 8  # 14.25 sbh: everything split
+    assert per_layer("selective", False) == sbh * 13
+    assert per_layer("selective", True) == sbh * 34 / 8
+    assert per_layer("full", False) == sbh * 2  # the layer input, whole on every rank
+    assert per_layer("full", True) == sbh * 2 / 8  # the sequence-split input
+    # at t=1 the flag changes nothing: the paper's 34 + 5as/h
+    for sp in (False, True):
+        assert est.activation_bytes_per_layer(cfg, 2048, 1, "none", tp=1, sequence_parallel=sp) == sbh * 114
+
+
+def test_tp_splits_gqa_kv_and_swiglu_inside_the_region():
+    # h=64, 4 query heads of 16, 2 KV heads (kv width 32), SwiGLU f=128, no dropout, flash attention.
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128, mlp="swiglu", max_seq_len=32,
+                      dropout=0.0, attention="sdpa")
+    s, b, h, kv, f, a = 32, 2, 64, 32, 128, 4
+    tokens = s * b
+    outside = 2 * tokens * (2 * h + h + h)  # norm inputs, QKV input, MLP input; 2-byte activations
+    inside = 2 * tokens * ((h + 2 * kv) + h + 4 * f) + 4 * a * s * b  # Q, K, V; projection input; SwiGLU; lse
+    assert est.activation_bytes_per_layer(cfg, s, b, "none", attention="flash") == outside + inside
+    assert est.activation_bytes_per_layer(cfg, s, b, "none", attention="flash", tp=2) == outside + inside / 2
+    assert est.activation_bytes_per_layer(cfg, s, b, "none", attention="flash", tp=2, sequence_parallel=True) == (
+        (outside + inside) / 2
+    )
+
+
+# --------------------------------------------------------------------------- pipeline: a schedule simulator
+
+
+def _nth_op(kind: str, k: int, gpu: int, p: int, v: int) -> tuple[str, int, int]:
+    """GPU ``gpu``'s k-th forward or backward as (kind, micro-batch, stage).
+
+    Interleaved (v > 1, Megatron-LM's order): chunk c of the GPU is stage c*p + gpu; forwards go
+    round-robin over the chunks in groups of p micro-batches, backwards the same with the chunks reversed.
+    """
+    if v == 1:
+        return kind, k, gpu
+    chunk = (k // p) % v
+    if kind == "B":
+        chunk = v - 1 - chunk
+    return kind, k // (p * v) * p + k % p, chunk * p + gpu
+
+
+def _schedule_order(schedule: str, p: int, m: int, v: int) -> dict[int, list[tuple[str, int, int]]]:
+    """Per GPU, its forwards and backwards in execution order: GPipe all forwards first; 1F1B and
+    interleaved a warm-up of forwards (p-1-gpu, and 2*(p-1-gpu) + (v-1)*p), then one forward and one
+    backward in turn, then the remaining backwards. Interleaved needs m to be a multiple of p."""
+    orders = {}
+    for gpu in range(p):
+        total = m * v
+        if schedule == "gpipe":
+            warm = total
+        elif schedule == "1f1b":
+            warm = min(p - 1 - gpu, total)
+        else:
+            warm = min(2 * (p - 1 - gpu) + (v - 1) * p, total)
+        ops = [_nth_op("F", k, gpu, p, v) for k in range(warm)]
+        for k in range(warm, total):
+            ops += [_nth_op("F", k, gpu, p, v), _nth_op("B", k - warm, gpu, p, v)]
+        ops += [_nth_op("B", k, gpu, p, v) for k in range(total - warm, total)]
+        orders[gpu] = ops
+    return orders
+
+
+def simulate_pipeline(schedule: str, p: int, m: int, v: int = 1) -> tuple[float, list[float]]:
+    """(idle time / ideal compute time, peak micro-batches' worth of activations per GPU).
+
+    A chunk's forward takes 1/v, its backward 2/v; a forward waits for the previous stage's
+    forward of the same micro-batch, a backward for the next stage's backward; communication is free.
+    """
+    orders, done = _schedule_order(schedule, p, m, v), {}
+    clock, position, live, peak = [0.0] * p, [0] * p, [0] * p, [0] * p
+    last = p * v - 1
+    while any(position[r] < len(orders[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while position[r] < len(orders[r]):
+                kind, mb, stage = orders[r][position[r]]
+                if kind == "F":
+                    ready, length = (done.get(("F", mb, stage - 1)) if stage else 0.0), 1 / v
+                else:
+                    ready, length = done.get(("B", mb, stage + 1) if stage < last else ("F", mb, stage)), 2 / v
+                if ready is None:
+                    break
+                clock[r] = done[(kind, mb, stage)] = max(clock[r], ready) + length
+                live[r] += 1 if kind == "F" else -1
+                peak[r] = max(peak[r], live[r])
+                position[r] += 1
+                moved = True
+        assert moved, "the schedule deadlocked"
+    ideal = 3.0 * m
+    return (max(clock) - ideal) / ideal, [held / v for held in peak]
+
+
+PIPELINES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 4, 1), ("1f1b", 3, 7, 1),
+             ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 4, 8, 4),
+             ("interleaved_1f1b", 3, 6, 2)]
+
+
+@pytest.mark.parametrize("schedule,p,m,v", PIPELINES)
+def test_bubble_and_in_flight_micro_batches_equal_a_simulated_schedule(schedule, p, m, v):
+    idle, peaks = simulate_pipeline(schedule, p, m, v)
+    assert est.bubble_overhead(schedule, p, m, v) == pytest.approx(idle, abs=1e-12)
+    assert [est.pipeline_in_flight(schedule, p, m, v, i) for i in range(p)] == pytest.approx(peaks)
+    fraction = est.bubble_fraction(schedule, p, m, v)
+    assert fraction == pytest.approx(idle / (1 + idle))  # idle share of the whole step
+
+
+def test_bubble_formulas_by_hand():
+    assert est.bubble_fraction("gpipe", 4, 8) == pytest.approx(3 / 11)  # (p-1)/(m+p-1)
+    assert est.bubble_fraction("1f1b", 8, 64) == pytest.approx(7 / 71)
+    assert est.bubble_fraction("interleaved_1f1b", 8, 64, 4) == pytest.approx(7 / (4 * 64 + 7))  # (p-1)/(v*m+p-1)
+    assert est.bubble_fraction("zero_bubble", 8, 64, 1) == pytest.approx(7 / (3 * 64 + 7))
+    assert est.bubble_fraction("1f1b", 1, 64) == 0.0
+    # Narayanan / Korthikanti: the interleaved first stage holds p*(1 + (p-1)/(p*v)) micro-batches' worth
+    assert est.pipeline_in_flight("interleaved_1f1b", 8, 64, 4, 0) == 8 * (1 + 7 / 32)
+    assert est.pipeline_in_flight("zero_bubble", 8, 64, 1, 0) == 8  # the 1F1B peak
+
+
+# --------------------------------------------------------------------------- stages: parameters and memory
+
+
+def test_stage_parameters_split_the_model():
+    untied = paper_model(8, 256, 8, vocab_size=1000, tie_embeddings=False, position="learned")
+    assert sum(est.stage_parameters(untied, 1, 4, i) for i in range(4)) == count_parameters(untied)
+    assert est.stage_parameters(untied, 1, 1, 0) == count_parameters(untied)
+    tied = dataclasses.replace(untied, tie_embeddings=True)
+    # with pp > 1 the last stage keeps its own copy of the tied table for the LM head
+    assert sum(est.stage_parameters(tied, 1, 4, i) for i in range(4)) == count_parameters(tied) + 1000 * 256
+    # tp=4: a block's matmul weights and column biases split, norms (2 x 2d) and the two output biases (2d) whole
+    d = 256
+    block = 12 * d * d + 13 * d
+    whole = 4 * d + 2 * d
+    assert est.block_parameters_per_gpu(untied, 4) == (block - whole) / 4 + whole
+    middle = est.stage_parameters(untied, 4, 4, 1)
+    assert middle == 2 * ((block - whole) / 4 + whole)
+    # first: + vocab-parallel table + whole positions; last: + final norm + vocab-parallel head
+    assert est.stage_parameters(untied, 4, 4, 0) == middle + 1000 * d / 4 + 2048 * d
+    assert est.stage_parameters(untied, 4, 4, 3) == middle + 2 * d + 1000 * d / 4
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)])
+def test_memory_per_gpu_is_the_fullest_stage(schedule, v):
+    cfg = paper_model(16, 2048, 16, vocab_size=32000, tie_embeddings=False)
+    job = est.JobSpec(cfg, 2048, 1, 16, "fsdp", "selective", "bf16_master", H100, grad_accum=8, tp=2, pp=4,
+                      pp_schedule=schedule, pp_virtual_stages=v)
+    stages = [est.stage_memory(job, i) for i in range(4)]
+    fullest = max(stages, key=lambda m: m.total)
+    assert est.estimate_memory(job) == fullest
+    # the first stage holds its in-flight micro-batches' layers plus the embedding output
+    per_layer = est.activation_bytes_per_layer(cfg, 2048, 1, "selective", tp=2, sequence_parallel=True)
+    none = est.activation_bytes_per_layer(cfg, 2048, 1, "none", tp=2, sequence_parallel=True)
+    held = est.pipeline_in_flight(schedule, 4, 8, v, 0)
+    embedding = 2 * 2048 * 2048 / 2
+    assert stages[0].activations == pytest.approx(held * 4 * per_layer + (none - per_layer) + held * embedding)
+    # only the last stage keeps logits: vocab-parallel fp32 log-probs per micro-batch in flight + one gradient
+    last_held = est.pipeline_in_flight(schedule, 4, 8, v, 3)
+    assert stages[3].logits == pytest.approx(2048 * 32000 / 2 * (4 * last_held + 4 + 2))
+    assert stages[0].logits == stages[1].logits == 0
+    # a huge vocabulary makes the last stage the fullest
+    wide = dataclasses.replace(job, model=dataclasses.replace(cfg, vocab_size=1_000_000))
+    assert est.estimate_memory(wide).stage == 3
+
+
+def test_fsdp_under_pipelining_keeps_the_stage_gathered():
+    # torch.distributed.pipelining defers FSDP2's reshard and gradient reduction to the last micro-batch
+    cfg = paper_model(16, 2048, 16)
+    job = est.JobSpec(cfg, 2048, 1, 16, "fsdp", "selective", "bf16_master", H100, grad_accum=8, tp=2, pp=2)
+    stage = est.stage_memory(job, 0)
+    assert stage.unsharded_params == est.stage_parameters(cfg, 2, 2, 0) * (2 + 2)
+    assert stage.states == est.stage_parameters(cfg, 2, 2, 0) * 16 / 4  # sharded over dp_shard=4
+    flat = est.stage_memory(dataclasses.replace(job, pp=1, grad_accum=1, world_size=8), 0)
+    assert flat.unsharded_params == 2 * est.block_parameters_per_gpu(cfg, 2) * (2 + 2)  # two layers, as before
+
+
+# --------------------------------------------------------------------------- communication and time
+
+
+def test_tensor_parallel_and_pipeline_communication_by_hand():
+    cfg = paper_model(16, 2048, 16)
+    job = est.JobSpec(cfg, 2048, 1, 16, "fsdp", "selective", "bf16_master", H100, grad_accum=8, tp=8, pp=2)
+    activation = 2 * 2048 * 1 * 2048  # s*b*h 16-bit
+    one = 7 / 8 * activation / (450e9 * 0.8)  # one all-gather or reduce-scatter over 8 GPUs on NVLink
+    # 8 per layer (4 forward, 4 backward) x 8 layers, + 2 for the embedding on stage 0 / the LM head on stage 1
+    assert est.tp_comm_seconds(job, 0)[0] == pytest.approx((8 * 8 + 2) * one)
+    full = dataclasses.replace(job, policy="full")
+    assert est.tp_comm_seconds(full, 1)[0] == pytest.approx((12 * 8 + 2) * one)  # the recomputed forward's 4 more
+    # stages sit on different nodes (16 GPUs > 8 per node): the sequence-split activation and its gradient over the NIC
+    assert est.pp_comm_seconds(job) == pytest.approx((2 * activation / 8 / (50e9 * 0.8), 2 * activation / 8))
+    assert est.tp_comm_seconds(dataclasses.replace(job, tp=1, world_size=2), 0) == (0.0, 0.0)
+
+
+def test_data_parallel_groups_strided_by_tp_cross_nodes():
+    # 8 FSDP ranks that sit 8 apart (tp=8 inside each node) share no node: all traffic crosses the NICs
+    one_per_node = est.collective_seconds(1e9, 8, H100, 0.8, ranks_per_node=1)
+    assert one_per_node == pytest.approx(7 / 8 * 1e9 / 40e9)
+    assert est.collective_seconds(1e9, 8, H100, 0.8) == pytest.approx(7 / 8 * 1e9 / 360e9)  # packed: NVLink
+
+
+def test_step_time_adds_the_bubble_to_the_slowest_stage():
+    cfg = paper_model(16, 2048, 16)
+    job = est.JobSpec(cfg, 2048, 1, 8, "none", "selective", "bf16_master", H100, grad_accum=8, tp=2, pp=4)
+    t = est.estimate(job).time
+    slowest = (t.compute_s + t.tp_comm_s + t.pp_comm_s) / 8
+    assert t.bubble_s == pytest.approx(3 / 8 * 8 * slowest)  # (p-1)/m of m micro-batches
+    assert t.tokens_per_step == 2048 * 8 * 1  # dp = 1
+    # the slowest stage is the last (4 of 16 blocks + the LM head); per token, with selective recompute
+    # (one more QK^T and @V forward, 4*d*s per layer):
+    d, s = 2048, 2048
+    block = est.block_parameters(cfg)
+    head = est.matmul_parameters(cfg) - 16 * block
+    last = 6 * (4 * block + head) + (12 + 4) * 4 * d * s
+    whole = 6 * (16 * block + head) + (12 + 4) * 16 * d * s
+    flat = est.estimate(dataclasses.replace(job, pp=1, world_size=2)).time
+    assert t.compute_s == pytest.approx(flat.compute_s * last / whole)
+
+
+# --------------------------------------------------------------------------- layouts: validation and planning
+
+
+def test_invalid_layouts_are_one_line_errors():
+    cfg = paper_model(12, 768, 10, n_kv_head=4)
+    job = dict(model=cfg, seq_len=2048, micro_batch=1, strategy="fsdp", device=H100)
+    cases = [
+        (dict(world_size=16, tp=8), "tp=8 must divide model.n_head=12"),
+        (dict(world_size=6, tp=3), "tp=3 must divide model.n_head=12 and the KV heads"),
+        (dict(world_size=12, pp=4, grad_accum=4), "pp\\*pp_virtual_stages=4\\*1 must divide model.n_layer=10"),
+        (dict(world_size=10, tp=4), "world_size=10 is not divisible by tp\\*pp\\*dp_replicate=4"),
+        (dict(world_size=4, pp=2, grad_accum=1), "grad_accum=1 micro-batches must be >= pp=2"),
+        (dict(world_size=4, pp=2, grad_accum=4, pp_virtual_stages=5), "pp_virtual_stages=5 needs pp_schedule"),
+        (dict(world_size=4, pp=2, grad_accum=4, pp_schedule="interleaved_1f1b"), "needs pp_virtual_stages >= 2"),
+        (dict(world_size=4, pp=2, grad_accum=5, pp_schedule="zero_bubble"), "must be a multiple of 2"),
+        (dict(world_size=8, dp_replicate=2, strategy="ddp"), "dp_replicate=2 \\(HSDP\\) needs strategy=fsdp"),
+        (dict(world_size=4, pp=2, grad_accum=2, pp_schedule="dualpipe"), "pp_schedule='dualpipe'.*choose one of"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(est.EstimatorError, match=message) as info:
+            est.JobSpec(**{**job, **changes})
+        assert "\n" not in str(info.value)
+
+
+def _plan_70b() -> list[est.Estimate]:
+    p = est.preset("70b")
+    return est.plan_layouts(p.model, p.seq_len, p.world_size, H100, global_batch=p.micro_batch * p.world_size, top=None)
+
+
+def test_planner_keeps_selective_recompute_for_70b_on_64_h100s_with_tp_and_sp():
+    plans = _plan_70b()
+    best = plans[0].job
+    assert best.tp > 1 and best.sp and best.policy == "selective"
+    assert plans[0].fits and plans[0].memory.total <= 80 * GIB
+    assert best.micro_batch * best.grad_accum * best.dp == 256
+    costs = [plan.time.seconds_per_token for plan in plans]
+    assert costs == sorted(costs)
+    # data parallelism alone keeps nothing but full recompute (tests/test_estimator.py), and neither does
+    # any layout without tensor parallelism here
+    assert all(plan.job.policy in ("full", "offload") for plan in plans if plan.job.tp == 1 and plan.job.pp == 1)
+    assert {plan.job.policy for plan in plans if plan.job.tp > 1} >= {"selective"}
+
+
+def test_planner_searches_non_power_of_two_gpu_counts():
+    cfg = paper_model(64, 6144, 48)  # Korthikanti's 22B
+    for gpus in (48, 96):
+        plans = est.plan_layouts(cfg, 2048, gpus, H100, global_batch=192, policies=("selective", "full"),
+                                 schedules=("1f1b",), top=None)
+        layouts = {(plan.job.tp, plan.job.pp, plan.job.dp) for plan in plans}
+        assert plans and all(tp * pp * dp == gpus for tp, pp, dp in layouts)
+        assert any(pp % 3 == 0 for _, pp, _ in layouts) and any(dp % 3 == 0 for _, _, dp in layouts)
+        assert all(192 % dp == 0 for _, _, dp in layouts)
+
+
+def test_planner_proposes_only_valid_layouts():
+    # 12 heads, 4 KV heads, 10 layers: tp in {1, 2, 4} (not 3, 6 or 12: KV heads; not 8: heads), pp | 10
+    cfg = paper_model(12, 1536, 10, n_kv_head=4, vocab_size=32000)
+    sizes = est.model_parallel_sizes(cfg, 48, 8)
+    assert {tp for tp, _ in sizes} == {1, 2, 4}
+    assert {pp for _, pp in sizes} == {1, 2}  # divisors of 48 that divide 10
+    plans = est.plan_layouts(cfg, 2048, 48, H100, global_batch=96, policies=("selective",), top=None)
+    assert plans
+    for plan in plans:
+        job = plan.job
+        assert cfg.n_head % job.tp == 0 and cfg.kv_heads % job.tp == 0 and job.tp <= 8
+        assert cfg.n_layer % (job.pp * job.pp_virtual_stages) == 0
+        assert job.micro_batch * job.grad_accum * job.dp == 96
+        assert job.pp == 1 or job.grad_accum >= job.pp
+    small_nodes = dataclasses.replace(H100, gpus_per_node=2)
+    assert {tp for tp, _ in est.model_parallel_sizes(cfg, 48, small_nodes.gpus_per_node)} == {1, 2}
+
+
+def test_layout_words_are_the_configs():
+    cfg = paper_model(16, 2048, 16)
+    job = est.JobSpec(cfg, 2048, 1, 64, "fsdp", "selective", "bf16_master", H100, grad_accum=8, tp=8, pp=2,
+                      dp_replicate=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
+    assert est.layout_words(job) == (
+        "strategy=fsdp dp_replicate=2 dp_shard=2 tp=8 pp=2 pp_schedule=interleaved_1f1b pp_virtual_stages=2 "
+        "sequence_parallel=true checkpointing=selective micro_batch=1 grad_accum=8"
+    )
+    plain = est.JobSpec(cfg, 2048, 2, 8, "ddp", "none", "bf16_master", H100)
+    assert est.layout_words(plain) == "strategy=ddp dp_shard=8 tp=1 pp=1 checkpointing=none micro_batch=2 grad_accum=1"
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def _run_estimate(*argv: str) -> str:
+    from tools import estimate
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert estimate.main(list(argv)) == 0
+    return out.getvalue()
+
+
+def test_estimate_plan_prints_one_layout_per_line_for_70b():
+    text = _run_estimate("--preset", "70b", "--plan", "--top", "3")
+    assert "global batch 256 sequences" in text
+    lines = [line for line in text.splitlines() if line.startswith("strategy=")]
+    assert len(lines) == 3
+    words = dict(word.split("=") for word in lines[0].split(":")[0].split())
+    assert int(words["tp"]) > 1 and words["sequence_parallel"] == "true" and words["checkpointing"] == "selective"
+    assert "GiB/GPU" in lines[0] and "s/step" in lines[0] and "MFU" in lines[0]
+    assert "cheapest that fits: strategy=fsdp" in text  # the verdict names the same kind of layout
+
+
+def test_estimate_plan_still_serves_data_parallel_configs_and_takes_layouts():
+    text = _run_estimate("--config", "configs/tiny.yaml", "--gpus", "4", "--device", "A100", "--plan", "--top", "2")
+    lines = [line for line in text.splitlines() if line.startswith("strategy=")]
+    assert len(lines) == 2 and all("checkpointing=" in line for line in lines)
+    one = _run_estimate("--preset", "70b", "--tp", "8", "--pp", "2", "--grad-accum", "8", "--micro-batch", "1",
+                        "--policy", "selective")
+    assert "tp=8 + SP" in one and "Pipeline: 2 stages of 40 layers, 1f1b" in one and "fit: yes" in one

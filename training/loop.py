@@ -1,0 +1,367 @@
+"""The training loop: steps, log windows, evaluation, checkpoints and signals, around an ``Engine``.
+
+``train_step`` is the step every tool that trains shares (train.py, the benchmarks, the
+diagnostics): ``grad_accum_steps`` micro-batches of forward and backward, then one optimizer
+step. ``TrainingLoop`` is train.py's loop around it. Scalars (loss, grad norm) stay on the
+device and are read once per log interval; the only other host sync per step is the engine's
+finite check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from parallel.checkpoint import safe_torch_load
+from parallel.distributed import DistContext
+from parallel.engine import Engine, StepResult
+from parallel.optim import lr_at
+from training import checkpoint as ckpt
+from training.config import JobConfig, to_dict
+from training.metrics import LearningAlarms, RunLogger, peak_memory_gib
+from training.signals import StopAgreement, StopRequest, exit_code, signal_name
+
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+# --------------------------------------------------------------------------- one step
+
+
+@dataclass
+class StepOutcome:
+    loss: torch.Tensor  # mean over the micro-batches, on the device
+    result: StepResult
+    data_wait_s: float  # host time spent waiting for batches
+
+
+def train_step(engine: Engine, batches: Batches, grad_accum_steps: int, lr: float,
+               before_optimizer_step: Callable[[], None] | None = None) -> StepOutcome:
+    """Forward/backward on ``grad_accum_steps`` micro-batches, then one optimizer step at ``lr``.
+
+    ``before_optimizer_step`` runs while the step's gradients exist (tools that inspect them).
+    """
+    loss, wait = None, 0.0
+    for micro in range(grad_accum_steps):
+        t0 = time.perf_counter()
+        x, y = next(batches)
+        wait += time.perf_counter() - t0
+        micro_loss = engine.forward_backward(x, y, micro == grad_accum_steps - 1, grad_accum_steps).float()
+        loss = micro_loss / grad_accum_steps if loss is None else loss + micro_loss / grad_accum_steps
+    if before_optimizer_step is not None:
+        before_optimizer_step()
+    return StepOutcome(loss, engine.optimizer_step(lr, loss), wait)
+
+
+def evaluate(engine: Engine, val, n_batches: int, ctx: DistContext) -> float:
+    """Mean validation loss over the first ``n_batches`` of every rank's share (a collective)."""
+    engine.train(False)
+    total = torch.zeros((), device=ctx.device)
+    count = 0
+    for x, y in val.batches(n_batches):
+        total += engine.eval_loss(x.to(ctx.device), y.to(ctx.device)).float()
+        count += 1
+    engine.train(True)
+    return float(ctx.all_reduce_mean(total / max(count, 1)))
+
+
+# --------------------------------------------------------------------------- log windows
+
+
+@dataclass
+class Window:
+    """What happened since the last log line: the steps, their losses, data waits and bytes sent."""
+
+    start: float = field(default_factory=time.perf_counter)
+    loss_sum: torch.Tensor | None = None  # over applied steps only, on the device
+    applied: int = 0
+    skipped: int = 0
+    data_wait_s: float = 0.0
+    comm: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return self.applied + self.skipped
+
+    def add(self, outcome: StepOutcome, comm: dict[str, int]) -> None:
+        self.data_wait_s += outcome.data_wait_s
+        for key in ("comm_bytes_sent", "comm_bytes_uncompressed"):  # counts add up; ratios are recomputed
+            if key in comm:
+                self.comm[key] = self.comm.get(key, 0) + comm[key]
+        if outcome.result.skipped:
+            self.skipped += 1
+            return
+        self.applied += 1
+        loss = outcome.loss.detach()
+        self.loss_sum = loss.clone() if self.loss_sum is None else self.loss_sum + loss
+
+    def restart_clock(self) -> None:
+        """Evaluation and checkpoint time is not training throughput."""
+        self.start = time.perf_counter()
+
+
+@dataclass
+class Throughput:
+    tokens_per_step: int
+    flops_per_step: float
+    peak_tflops: float | None  # per device; None: MFU is not reported
+
+
+def window_metrics(window: Window, result: StepResult, lr: float, ctx: DistContext, rate: Throughput,
+                   skipped_total: int) -> dict:
+    """The log row of a window. The regular host syncs: loss and grad norm are read here."""
+    elapsed = time.perf_counter() - window.start
+    n = max(window.steps, 1)
+    # Every rank reduces, even when all steps of the window were skipped (then on every rank alike).
+    local = window.loss_sum if window.loss_sum is not None else torch.zeros((), device=ctx.device)
+    loss = ctx.all_reduce_mean(local.detach().clone()) / max(window.applied, 1)
+    mem, mem_kind = peak_memory_gib(ctx.device)
+    metrics = {
+        "loss": float(loss) if window.applied else None,  # None, never 0.0: no step of the window counted
+        "lr": lr,
+        "grad_norm": float(result.grad_norm),
+        "tokens_per_s": rate.tokens_per_step * n / elapsed,
+        "step_time_s": elapsed / n,
+        "data_wait_frac": window.data_wait_s / elapsed if elapsed > 0 else 0.0,
+        mem_kind + "_gib": mem,
+        "skipped_steps": skipped_total,
+        "skipped_in_window": window.skipped,
+    }
+    if rate.peak_tflops:
+        metrics["mfu"] = rate.flops_per_step * n / elapsed / (rate.peak_tflops * 1e12 * ctx.world_size)
+    if result.loss_scale is not None:
+        metrics["loss_scale"] = result.loss_scale
+    metrics.update({k: v / n for k, v in window.comm.items()})
+    if metrics.get("comm_bytes_sent"):
+        metrics["comm_saving"] = metrics["comm_bytes_uncompressed"] / metrics["comm_bytes_sent"]
+    return metrics
+
+
+def format_line(step: int, max_steps: int, m: dict, n_steps: int) -> str:
+    mfu = f"mfu {m['mfu']:.1%}" if "mfu" in m else "mfu n/a"
+    mem_key = next(k for k in m if k.endswith("_gib"))
+    loss = "loss skipped" if m["loss"] is None else f"loss {m['loss']:.4f}"
+    if m["skipped_in_window"]:
+        loss += f" ({m['skipped_in_window']}/{n_steps} steps skipped)"
+    line = (f"step {step}/{max_steps} | {loss} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
+            f"{m['tokens_per_s']:,.0f} tok/s | {mfu} | data wait {m['data_wait_frac']:.0%} | "
+            f"{mem_key[:-4]} {m[mem_key]:.2f} GiB")
+    if "comm_bytes_sent" in m:
+        line += (f" | comm {m['comm_bytes_sent'] / 2**20:.2f} MiB/step sent vs "
+                 f"{m['comm_bytes_uncompressed'] / 2**20:.2f} uncompressed")
+    return line
+
+
+# --------------------------------------------------------------------------- profiling
+
+
+def profiler_context(cfg: JobConfig, run_dir: Path, ctx: DistContext, log: RunLogger):
+    """torch.profiler over a few steps, chrome traces into <run_dir>/profile; a no-op otherwise."""
+    if not cfg.train.profile:
+        return contextlib.nullcontext(None)
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    out = run_dir / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write_trace(prof) -> None:
+        path = out / f"trace_rank{ctx.rank}_step{prof.step_num}.json"
+        prof.export_chrome_trace(str(path))
+        log.info(f"profiler: wrote {path}")
+        if ctx.device.type == "cuda":
+            snapshot = out / f"memory_rank{ctx.rank}.pickle"
+            torch.cuda.memory._dump_snapshot(str(snapshot))  # open at pytorch.org/memory_viz
+            torch.cuda.memory._record_memory_history(enabled=None)
+            log.info(f"profiler: wrote {snapshot}")
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    if ctx.device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    t = cfg.train
+    return profile(
+        activities=activities,
+        schedule=schedule(wait=t.profile_wait, warmup=t.profile_warmup, active=t.profile_active, repeat=1),
+        on_trace_ready=write_trace,
+        record_shapes=True,
+        profile_memory=True,
+        with_stack=False,
+    )
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class RunState:
+    """What the loop carries across steps besides the current window."""
+
+    step: int = 0
+    skips_in_a_row: int = 0
+    skipped_total: int = 0
+    last_saved: int | None = None
+    save_due: bool = False  # an interval save waits for an applied step
+    last_val: float | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.skips_in_a_row == 0
+
+
+class TrainingLoop:
+    """train.py's loop: resume, then step until ``train.max_steps``, a stop, or a signal."""
+
+    def __init__(self, cfg: JobConfig, ctx: DistContext, engine: Engine, data, batches, run_dir: Path,
+                 ckpt_root: Path, log: RunLogger, stop_request: StopRequest, rate: Throughput):
+        self.cfg, self.ctx, self.engine, self.data, self.batches = cfg, ctx, engine, data, batches
+        self.run_dir, self.ckpt_root, self.log, self.stop_request, self.rate = run_dir, ckpt_root, log, stop_request, rate
+        self.state = RunState()
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def save(self) -> None:
+        """Raises CheckpointError, writing nothing, if the weights are non-finite or the disk fails.
+
+        ``healthy``: the last step was applied, not skipped; keep_last pruning never removes the
+        newest healthy checkpoint, whatever is saved after it.
+        """
+        cfg, ctx, step = self.cfg, self.ctx, self.state.step
+        t0 = time.perf_counter()
+        rank_state = {"step": step, "rng": ckpt.capture_rng_state(), "data": self.batches.state_dict()}
+        path = ckpt.save_checkpoint(
+            self.ckpt_root, step, lambda d: self.engine.save(d, ctx.rank), rank_state, rank=ctx.rank,
+            world_size=ctx.world_size, strategy=cfg.parallel.strategy, barrier=ctx.barrier,
+            keep_last=cfg.checkpoint.keep_last, healthy=self.state.healthy, weights=self.engine.local_weights(),
+            device=ctx.device, extra_meta={"model": to_dict(cfg.model), "schedule": cfg.lr_schedule()},
+        )
+        self.state.last_saved = step
+        self.log.info(f"checkpoint: saved {path} in {time.perf_counter() - t0:.1f}s")
+
+    def resume(self) -> None:
+        """Restore everything a continued run needs and continue from its step."""
+        cfg, ctx, log = self.cfg, self.ctx, self.log
+        warn = log.warn if ctx.is_main else None
+        path = ckpt.resolve_resume(cfg.checkpoint.resume, self.ckpt_root, warn=warn)
+        if path is None:
+            if cfg.checkpoint.resume == "latest":
+                log.info(f"resume: no checkpoint under {self.ckpt_root} yet, starting from step 0")
+                log.keep_rows_up_to(0)  # rows of a run that crashed before its first save
+            return
+        meta = ckpt.read_checkpoint_meta(path, ctx.world_size, cfg.parallel.strategy, to_dict(cfg.model))
+        ckpt.check_schedule(path, meta, cfg.lr_schedule(), allow_change=cfg.checkpoint.allow_schedule_change,
+                            warn=warn)
+        self.engine.load(path)
+        state = safe_torch_load(path / f"rank_{ctx.rank:05d}.pt")
+        self.batches.load_state_dict(state["data"])
+        ckpt.restore_rng_state(state["rng"])
+        self.state.step = int(state["step"])
+        log.info(f"resume: continuing from {path} at step {self.state.step}")
+        log.keep_rows_up_to(self.state.step)
+
+    # ----------------------------------------------------------------- the loop
+
+    def run(self) -> int:
+        """Train to ``train.max_steps``; returns the process exit code."""
+        cfg, ctx, log, t, s = self.cfg, self.ctx, self.log, self.cfg.train, self.state
+        t_start = time.perf_counter()
+        schedule = cfg.lr_schedule()
+        alarms, agreement = LearningAlarms(log, cfg.precision.mode), StopAgreement(ctx)
+        log.set_start(s.step)
+        window = Window()
+        self.stop_request.arm()  # from here on SIGTERM / Ctrl-C finish the step and save
+        self.engine.train(True)
+        with profiler_context(cfg, self.run_dir, ctx, log) as prof:
+            while s.step < t.max_steps:
+                lr = lr_at(s.step, **schedule)
+                outcome = train_step(self.engine, self.batches, t.grad_accum_steps, lr)
+                window.add(outcome, self.engine.comm_stats())
+                s.step += 1
+                if prof is not None:
+                    prof.step()
+                result = outcome.result
+                if result.skipped:
+                    s.skips_in_a_row, s.skipped_total = s.skips_in_a_row + 1, s.skipped_total + 1
+                    if self._stop_on_nonfinite(result):
+                        return 3
+                else:
+                    s.skips_in_a_row = 0
+                alarms.on_step(s.step, s.skips_in_a_row, result.loss_scale)
+                log.advance()
+
+                if s.step % t.log_interval == 0 or s.step == t.max_steps:
+                    window = self._log_window(window, result, lr, alarms)
+                if t.eval_interval and (s.step % t.eval_interval == 0 or s.step == t.max_steps):
+                    s.last_val = evaluate(self.engine, self.data.val, t.eval_steps, ctx)
+                    log.log(s.step, {"val_loss": s.last_val})
+                    log.info(f"step {s.step}: val_loss {s.last_val:.4f}")
+                    window.restart_clock()
+                if self._interval_save_due(result):
+                    self.save()
+                    s.save_due = False
+                    window.restart_clock()
+                signum = agreement.poll(self.stop_request.requested)
+                if signum:
+                    return self._stop_on_signal(signum)
+            agreement.finish()
+
+        if cfg.checkpoint.save_final:
+            self.save()
+        summary = f"done: {s.step} steps in {time.perf_counter() - t_start:.1f}s"
+        if s.last_val is not None:
+            summary += f", final val_loss {s.last_val:.4f} (uniform baseline {math.log(cfg.model.vocab_size):.3f})"
+        log.info(summary)
+        return 0
+
+    def _log_window(self, window: Window, result: StepResult, lr: float, alarms: LearningAlarms) -> Window:
+        t, s = self.cfg.train, self.state
+        metrics = window_metrics(window, result, lr, self.ctx, self.rate, s.skipped_total)
+        self.log.log(s.step, metrics, format_line(s.step, t.max_steps, metrics, window.steps))
+        alarms.on_log(s.step, metrics["grad_norm"], result.loss_scale)
+        if metrics["data_wait_frac"] > t.data_wait_warn:
+            self.log.warn(f"step {s.step}: {metrics['data_wait_frac']:.0%} of step time spent waiting for data "
+                          f"(> {t.data_wait_warn:.0%}); raise data.num_workers or check the storage")
+        return Window()
+
+    def _interval_save_due(self, result: StepResult) -> bool:
+        """Saving during a skip streak would store the state of a diverging run and let keep_last
+        prune the checkpoints from before the blow-up: an interval save waits for an applied step."""
+        interval, s, max_steps = self.cfg.checkpoint.interval, self.state, self.cfg.train.max_steps
+        if interval and s.step % interval == 0 and s.step < max_steps:
+            s.save_due = True
+            if result.skipped:
+                self.log.warn(f"step {s.step}: checkpoint postponed until a step is applied again "
+                              "(this one was skipped)")
+        return s.save_due and not result.skipped and s.step < max_steps
+
+    def _stop_on_nonfinite(self, result: StepResult) -> bool:
+        """Warn about a skipped step; True means stop the run."""
+        p, s = self.cfg.precision, self.state
+        if p.mode == "fp16" and s.skips_in_a_row <= p.max_skipped_steps:
+            return False  # dynamic loss scaling overflows now and then by design; only a long streak matters
+        what = f"step {s.step}: non-finite loss or gradient norm"
+        if p.nonfinite == "stop":
+            self.log.warn(f"{what}; stopping (precision.nonfinite=stop). Weights are those of step {s.step - 1}.")
+            return True
+        if s.skips_in_a_row > p.max_skipped_steps:
+            self.log.warn(f"{what}; {s.skips_in_a_row} steps skipped in a row (> precision.max_skipped_steps), "
+                          "stopping")
+            return True
+        self.log.warn(f"{what}; optimizer step skipped, weights unchanged")
+        return False
+
+    def _stop_on_signal(self, signum: int) -> int:
+        """Save the step just finished and return the shell's exit code for the signal (143, 130)."""
+        step = self.state.step
+        if self.state.last_saved != step:
+            self.save()
+        latest = ckpt.find_latest(self.ckpt_root)
+        if latest is not None and latest.name == ckpt.step_dir_name(step):
+            self.log.info(f"stopped by {signal_name(signum)} at step {step}: saved {latest}; resume with --resume")
+        else:  # the save was refused: say which checkpoint a resume would use
+            self.log.info(f"stopped by {signal_name(signum)} at step {step}: not saved; --resume continues from "
+                          f"{latest if latest is not None else 'step 0 (no checkpoint)'}")
+        return exit_code(signum)
