@@ -60,10 +60,9 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> JobConfig:
 
 
 def run(cfg: JobConfig) -> int:
-    p = cfg.parallel
-    ctx = init_distributed(cfg.train.device, p.backend, p.timeout_s, p.nccl, p.local_world_size)
+    ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
-        cfg.parallel, note = cfg.parallel.for_world(ctx.world_size)
+        cfg.parallel, note = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
         run_dir = prepare_run_dir(cfg, ctx)
         with RunLogger(run_dir, cfg.logging, is_main=ctx.is_main, tag=ctx.tag, max_steps=cfg.train.max_steps,
                        config_dict=to_dict(cfg)) as log, StopRequest(ctx.tag) as stop_request:
@@ -110,13 +109,18 @@ def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_
 
 
 def describe_model(cfg: JobConfig, ctx: DistContext) -> list[str]:
-    m, seq_len = cfg.model, cfg.seq_len
-    verdict = fit_verdict(m, seq_len, cfg.train.micro_batch_size, ctx.world_size, cfg.parallel.strategy,
-                          m.checkpointing, cfg.precision.mode, _device_name(ctx.device))
+    m, seq_len, p, d = cfg.model, cfg.seq_len, cfg.parallel, ctx.dims
+    layout = {"grad_accum": cfg.train.grad_accum_steps, "tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate}
+    if d.tp > 1:
+        layout["sequence_parallel"] = p.sequence_parallel
+    if d.pp > 1:
+        layout |= {"pp_schedule": p.pp_schedule, "pp_virtual_stages": p.pp_virtual_stages}
+    verdict = fit_verdict(m, seq_len, cfg.train.micro_batch_size, ctx.world_size, p.strategy, m.checkpointing,
+                          cfg.precision.mode, _device_name(ctx.device), **layout)
     return [
         f"model: {count_parameters(m) / 1e6:.2f}M parameters ({count_parameters(m, include_embeddings=False) / 1e6:.2f}M "
         f"without embedding lookups), {m.n_layer} layers, d_model {m.d_model}, "
-        f"{m.n_head} heads, {m.mlp}, {m.norm}, {m.position} positions",
+        f"{m.n_head} heads ({m.kv_heads} key/value), {m.mlp}, {m.norm}, {m.position} positions",
         f"flops: {flops_per_token(m, seq_len) / 1e6:.2f} MFLOP/token, convention {FLOPS_CONVENTION}",
         verdict,
     ]
@@ -125,7 +129,7 @@ def describe_model(cfg: JobConfig, ctx: DistContext) -> list[str]:
 def throughput(cfg: JobConfig, ctx: DistContext) -> tuple[Throughput, str]:
     """Tokens and FLOPs per optimizer step and the device peak MFU is measured against; a log line."""
     t, seq_len = cfg.train, cfg.seq_len
-    tokens_per_step = t.micro_batch_size * seq_len * t.grad_accum_steps * ctx.world_size
+    tokens_per_step = t.micro_batch_size * seq_len * t.grad_accum_steps * ctx.dims.dp_size
     peak, peak_note = ((t.peak_tflops, f"peak {t.peak_tflops:g} TFLOP/s (train.peak_tflops)") if t.peak_tflops
                        else peak_tflops_for(_device_name(ctx.device), cfg.precision.mode))
     note = (f"mfu: {peak_note}; {tokens_per_step:,} tokens/step; uniform-baseline loss ln(V) = "

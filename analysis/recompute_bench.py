@@ -32,7 +32,7 @@ from common.errors import ConfigError
 from common.measure import interleaved, provenance, resolve_device, summarize, synchronize
 from common.report import markdown_table, new_figure, save_figure, text_table, write_results
 from model.config import ModelConfig
-from model.gpt import GPT
+from model.gpt import GPT, indexed_blocks
 from model.recompute import apply_recompute
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,7 +100,7 @@ def _model_storages(model: torch.nn.Module) -> set[tuple[str, int]]:
 
 def _track_current_block(model: GPT, ledger: SavedTensorLedger) -> list:
     handles = []
-    for index, block in enumerate(model.blocks):
+    for index, block in indexed_blocks(model):
 
         def enter(module, args, index=index):
             ledger.current = index

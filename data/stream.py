@@ -6,6 +6,7 @@ shards) build on this module, and it imports neither, so the two loaders never i
 
 from __future__ import annotations
 
+import atexit
 import copy
 import random
 import signal
@@ -105,6 +106,9 @@ class TrainStream:
         if workers > 0:
             extra = dict(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor,
                          worker_init_fn=seed_worker, timeout=cfg.timeout)
+            # Registered after torch's and multiprocessing's own exit hooks, so it runs before them
+            # (last in, first out): see close().
+            atexit.register(self.close)
         loader = DataLoader(
             self._dataset,
             batch_size=None,  # the dataset yields whole batches
@@ -152,8 +156,18 @@ class TrainStream:
         self._state = {k: copy.deepcopy(v) for k, v in state.items() if k not in ("version", "identity")}
 
     def close(self) -> None:
-        """Stop worker processes (they restart on the next batch)."""
-        self._iterator = None  # the DataLoader iterator shuts its workers down when collected
+        """Stop worker processes now (they restart on the next batch).
+
+        Not left to garbage collection: the iterator can outlive the stream (a traceback that
+        holds its frames, as a DataError's does), and its workers ignore SIGTERM (seed_worker),
+        so multiprocessing's exit hook, which terminates daemonic children with SIGTERM and
+        then joins them, would wait for them forever and the process would never exit.
+        """
+        iterator, self._iterator = self._iterator, None
+        atexit.unregister(self.close)
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # only the multi-process iterator has workers
+        if shutdown is not None:
+            shutdown()
 
 
 class ValSource:

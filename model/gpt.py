@@ -6,6 +6,13 @@
 Nothing here knows about process groups, precision policies or checkpointing; those are
 applied to a built model from ``parallel/`` and ``training/``. Fast paths plug in through two
 seams: the attention backend (``model/attention.py``) and the fused ops (``kernels/registry.py``).
+
+Two layout choices let ``parallel/`` split the model without changing it. The fused QKV
+projection stores, for each key/value head, its query heads' rows, then its key rows, then its
+value rows (``group_qkv``), so any contiguous slice of whole key/value groups is a complete set
+of heads (tensor parallelism shards it by rows). ``blocks`` is keyed by layer index, so a
+pipeline stage that keeps some blocks keeps their names, and a stage without the embedding or the
+head (``None``) takes hidden states in or gives them out.
 """
 
 from __future__ import annotations
@@ -38,14 +45,38 @@ class Norm(nn.Module):
         return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+def group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_kv_head: int) -> torch.Tensor:
+    """Rows of separate q, k, v projections (weights or biases) in the fused layout: for each
+    key/value head, the rows of the query heads that read it, its key rows, its value rows."""
+    q, k, v = (z.reshape(n_kv_head, -1, *z.shape[1:]) for z in (q, k, v))
+    return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:])
+
+
+def split_qkv(fused: torch.Tensor, n_head: int, n_kv_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``group_qkv``: (q, k, v) rows in head order."""
+    group = n_head // n_kv_head
+    per_head = fused.shape[0] // (n_kv_head * (group + 2))
+    g = fused.reshape(n_kv_head, group + 2, per_head, *fused.shape[1:])
+    q = g[:, :group].reshape(-1, *fused.shape[1:])
+    return q, g[:, group].reshape(-1, *fused.shape[1:]), g[:, group + 1].reshape(-1, *fused.shape[1:])
+
+
+def indexed_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(layer index, block) for ``model.blocks``: a GPT's ModuleDict keyed by layer index (a
+    pipeline stage keeps only some keys), or a plain ModuleList counted from 0."""
+    blocks = model.blocks
+    if isinstance(blocks, nn.ModuleDict):
+        return [(int(name), block) for name, block in blocks.items()]
+    return list(enumerate(blocks))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelOps, attention_backend: str):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim, self.ops = cfg.n_head, cfg.kv_heads, cfg.head_dim, ops
+        self.group, self.head_dim, self.ops = cfg.n_head // cfg.kv_heads, cfg.head_dim, ops
         self.use_rope = cfg.position == "rope"
-        # One fused projection, laid out [all query heads | key heads | value heads]; with
-        # n_kv_head == n_head this is exactly the (3, H, D) layout of plain multi-head attention.
-        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.bias)  # rows: see group_qkv
+        self.qkv.init_rows = lambda q_k_v: group_qkv(*q_k_v.split((cfg.d_model, cfg.kv_dim, cfg.kv_dim)), cfg.kv_heads)
         self.core = AttentionCore(attention_backend, cfg.dropout)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj.residual_projection = True  # scaled init, see GPT.init_weights
@@ -54,41 +85,40 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerKV | None = None
     ) -> torch.Tensor:
-        b, t, c = x.shape
-        kv_dim = self.n_kv_head * self.head_dim
-        q, k, v = self.qkv(x).split((c, kv_dim, kv_dim), dim=-1)
-        q = q.view(b, t, self.n_head, self.head_dim)  # (B, T, H, D)
-        k, v = (z.view(b, t, self.n_kv_head, self.head_dim) for z in (k, v))  # (B, T, H_kv, D)
+        b, t, _ = x.shape
+        # Per key/value head: its query heads, its key, its value. Head counts are read from the
+        # projection's width, which is all of them, or a tensor-parallel rank's share.
+        h = self.qkv(x).view(b, t, -1, self.group + 2, self.head_dim)  # (B, T, H_kv, group + 2, D)
+        q = h[:, :, :, : self.group].flatten(2, 3)  # (B, T, H, D)
+        k, v = h[:, :, :, self.group], h[:, :, :, self.group + 1]  # (B, T, H_kv, D)
         if self.use_rope:
             q, k = self.ops.apply_rope(q, *rope), self.ops.apply_rope(k, *rope)
         if cache is not None:  # generation: attend to every earlier position too
             k, v = cache.update(k, v)
-        y = self.core(q, k, v).reshape(b, t, c)
+        y = self.core(q, k, v).flatten(2)  # (B, T, H * D)
         return self.resid_drop(self.proj(y))
 
 
 class MLP(nn.Module):
+    """GELU: out(gelu(fc(x))). SwiGLU: out(silu(gate(x)) * fc(x)), fc being the "up" projection."""
+
     def __init__(self, cfg: ModelConfig, ops: KernelOps):
         super().__init__()
-        self.swiglu, self.ops = cfg.mlp == "swiglu", ops
+        self.ops = ops
         self.gelu_approximate = "tanh" if cfg.gelu == "tanh" else "none"  # torch's names for the two forms
-        # fc carries the bias separately so bias + GELU can run as one fused op.
-        width = 2 * cfg.d_ff if self.swiglu else cfg.d_ff
-        self.fc = nn.Linear(cfg.d_model, width, bias=False)
-        self.fc_bias = nn.Parameter(torch.zeros(width)) if cfg.bias else None
+        # The gate is registered first: GPT.init_weights draws it before fc, as it drew the gate
+        # half of the fused gate|up projection this replaces, so a seed gives the same weights.
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if cfg.mlp == "swiglu" else None
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
         self.out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
         self.out.residual_projection = True
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        if self.swiglu:
-            if self.fc_bias is not None:
-                h = h + self.fc_bias
-            gate, up = h.chunk(2, dim=-1)
-            h = self.ops.swiglu(gate, up)
+        if self.gate is not None:
+            h = self.ops.swiglu(self.gate(x), self.fc(x))
         else:
-            h = self.ops.bias_gelu(h, self.fc_bias, self.gelu_approximate)
+            h = self.ops.bias_gelu(self.fc(x), None, self.gelu_approximate)  # the bias is in the GEMM
         return self.drop(self.out(h))
 
 
@@ -114,7 +144,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(self._make_block(cfg, ops, attention_backend, i) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleDict({str(i): self._make_block(cfg, ops, attention_backend, i) for i in range(cfg.n_layer)})
         self.norm_f = Norm(cfg, ops)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -140,7 +170,11 @@ class GPT(nn.Module):
         std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, 0.0, out_std if getattr(module, "residual_projection", False) else std)
+                w_std = out_std if getattr(module, "residual_projection", False) else std
+                if hasattr(module, "init_rows"):  # drawn in q, k, v order, stored grouped
+                    module.weight.copy_(module.init_rows(torch.empty_like(module.weight).normal_(0.0, w_std)))
+                else:
+                    nn.init.normal_(module.weight, 0.0, w_std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
@@ -149,11 +183,10 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, MLP) and module.fc_bias is not None:
-                nn.init.zeros_(module.fc_bias)
         if self.cfg.position == "rope":
-            cos, sin = rope_tables(self.cfg.max_seq_len, self.cfg.head_dim, self.cfg.rope_theta, self.tok_emb.weight.device)
-            self.rope_cos, self.rope_sin = cos, sin
+            device = next(self.parameters()).device
+            self.rope_cos, self.rope_sin = rope_tables(self.cfg.max_seq_len, self.cfg.head_dim, self.cfg.rope_theta,
+                                                       device)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
@@ -162,19 +195,25 @@ class GPT(nn.Module):
 
         With a ``cache`` (generation, model/generate.py) idx holds the T tokens after the cached
         ones: they take positions [cache.length, cache.length + T) and the cache grows by T.
+        A pipeline stage without the embedding takes hidden states (B, T, C) instead of ids; one
+        without the head returns hidden states.
         """
         start, t = (cache.length if cache is not None else 0), idx.shape[1]
         if start + t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {start + t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        x = self.tok_emb(idx)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start, start + t, device=idx.device))
-        x = self.drop(x)
+        x = idx
+        if self.tok_emb is not None:
+            x = self.tok_emb(idx)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(torch.arange(start, start + t, device=idx.device))
+            x = self.drop(x)
         rope = (self.rope_cos[start:], self.rope_sin[start:]) if self.cfg.position == "rope" else None
-        for i, block in enumerate(self.blocks):
-            x = block(x, rope) if cache is None else block(x, rope, cache.layer(i))
+        for name, block in self.blocks.items():
+            x = block(x, rope) if cache is None else block(x, rope, cache.layer(int(name)))
         if cache is not None:
             cache.advance(t)
+        if self.lm_head is None:
+            return x
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits

@@ -11,7 +11,10 @@ Which layout a perfgpt model exports to follows from its shape:
   ``gelu``), multi-head attention. GPT-2's linear layers are ``Conv1D``, weights stored (in, out),
   so they are transposed. GPT-2 always has biases: a bias-free model is written with zero biases.
 - Llama: rotary positions, RMSNorm, SwiGLU; ``num_key_value_heads`` = ``model.n_kv_head``. Our
-  fused projections are split (qkv -> q/k/v_proj, fc -> gate_proj|up_proj) and joined back.
+  fused qkv projection is split into q/k/v_proj and joined back; ``mlp.gate`` is gate_proj and
+  ``mlp.fc`` up_proj.
+Our fused qkv stores its rows grouped by key/value head (``model.gpt.group_qkv``); every exchange
+goes through the plain [all q | all k | all v] order first (``_canonical`` / ``_stored``).
   Rotary embeddings use the same convention on both sides (the two halves of a head are the
   real and imaginary parts, HF's ``rotate_half``; ``kernels.reference.apply_rope``), so q/k
   weights are copied without a permutation. Llama has no residual dropout; ``attention_dropout``
@@ -36,7 +39,7 @@ import torch
 
 from common.errors import InteropError
 from model.config import ModelConfig
-from model.gpt import GPT
+from model.gpt import GPT, group_qkv, split_qkv
 
 State = dict[str, torch.Tensor]
 
@@ -99,7 +102,7 @@ def _gpt2_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
             yield f"{ours}{a}.weight", f"{theirs}{b}.weight", True
             yield f"{ours}{a}.bias", f"{theirs}{b}.bias", False
         yield f"{ours}mlp.fc.weight", f"{theirs}mlp.c_fc.weight", True
-        yield f"{ours}mlp.fc_bias", f"{theirs}mlp.c_fc.bias", False
+        yield f"{ours}mlp.fc.bias", f"{theirs}mlp.c_fc.bias", False
     yield "norm_f.weight", "transformer.ln_f.weight", False
     yield "norm_f.bias", "transformer.ln_f.bias", False
     if not cfg.tie_embeddings:
@@ -108,23 +111,19 @@ def _gpt2_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
 
 def _llama_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], tuple[int, ...]]]:
     """(perfgpt name, Llama names, row sizes of the split) for every tensor; one name = a copy."""
-    d, kv, f = cfg.d_model, cfg.kv_dim, cfg.d_ff
+    d, kv = cfg.d_model, cfg.kv_dim
     yield "tok_emb.weight", ("model.embed_tokens.weight",), ()
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         yield f"{ours}norm1.weight", (f"{theirs}input_layernorm.weight",), ()
         yield f"{ours}norm2.weight", (f"{theirs}post_attention_layernorm.weight",), ()
         qkv = tuple(f"{theirs}self_attn.{p}_proj" for p in "qkv")
-        gate_up = (f"{theirs}mlp.gate_proj", f"{theirs}mlp.up_proj")
-        yield f"{ours}attn.qkv.weight", tuple(f"{n}.weight" for n in qkv), (d, kv, kv)
-        yield f"{ours}attn.proj.weight", (f"{theirs}self_attn.o_proj.weight",), ()
-        yield f"{ours}mlp.fc.weight", tuple(f"{n}.weight" for n in gate_up), (f, f)
-        yield f"{ours}mlp.out.weight", (f"{theirs}mlp.down_proj.weight",), ()
-        if cfg.bias:
-            yield f"{ours}attn.qkv.bias", tuple(f"{n}.bias" for n in qkv), (d, kv, kv)
-            yield f"{ours}attn.proj.bias", (f"{theirs}self_attn.o_proj.bias",), ()
-            yield f"{ours}mlp.fc_bias", tuple(f"{n}.bias" for n in gate_up), (f, f)
-            yield f"{ours}mlp.out.bias", (f"{theirs}mlp.down_proj.bias",), ()
+        pairs = (("attn.proj", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.fc", "mlp.up_proj"),
+                 ("mlp.out", "mlp.down_proj"))
+        for kind in ("weight", "bias") if cfg.bias else ("weight",):
+            yield f"{ours}attn.qkv.{kind}", tuple(f"{n}.{kind}" for n in qkv), (d, kv, kv)
+            for a, b in pairs:
+                yield f"{ours}{a}.{kind}", (f"{theirs}{b}.{kind}",), ()
     yield "norm_f.weight", ("model.norm.weight",), ()
     if not cfg.tie_embeddings:
         yield "lm_head.weight", ("lm_head.weight",), ()
@@ -166,6 +165,7 @@ def to_hf_config(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> di
 
 def to_hf_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> State:
     """perfgpt weights under HF names; new tensors throughout (safetensors refuses shared storage)."""
+    state = _canonical(cfg, state)
     if hf_layout(cfg) == GPT2:
         return _to_gpt2_names(cfg, state, transpose=True)
     out: State = {}
@@ -193,7 +193,27 @@ def _to_gpt2_names(cfg: ModelConfig, state: Mapping[str, torch.Tensor], transpos
 def _bias_size(cfg: ModelConfig, name: str) -> int:
     if name.endswith("attn.qkv.bias"):
         return cfg.d_model + 2 * cfg.kv_dim
-    return cfg.d_ff if name.endswith("fc_bias") else cfg.d_model
+    return cfg.d_ff if name.endswith("fc.bias") else cfg.d_model
+
+
+def _qkv_names(state: Mapping[str, torch.Tensor]) -> list[str]:
+    return [name for name in state if name.endswith(("attn.qkv.weight", "attn.qkv.bias"))]
+
+
+def _canonical(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> State:
+    """Our fused qkv rows in the plain [all q | all k | all v] order that GPT-2's c_attn uses."""
+    out = dict(state)
+    for name in _qkv_names(state):
+        out[name] = torch.cat(split_qkv(state[name], cfg.n_head, cfg.kv_heads))
+    return out
+
+
+def _stored(cfg: ModelConfig, state: State) -> State:
+    """The inverse of ``_canonical``: qkv rows grouped by key/value head, as the model stores them."""
+    for name in _qkv_names(state):
+        q, k, v = state[name].split((cfg.d_model, cfg.kv_dim, cfg.kv_dim))
+        state[name] = group_qkv(q, k, v, cfg.kv_heads)
+    return state
 
 
 # --------------------------------------------------------------------------- HF -> perfgpt
@@ -280,7 +300,7 @@ def from_hf_state_dict(config: Mapping[str, Any], state: Mapping[str, torch.Tens
     else:
         for ours, theirs, _rows in _llama_names(cfg):
             out[ours] = torch.cat([state[name] for name in theirs]) if len(theirs) > 1 else state[theirs[0]]
-    return cfg, _tie(cfg, out)
+    return cfg, _tie(cfg, _stored(cfg, out))
 
 
 # --------------------------------------------------------------------------- nanoGPT
@@ -308,7 +328,7 @@ def from_nanogpt(checkpoint: Mapping[str, Any]) -> tuple[ModelConfig, State]:
     names = [(ours, theirs) for ours, theirs, _ in _gpt2_names(cfg) if cfg.bias or not ours.endswith("bias")]
     expected = _meta_state(cfg)
     check_shapes(state, {theirs: expected[ours] for ours, theirs in names}, "nanoGPT's model_args")
-    return cfg, _tie(cfg, {ours: state[theirs] for ours, theirs in names})
+    return cfg, _tie(cfg, _stored(cfg, {ours: state[theirs] for ours, theirs in names}))
 
 
 def to_nanogpt(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -320,6 +340,7 @@ def to_nanogpt(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str,
             name = "n_kv_head" if key == "kv_heads" else key
             raise InteropError(f"model.{name}={getattr(cfg, key)}: nanoGPT's GPT needs {value}")
     names = [(ours, theirs) for ours, theirs, _ in _gpt2_names(cfg) if cfg.bias or not ours.endswith("bias")]
+    state = _canonical(cfg, state)
     model = {theirs: _get(state, ours).detach().clone() for ours, theirs in names}
     model["lm_head.weight"] = model["transformer.wte.weight"]
     args = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.d_model, "block_size": cfg.max_seq_len,

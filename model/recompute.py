@@ -49,6 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from common.errors import RecomputeError
 from model.config import RECOMPUTE_POLICIES
+from model.gpt import indexed_blocks
 from model.te import TEBlock, te_checkpoint
 
 # Called with ("cached", tensor) for each output op_selective keeps and ("offloaded", tensor) for each
@@ -234,15 +235,14 @@ def apply_recompute(
         return
     if every_k < 1:
         raise RecomputeError(f"checkpoint_every_k must be >= 1 (got {every_k})")
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
+    if not isinstance(getattr(model, "blocks", None), (nn.ModuleList, nn.ModuleDict)):
         raise RecomputeError(
-            f"{type(model).__name__} has no `blocks` ModuleList; apply checkpointing to the GPT itself, "
+            f"{type(model).__name__} has no `blocks`; apply checkpointing to the GPT itself, "
             "before wrapping it with torch.compile, DDP or FSDP"
         )
     if any(isinstance(m, RecomputedModule) for m in model.modules()):
         raise RecomputeError("activation checkpointing is already applied to this model; apply it once")
-    for index, block in enumerate(blocks):
+    for index, block in indexed_blocks(model):
         target = _target_module(policy, block, index, every_k)
         if target is not None:
             _wrap_in_place(target, _runner(policy, observer, target))

@@ -58,37 +58,62 @@ _METADATA_CLASSES = frozenset({
 })
 
 
-def save_model_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path,
-                         extra: dict[str, torch.Tensor] | None = None) -> None:
-    """Collective: every rank of the model's mesh calls this with the same ``path``."""
-    import torch.distributed.checkpoint as dcp
+Parts = list[tuple[nn.Module, torch.optim.Optimizer]]  # a model (or its pipeline stages) with their optimizers
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Flat optimizer keys ("state.<param name>.exp_avg", "param_groups.<param name>.lr") merge
+    # across pipeline stages, each with its own optimizer, into the one name space a whole
+    # model has: any layout reads what any other wrote.
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _states(parts: Parts) -> tuple[list[tuple[dict, dict]], dict[str, Any]]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    per_part = [get_state_dict(module, optimizer, options=_options()) for module, optimizer in parts]
+    merged: dict[str, Any] = {"model": {}, "optimizer": {}}
+    for model_state, optim_state in per_part:
+        merged["model"].update(model_state)
+        merged["optimizer"].update(optim_state)
+    return per_part, merged
+
+
+def save_model_optimizer(parts: Parts, path: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Collective: every rank calls this with its model parts and the same ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    _, state = _states(parts)
     if extra:
         state["extra"] = extra
     dcp.save(state, checkpoint_id=str(path))
     _write_metadata_digest(Path(path))
 
 
-def load_model_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path,
-                         extra: dict[str, torch.Tensor] | None = None) -> None:
-    """Load in place into ``model`` and ``optimizer``, whatever their current sharding.
+def load_model_optimizer(parts: Parts, path: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Load in place into the model parts and their optimizers, whatever their current layout.
 
     DCP loads into existing tensors: ``get_state_dict`` first gives a fresh optimizer zero-filled
     state (a step with zero gradients and lr 0). ``extra`` tensors are filled in place.
     """
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     _require_checkpoint(path)
     metadata = read_verified_metadata(Path(path))
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    per_part, state = _states(parts)
     if extra:
         state["extra"] = extra
-    _dcp_load(state, Path(path), metadata)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    _dcp_load(state, Path(path), metadata)  # fills the per-part tensors, which the merged dicts share
+    for (module, optimizer), (model_state, optim_state) in zip(parts, per_part):
+        set_state_dict(module, optimizer, model_state_dict={k: state["model"][k] for k in model_state},
+                       optim_state_dict={k: state["optimizer"][k] for k in optim_state}, options=_options())
+
+
+def has_sharded_state(directory: Path) -> bool:
+    """A checkpoint directory written by a sharded layout (DCP), which any layout can load."""
+    return (Path(directory) / DCP_SUBDIR / METADATA).is_file()
 
 
 def _require_checkpoint(path: Path) -> None:
@@ -250,16 +275,14 @@ def safe_torch_load(path: Path, map_location: Any = "cpu") -> Any:
         raise CheckpointError(f"cannot read checkpoint file {path}: {_first_line(exc)}") from None
 
 
-def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-                 directory: Path) -> None:
-    """A DTensor-parameterized model (FSDP2) with its optimizer (+ fp16 loss scale) into ``directory/dcp``."""
-    save_model_optimizer(model, optimizer, Path(directory) / DCP_SUBDIR, _scaler_tensors(scaler))
+def save_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: Path) -> None:
+    """Model parts with their optimizers (+ fp16 loss scale) into ``directory/dcp``."""
+    save_model_optimizer(parts, Path(directory) / DCP_SUBDIR, _scaler_tensors(scaler))
 
 
-def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-                 directory: Path) -> None:
+def load_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: Path) -> None:
     extra = _scaler_tensors(scaler)
-    load_model_optimizer(model, optimizer, Path(directory) / DCP_SUBDIR, extra)
+    load_model_optimizer(parts, Path(directory) / DCP_SUBDIR, extra)
     if extra:
         scaler.load_state_dict(_scaler_state(scaler, extra))
 

@@ -15,6 +15,46 @@ class ParallelConfig:
     strategy: Literal["none", "ddp", "fsdp", "zero1", "zero2", "zero3"] = doc(
         "none", "data-parallel strategy applied to the built model"
     )
+    # --- layout (dims.py): ranks = pp x dp_replicate x dp_shard x tp, tp innermost (inside a node)
+    tp: int = doc(1, "tensor-parallel degree: each layer's matmuls split over this many ranks of a node "
+                  "(Megatron-LM); must divide the heads, KV heads, d_ff and vocabulary")
+    pp: int = doc(1, "pipeline-parallel stages: the layers split over this many ranks")
+    dp_replicate: int = doc(1, "data-parallel replicas; with strategy=fsdp the replicate dimension of HSDP "
+                            "(across nodes)")
+    dp_shard: int = doc(-1, "data-parallel ranks that shard the model (fsdp) or hold replicas (ddp, zero); "
+                        "-1: every rank the other dimensions leave")
+    sequence_parallel: bool = doc(True, "with tp > 1: norms, dropout and the residual stream split over the "
+                                  "sequence too (Korthikanti et al. 2022); activations / tp")
+    loss_parallel: bool = doc(True, "with tp > 1: cross-entropy on vocab-sharded logits, never gathered whole")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = doc(
+        "1f1b", "pipeline schedule; train.grad_accum_steps is the number of pipeline micro-batches"
+    )
+    pp_virtual_stages: int = doc(1, "stages per pipeline rank (interleaved_1f1b and zero_bubble: >= 2 shrinks "
+                                 "the bubble by this factor)")
+
+    def _validate_layout(self) -> None:
+        for key in ("tp", "pp", "dp_replicate", "pp_virtual_stages"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"parallel.{key} must be >= 1 (got {getattr(self, key)})")
+        if self.dp_shard != -1 and self.dp_shard < 1:
+            raise ConfigError(f"parallel.dp_shard must be >= 1, or -1 for the ranks left over (got {self.dp_shard})")
+        if self.pp_schedule in ("gpipe", "1f1b") and self.pp_virtual_stages != 1:
+            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule} runs one stage per rank; set "
+                              "parallel.pp_virtual_stages=1 or an interleaved schedule")
+        if self.pp_schedule == "interleaved_1f1b" and self.pp > 1 and self.pp_virtual_stages < 2:
+            raise ConfigError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_virtual_stages >= 2 "
+                              "(with one stage per rank it is 1f1b)")
+        model_parallel = self.tp > 1 or self.pp > 1
+        if model_parallel and self.strategy in ("ddp", "zero1", "zero2", "zero3"):
+            raise ConfigError(f"parallel.strategy={self.strategy} cannot wrap tensor- or pipeline-parallel models "
+                              "(DTensor parameters, stages); use parallel.strategy=fsdp for their data parallelism")
+        if self.fsdp_hybrid and (model_parallel or self.dp_replicate != 1):
+            raise ConfigError("parallel.fsdp_hybrid is the shorthand for dp_replicate=<nodes> without tp or pp; "
+                              "set parallel.dp_replicate (and dp_shard) instead")
+        if self.dp_replicate > 1 and self.strategy != "fsdp":
+            raise ConfigError(f"parallel.dp_replicate={self.dp_replicate} is HSDP's replicate dimension: it needs "
+                              f"parallel.strategy=fsdp (got {self.strategy}); other strategies replicate over dp_shard")
+    # --- end layout
     backend: Literal["auto", "nccl", "gloo"] = doc("auto", "process-group backend; auto: nccl on CUDA, gloo on CPU")
     timeout_s: int = doc(600, "collective timeout: a rank that dies makes the others fail within this")
 
@@ -126,14 +166,23 @@ class ParallelConfig:
     def validate(self) -> None:
         if self.timeout_s < 1:
             raise ConfigError("parallel.timeout_s must be >= 1")
+        self._validate_layout()
         self._validate_communication()
         self._validate_strategies()
 
-    def for_world(self, world_size: int) -> tuple[ParallelConfig, str | None]:
-        """This section as it applies to ``world_size`` ranks, and a log line if that changed it:
-        several processes with strategy none would train unsynchronized replicas, so they get DDP."""
-        if world_size > 1 and self.strategy == "none":
-            note = (f"parallel: strategy none with {world_size} processes -> ddp "
-                    "(gradients averaged across ranks)")
-            return replace(self, strategy="ddp"), note
+    def layout(self, nodes: int, ranks_per_node: int) -> dict[str, int]:
+        """The mesh degrees (ParallelDims' pp, dp_replicate, dp_shard, tp) for this section; HSDP's
+        shorthand ``fsdp_hybrid`` becomes one replica per node, sharded inside it."""
+        if self.fsdp_hybrid:
+            return {"pp": 1, "dp_replicate": nodes, "dp_shard": ranks_per_node, "tp": 1}
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+
+    def for_data_parallel(self, dp_size: int) -> tuple[ParallelConfig, str | None]:
+        """This section as it applies to ``dp_size`` data-parallel ranks, and a log line if that
+        changed it: strategy none on several data-parallel ranks would train unsynchronized
+        replicas, so they get DDP (FSDP2 for tensor- or pipeline-parallel models, which DDP cannot wrap)."""
+        if dp_size > 1 and self.strategy == "none":
+            strategy = "ddp" if self.tp == 1 and self.pp == 1 else "fsdp"
+            note = f"parallel: strategy none with {dp_size} data-parallel ranks -> {strategy} (gradients averaged)"
+            return replace(self, strategy=strategy), note
         return self, None

@@ -1,8 +1,15 @@
-"""Where this process sits: world, nodes, ranks per node — checked without a process group.
+"""Where this process sits: world, nodes, ranks per node, and the parallel layout — checked
+without a process group.
 
 ``ParallelDims`` is a plain value built from the launcher's environment (torchrun sets
-WORLD_SIZE, RANK, LOCAL_WORLD_SIZE, LOCAL_RANK), so every check runs in a unit test on any
-machine. ``build_node_groups`` turns it into the two process groups a hierarchical collective
+WORLD_SIZE, RANK, LOCAL_WORLD_SIZE, LOCAL_RANK) and the layout keys of the ``parallel`` section,
+so every check runs in a unit test on any machine. The layout is a 4-D grid of ranks,
+
+    pp x dp_replicate x dp_shard x tp      (row-major: tp varies fastest)
+
+so a tensor-parallel group is tp consecutive ranks, inside one node, where the bandwidth its
+per-layer collectives need is; data parallelism and pipeline stages span nodes. ``build_mesh``
+turns it into the one ``DeviceMesh`` of the run, with those dimension names. ``build_node_groups`` turns it into the two process groups a hierarchical collective
 needs: the ranks of this node (intra) and the ranks holding the same local index on every node
 (inter). Ranks are assumed node-major, as torchrun assigns them when every node runs the same
 number of processes: global rank = node_rank * local_world_size + local_rank.
@@ -21,6 +28,9 @@ if TYPE_CHECKING:  # torch.distributed is only needed once groups are built
     from torch.distributed import ProcessGroup
 
 
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost to innermost
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     world_size: int
@@ -30,10 +40,43 @@ class ParallelDims:
     # The launcher's LOCAL_RANK, which names this process's GPU; differs from local_rank only
     # when parallel.local_world_size regroups the ranks into pretend nodes (-1: same as local_rank).
     device_index: int = -1
+    # The layout (parallel.pp, dp_replicate, dp_shard, tp); dp_shard -1 takes the ranks left over.
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.device_index < 0:
             object.__setattr__(self, "device_index", self.local_rank)
+        self._check_launcher()
+        self._resolve_layout()
+
+    def _resolve_layout(self) -> None:
+        for key in ("pp", "dp_replicate", "tp"):
+            if getattr(self, key) < 1:
+                raise LayoutError(f"parallel.{key}={getattr(self, key)} must be >= 1")
+        fixed = self.pp * self.dp_replicate * self.tp
+        if self.dp_shard == -1:
+            if self.world_size % fixed:
+                raise LayoutError(
+                    f"parallel.pp={self.pp} x parallel.dp_replicate={self.dp_replicate} x parallel.tp={self.tp} = "
+                    f"{fixed} does not divide the {self.world_size} ranks; choose degrees whose product divides it"
+                )
+            object.__setattr__(self, "dp_shard", self.world_size // fixed)
+        if self.dp_shard < 1 or fixed * self.dp_shard != self.world_size:
+            raise LayoutError(
+                f"parallel.pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
+                f"tp={self.tp} = {fixed * max(self.dp_shard, 0)} ranks, but {self.world_size} were launched; "
+                "make the product equal the world size (dp_shard=-1 takes the ranks left over)"
+            )
+        if self.tp > 1 and self.local_world_size % self.tp:
+            raise LayoutError(
+                f"parallel.tp={self.tp} must divide the {self.local_world_size} ranks per node: tensor-parallel "
+                "groups stay inside a node, where their per-layer collectives have the bandwidth they need"
+            )
+
+    def _check_launcher(self) -> None:
         if self.world_size < 1:
             raise LayoutError(f"WORLD_SIZE={self.world_size} must be >= 1")
         if self.local_world_size < 1:
@@ -58,25 +101,67 @@ class ParallelDims:
             )
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, local_world_size: int | None = None) -> ParallelDims:
+    def from_env(cls, env: Mapping[str, str] | None = None, local_world_size: int | None = None,
+                 **layout: int) -> ParallelDims:
         """Read the torchrun variables; no variables at all means a single process.
 
         ``local_world_size`` overrides LOCAL_WORLD_SIZE, e.g. to treat 4 processes on one
         machine as 2 nodes x 2 when testing hierarchical collectives; the local rank is then
         derived as rank % local_world_size (LOCAL_RANK still names this process's device).
+        ``layout`` holds pp, dp_replicate, dp_shard and tp.
         """
         env = os.environ if env is None else env
         world_size = _env_int(env, "WORLD_SIZE", 1)
         rank = _env_int(env, "RANK", 0)
         if local_world_size is not None:
             return cls(world_size, local_world_size, rank, rank % local_world_size,
-                       device_index=_env_int(env, "LOCAL_RANK", rank % local_world_size))
+                       device_index=_env_int(env, "LOCAL_RANK", rank % local_world_size), **layout)
         if "LOCAL_WORLD_SIZE" not in env and world_size > 1:
             raise LayoutError(
                 "LOCAL_WORLD_SIZE is not set: launch with torchrun, export it, or set parallel.local_world_size"
             )
         local = _env_int(env, "LOCAL_WORLD_SIZE", world_size)
-        return cls(world_size, local, rank, _env_int(env, "LOCAL_RANK", rank % local))
+        return cls(world_size, local, rank, _env_int(env, "LOCAL_RANK", rank % local), **layout)
+
+    # ----------------------------------------------------------------- the layout
+
+    def coordinate(self, dim: str) -> int:
+        """This rank's index along one mesh dimension (MESH_DIMS)."""
+        sizes = {name: getattr(self, name) for name in MESH_DIMS}
+        inner = 1
+        for name in reversed(MESH_DIMS):
+            if name == dim:
+                return (self.rank // inner) % sizes[name]
+            inner *= sizes[name]
+        raise KeyError(dim)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: ranks that see different batches."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the ranks of one tensor-parallel group and of one
+        pipeline share it (and their batches)."""
+        return self.coordinate("dp_replicate") * self.dp_shard + self.coordinate("dp_shard")
+
+    def mesh_shape(self) -> dict[str, int]:
+        """The mesh dimensions with more than one rank, outermost first."""
+        return {name: getattr(self, name) for name in MESH_DIMS if getattr(self, name) > 1}
+
+    def build_mesh(self, device_type: str):
+        """The run's DeviceMesh over the dimensions with more than one rank (None for one process).
+
+        A collective: every rank calls it once, at start-up (it creates a process group per
+        dimension).
+        """
+        from torch.distributed.device_mesh import init_device_mesh  # torch.distributed only with a process group
+
+        shape = self.mesh_shape()
+        if self.world_size == 1 or not shape:
+            return None
+        return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
     @property
     def nodes(self) -> int:
@@ -107,9 +192,10 @@ class ParallelDims:
         return f"[rank {self.rank} local {self.local_rank} node {self.node_rank}] "
 
     def describe(self) -> str:
+        layout = " ".join(f"{name}={getattr(self, name)}" for name in MESH_DIMS)
         return (
             f"rank {self.rank}/{self.world_size} node {self.node_rank}/{self.nodes} "
-            f"local {self.local_rank}/{self.local_world_size}"
+            f"local {self.local_rank}/{self.local_world_size}, {layout}"
         )
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import datetime
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from common.errors import CapabilityError, LayoutError
+from parallel.config import ParallelConfig
 from parallel.dims import ParallelDims
 from parallel.nccl import apply_nccl_env
 
@@ -24,11 +26,19 @@ class DistContext:
     dims: ParallelDims
     device: torch.device
     backend: str | None  # None: no process group
+    mesh: DeviceMesh | None = None  # the run's one mesh (dimensions of size > 1); None for one process
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> DistContext:
         """One process, no process group (tools and tests that measure in-process)."""
         return cls(ParallelDims(1, 1, 0, 0), torch.device(device), None)
+
+    def submesh(self, *names: str) -> DeviceMesh | None:
+        """The mesh over the named dimensions that have more than one rank (None if none does)."""
+        present = tuple(n for n in names if self.mesh is not None and n in (self.mesh.mesh_dim_names or ()))
+        if not present:
+            return None
+        return self.mesh[present[0]] if len(present) == 1 else self.mesh[present]
 
     @property
     def rank(self) -> int:
@@ -88,28 +98,32 @@ def pick_device(requested: str, device_index: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device_request: str, backend_request: str, timeout_s: int,
-                     nccl_env: dict[str, str] | None = None, local_world_size: int | None = None) -> DistContext:
-    """The context of this process; creates the default process group under torchrun.
+def layout_from_env(parallel_cfg: ParallelConfig) -> ParallelDims:
+    """The launcher's ranks and nodes (parallel.local_world_size may regroup them) with the
+    section's layout; every layout check runs here, before any process group exists."""
+    launcher = ParallelDims.from_env(local_world_size=parallel_cfg.local_world_size)
+    return replace(launcher, **parallel_cfg.layout(launcher.nodes, launcher.local_world_size))
 
-    ``local_world_size`` (parallel.local_world_size) regroups the ranks into nodes of that size.
-    """
-    dims = ParallelDims.from_env(local_world_size=local_world_size)
+
+def init_distributed(device_request: str, parallel_cfg: ParallelConfig) -> DistContext:
+    """The context of this process: its layout, device, process group and device mesh (under torchrun)."""
+    dims = layout_from_env(parallel_cfg)
     device = pick_device(device_request, dims.device_index)
     if dims.world_size == 1:
         return DistContext(dims, device, None)
-    backend = backend_request if backend_request != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    backend = parallel_cfg.backend
+    backend = backend if backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise CapabilityError("parallel.backend=nccl needs CUDA devices; use parallel.backend=gloo on CPU")
-    if nccl_env and backend == "nccl":
-        apply_nccl_env(nccl_env)  # NCCL reads these once, when the communicator is created
+    if parallel_cfg.nccl and backend == "nccl":
+        apply_nccl_env(parallel_cfg.nccl)  # NCCL reads these once, when the communicator is created
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=parallel_cfg.timeout_s),
             device_id=device if backend == "nccl" else None,
         )
-    return DistContext(dims, device, backend)
+    return DistContext(dims, device, backend, dims.build_mesh(device.type))
 
 
 def shutdown_distributed(ctx: DistContext) -> None:

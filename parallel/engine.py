@@ -5,11 +5,12 @@ per micro-batch, ``optimizer_step`` once per step, ``eval_loss``, ``save``/``loa
 checkpoints, ``comm_stats`` and ``local_weights`` for what it logs and checks. Each layout has
 its own engine, chosen once by the build path (``parallel/parallelize.py``):
 
-    TorchEngine    a plain module (one process)
-    DDPEngine      DDP: gradient all-reduce skipped on all but the last micro-batch; comm-hook bytes
-    ShardedEngine  DTensor parameters (FSDP2): gradient sync only on the last micro-batch; DCP
-                   checkpoints that reshard to any rank count
-    ZeroEngine     DeepSpeed ZeRO 1-3 (parallel/zero.py)
+    TorchEngine     a plain module (one process)
+    DDPEngine       DDP: gradient all-reduce skipped on all but the last micro-batch; comm-hook bytes
+    ShardedEngine   DTensor parameters (FSDP2 and/or tensor parallel): gradient sync only on the last
+                    micro-batch; DCP checkpoints that reshard to any layout
+    PipelineEngine  pipeline stages: a schedule runs the step's micro-batches (parallel/pp.py)
+    ZeroEngine      DeepSpeed ZeRO 1-3 (parallel/zero.py)
 
 The torch engines share the step itself: autocast from the precision policy, an fp16
 GradScaler, fp32 master copies for bf16 weights, gradient clipping, and the finite check.
@@ -20,17 +21,19 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
 from common.errors import CheckpointError
-from parallel.checkpoint import load_sharded, safe_torch_load, save_sharded
+from parallel.checkpoint import has_sharded_state, load_sharded, safe_torch_load, save_sharded
 from parallel.optim import OptimConfig, build_adamw, decay_groups
 from parallel.precision import MasterWeights, PrecisionPolicy
+from parallel.tp import local_value, loss_parallel_context
 
 FULL_STATE_FILE = "model_optim.pt"
 
@@ -50,6 +53,20 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, is_last_micro: bool, n_micro: int) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its (unscaled, detached) mean loss."""
+
+    def forward_backward_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+                              n_micro: int) -> tuple[torch.Tensor, float]:
+        """Forward and backward over a step's ``n_micro`` micro-batches, taken from ``batches``
+        one at a time (the next is loaded while this one computes); returns the mean loss and the
+        seconds spent waiting for data."""
+        loss, wait = None, 0.0
+        for micro in range(n_micro):
+            t0 = time.perf_counter()
+            x, y = next(batches)
+            wait += time.perf_counter() - t0
+            micro_loss = self.forward_backward(x, y, micro == n_micro - 1, n_micro).float()
+            loss = micro_loss / n_micro if loss is None else loss + micro_loss / n_micro
+        return loss, wait
 
     @abc.abstractmethod
     def optimizer_step(self, lr: float, loss: torch.Tensor) -> StepResult:
@@ -99,9 +116,13 @@ class TorchEngine(Engine):
     """A plain module; the base of the DDP and sharded engines, which differ only in gradient
     synchronization and in how they write checkpoints."""
 
-    def __init__(self, model: nn.Module, policy: PrecisionPolicy, optim_cfg: OptimConfig, device: torch.device):
+    def __init__(self, model: nn.Module, policy: PrecisionPolicy, optim_cfg: OptimConfig, device: torch.device,
+                 *, loss_parallel: bool = False):
         self.model, self.policy, self.device = model, policy, device
         self.grad_clip = optim_cfg.grad_clip
+        # Tensor parallelism with vocab-sharded logits: the loss and its backward run in
+        # loss_parallel(), and the loss comes back a replicated DTensor.
+        self._loss_context = loss_parallel_context if loss_parallel else contextlib.nullcontext
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.masters = MasterWeights([p for _, p in params]) if policy.engine_masters else None
         if self.masters is not None:
@@ -114,14 +135,14 @@ class TorchEngine(Engine):
     # ----------------------------------------------------------------- step
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, is_last_micro: bool, n_micro: int) -> torch.Tensor:
-        with self._grad_sync(is_last_micro):
+        with self._grad_sync(is_last_micro), self._loss_context():
             with self.policy.forward_context(self.device):
                 loss = self.model(x, y)
             scaled = loss / n_micro
             if self.scaler is not None:
                 scaled = self.scaler.scale(scaled)
             scaled.backward()
-        return loss.detach()
+        return local_value(loss.detach())
 
     def _grad_sync(self, is_last_micro: bool) -> contextlib.AbstractContextManager:
         """Where gradients are averaged across ranks, skip it on all but the last micro-batch."""
@@ -156,8 +177,8 @@ class TorchEngine(Engine):
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.policy.forward_context(self.device):
-            return self.model(x, y).detach()
+        with self._loss_context(), self.policy.forward_context(self.device):
+            return local_value(self.model(x, y).detach())
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
@@ -202,6 +223,9 @@ class TorchEngine(Engine):
             torch.save(self.state_dict(), directory / FULL_STATE_FILE)
 
     def load(self, directory: Path) -> None:
+        if has_sharded_state(directory):  # saved by a sharded layout: DCP reshards it into this one
+            load_sharded([(self.module(), self.optimizer)], self.scaler, directory)
+            return
         self.load_state_dict(safe_torch_load(directory / FULL_STATE_FILE, map_location=self.device))
 
 
@@ -227,15 +251,22 @@ class DDPEngine(TorchEngine):
 
 
 class ShardedEngine(TorchEngine):
-    """Parameters are DTensors sharded by FSDP2: each rank steps only its shards, and checkpoints
-    are DCP directories that load into any other sharding (or into one process)."""
+    """Parameters are DTensors (sharded by FSDP2 over the data-parallel ranks and/or by tensor
+    parallelism): each rank steps only its shards, and checkpoints are DCP directories that load
+    into any other layout (or into one process)."""
+
+    def __init__(self, model: nn.Module, policy: PrecisionPolicy, optim_cfg: OptimConfig, device: torch.device,
+                 *, fsdp: bool, loss_parallel: bool = False):
+        super().__init__(model, policy, optim_cfg, device, loss_parallel=loss_parallel)
+        self.fsdp = fsdp  # FSDP2 reduce-scatters gradients; tensor parallelism alone has none to sync
 
     def _grad_sync(self, is_last_micro: bool) -> contextlib.AbstractContextManager:
-        self.model.set_requires_gradient_sync(is_last_micro)
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(is_last_micro)
         return contextlib.nullcontext()
 
     def save(self, directory: Path, rank: int) -> None:
-        save_sharded(self.model, self.optimizer, self.scaler, directory)
+        save_sharded([(self.model, self.optimizer)], self.scaler, directory)
 
     def load(self, directory: Path) -> None:
-        load_sharded(self.model, self.optimizer, self.scaler, directory)
+        load_sharded([(self.model, self.optimizer)], self.scaler, directory)

@@ -10,9 +10,11 @@ FSDP2 casts them to ``param_dtype`` when it gathers them for compute and reduces
 ``reduce_dtype``. So ``bf16_master`` needs no separate fp32 copies under FSDP (and the model must
 stay fp32 when it is wrapped).
 
-Hybrid sharding (HSDP): a 2-D mesh (nodes x local ranks) shards within a node, where
-bandwidth is high, and replicates across nodes, so the slow inter-node links carry one
-gradient all-reduce per step instead of every all-gather and reduce-scatter.
+Hybrid sharding (HSDP): on the 2-D (dp_replicate, dp_shard) part of the run's mesh, shards
+within a node, where bandwidth is high, and replicates across nodes, so the slow inter-node links
+carry one gradient all-reduce per step instead of every all-gather and reduce-scatter
+(``parallel.fsdp_hybrid`` sets dp_replicate to the node count). With tensor parallelism the
+parameters are already DTensors on the tp dimension; FSDP2 shards them further over dp_shard.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import torch
 import torch.nn as nn
 
 from common.errors import ConfigError
+from model.gpt import indexed_blocks
 from model.te import TEBlock
 from parallel.config import ParallelConfig
-from parallel.dims import ParallelDims
 from parallel.precision import PrecisionPolicy
 
 if TYPE_CHECKING:
@@ -38,19 +40,6 @@ def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=policy.fsdp_param_dtype, reduce_dtype=policy.fsdp_reduce_dtype)
-
-
-def build_fsdp_mesh(dims: ParallelDims, device_type: str, hybrid: bool) -> DeviceMesh:
-    """1-D mesh over all ranks, or for HSDP a 2-D (replicate=nodes, shard=local ranks) mesh.
-
-    Ranks are node-major (torchrun's numbering), so row n of ``arange(world).view(nodes, local)``
-    is node n: the shard dimension runs inside a node, the replicate dimension across nodes.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not hybrid:
-        return init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (dims.nodes, dims.local_world_size), mesh_dim_names=("replicate", "shard"))
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, policy: PrecisionPolicy,
@@ -67,7 +56,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, policy: 
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta:
         _refuse_te_layers_on_meta(model)
-    blocks = list(model.blocks)
+    blocks = [block for _, block in indexed_blocks(model)]
     for block in blocks:
         fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward, **common)
     # The root's own parameters (embeddings, LM head) are needed first thing in backward, so they
@@ -116,7 +105,7 @@ def materialize(model: nn.Module, device: torch.device, mesh: DeviceMesh) -> Non
     import warnings
 
     model.to_empty(device=device)
-    shard_index = mesh.get_local_rank("shard")
+    shard_index = mesh.get_local_rank(mesh.mesh_dim_names[-1])  # the shard dimension is the innermost
     seed = (torch.initial_seed() * 1_000_003 + shard_index) % 2**63
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*DTensor random operators may not have complete support.*")

@@ -3,9 +3,12 @@
     1. precision x strategy   decided once (``PrecisionPolicy``); the device is checked for it
     2. kernels and attention  the fused ops and the attention backend this device can run
     3. the GPT                built from the seed (on the meta device with ``init_on_meta``)
-    4. activation recompute   wrappers must exist before compile traces the blocks
-    5. torch.compile          per block, so compiled regions stay inside FSDP units
-    6. data parallelism       none / DDP / FSDP2 / DeepSpeed ZeRO, each with its engine
+    4. pipeline split         each rank keeps its stages (parallel/pp.py)
+    5. tensor parallelism     DTensor shards over the tp mesh dimension (parallel/tp.py)
+    6. activation recompute   wrappers must exist before compile traces the blocks
+    7. torch.compile          per block, so compiled regions stay inside FSDP units
+    8. data parallelism       none / DDP / FSDP2 (over the dp mesh dimensions) / DeepSpeed ZeRO
+    9. the engine             the one the layout needs (parallel/engine.py, parallel/pp.py)
 
 This is torchtitan's order, for the same reasons. Each ``apply_*`` is a no-op when its feature is
 off and can be tested alone. ``train.py`` and every tool that trains call ``build_training``;
@@ -19,20 +22,23 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from common.errors import ConfigError
+from common.errors import ConfigError, LayoutError
 from kernels.config import KernelsConfig
 from kernels.registry import resolve_kernel_ops
 from model.attention import select_attention
 from model.config import ModelConfig
-from model.gpt import GPT
+from model.gpt import GPT, indexed_blocks
 from model.recompute import apply_recompute, describe_recompute
 from parallel.config import ParallelConfig
 from parallel.ddp import apply_ddp
+from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
 from parallel.engine import DDPEngine, Engine, ShardedEngine, TorchEngine
-from parallel.fsdp import apply_fsdp, build_fsdp_mesh
+from parallel.fsdp import apply_fsdp
 from parallel.optim import OptimConfig
+from parallel.pp import PipelineEngine, build_pipeline, split_stages, stage_ids
 from parallel.precision import PrecisionConfig, PrecisionPolicy, check_precision_supported, precision_policy
+from parallel.tp import apply_tensor_parallel
 from parallel.zero import ZERO_STAGES, apply_zero
 
 
@@ -49,6 +55,7 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
                    micro_batch_size: int, grad_accum_steps: int, compile: bool = False,
                    compile_mode: str = "default", compile_loss: bool = False) -> Built:
     """Build the GPT and everything that trains it; every rank calls this with the same sections."""
+    dims = ctx.dims
     # 1. Precision: who holds the fp32 masters depends on the strategy, so both decide together.
     policy = precision_policy(precision_cfg, parallel_cfg.strategy)
     check_precision_supported(policy.mode, ctx.device)
@@ -56,19 +63,49 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     ops, kernel_note = resolve_kernel_ops(kernels_cfg.backend, ctx.device)
     backend, attention_note = choose_attention(model_cfg, ctx.device, policy)
     # 3. The model. Every rank builds the same weights from the same seed (DDP broadcasts rank 0's
-    # anyway; FSDP2 keeps each rank's slice); on meta nothing is allocated until FSDP2 shards it.
+    # anyway; FSDP2 and TP keep each rank's slice); on meta nothing is allocated until FSDP2 shards it.
     torch.manual_seed(seed)
     with torch.device("meta" if parallel_cfg.init_on_meta else ctx.device):
         model = GPT(model_cfg, ops=ops, attention_backend=backend)
     model.to(dtype=policy.module_dtype)
-    # 4-5. Recompute, then compile.
-    apply_recompute(model, model_cfg.checkpointing, model_cfg.checkpoint_every_k)
-    apply_compile(model, compile, compile_mode, compile_loss)
-    # 6. Data parallelism and the engine that drives it.
-    engine = apply_data_parallel(model, parallel_cfg, ctx, policy, optim_cfg, micro_batch_size=micro_batch_size,
-                                 grad_accum_steps=grad_accum_steps)
-    notes = [kernel_note, attention_note, policy.describe(parallel_cfg.strategy), describe_recompute(model)]
-    return Built(engine=engine, model=model, policy=policy, notes=notes)
+    # 4. Pipeline stages: split first, so every later step sees only this rank's layers.
+    n_stages = dims.pp * parallel_cfg.pp_virtual_stages
+    stages = stage_ids(dims.coordinate("pp"), dims.pp, parallel_cfg.pp_virtual_stages) if dims.pp > 1 else [0]
+    parts = split_stages(model, stages, n_stages) if dims.pp > 1 else [model]
+    loss_parallel = dims.tp > 1 and parallel_cfg.loss_parallel
+    for part in parts:
+        # 5. Tensor parallelism, on the plain modules (before wrappers change their classes).
+        if dims.tp > 1:
+            apply_tensor_parallel(part, ctx.submesh("tp"), sequence_parallel=parallel_cfg.sequence_parallel,
+                                  loss_parallel=loss_parallel)
+        # 6-7. Recompute, then compile.
+        apply_recompute(part, model_cfg.checkpointing, model_cfg.checkpoint_every_k)
+        apply_compile(part, compile, compile_mode, compile_loss)
+    # 8-9. Data parallelism and the engine that drives the layout.
+    if dims.pp > 1:
+        engine = apply_pipeline(parts, stages, n_stages, parallel_cfg, ctx, policy, optim_cfg,
+                                grad_accum_steps=grad_accum_steps, loss_parallel=loss_parallel)
+    elif dims.tp > 1:
+        engine = apply_sharded_data_parallel(parts[0], parallel_cfg, ctx, policy, optim_cfg, loss_parallel)
+    else:
+        engine = apply_data_parallel(model, parallel_cfg, ctx, policy, optim_cfg, micro_batch_size=micro_batch_size,
+                                     grad_accum_steps=grad_accum_steps)
+    notes = [kernel_note, attention_note, policy.describe(parallel_cfg.strategy), describe_recompute(parts[0]),
+             describe_layout(dims, parallel_cfg, stages)]
+    return Built(engine=engine, model=model if dims.pp == 1 else parts[0], policy=policy, notes=notes)
+
+
+def describe_layout(dims: ParallelDims, parallel_cfg: ParallelConfig, stages: list[int]) -> str:
+    """One log line: the mesh, and this rank's place in it."""
+    if dims.world_size == 1:
+        return "layout: one process"
+    shape = " x ".join(f"{name}={size}" for name, size in dims.mesh_shape().items()) or "one rank per mesh"
+    line = f"layout: {shape} ({dims.world_size} ranks); data-parallel rank {dims.dp_rank} of {dims.dp_size}"
+    if dims.tp > 1:
+        line += f"; tp {'with' if parallel_cfg.sequence_parallel else 'without'} sequence parallelism"
+    if dims.pp > 1:
+        line += f"; pipeline {parallel_cfg.pp_schedule}, stages {stages} of {dims.pp * parallel_cfg.pp_virtual_stages}"
+    return line
 
 
 def choose_attention(model_cfg: ModelConfig, device: torch.device, policy: PrecisionPolicy) -> tuple[str, str]:
@@ -82,7 +119,7 @@ def apply_compile(model: nn.Module, enabled: bool, mode: str, compile_loss: bool
     """Compile each transformer block separately: small graphs compile once and are reused."""
     if not enabled:
         return
-    for block in model.blocks:
+    for _, block in indexed_blocks(model):
         block.compile(mode=mode)  # in place: state_dict keys stay free of "_orig_mod."
     if compile_loss:
         model.ops = replace(model.ops, cross_entropy=torch.compile(model.ops.cross_entropy, mode=mode))
@@ -110,6 +147,36 @@ def apply_data_parallel(model: nn.Module, parallel_cfg: ParallelConfig, ctx: Dis
         ddp, comm_counter = apply_ddp(model, ctx.device, parallel_cfg, ctx.dims)
         return DDPEngine(ddp, policy, optim_cfg, ctx.device, comm_counter)
     if strategy == "fsdp":
-        mesh = build_fsdp_mesh(ctx.dims, ctx.device.type, parallel_cfg.fsdp_hybrid)
-        return ShardedEngine(apply_fsdp(model, mesh, parallel_cfg, policy, ctx.device), policy, optim_cfg, ctx.device)
+        return apply_sharded_data_parallel(model, parallel_cfg, ctx, policy, optim_cfg, loss_parallel=False)
     raise ConfigError(f"parallel.strategy={strategy} has no engine")  # a choice added to the config but not here
+
+
+def apply_sharded_data_parallel(model: nn.Module, parallel_cfg: ParallelConfig, ctx: DistContext,
+                                policy: PrecisionPolicy, optim_cfg: OptimConfig, loss_parallel: bool) -> ShardedEngine:
+    """FSDP2 over the data-parallel dimensions of the mesh (2-D for HSDP), when there are any, and
+    the engine of a model with DTensor parameters."""
+    dp_mesh = ctx.submesh("dp_replicate", "dp_shard")
+    fsdp = parallel_cfg.strategy == "fsdp"
+    if fsdp and dp_mesh is None:
+        raise LayoutError(f"parallel.strategy=fsdp, but the layout leaves one data-parallel rank "
+                          f"({ctx.dims.describe()}): nothing to shard over; use parallel.strategy=none")
+    if fsdp:
+        apply_fsdp(model, dp_mesh, parallel_cfg, policy, ctx.device)
+    return ShardedEngine(model, policy, optim_cfg, ctx.device, fsdp=fsdp, loss_parallel=loss_parallel)
+
+
+def apply_pipeline(parts: list[GPT], stages: list[int], n_stages: int, parallel_cfg: ParallelConfig,
+                   ctx: DistContext, policy: PrecisionPolicy, optim_cfg: OptimConfig, *, grad_accum_steps: int,
+                   loss_parallel: bool) -> PipelineEngine:
+    """Each stage sharded over the data-parallel dimensions (FSDP2), then the schedule over the pp dimension."""
+    dp_mesh = ctx.submesh("dp_replicate", "dp_shard")
+    if parallel_cfg.strategy == "fsdp":
+        if dp_mesh is None:
+            raise LayoutError(f"parallel.strategy=fsdp, but the layout leaves one data-parallel rank "
+                              f"({ctx.dims.describe()}): nothing to shard over; use parallel.strategy=none")
+        for part in parts:
+            apply_fsdp(part, dp_mesh, parallel_cfg, policy, ctx.device)
+    pp_group = ctx.submesh("pp").get_group()
+    pipeline, eval_pipeline = build_pipeline(parts, stages, n_stages, parallel_cfg.pp_schedule, grad_accum_steps,
+                                             pp_group, ctx.device)
+    return PipelineEngine(pipeline, eval_pipeline, policy, optim_cfg, ctx.device, loss_parallel=loss_parallel)

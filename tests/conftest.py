@@ -70,6 +70,16 @@ def run_train(args: list[str], timeout: float = 300, env: dict | None = None) ->
     )
 
 
+def run_torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run train.py under torchrun with ``nproc`` CPU processes (gloo), one thread each."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+         str(ROOT / "train.py"), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env,
+    )
+
+
 def free_port() -> int:
     import socket
 

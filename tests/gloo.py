@@ -51,13 +51,16 @@ def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     return results
 
 
-def gloo_context(rank: int, world: int, local_world: int | None = None):
-    """The DistContext of a worker started by ``run_workers`` (CPU, gloo); ``local_world`` ranks per node."""
+def gloo_context(rank: int, world: int, local_world: int | None = None, **layout: int):
+    """The DistContext of a worker started by ``run_workers`` (CPU, gloo): ``local_world`` ranks per
+    node, ``layout`` the mesh degrees (pp, dp_replicate, dp_shard, tp). Builds the device mesh, a
+    collective: every worker calls it with the same layout."""
     from parallel.dims import ParallelDims
     from parallel.distributed import DistContext
 
     local = local_world or world
-    return DistContext(ParallelDims(world, local, rank, rank % local), torch.device("cpu"), "gloo")
+    dims = ParallelDims(world, local, rank, rank % local, **layout)
+    return DistContext(dims, torch.device("cpu"), "gloo", dims.build_mesh("cpu"))
 
 
 def data_parallel_engine(model, parallel_cfg, ctx, mode: str = "fp32", **optim):

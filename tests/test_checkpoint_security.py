@@ -54,14 +54,14 @@ def dcp_checkpoint(tmp_path) -> Path:
     from parallel.checkpoint import save_model_optimizer
 
     path = tmp_path / "dcp"
-    save_model_optimizer(*_model_and_optimizer(seed=0), path)
+    save_model_optimizer([_model_and_optimizer(seed=0)], path)
     return path
 
 
 def _load(path: Path) -> None:
     from parallel.checkpoint import load_model_optimizer
 
-    load_model_optimizer(*_model_and_optimizer(seed=1), path)
+    load_model_optimizer([_model_and_optimizer(seed=1)], path)
 
 
 def _redigest(path: Path) -> None:
@@ -85,7 +85,7 @@ def test_a_checkpoint_saved_here_loads_and_carries_its_digest(dcp_checkpoint):
     assert (dcp_checkpoint / DIGEST).is_file()
     saved, _ = _model_and_optimizer(seed=0)
     model, optimizer = _model_and_optimizer(seed=1)
-    load_model_optimizer(model, optimizer, dcp_checkpoint)
+    load_model_optimizer([(model, optimizer)], dcp_checkpoint)
     for (name, a), b in zip(saved.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
     assert optimizer.param_groups[0]["lr"] == 1e-2  # a non-tensor value, read weights-only
@@ -122,19 +122,19 @@ def test_a_crafted_value_inside_a_data_file_runs_nothing(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from common.errors import CheckpointError
-    from parallel.checkpoint import _write_metadata_digest
+    from parallel.checkpoint import _options, _write_metadata_digest
 
     marker = tmp_path / "pwned"
     path = tmp_path / "dcp"
-    model_state, optim_state = get_state_dict(*_model_and_optimizer(seed=0))
-    optim_state["param_groups"][0]["lr"] = Payload(marker)
+    model_state, optim_state = get_state_dict(*_model_and_optimizer(seed=0), options=_options())
+    optim_state["param_groups.tok_emb.weight.lr"] = Payload(marker)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
     _write_metadata_digest(path)  # the index itself is genuine
     assert not marker.exists()
     with pytest.raises(CheckpointError) as exc:
         _load(path)
     assert not marker.exists()
-    _assert_one_line(exc, "optimizer.param_groups.0.lr", "would call exec")
+    _assert_one_line(exc, "optimizer.param_groups.tok_emb.weight.lr", "would call exec")
 
 
 def test_an_index_pointing_outside_its_directory_is_refused(dcp_checkpoint):

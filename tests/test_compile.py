@@ -31,6 +31,6 @@ def test_compiled_blocks_match_eager_loss_and_grads():
 
 def test_compile_disabled_is_a_no_op():
     model = GPT(ModelConfig(n_layer=1, d_model=32, n_head=2, vocab_size=32, max_seq_len=8))
-    before = [type(b) for b in model.blocks]
+    before = [type(b) for b in model.blocks.values()]
     apply_compile(model, enabled=False, mode="default", compile_loss=True)
-    assert [type(b) for b in model.blocks] == before and model.blocks[0]._compiled_call_impl is None
+    assert [type(b) for b in model.blocks.values()] == before and model.blocks["0"]._compiled_call_impl is None

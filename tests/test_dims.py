@@ -23,7 +23,7 @@ def test_layout_from_torchrun_variables():
     assert dims.node_members(1) == list(range(8, 16))
     assert dims.peer_members(3) == [3, 11]
     assert dims.is_multi_node
-    assert dims.describe() == "rank 11/16 node 1/2 local 3/8"
+    assert dims.describe() == "rank 11/16 node 1/2 local 3/8, pp=1 dp_replicate=1 dp_shard=16 tp=1"
 
 
 def test_no_variables_is_a_single_process():

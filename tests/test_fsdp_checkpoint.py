@@ -74,10 +74,12 @@ def _ctx(rank: int, world: int, local_world: int | None = None):
 
 def _fsdp(model, rank: int, world: int, **parallel: Any):
     from parallel.config import ParallelConfig
-    from tests.gloo import data_parallel_engine
+    from tests.gloo import data_parallel_engine, gloo_context
 
     cfg = ParallelConfig(strategy="fsdp", **parallel)
-    return data_parallel_engine(model, cfg, _ctx(rank, world, parallel.get("local_world_size"))).model
+    local = parallel.get("local_world_size") or world
+    ctx = gloo_context(rank, world, local, **cfg.layout(world // local, local))
+    return data_parallel_engine(model, cfg, ctx).model
 
 
 def _full_state(model, optimizer) -> dict[str, torch.Tensor]:
@@ -102,7 +104,7 @@ def _save_on_two(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     optimizer = _optimizer(model)
     for step in range(2):
         _step(model, optimizer, step)
-    save_model_optimizer(model, optimizer, Path(ckpt_dir))
+    save_model_optimizer([(model, optimizer)], Path(ckpt_dir))
     reference = _full_state(model, optimizer)
     next_loss = _step(model, optimizer, 2)
     after = _full_state(model, optimizer)
@@ -120,16 +122,16 @@ def _meta_init_checks(rank: int, world: int) -> dict[str, Any]:
     with torch.device("meta"):
         model = GPT(_model_cfg())
     model = _fsdp(model, rank, world, init_on_meta=True)
-    qkv = model.blocks[0].attn.qkv.weight.full_tensor()
+    qkv = model.blocks["0"].attn.qkv.weight.full_tensor()
     half = qkv.shape[0] // 2
     return {
         "any_meta": any(p.is_meta for p in model.parameters()),
         "tied": model.lm_head.weight is model.tok_emb.weight,
         "qkv_std": float(qkv.std()),
         "halves_equal": bool(torch.equal(qkv[:half], qkv[half:])),
-        "bias_zero": bool((model.blocks[0].attn.qkv.bias.full_tensor() == 0).all()),
+        "bias_zero": bool((model.blocks["0"].attn.qkv.bias.full_tensor() == 0).all()),
         "rng_restored": bool(torch.equal(rng_before, torch.get_rng_state())),
-        "local_first_row": model.blocks[0].attn.qkv.weight.to_local()[0].detach().clone(),
+        "local_first_row": model.blocks["0"].attn.qkv.weight.to_local()[0].detach().clone(),
         "loss_finite": bool(torch.isfinite(model(*_batch(0)))),
     }
 
@@ -166,10 +168,10 @@ def _load_on_four(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     for label, parallel in (("fsdp4", {}), ("hsdp2x2", {"fsdp_hybrid": True, "local_world_size": 2})):
         model = _fsdp(_build(seed=1), rank, world, **parallel)  # different init: the load must overwrite it
         optimizer = _optimizer(model)
-        load_model_optimizer(model, optimizer, Path(ckpt_dir))
+        load_model_optimizer([(model, optimizer)], Path(ckpt_dir))
         loaded = _full_state(model, optimizer)
         next_loss = _step(model, optimizer, 2)
-        local_shape = tuple(model.blocks[0].mlp.fc.weight.to_local().shape)
+        local_shape = tuple(model.blocks["0"].mlp.fc.weight.to_local().shape)
         out[label] = {"loaded": loaded, "next_loss": next_loss, "after": _full_state(model, optimizer),
                       "local_shape": local_shape}
     return out
@@ -223,7 +225,7 @@ def test_checkpoint_saved_on_2_ranks_loads_into_a_plain_module_on_1(runs):
 
     model = _build(seed=1)
     optimizer = _optimizer(model)
-    load_model_optimizer(model, optimizer, Path(runs["ckpt_dir"]))
+    load_model_optimizer([(model, optimizer)], Path(runs["ckpt_dir"]))
     loaded = {f"model.{k}": v for k, v in model.state_dict().items()}
     names = {p: n for n, p in model.named_parameters()}
     for p, state in optimizer.state.items():
@@ -239,7 +241,7 @@ def test_loading_a_missing_checkpoint_names_the_directory(tmp_path):
 
     model = _build(seed=0)
     with pytest.raises(CheckpointError, match="no sharded"):
-        load_model_optimizer(model, _optimizer(model), tmp_path / "nothing")
+        load_model_optimizer([(model, _optimizer(model))], tmp_path / "nothing")
 
 
 def test_meta_init_materializes_distinct_shards_with_the_configured_std(runs):

@@ -21,7 +21,7 @@ from model import attention
 from model.attention import AttentionCore
 from model.config import ModelConfig
 from model.flops import count_parameters, flops_per_token, matmul_parameters
-from model.gpt import GPT
+from model.gpt import GPT, split_qkv
 from tests.conftest import run_train, step_losses, tiny_overrides
 from tests.test_kernels import DEVICE, assert_matches_reference, randn
 
@@ -161,8 +161,12 @@ def test_gqa_gpt_on_triton_kernels_matches_the_reference_ops(triton_ops):
 
 def multi_head_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     """The GPT's forward as it was before GQA, op for op: the fused projection viewed as
-    (B, T, 3, H, D), i.e. [all query heads | all key heads | all value heads]."""
+    (B, T, 3, H, D), i.e. [all query heads | all key heads | all value heads], and the MLP bias
+    added after the GEMM. The model now stores qkv rows grouped per key/value head and draws them
+    in the old order, so reading its weights back in the old order must give the same logits."""
     cfg, sd = model.cfg, model.state_dict()
+    for name in [n for n in sd if ".attn.qkv." in n]:
+        sd[name] = torch.cat(split_qkv(sd[name], cfg.n_head, cfg.kv_heads))
     b, t = idx.shape
     x = F.embedding(idx, sd["tok_emb.weight"]) + F.embedding(torch.arange(t), sd["pos_emb.weight"])
 
@@ -178,7 +182,7 @@ def multi_head_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True).transpose(1, 2)
         x = x + F.linear(y.reshape(b, t, cfg.d_model), sd[p + "attn.proj.weight"], sd[p + "attn.proj.bias"])
         h = F.linear(norm(x, p + "norm2"), sd[p + "mlp.fc.weight"])
-        h = F.gelu(h + sd[p + "mlp.fc_bias"], approximate="tanh")
+        h = F.gelu(h + sd[p + "mlp.fc.bias"], approximate="tanh")
         x = x + F.linear(h, sd[p + "mlp.out.weight"], sd[p + "mlp.out.bias"])
     return F.linear(norm(x, "norm_f"), sd["lm_head.weight"])
 
@@ -190,7 +194,7 @@ def test_n_kv_head_equal_to_n_head_reproduces_the_multi_head_model_bit_for_bit()
         torch.manual_seed(0)
         models.append(GPT(ModelConfig(n_head=4, n_kv_head=n_kv_head), attention_backend="sdpa").eval())
     default, explicit = models
-    assert default.blocks[0].attn.qkv.weight.shape == (3 * 128, 128)
+    assert default.blocks["0"].attn.qkv.weight.shape == (3 * 128, 128)
     default_sd, explicit_sd = default.state_dict(), explicit.state_dict()
     assert default_sd.keys() == explicit_sd.keys()
     assert all(torch.equal(default_sd[key], explicit_sd[key]) for key in default_sd)
@@ -237,7 +241,7 @@ def test_llama3_8b_config_builds_on_meta_with_the_published_count():
     assert (cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.rope_theta) == (32, 8, 128, 500000.0)
     with torch.device("meta"):
         model = GPT(cfg)
-    assert model.blocks[0].attn.qkv.weight.shape == ((32 + 2 * 8) * 128, 4096)
+    assert model.blocks["0"].attn.qkv.weight.shape == ((32 + 2 * 8) * 128, 4096)
     assert model.num_parameters() == count_parameters(cfg) == 8_030_261_248
 
 

@@ -176,7 +176,7 @@ def nanogpt_layout(model: GPT) -> dict:
                  "mlp.out.weight": "mlp.c_proj.weight"}
         if cfg.bias:
             pairs.update({"norm1.bias": "ln_1.bias", "norm2.bias": "ln_2.bias", "attn.qkv.bias": "attn.c_attn.bias",
-                          "attn.proj.bias": "attn.c_proj.bias", "mlp.fc_bias": "mlp.c_fc.bias",
+                          "attn.proj.bias": "attn.c_proj.bias", "mlp.fc.bias": "mlp.c_fc.bias",
                           "mlp.out.bias": "mlp.c_proj.bias"})
         out.update({theirs + b: sd[ours + a] for a, b in pairs.items()})
         t = cfg.max_seq_len
@@ -352,10 +352,10 @@ def test_gelu_exact_matches_torch_erf_gelu_and_differs_from_tanh():
     cfg = ModelConfig(n_layer=1, gelu="exact")
     torch.manual_seed(0)
     model = GPT(cfg).eval()
-    mlp = model.blocks[0].mlp
+    mlp = model.blocks["0"].mlp
     x = torch.randn(2, 5, cfg.d_model)
     with torch.no_grad():
-        expected = mlp.out(F.gelu(mlp.fc(x) + mlp.fc_bias))  # torch's default: the exact erf form
+        expected = mlp.out(F.gelu(mlp.fc(x)))  # torch's default: the exact erf form
         assert torch.allclose(mlp(x), expected, atol=1e-6)
         mlp.gelu_approximate = "tanh"
         assert not torch.allclose(mlp(x), expected, atol=1e-6)
@@ -376,7 +376,7 @@ def test_gelu_exact_on_triton_kernels_matches_the_reference_ops():
     ref_loss.backward()
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kernel_model.blocks[0].mlp.fc_bias.grad, reference_model.blocks[0].mlp.fc_bias.grad,
+    torch.testing.assert_close(kernel_model.blocks["0"].mlp.fc.bias.grad, reference_model.blocks["0"].mlp.fc.bias.grad,
                                rtol=1e-4, atol=1e-6)
     assert not ops.bias_gelu.logged_reasons, ops.bias_gelu.logged_reasons
 

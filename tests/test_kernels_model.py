@@ -133,14 +133,14 @@ def test_torch_compile_around_the_triton_ops_matches_eager():
     """Under torch.compile the kernels run as opaque eager calls (graph breaks), still differentiable."""
     cfg = tiny_config("layernorm", "gelu")
     reference_model, kernel_model = twin_models(cfg)
-    block = kernel_model.blocks[0]
+    block = kernel_model.blocks["0"]
     rope = (kernel_model.rope_cos, kernel_model.rope_sin)
     x = torch.randn(2, cfg.max_seq_len, cfg.d_model, device=DEVICE, requires_grad=True)
     compiled = torch.compile(block)
     out = compiled(x, rope)
     out.sum().backward()
     x_ref = x.detach().clone().requires_grad_()
-    expected = reference_model.blocks[0](x_ref, rope)
+    expected = reference_model.blocks["0"](x_ref, rope)
     expected.sum().backward()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)

@@ -100,10 +100,10 @@ def test_gpt2_init_scales_residual_projections():
     torch.manual_seed(0)
     cfg = ModelConfig(n_layer=8, d_model=256, n_head=4)
     model = GPT(cfg)
-    std = model.blocks[0].attn.proj.weight.std().item()
+    std = model.blocks["0"].attn.proj.weight.std().item()
     assert std == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
-    assert torch.all(model.blocks[0].attn.qkv.bias == 0)
+    assert model.blocks["0"].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert torch.all(model.blocks["0"].attn.qkv.bias == 0)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -127,7 +127,7 @@ def _prefetch_worker(rank: int, world_size: int) -> dict:
         model = apply_fsdp(GPT(cfg), mesh, ParallelConfig(strategy="fsdp", fsdp_forward_prefetch=forward,
                                                           fsdp_backward_prefetch=backward),
                            precision_policy(PrecisionConfig(), "fsdp"), torch.device("cpu"))
-        states = [block._get_fsdp_state() for block in model.blocks]
+        states = [block._get_fsdp_state() for block in model.blocks.values()]
         block_of_state = {id(state): i for i, state in enumerate(states)}
         block_of_group = {id(g): i for i, state in enumerate(states) for g in state._fsdp_param_groups}
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -101,7 +101,7 @@ def test_dropout_check_detects_a_recompute_that_draws_new_masks():
     base = GPT(tiny_config(dropout=0.2), attention_backend="reference")
     expected = loss_and_grads(with_policy(base, "none"))
     broken = with_policy(base, "full")
-    for block in broken.blocks:
+    for block in broken.blocks.values():
         block.activation_checkpoint = RecomputeWithFreshRng()
     loss, grads = loss_and_grads(broken)
     assert torch.equal(loss, expected[0])  # the forward itself is unchanged...
@@ -138,7 +138,7 @@ def test_each_policy_wraps_the_modules_it_names():
     offloaded = with_policy(base, "offload")
     assert set(recomputed_modules(offloaded).values()) == {"offload"}
     # The wrapped module keeps its type for isinstance checks, and the log line names what was done.
-    assert isinstance(offloaded.blocks[0], type(base.blocks[0]))
+    assert isinstance(offloaded.blocks["0"], type(base.blocks["0"]))
     assert "offload on 4 modules" in describe_recompute(offloaded)
     assert describe_recompute(base) == "activation checkpointing: none"
 
@@ -167,8 +167,8 @@ def test_bad_requests_fail_with_a_message_that_says_what_to_do():
 def test_checkpointed_modules_deepcopy_and_share_one_generated_class():
     model = with_policy(GPT(tiny_config(), attention_backend="reference"), "full")
     clone = copy.deepcopy(model)
-    assert type(clone.blocks[0]) is type(model.blocks[0]) is type(model.blocks[3])
-    assert isinstance(clone.blocks[0], RecomputedModule)
+    assert type(clone.blocks["0"]) is type(model.blocks["0"]) is type(model.blocks["3"])
+    assert isinstance(clone.blocks["0"], RecomputedModule)
     assert_same_step(loss_and_grads(model), loss_and_grads(clone))
 
 
@@ -186,7 +186,7 @@ def test_policies_compose_with_per_block_torch_compile():
     loss0, grads0 = loss_and_grads(with_policy(base, "none"))
     for policy in ("full", "op_selective", "selective", "offload"):
         model = with_policy(base, policy)
-        for block in model.blocks:
+        for block in model.blocks.values():
             block.compile()
         loss, grads = loss_and_grads(model)
         # Inductor fuses and reorders float ops, so compiled vs eager agrees to rounding, not bits.

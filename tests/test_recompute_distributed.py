@@ -39,7 +39,7 @@ def _step(model, rank: int) -> dict[str, torch.Tensor]:
 def _fsdp2(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.blocks:
+    for block in model.blocks.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model

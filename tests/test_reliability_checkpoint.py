@@ -356,7 +356,7 @@ def _finite_check_worker(rank: int, world: int, root: str) -> dict:
     out["fsdp"] = _try_save(Path(root) / "fsdp", engine, rank, world)
     with torch.no_grad():
         if rank == 1:
-            model.blocks[0].attn.qkv.weight.to_local().view(-1)[0] = float("nan")
+            model.blocks["0"].attn.qkv.weight.to_local().view(-1)[0] = float("nan")
     out["fsdp_nan_on_rank1"] = _try_save(Path(root) / "fsdp", engine, rank, world)
     # ZeRO-3: param.data is empty; the rank's slice is param.ds_tensor, padded at the end.
     out.update(_zero3_checks(rank, world, root))

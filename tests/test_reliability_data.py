@@ -8,6 +8,7 @@ without a word.
 import ast
 import importlib.util
 import logging
+import multiprocessing
 import subprocess
 import sys
 import tarfile
@@ -159,6 +160,7 @@ def test_flipped_token_byte_is_caught_when_its_chunk_is_first_read(tmp_path, wor
     shard_path = root / "train-000000.bin"
     clean = np.asarray(TokenShard(shard_path).tokens).astype(np.int64)
     flip_token_byte(shard_path, 5 * CHUNK + 10)  # chunk 5: tokens 320..383
+    children = set(multiprocessing.active_children())
     data = mmap_bundle(root, num_workers=workers)  # defaults otherwise: verify=lazy
     assert "verify=lazy" in data.description
     # Window i spans tokens [8i, 8i + 9); windows 0..37 end before token 320 and read fine.
@@ -171,7 +173,30 @@ def test_flipped_token_byte_is_caught_when_its_chunk_is_first_read(tmp_path, wor
     message = str(err.value)
     assert str(shard_path) in message and "token chunk 5" in message and "CRC" in message
     assert "\n" not in message  # one line, also when a worker raised it
-    data.train.close()
+    # The error stopped the worker, though pytest's ExceptionInfo keeps the loader's frames alive.
+    assert set(multiprocessing.active_children()) == children
+
+
+EXIT_WITH_LIVE_WORKERS = """
+import sys
+sys.path.insert(0, {root!r})
+from data.config import DataConfig
+from data.loader import build_data
+
+data = build_data(DataConfig(format="mmap", path={path!r}, sampling="sequential", num_workers=2), seq_len={T},
+                  micro_batch_size={B}, seed=0, rank=0, world_size=1, vocab_size=256)
+next(data.train)
+print("read a batch", flush=True)
+# Leaves with the workers running and never closes the stream, as a crashing trainer does.
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_process_exits_while_its_loader_workers_run(tmp_path):
+    """Loader workers ignore SIGTERM (it is the trainer's, to save); exit must still stop them."""
+    script = EXIT_WITH_LIVE_WORKERS.format(root=str(ROOT), path=str(prepared(tmp_path)), T=T, B=B)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "read a batch", proc.stderr[-2000:]
 
 
 def test_validation_reads_are_checked_too(tmp_path):

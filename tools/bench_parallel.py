@@ -1,60 +1,145 @@
-"""Loss parity and per-rank model-state memory of every data-parallel strategy, side by side.
+"""Loss parity, per-rank model-state memory and bytes communicated of every data-parallel strategy
+and of the tensor-, pipeline- and data-parallel layouts, side by side.
 
-    python tools/bench_parallel.py                                   # tiny config, 2 ranks, 20 steps
-    python tools/bench_parallel.py --nproc 4 --steps 50 --markdown docs/results/parallel.md --plot parallel.png
+    python tools/bench_parallel.py                                   # tiny config, every row, 20 steps
+    python tools/bench_parallel.py --layouts tp,pp --strategies ""   # two layout rows only
+    python tools/bench_parallel.py --with-3d                         # also pp x tp x fsdp on 8 ranks
     python tools/bench_parallel.py --strategies ddp,fsdp -- --model.n_layer=4 --precision.mode=bf16
 
-For each strategy the tool launches ``torchrun --nproc_per_node=N`` on itself; each rank builds
-the model and engine exactly as train.py does (training/build.py, the one build path), trains
-``--steps`` steps, and reports:
+Every row launches ``torchrun --nproc_per_node=<its ranks>`` on this file; each rank builds the
+model and engine exactly as train.py does (training/build.py, the one build path, after train.py's
+promotion of strategy none to ddp or fsdp), trains ``--steps`` steps, and reports:
 
-- the loss after the last step next to a single-process run that sees the same global batch
-  (micro-batch x N in one process: the loader gives rank r every N-th window, so the union of
-  the ranks' micro-batches is the single process's batch);
+- the loss after the last step next to a single-process run that sees the same global batch,
+  micro-batch x ``--nproc`` sequences per step. The loader gives data-parallel rank r every
+  dp-th window and a step's grad_accum micro-batches are consecutive, so the union over
+  data-parallel ranks and micro-batches is the single process's batch. Strategy rows use
+  ``--nproc`` ranks; layout rows use the ranks their degrees multiply to, with the per-rank
+  micro-batch sized to keep the global batch (pipelines run pp micro-batches per step, the
+  smallest count their schedules accept). Layout rows train untied embeddings (a pipeline cannot
+  share the table between its first and last stage), so they are compared with a single process
+  that has untied embeddings too;
 - per-rank bytes of parameters, gradients and optimizer state, measured as the sum of the
-  *local* storages each rank holds (DTensor shards for FSDP2, DeepSpeed's partitions for ZeRO),
-  gradients read right after the last backward, before the optimizer step frees them;
-- the ZeRO paper's formula for the same model (Rajbhandari et al. 2020, section 5, as coded in
-  analysis/estimator.model_state_bytes): params/grads/optimizer of Psi x (bytes per element)
-  divided by N where the stage shards them.
+  *local* storages each rank holds (DTensor shards via to_local for FSDP2 and tensor
+  parallelism, DeepSpeed's partitions for ZeRO), gradients read right after the last backward of
+  the step (for pipelines: after the schedule has reduce-scattered them), before the optimizer
+  step frees them; against the formula: the ZeRO paper's bytes per parameter (Rajbhandari et al.
+  2020, section 5, analysis/estimator.model_state_bytes) applied to the parameters one rank holds
+  before data-parallel sharding, analysis/estimator.stage_parameters (its pipeline stage's blocks,
+  matmul weights split by tp, norms and output biases whole, embedding ends on the first and last
+  stage);
+- bytes each rank sends per step, measured during the last step by a dispatch mode that sees
+  every collective and point-to-point op (c10d and functional, so DTensor's tensor-parallel
+  collectives, FSDP2's all-gathers and reduce-scatters, DDP's and DeepSpeed's all-reduces and the
+  pipeline's sends), grouped by the mesh dimension of the process group. Bytes sent are those of
+  a ring algorithm on the measured tensor sizes ((n-1)/n of the whole tensor for an all-gather or
+  reduce-scatter over n ranks, twice that for an all-reduce, the tensor for a send), the same
+  convention as the formula: analysis/estimator.tp_comm_seconds (tensor parallel per
+  micro-batch), comm_volume (data parallel), and one activation (or its gradient) per
+  micro-batch and pipeline neighbour.
 
-Measured and formula differ where the engines hold more than the paper counts; the notes under
-the table say where (e.g. DeepSpeed keeps an fp32 master partition even in fp32 training, FSDP2
-pads shards to a multiple of N rows, DDP/ZeRO buckets). With --markdown the rows are also
-written as JSON next to the table (same stem), which tools/reproduce.py reads.
+Measured and formula differ where the engines hold or send more than the papers count; the
+notes under the tables say where. With --markdown the rows are also written as JSON next to the
+table (same stem), which tools/reproduce.py reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from analysis.estimator import model_state_bytes  # noqa: E402
+from analysis.estimator import (  # noqa: E402
+    STATE_BYTES,
+    JobSpec,
+    comm_volume,
+    model_state_bytes,
+    stage_parameters,
+    tp_comm_seconds,
+)
 from common.measure import provenance  # noqa: E402
 from common.report import markdown_table, new_figure, save_figure, text_table, write_results  # noqa: E402
 from model.flops import count_parameters  # noqa: E402
-from parallel.distributed import init_distributed, shutdown_distributed  # noqa: E402
+from parallel.distributed import DistContext, init_distributed, shutdown_distributed  # noqa: E402
 from parallel.engine import TorchEngine  # noqa: E402
 from parallel.optim import lr_at  # noqa: E402
+from parallel.pp import PipelineEngine, stage_ids  # noqa: E402
 from parallel.zero import ZeroEngine  # noqa: E402
 from training.build import build_batches, build_from_config  # noqa: E402
-from training.config import load_config  # noqa: E402
+from training.config import JobConfig, load_config  # noqa: E402
 from training.loop import train_step  # noqa: E402
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 DEFAULT_OVERRIDES = ["--train.eval_interval=0", "--checkpoint.interval=0", "--checkpoint.save_final=false",
                      "--logging.progress=plain", "--logging.jsonl=false", "--train.device=cpu"]
+STATE_KEYS = ("params", "grads", "optimizer")
+COMM_DIMS = ("tp", "dp", "pp", "other")  # columns of the communication table; dp_shard and dp_replicate are "dp"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A tensor/pipeline/data-parallel layout row: its degrees in the config's own words."""
+
+    key: str  # what --layouts names it by
+    tp: int = 1
+    pp: int = 1
+    dp_shard: int = 1
+    pp_schedule: str = "1f1b"
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp * self.dp_shard
+
+    @property
+    def strategy(self) -> str:
+        # What train.py promotes strategy none to on several data-parallel ranks of a tp/pp model.
+        return "fsdp" if self.dp_shard > 1 else "none"
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step: a pipeline needs at least one per stage, more only lengthen the run."""
+        return self.pp
+
+    @property
+    def label(self) -> str:
+        """e.g. ``pp x fsdp: pp=2 dp_shard=2 (1f1b)``: the composition, then the config's words."""
+        sizes = (("pp", self.pp), ("dp_shard", self.dp_shard), ("tp", self.tp))
+        words = " ".join(f"{k}={v}" for k, v in sizes if v > 1) + (f" ({self.pp_schedule})" if self.pp > 1 else "")
+        dims = [("fsdp" if k == "dp_shard" else k) for k, v in sizes if v > 1]
+        return f"{' x '.join(dims)}: {words}" if len(dims) > 1 else words
+
+    def overrides(self, global_batch: int) -> list[str]:
+        micro = global_batch // (self.dp_shard * self.microbatches)
+        return [f"--parallel.strategy={self.strategy}", f"--parallel.tp={self.tp}", f"--parallel.pp={self.pp}",
+                f"--parallel.dp_shard={self.dp_shard}", f"--parallel.pp_schedule={self.pp_schedule}",
+                f"--train.micro_batch_size={micro}", f"--train.grad_accum_steps={self.microbatches}"]
+
+
+LAYOUTS = {
+    "tp": Layout("tp", tp=2),
+    "pp": Layout("pp", pp=2),
+    "fsdp_tp": Layout("fsdp_tp", dp_shard=2, tp=2),
+    "pp_fsdp": Layout("pp_fsdp", pp=2, dp_shard=2),
+    "pp_tp_fsdp": Layout("pp_tp_fsdp", pp=2, dp_shard=2, tp=2),
+}
+DEFAULT_LAYOUTS = ("tp", "pp", "fsdp_tp", "pp_fsdp")  # pp_tp_fsdp (8 ranks) with --with-3d
+UNTIED = "--model.tie_embeddings=false"
 
 
 # --------------------------------------------------------------------------- measuring (inside a rank)
@@ -133,10 +218,12 @@ def record_optimizer(engine, ledger: StorageLedger) -> None:
     if ds_optimizer is not None:
         _add_inner_optimizer(ds_optimizer.optimizer, ledger, with_state=True)
         return
-    _add_inner_optimizer(engine.optimizer, ledger, with_state=True)
-    if isinstance(engine, TorchEngine) and engine.masters is not None:
-        for m in engine.masters.masters:
-            ledger.add("optimizer", m)
+    # A pipeline rank steps one optimizer per stage it holds.
+    for stepper in engine.steppers if isinstance(engine, PipelineEngine) else [engine]:
+        _add_inner_optimizer(stepper.optimizer, ledger, with_state=True)
+        if isinstance(stepper, TorchEngine) and stepper.masters is not None:
+            for m in stepper.masters.masters:
+                ledger.add("optimizer", m)
 
 
 def _add_inner_optimizer(optimizer, ledger: StorageLedger, with_state: bool) -> None:
@@ -161,28 +248,232 @@ def _deepspeed_optimizer(engine):
     return engine.engine.optimizer if isinstance(engine, ZeroEngine) else None
 
 
+# --------------------------------------------------------------------------- bytes communicated (inside a rank)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+# Collective -> (its kind, the index of the argument whose size is the whole tensor, or of the
+# per-rank input that is 1/n of it). c10d ops are what torch.distributed's calls dispatch to
+# (FSDP2, DDP, DeepSpeed, pipelining's sends); _c10d_functional ops are DTensor's.
+_C10D = {
+    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
+    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
+    "allgather_coalesced_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
+    "broadcast_": ("broadcast", 0), "send": ("send", 0),
+}
+_FUNCTIONAL = {
+    "all_reduce": ("all_reduce", 0), "all_reduce_coalesced": ("all_reduce", 0),
+    "all_gather_into_tensor": ("all_gather_input", 0), "all_gather_into_tensor_coalesced": ("all_gather_input", 0),
+    "reduce_scatter_tensor": ("reduce_scatter", 0), "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+    "all_to_all_single": ("all_to_all", 0), "broadcast": ("broadcast", 0),
+}
+
+
+def ring_bytes_sent(kind: str, whole: float, n: int) -> float:
+    """Bytes one rank sends in a bandwidth-optimal (ring) collective over ``n`` ranks on a ``whole``-byte
+    tensor: what the estimator's formulas count (analysis/estimator.CommVolume.sent_per_gpu)."""
+    if kind == "send":
+        return whole
+    if n <= 1:
+        return 0.0
+    frac = (n - 1) / n
+    return 2 * frac * whole if kind == "all_reduce" else frac * whole
+
+
+class CommBytes(TorchDispatchMode):
+    """Bytes this rank sends per process group while active, from the tensors each collective and
+    send is handed (receives are the peers' sends and are not counted twice).
+
+    A dispatch mode sees every op that reaches the dispatcher, including the collectives that
+    torch.distributed's Python calls issue and those DTensor issues when it redistributes; for a
+    DTensor op it steps aside (NotImplemented, as torch's CommDebugMode does) so that DTensor
+    lowers it first and the collectives it issues come back through this mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: dict[tuple[str, str], float] = {}  # (process group name, collective) -> bytes
+        self.calls: dict[tuple[str, str], int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        self._count(func, args)
+        return func(*args, **kwargs)
+
+    def _count(self, func, args) -> None:
+        packet = getattr(func, "_overloadpacket", None)
+        namespace = getattr(func, "namespace", "")
+        name = packet.__name__ if packet is not None else ""
+        table = _C10D if namespace == "c10d" else _FUNCTIONAL if namespace == "_c10d_functional" else None
+        if table is None or name not in table:
+            return
+        kind, index = table[name]
+        group = _group_of(args)
+        if group is None:
+            return
+        n = group.size()
+        whole = _nbytes(args[index])
+        if kind == "all_gather_input":  # the functional all-gather is handed this rank's piece
+            kind, whole = "all_gather", whole * n
+        elif kind == "all_gather" and name == "allgather_":  # output is a list of n pieces per input
+            whole = _nbytes(args[0])
+        if kind == "broadcast" and _broadcast_root(args) != group.rank():
+            return  # only the root sends in the pipelined broadcast counted here
+        key = (group.group_name, kind)
+        self.sent[key] = self.sent.get(key, 0.0) + ring_bytes_sent(kind, whole, n)
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+
+def _group_of(args):
+    """The process group of a c10d op (a boxed ProcessGroup) or of a functional one (its name)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a)
+            except RuntimeError:  # a ReduceOp or Work, not the group
+                continue
+    for a in args:
+        if isinstance(a, str):
+            try:
+                return _resolve_process_group(a)
+            except (RuntimeError, ValueError, KeyError):
+                continue
+    return None
+
+
+def _broadcast_root(args) -> int:
+    ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+    return ints[0] if ints else 0
+
+
+def _dimension_names(ctx: DistContext) -> dict[str, str]:
+    """Process group name -> the mesh dimension that owns it (tp, dp, pp)."""
+    names: dict[str, str] = {}
+    if ctx.mesh is not None:
+        for dim in ctx.mesh.mesh_dim_names or ():
+            names.setdefault(ctx.mesh.get_group(dim).group_name, "dp" if dim.startswith("dp_") else dim)
+    return names
+
+
+def comm_by_dimension(counter: CommBytes, ctx: DistContext) -> tuple[dict[str, float], dict[str, list]]:
+    """Bytes sent per mesh dimension (COMM_DIMS), and per "dimension collective": [calls, bytes].
+
+    Without tp and pp every group is data parallel (DDP and DeepSpeed reduce over the default group
+    or groups of their own); otherwise a group outside the mesh is "other"."""
+    names = _dimension_names(ctx)
+    pure_dp = ctx.dims.tp == 1 and ctx.dims.pp == 1
+    totals = {dim: 0.0 for dim in COMM_DIMS}
+    detail: dict[str, list] = {}
+    for (group, kind), nbytes in sorted(counter.sent.items()):
+        dim = "dp" if pure_dp else names.get(group, "other")
+        totals[dim] += nbytes
+        entry = detail.setdefault(f"{dim} {kind}", [0, 0.0])
+        entry[0] += counter.calls[(group, kind)]
+        entry[1] += nbytes
+    return totals, detail
+
+
+# --------------------------------------------------------------------------- formulas (per rank)
+
+
+def rank_parameters(cfg: JobConfig, pp_rank: int) -> float:
+    """Parameters this rank holds before data-parallel sharding (estimator.stage_parameters over the
+    pipeline stages it runs; the whole model without tp and pp)."""
+    p = cfg.parallel
+    n_stages = p.pp * p.pp_virtual_stages
+    if p.pp == 1:
+        return stage_parameters(cfg.model, p.tp, 1, 0)
+    return sum(stage_parameters(cfg.model, p.tp, n_stages, s) for s in stage_ids(pp_rank, p.pp, p.pp_virtual_stages))
+
+
+def formula_states(cfg: JobConfig, pp_rank: int, dp_shard: int) -> dict[str, float]:
+    s = model_state_bytes(rank_parameters(cfg, pp_rank), cfg.parallel.strategy, dp_shard, cfg.precision.mode)
+    return {"params": s.param, "grads": s.grad, "optimizer": s.optimizer}
+
+
+def formula_comm(cfg: JobConfig, pp_rank: int, dp_size: int) -> dict[str, float]:
+    """Bytes this rank sends per step by mesh dimension, by the estimator's conventions:
+
+    tp  tp_comm_seconds per micro-batch (per layer 4 all-gather/reduce-scatter pairs of the s*b*h
+        activation, forward and backward, plus the embedding and the LM head on their stages)
+    pp  one activation forward to the next stage and one gradient back to the previous, per
+        micro-batch (s*b*h, divided by tp with sequence parallelism)
+    dp  comm_volume on the rank's parameters (DDP: all-reduce; ZeRO-1/2: reduce-scatter + all-gather;
+        ZeRO-3/FSDP: + a second all-gather), except that a pipeline's FSDP stage gathers once per
+        step and reduce-scatters once (pipelining keeps it unsharded between micro-batches)
+    """
+    p, m, precision = cfg.parallel, cfg.train.grad_accum_steps, cfg.precision.mode
+    n_stages = p.pp * p.pp_virtual_stages
+    stages = stage_ids(pp_rank, p.pp, p.pp_virtual_stages) if p.pp > 1 else [0]
+    # Per micro-batch figures only: the stage count stands in for pp (virtual stages are stages
+    # here) and the micro-batch count is raised to what the estimator's schedule checks accept.
+    job = JobSpec(model=cfg.model, seq_len=cfg.seq_len, micro_batch=cfg.train.micro_batch_size,
+                  world_size=dp_size * p.tp * n_stages,
+                  strategy=p.strategy, policy=cfg.model.checkpointing, precision=precision,
+                  grad_accum=max(m, n_stages), tp=p.tp, pp=n_stages, sequence_parallel=p.sequence_parallel)
+    out = {dim: 0.0 for dim in COMM_DIMS}
+    out["tp"] = m * sum(tp_comm_seconds(job, s)[1] for s in stages)
+    if p.pp > 1:
+        activation = job.activation_dtype_bytes * cfg.seq_len * cfg.train.micro_batch_size * cfg.model.d_model
+        activation /= p.tp if job.sp else 1
+        out["pp"] = m * activation * sum((s < n_stages - 1) + (s > 0) for s in stages)
+    n_params = rank_parameters(cfg, pp_rank)
+    if dp_size > 1:
+        if p.pp > 1 and p.strategy in ("fsdp", "zero3"):
+            per = STATE_BYTES[precision]
+            out["dp"] = (dp_size - 1) / dp_size * n_params * (per.param + per.grad)
+        else:
+            out["dp"] = comm_volume(n_params, p.strategy, dp_size, precision).sent_per_gpu
+    return out
+
+
 def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) -> None:
     """One rank (or the single process): train like train.py, then write this rank's numbers."""
     cfg = load_config(config, overrides)
-    p = cfg.parallel
-    ctx = init_distributed(cfg.train.device, p.backend, p.timeout_s, p.nccl, p.local_world_size)
+    ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
+        cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)  # as train.py does
         built = build_from_config(cfg, ctx)
         n_params = sum(p.numel() for p in built.model.parameters())  # unique tensors: a tied weight once
         engine = built.engine
         _, batches = build_batches(cfg, ctx)
         engine.train(True)
-        losses, ledger = [], StorageLedger()
+        losses, ledger, comm = [], StorageLedger(), CommBytes()
         schedule = cfg.optim.schedule(steps)
         for step in range(steps):
+            last = step == steps - 1
             # Gradients exist between the last backward and the optimizer step that frees them.
-            record = (lambda: record_params_and_grads(engine, ledger)) if step == steps - 1 else None
-            outcome = train_step(engine, batches, cfg.train.grad_accum_steps, lr_at(step, **schedule),
-                                 before_optimizer_step=record)
+            record = (lambda: record_params_and_grads(engine, ledger)) if last else None
+            with comm if last else contextlib.nullcontext():
+                outcome = train_step(engine, batches, cfg.train.grad_accum_steps, lr_at(step, **schedule),
+                                     before_optimizer_step=record)
             losses.append(float(ctx.all_reduce_mean(outcome.loss.detach().clone())))
         record_optimizer(engine, ledger)
+        pp_rank = ctx.dims.coordinate("pp")
+        sent, sent_detail = comm_by_dimension(comm, ctx)
         result = {"rank": ctx.rank, "world": ctx.world_size, "losses": losses, "bytes": ledger.bytes,
-                  "n_params": n_params, "n_params_config": count_parameters(cfg.model)}
+                  "n_params": n_params, "n_params_config": count_parameters(cfg.model),
+                  "strategy": cfg.parallel.strategy, "pp_rank": pp_rank,
+                  "comm": sent, "comm_detail": sent_detail,
+                  "formula": formula_states(cfg, pp_rank, ctx.dims.dp_shard),
+                  "formula_comm": formula_comm(cfg, pp_rank, ctx.dims.dp_size)}
         (out / f"rank{ctx.rank}.json").write_text(json.dumps(result))
     finally:
         shutdown_distributed(ctx)
@@ -193,62 +484,98 @@ def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) ->
 
 @dataclass
 class Row:
-    strategy: str
+    strategy: str  # the strategy, or the layout in config words (tools/reproduce.py reads "ddp" and "fsdp")
     loss: float
-    delta: float
+    delta: float  # vs the single process of the same model and global batch
     measured: dict[str, float]  # max over ranks, bytes
     formula: dict[str, float]
     status: str = "ok"
+    ranks: int = 1
+    reference: str = ""  # the single-process row this one is compared with
+    comm: dict[str, float] = field(default_factory=dict)  # bytes sent per step, max over ranks, by dimension
+    comm_formula: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0  # wall time of the launch (start-up included)
+    n_params: int = 0  # parameters of the whole model (unique tensors: a tied table once)
+    comm_by_rank: list[dict] = field(default_factory=list)  # per rank: {"<dim> <collective>": [calls, bytes]}
 
 
-def launch(strategy: str, args: argparse.Namespace, extra: list[str], work: Path) -> list[dict]:
-    out = work / strategy
+@dataclass(frozen=True)
+class Launch:
+    """One torchrun (or plain) launch: a row's name, its ranks and its config overrides."""
+
+    name: str
+    ranks: int
+    overrides: list[str]
+
+
+def launch(run: Launch, args: argparse.Namespace, extra: list[str], work: Path) -> tuple[list[dict], float]:
+    out = work / run.name.replace(" ", "_").replace("=", "").replace("(", "").replace(")", "")
     out.mkdir(parents=True, exist_ok=True)
-    micro = args.micro_batch_size * (args.nproc if strategy == "none" else 1)
     rank_args = [str(Path(__file__).resolve()), "--worker", str(out), "--steps", str(args.steps),
                  *(["--config", args.config] if args.config else []), "--",
-                 *DEFAULT_OVERRIDES, f"--parallel.strategy={strategy}", f"--train.micro_batch_size={micro}",
-                 f"--logging.run_dir={work / 'runs' / strategy}", *extra]
+                 *DEFAULT_OVERRIDES, *run.overrides, f"--logging.run_dir={out / 'run'}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "DS_ACCELERATOR": "cpu",
            "PYTHONUNBUFFERED": "1"}
-    if strategy == "none":
+    if run.ranks == 1:
         cmd = [sys.executable, *rank_args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run.ranks}",
                *rank_args]
+    start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, env=env)
+    seconds = time.perf_counter() - start
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"{strategy}: exit {proc.returncode}: " + " | ".join(tail))
-    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+        raise RuntimeError(f"{run.name}: exit {proc.returncode}: " + " | ".join(tail))
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))], seconds
 
 
-def formula_bytes(n_params: int, strategy: str, world: int, precision: str) -> dict[str, float]:
-    s = model_state_bytes(n_params, strategy, world, precision)
-    return {"params": s.param, "grads": s.grad, "optimizer": s.optimizer}
+def _max_over_ranks(ranks: list[dict], field_name: str, keys) -> dict[str, float]:
+    return {k: max(r[field_name][k] for r in ranks) for k in keys}
+
+
+def measure_row(run: Launch, args: argparse.Namespace, extra: list[str], work: Path, reference: Row | None) -> Row:
+    """Launch one row and reduce its ranks' numbers to the row (max over ranks: the fullest rank)."""
+    try:
+        ranks, seconds = launch(run, args, extra, work)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        return Row(run.name, math.nan, math.nan, {}, {}, status=str(exc)[:200], ranks=run.ranks,
+                   reference=reference.strategy if reference else "")
+    loss = ranks[0]["losses"][-1]
+    return Row(
+        run.name, loss, loss - reference.loss if reference else 0.0,
+        _max_over_ranks(ranks, "bytes", (*STATE_KEYS, "buffers")),
+        _max_over_ranks(ranks, "formula", STATE_KEYS),
+        ranks=run.ranks, reference=reference.strategy if reference else run.name,
+        comm=_max_over_ranks(ranks, "comm", COMM_DIMS), comm_formula=_max_over_ranks(ranks, "formula_comm", COMM_DIMS),
+        seconds=seconds, n_params=ranks[0]["n_params_config"], comm_by_rank=[r["comm_detail"] for r in ranks],
+    )
 
 
 def measure_all(args: argparse.Namespace, extra: list[str]) -> tuple[list[Row], dict]:
     precision = load_config(args.config, [*DEFAULT_OVERRIDES, *extra]).precision.mode
+    global_batch = args.micro_batch_size * args.nproc
+    single = ["--parallel.strategy=none", f"--train.micro_batch_size={global_batch}", "--train.grad_accum_steps=1"]
     rows: list[Row] = []
+    info = {"precision": precision, "global_batch": global_batch}
+    # The single-process rows see the whole global batch in one micro-batch.
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        single = launch("none", args, extra, work)[0]
-        n_params = single["n_params"]
-        reference = single["losses"][-1]
-        rows.append(Row("single process", reference, 0.0, single["bytes"],
-                        formula_bytes(n_params, "none", 1, precision)))
-        for strategy in args.strategies:
-            try:
-                ranks = launch(strategy, args, extra, work)
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                rows.append(Row(strategy, float("nan"), float("nan"), {}, {}, status=str(exc)[:200]))
-                continue
-            loss = ranks[0]["losses"][-1]
-            measured = {k: max(r["bytes"][k] for r in ranks) for k in ("params", "grads", "optimizer", "buffers")}
-            rows.append(Row(strategy, loss, loss - reference, measured,
-                            formula_bytes(n_params, strategy, args.nproc, precision)))
-    return rows, {"n_params": n_params, "precision": precision}
+        if args.strategies:
+            reference = measure_row(Launch("single process", 1, single), args, extra, work, None)
+            rows.append(reference)
+            for strategy in args.strategies:
+                run = Launch(strategy, args.nproc, [f"--parallel.strategy={strategy}",
+                                                   f"--train.micro_batch_size={args.micro_batch_size}"])
+                rows.append(measure_row(run, args, extra, work, reference))
+        if args.layouts:
+            reference = measure_row(Launch("single process, untied", 1, [*single, UNTIED]), args, extra, work, None)
+            rows.append(reference)
+            for key in args.layouts:
+                layout = LAYOUTS[key]
+                rows.append(measure_row(Launch(layout.label, layout.ranks, [*layout.overrides(global_batch), UNTIED]),
+                                        args, extra, work, reference))
+    return rows, info
 
 
 # --------------------------------------------------------------------------- output
@@ -259,18 +586,39 @@ def _kib(x: float) -> str:
 
 
 def table(rows: list[Row], markdown: bool) -> str:
-    head = ["strategy", "loss", "Δ vs 1 proc", "params KiB", "(formula)", "grads KiB", "(formula)",
+    """Loss and model-state bytes per rank, measured next to the formula."""
+    head = ["strategy / layout", "ranks", "loss", "Δ vs 1 proc", "params KiB", "(formula)", "grads KiB", "(formula)",
             "optim KiB", "(formula)", "states KiB", "(formula)", "+ buckets KiB"]
     body = []
     for r in rows:
         if r.status != "ok":
-            body.append([r.strategy, "failed: " + r.status] + [""] * (len(head) - 2))
+            body.append([r.strategy, str(r.ranks), "failed: " + r.status] + [""] * (len(head) - 3))
             continue
         m, f = r.measured, r.formula
-        cells = [r.strategy, f"{r.loss:.6f}", f"{r.delta:+.1e}"]
-        for key in ("params", "grads", "optimizer"):
+        cells = [r.strategy, str(r.ranks), f"{r.loss:.6f}", f"{r.delta:+.1e}"]
+        for key in STATE_KEYS:
             cells += [_kib(m[key]), _kib(f[key])]
-        cells += [_kib(m["params"] + m["grads"] + m["optimizer"]), _kib(sum(f.values())), _kib(m["buffers"])]
+        cells += [_kib(sum(m[k] for k in STATE_KEYS)), _kib(sum(f[k] for k in STATE_KEYS)), _kib(m["buffers"])]
+        body.append(cells)
+    return markdown_table(head, body) if markdown else text_table(head, body)
+
+
+def comm_table(rows: list[Row], markdown: bool) -> str:
+    """Bytes sent per rank in the last step, by mesh dimension, measured next to the formula."""
+    head = ["strategy / layout", "ranks", "tp KiB", "(formula)", "dp KiB", "(formula)", "pp KiB", "(formula)",
+            "other KiB", "total KiB", "(formula)", "run s"]
+    body = []
+    for r in rows:
+        if r.status != "ok":
+            continue
+        if not r.comm:  # a row made without the counter
+            body.append([r.strategy, str(r.ranks)] + ["n/m"] * (len(head) - 2))
+            continue
+        m, f = r.comm, r.comm_formula
+        cells = [r.strategy, str(r.ranks)]
+        for dim in ("tp", "dp", "pp"):
+            cells += [_kib(m[dim]), _kib(f[dim])]
+        cells += [_kib(m["other"]), _kib(sum(m.values())), _kib(sum(f.values())), f"{r.seconds:.0f}"]
         body.append(cells)
     return markdown_table(head, body) if markdown else text_table(head, body)
 
@@ -279,7 +627,11 @@ NOTES = [
     "Measured: max over ranks of the bytes of distinct local storages (DTensor shards, DeepSpeed partitions); "
     "gradients right after the last backward, optimizer state after the step.",
     "Formula: ZeRO paper section 5 (analysis/estimator.model_state_bytes): Psi x bytes/element, divided by the "
-    "rank count for what a stage shards (zero1: optimizer; zero2: + gradients; zero3 and fsdp: + parameters).",
+    "rank count for what a stage shards (zero1: optimizer; zero2: + gradients; zero3 and fsdp: + parameters). "
+    "For the layouts Psi is what one rank holds before data-parallel sharding, analysis/estimator.stage_parameters "
+    "(its stage's blocks with matmul weights split by tp, norm gains and row-parallel output biases whole; the "
+    "vocab-parallel token table and the learned positions on the first stage, the final norm and the "
+    "vocab-parallel LM head on the last), sharded over dp_shard by fsdp; max over the ranks' stages.",
     "DeepSpeed keeps a separate fp32 master partition even in fp32 training (optimizer column: 12 instead of "
     "8 bytes/param over N). zero1 measures partitioned gradients: DeepSpeed frees the full gradients once they are "
     "reduced at the accumulation boundary, so the paper's full-size gradient term is a transient peak during "
@@ -290,34 +642,69 @@ NOTES = [
     "FSDP2 pads every tensor to a multiple of the rank count along dim 0 (small extra on each shard). With a "
     "16-bit MixedPrecisionPolicy its sharded parameters and gradients stay fp32 and are the masters, so it "
     "holds 4 + 4 + 8 bytes/param over N where the formula counts 2 + 2 + 12: the same total, split differently.",
+    "Layouts: every row trains the same global batch as its single process; a pipeline runs pp micro-batches "
+    "per step (train.grad_accum_steps), so its per-rank micro-batch is global / (dp_shard x pp). Pipeline rows "
+    "measure gradients after the schedule's last backward, when pipelining has reduce-scattered FSDP's "
+    "gradients and resharded its parameters; during the step an FSDP stage holds its whole (1/tp) parameters and "
+    "gradients (the estimator counts that peak, this table does not).",
+    "tp=2 grads: the vocab-parallel token embedding's gradient comes back from DTensor replicated, the whole "
+    "vocab x d_model table on every tp rank (torch's embedding backward has no row-sharded strategy; the "
+    "optimizer slices it), V x d x (1 - 1/tp) x 4 bytes more than the formula. Under FSDP the reduce-scatter "
+    "reshards it, so fsdp x tp matches.",
+    "Bytes sent: what each rank sends in the last step, from the tensors handed to every collective and send "
+    "(a dispatch mode over c10d and DTensor's functional collectives), converted with the ring algorithm's "
+    "(n-1)/n per all-gather or reduce-scatter and 2(n-1)/n per all-reduce over n ranks, as the formula counts "
+    "(gloo's own algorithms may move more or less). Grouped by the mesh dimension of the process group; without "
+    "tp and pp all traffic is data parallel (DDP and DeepSpeed use groups of their own); 'other' would be a "
+    "group outside the mesh in a tp/pp layout (none here). Max over ranks; the JSON has every rank's "
+    "collectives (comm_by_rank: calls and bytes per dimension and collective).",
+    "tp formula: analysis/estimator.tp_comm_seconds per micro-batch (per layer 4 all-gathers and 4 "
+    "reduce-scatters of the b x s x h activation with sequence parallelism, plus the embedding and the LM "
+    "head). Measured adds what it leaves out, all small: the all-reduces of the replicated norm gains' and "
+    "output biases' gradients, the gradient of the learned positions, the loss-parallel cross-entropy's "
+    "per-token reductions and the gradient-norm reduction.",
+    "pp formula: one b x s x h activation (/ tp with sequence parallelism) forward to the next stage and its "
+    "gradient back, per micro-batch; a rank at either end of the pipeline sends one of the two. Measured adds "
+    "the loss and gradient-norm reductions over the pipeline (bytes).",
+    "dp formula: analysis/estimator.comm_volume on the rank's parameters (DDP: 2(n-1)/n of the gradients; "
+    "ZeRO-1/2: a reduce-scatter and an all-gather; ZeRO-3/FSDP: a second all-gather in backward); for a "
+    "pipeline's FSDP stage the estimator counts one all-gather and one reduce-scatter per step. Measured: FSDP2 "
+    "does not re-gather its root module (embeddings, final norm, LM head) for backward (reshard_after_forward="
+    "False), so fsdp sends a little less. DeepSpeed ZeRO-1/2 all-reduce the whole gradient and then all-gather "
+    "the updated partitions (1.5x the paper's figure); ZeRO-3 keeps gathered parameters for reuse between forward "
+    "and backward in this small model (stage3_max_reuse_distance), so it gathers once. Under a pipeline FSDP2's "
+    "blocks reshard after every micro-batch's forward (parallel.fsdp_reshard_after_forward) and are gathered "
+    "again in each forward and once in backward: m + 1 gathers per step, not the one the estimator assumes.",
+    "'run s': wall seconds of the row's launch on this machine, process start-up and model build included.",
 ]
 
 
 def plot(rows: list[Row], path: Path) -> None:
     ok = [r for r in rows if r.status == "ok"]
-    fig, ax = new_figure(width=8, height=4)
+    fig, ax = new_figure(width=max(8, 1.1 * len(ok)), height=4.5)
     x = range(len(ok))
     bottom = [0.0] * len(ok)
     for key, colour in (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")):
         values = [r.measured[key] / 1024 for r in ok]
         ax.bar(x, values, bottom=bottom, color=colour, label=f"{key} (measured)")
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.scatter(list(x), [sum(r.formula.values()) / 1024 for r in ok], color="black", marker="_", s=600,
-               label="ZeRO formula (total)", zorder=3)
-    ax.set_xticks(list(x), [r.strategy for r in ok])
-    ax.set_ylabel("KiB per rank")
+    ax.scatter(list(x), [sum(r.formula[k] for k in STATE_KEYS) / 1024 for r in ok], color="black", marker="_", s=600,
+               label="formula (total)", zorder=3)
+    ax.set_xticks(list(x), [r.strategy.replace(": ", "\n").replace(" (", "\n(").replace(", ", "\n") for r in ok], fontsize=7)
+    ax.set_ylabel("KiB per rank (fullest rank)")
     ax.set_title("Model-state memory per rank")
     ax.legend(fontsize=8)
     save_figure(fig, path)
 
 
 def write_markdown(rows: list[Row], setting: str, nproc: int, command: str, path: Path) -> list[Path]:
-    """The table with its notes as Markdown, and the rows as JSON next to it (same stem)."""
+    """The tables with their notes as Markdown, and the rows as JSON next to them (same stem)."""
     where = provenance(torch.device("cpu"))  # the ranks run on CPU (DEFAULT_OVERRIDES)
-    title = (f"Data-parallel strategies, loss parity and model-state memory: gloo, {nproc} processes, "
-             f"{where['hardware']}, torch {where['torch']}, {where['date']}")
-    text = [f"# {title}", "", setting, "", table(rows, markdown=True), "", *[f"- {n}" for n in NOTES], "",
-            f"Command: `{command}`", ""]
+    title = (f"Data-parallel strategies and tp/pp/fsdp layouts, loss parity, model-state memory and bytes sent: "
+             f"gloo, {nproc} processes per strategy, {where['hardware']}, torch {where['torch']}, {where['date']}")
+    text = [f"# {title}", "", setting, "", table(rows, markdown=True), "",
+            "Bytes sent per rank in one training step (the last), by mesh dimension:", "",
+            comm_table(rows, markdown=True), "", *[f"- {n}" for n in NOTES], "", f"Command: `{command}`", ""]
     return write_results(path, "\n".join(text), title, rows, provenance=where, setting=setting, nproc=nproc,
                          command=command, notes=NOTES)
 
@@ -325,20 +712,36 @@ def write_markdown(rows: list[Row], setting: str, nproc: int, command: str, path
 # --------------------------------------------------------------------------- entry
 
 
+def _names(choices) -> callable:
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        bad = [n for n in names if n not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown name {bad[0]!r}; choose from {', '.join(choices)}")
+        return names
+    return parse
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
-        description="Loss after N steps and per-rank parameter/gradient/optimizer bytes for ddp, fsdp and "
-        "ZeRO 1-3 on N processes, against one process and the ZeRO paper's formula. Config overrides go "
-        "after '--' (e.g. -- --model.n_layer=4 --precision.mode=bf16).")
+        description="Loss after N steps, per-rank parameter/gradient/optimizer bytes and bytes sent per step for "
+        "ddp, fsdp and ZeRO 1-3 on N processes and for tp, pp, fsdp x tp, pp x fsdp (and pp x tp x fsdp) layouts, "
+        "against one process and the formulas. Config overrides go after '--' (e.g. -- --model.n_layer=4).")
     parser.add_argument("--config", default="configs/tiny.yaml", help="YAML config (default: configs/tiny.yaml)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per strategy run (default 2)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per strategy run (default 2); the global batch "
+                        "is micro-batch x nproc for every row")
     parser.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
-    parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per rank per step (default 4)")
-    parser.add_argument("--strategies", type=lambda s: [x for x in s.split(",") if x], default=list(STRATEGIES),
-                        help="comma-separated subset of " + ",".join(STRATEGIES))
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per rank per step of the "
+                        "strategy rows (default 4)")
+    parser.add_argument("--strategies", type=_names(STRATEGIES), default=list(STRATEGIES),
+                        help="comma-separated subset of " + ",".join(STRATEGIES) + " ('' for none)")
+    parser.add_argument("--layouts", type=_names(tuple(LAYOUTS)), default=list(DEFAULT_LAYOUTS),
+                        help=f"comma-separated subset of {','.join(LAYOUTS)} ('' for none; default "
+                        f"{','.join(DEFAULT_LAYOUTS)})")
+    parser.add_argument("--with-3d", action="store_true", help="also the 3-D pp x tp x fsdp row (8 ranks)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per launch")
-    parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here "
-                        "(and its rows as JSON next to it)")
+    parser.add_argument("--markdown", type=Path, help="also write the tables as Markdown here "
+                        "(and their rows as JSON next to them)")
     parser.add_argument("--plot", type=Path, help="also write a PNG bar chart here")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # internal: run one rank
     if "--" in argv:
@@ -346,11 +749,20 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         args, extra = parser.parse_args(argv[:split]), argv[split + 1:]
     else:
         args, extra = parser.parse_args(argv), []
-    bad = [s for s in args.strategies if s not in STRATEGIES]
-    if bad:
-        parser.error(f"unknown strategy {bad[0]!r}; choose from {', '.join(STRATEGIES)}")
+    if args.worker is not None:
+        return args, extra
+    if args.with_3d and "pp_tp_fsdp" not in args.layouts:
+        args.layouts.append("pp_tp_fsdp")
     if args.nproc < 2:
         parser.error("--nproc must be >= 2 (the single-process reference is always run)")
+    global_batch = args.micro_batch_size * args.nproc
+    for key in args.layouts:
+        layout = LAYOUTS[key]
+        if global_batch % (layout.dp_shard * layout.microbatches):
+            parser.error(f"layout {key} splits the global batch of {global_batch} (--micro-batch-size x --nproc) "
+                         f"over dp_shard={layout.dp_shard} x {layout.microbatches} micro-batches: make it divisible")
+    if not args.strategies and not args.layouts:
+        parser.error("nothing to measure: --strategies and --layouts are both empty")
     return args, extra
 
 
@@ -360,11 +772,14 @@ def main(argv: list[str]) -> int:
         run_rank(args.config, extra, args.steps, args.worker)
         return 0
     rows, info = measure_all(args, extra)
-    title = (f"{args.nproc} ranks, {args.steps} steps, {info['n_params']:,} parameters (Psi), precision "
-             f"{info['precision']}, micro-batch {args.micro_batch_size}/rank (single process: "
-             f"{args.micro_batch_size * args.nproc})")
+    models = [f"{r.n_params:,} ({'untied embeddings' if 'untied' in r.strategy else 'as configured'})" for r in rows
+              if r.status == "ok" and r.ranks == 1]
+    title = (f"{args.steps} steps, precision {info['precision']}, global batch {info['global_batch']} sequences "
+             f"(strategies: {args.nproc} ranks x micro-batch {args.micro_batch_size}; single process: one micro-batch "
+             f"of {info['global_batch']}); parameters (Psi) {' and '.join(models) or 'n/a'}")
     print(title)
     print(table(rows, markdown=False))
+    print(comm_table(rows, markdown=False))
     for note in NOTES:
         print("- " + note)
     if args.markdown:

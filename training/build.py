@@ -24,8 +24,13 @@ def build_from_config(cfg: JobConfig, ctx: DistContext) -> Built:
 
 
 def build_batches(cfg: JobConfig, ctx: DistContext) -> tuple[DataBundle, DevicePrefetcher]:
-    """This rank's data, and its training batches already on the device."""
+    """This rank's data, and its training batches already on the device.
+
+    Batches are split over the data-parallel ranks only: the ranks of one tensor-parallel group
+    and of one pipeline read the same batches (each needs them whole, or the first and last stage
+    their inputs and targets).
+    """
     t = cfg.train
     data = build_data(cfg.data, seq_len=cfg.seq_len, micro_batch_size=t.micro_batch_size, seed=t.seed,
-                      rank=ctx.rank, world_size=ctx.world_size, vocab_size=cfg.model.vocab_size)
+                      rank=ctx.dims.dp_rank, world_size=ctx.dims.dp_size, vocab_size=cfg.model.vocab_size)
     return data, DevicePrefetcher(data.train, ctx.device)

@@ -42,7 +42,10 @@ import torch
 
 from common.errors import CheckpointError
 
-FORMAT_VERSION = 1  # new meta keys are optional: checkpoints written before them still load
+# 2: the model stores qkv rows grouped per key/value head, a separate SwiGLU gate and the MLP bias
+# inside fc (model/gpt.py), so version-1 weights would load into the new shapes with the wrong
+# meaning; they are refused instead. New meta keys stay optional within a version.
+FORMAT_VERSION = 2
 META = "meta.json"
 TMP_PREFIX = ".tmp-"
 ASIDE_PREFIX = ".old-"
@@ -464,7 +467,10 @@ def _read_pointer(root: Path) -> str | None:
         return None
 
 
-def read_checkpoint_meta(path: Path, world_size: int, strategy: str, model: dict[str, Any] | None = None) -> dict[str, Any]:
+def read_checkpoint_meta(path: Path, world_size: int, strategy: str, model: dict[str, Any] | None = None, *,
+                         layout: dict[str, int] | None = None, reshard: bool = False) -> dict[str, Any]:
+    """The checkpoint's meta.json, after checking it fits this run: same model always; same rank
+    count, strategy and parallel layout unless ``reshard`` (checkpoint.reshard)."""
     meta_path = path / META
     if not path.is_dir():
         raise CheckpointError(f"checkpoint not found: {path} (pass --resume latest or a step_XXXXXXXX directory)")
@@ -475,19 +481,11 @@ def read_checkpoint_meta(path: Path, world_size: int, strategy: str, model: dict
     except json.JSONDecodeError:
         raise CheckpointError(f"{meta_path} is corrupt (not JSON)") from None
     if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{meta_path}: format version {meta.get('format_version')}, this code reads {FORMAT_VERSION}")
-    # Ranks first: several processes run strategy none as ddp (train.py:promote_strategy), so a
-    # rank-count change also shows up as a strategy change, and only the rank count is the fix.
-    if meta.get("world_size") != world_size:
-        raise CheckpointError(
-            f"{path} was saved by {meta.get('world_size')} rank(s), this run has {world_size}; per-rank data "
-            f"positions and RNG states cannot be mapped exactly (start {meta.get('world_size')} rank(s))"
-        )
-    if meta.get("strategy") != strategy:
-        raise CheckpointError(
-            f"{path} was saved with parallel.strategy={meta.get('strategy')}, this run uses {strategy}; "
-            "resume with the same strategy"
-        )
+        raise CheckpointError(f"{meta_path}: checkpoint format version {meta.get('format_version')}, this code reads "
+                              f"version {FORMAT_VERSION} only (its weight layout changed); resume with the perfgpt "
+                              "version that wrote it, or start a new run")
+    if not reshard:
+        _check_same_layout(path, meta, world_size, strategy, layout)
     saved_model = meta.get("model")
     if model is not None and saved_model is not None and saved_model != model:
         diff = [f"model.{k}: {saved_model.get(k)!r} -> {model.get(k)!r}" for k in model if saved_model.get(k) != model.get(k)]
@@ -496,6 +494,27 @@ def read_checkpoint_meta(path: Path, world_size: int, strategy: str, model: dict
     if reason is not None:
         raise CheckpointError(f"{path} is not a complete checkpoint: {reason}; resume from another one")
     return meta
+
+
+def _check_same_layout(path: Path, meta: dict[str, Any], world_size: int, strategy: str,
+                       layout: dict[str, int] | None) -> None:
+    hint = "; or set checkpoint.reshard=true to load it into this layout (the data stream restarts)"
+    # Ranks first: several processes run strategy none as ddp or fsdp (ParallelConfig.for_data_parallel),
+    # so a rank-count change also shows up as a strategy change, and only the rank count is the fix.
+    if meta.get("world_size") != world_size:
+        raise CheckpointError(
+            f"{path} was saved by {meta.get('world_size')} rank(s), this run has {world_size}; per-rank data "
+            f"positions and RNG states cannot be mapped exactly (start {meta.get('world_size')} rank(s)){hint}"
+        )
+    if meta.get("strategy") != strategy:
+        raise CheckpointError(
+            f"{path} was saved with parallel.strategy={meta.get('strategy')}, this run uses {strategy}; "
+            f"resume with the same strategy{hint}"
+        )
+    saved = meta.get("layout")
+    if layout is not None and saved is not None and saved != layout:
+        diff = ", ".join(f"parallel.{k} {saved.get(k)} -> {layout.get(k)}" for k in layout if saved.get(k) != layout.get(k))
+        raise CheckpointError(f"{path} was saved with another parallel layout ({diff}){hint}")
 
 
 def check_schedule(path: Path, meta: dict[str, Any], schedule: dict[str, Any], *, allow_change: bool,

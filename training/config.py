@@ -76,6 +76,11 @@ class CheckpointConfig:
     keep_last: int = doc(2, "keep this many most recent checkpoints (0 keeps all)")
     resume: str = doc("", "'' (fresh start), 'latest' (newest in the run's checkpoint dir) or a path")
     dir: str = doc("", "checkpoint directory; default: <run_dir>/checkpoints")
+    reshard: bool = doc(
+        False, "resume a checkpoint saved with another parallel layout or rank count: model and optimizer "
+        "state are resharded (sharded/DCP checkpoints), the LR schedule continues at the saved step, and the data "
+        "stream restarts at its first batch (its position is per data-parallel rank and cannot be mapped)"
+    )
     allow_schedule_change: bool = doc(
         False, "resume even if the LR schedule (optim.lr, min_lr, warmup_steps, resolved decay_steps) differs "
         "from the checkpoint's; default: refuse, naming the keys"
@@ -139,7 +144,60 @@ class JobConfig:
         and what a checkpoint records so a resumed run can be checked against it."""
         return self.optim.schedule(self.train.max_steps)
 
+    def _validate_model_parallel(self) -> None:
+        """What tensor and pipeline parallelism need from the model, the batch and the precision."""
+        m, p, t = self.model, self.parallel, self.train
+        if p.tp > 1:
+            for key, value in (("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("d_ff", m.d_ff),
+                               ("vocab_size", m.vocab_size)):
+                if value % p.tp:
+                    raise ConfigError(f"parallel.tp={p.tp} must divide model.{key}={value} (each rank holds 1/tp of it)")
+            if p.sequence_parallel and self.seq_len % p.tp:
+                seq_key = "data.seq_len" if self.data.seq_len else "model.max_seq_len"
+                raise ConfigError(f"parallel.sequence_parallel splits the sequence over parallel.tp={p.tp} ranks: "
+                                  f"{seq_key}={self.seq_len} must divide by it")
+            if m.dropout > 0:
+                raise ConfigError(f"model.dropout={m.dropout} with parallel.tp={p.tp}: each rank would draw its own "
+                                  "masks for shared activations; tensor parallelism here trains without dropout")
+            if t.compile and m.checkpointing in ("selective", "full", "every_k"):
+                # torch 2.13's compiler saves the tensor-parallel DeviceMesh among the tensors of a
+                # checkpointed region and fails ("expected all tensors_saved_with_vc_check to be Tensors").
+                raise ConfigError(f"train.compile=true with model.checkpointing={m.checkpointing} under parallel.tp > 1 "
+                                  "fails in torch's compiler; use model.checkpointing=op_selective (or offload), "
+                                  "or train.compile=false")
+        if p.pp > 1:
+            stages = p.pp * p.pp_virtual_stages
+            if m.n_layer % stages:
+                raise ConfigError(f"model.n_layer={m.n_layer} must divide into parallel.pp x pp_virtual_stages = "
+                                  f"{stages} pipeline stages of equal size")
+            if m.tie_embeddings:
+                raise ConfigError("model.tie_embeddings=true shares the embedding with the LM head, which sit on the "
+                                  "first and last pipeline stage; set model.tie_embeddings=false with parallel.pp > 1")
+            if t.grad_accum_steps < p.pp:
+                raise ConfigError(f"train.grad_accum_steps={t.grad_accum_steps} is the number of pipeline "
+                                  f"micro-batches: it must be >= parallel.pp={p.pp} to keep every stage busy")
+            if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and t.grad_accum_steps % p.pp:
+                raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} needs train.grad_accum_steps (micro-batches) "
+                                  f"divisible by parallel.pp={p.pp}")
+            if p.pp_schedule == "zero_bubble" and t.compile:
+                raise ConfigError("parallel.pp_schedule=zero_bubble splits each backward in two, which "
+                                  "torch.compile'd blocks do not support; set train.compile=false or another schedule")
+        if p.tp > 1 or p.pp > 1:
+            if m.layers == "te":
+                raise ConfigError("model.layers=te with parallel.tp or parallel.pp: Transformer Engine layers "
+                                  "bring their own parallelism; use model.layers=torch")
+            if p.init_on_meta:
+                raise ConfigError("parallel.init_on_meta=true with parallel.tp or parallel.pp is not supported: "
+                                  "build the model whole (parallel.init_on_meta=false)")
+            if self.precision.mode == "fp16":
+                raise ConfigError("precision.mode=fp16 with parallel.tp or parallel.pp: the loss scaler does not "
+                                  "reach into pipeline schedules and DTensor gradients; use bf16 (or bf16_master)")
+            if self.precision.mode == "bf16_master" and p.strategy != "fsdp":
+                raise ConfigError("precision.mode=bf16_master with parallel.tp or parallel.pp needs "
+                                  "parallel.strategy=fsdp (its fp32 shards are the masters); or use precision.mode=bf16")
+
     def _validate_cross_sections(self) -> None:
+        self._validate_model_parallel()
         if self.precision.mode == "fp8" and self.model.layers != "te":
             raise ConfigError(
                 "precision.mode=fp8 needs model.layers=te (FP8 GEMMs come from Transformer Engine layers)"

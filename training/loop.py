@@ -46,13 +46,7 @@ def train_step(engine: Engine, batches: Batches, grad_accum_steps: int, lr: floa
 
     ``before_optimizer_step`` runs while the step's gradients exist (tools that inspect them).
     """
-    loss, wait = None, 0.0
-    for micro in range(grad_accum_steps):
-        t0 = time.perf_counter()
-        x, y = next(batches)
-        wait += time.perf_counter() - t0
-        micro_loss = engine.forward_backward(x, y, micro == grad_accum_steps - 1, grad_accum_steps).float()
-        loss = micro_loss / grad_accum_steps if loss is None else loss + micro_loss / grad_accum_steps
+    loss, wait = engine.forward_backward_step(batches, grad_accum_steps)
     if before_optimizer_step is not None:
         before_optimizer_step()
     return StepOutcome(loss, engine.optimizer_step(lr, loss), wait)
@@ -236,7 +230,8 @@ class TrainingLoop:
             self.ckpt_root, step, lambda d: self.engine.save(d, ctx.rank), rank_state, rank=ctx.rank,
             world_size=ctx.world_size, strategy=cfg.parallel.strategy, barrier=ctx.barrier,
             keep_last=cfg.checkpoint.keep_last, healthy=self.state.healthy, weights=self.engine.local_weights(),
-            device=ctx.device, extra_meta={"model": to_dict(cfg.model), "schedule": cfg.lr_schedule()},
+            device=ctx.device, extra_meta={"model": to_dict(cfg.model), "schedule": cfg.lr_schedule(),
+                                           "layout": self.layout()},
         )
         self.state.last_saved = step
         self.log.info(f"checkpoint: saved {path} in {time.perf_counter() - t0:.1f}s")
@@ -251,16 +246,32 @@ class TrainingLoop:
                 log.info(f"resume: no checkpoint under {self.ckpt_root} yet, starting from step 0")
                 log.keep_rows_up_to(0)  # rows of a run that crashed before its first save
             return
-        meta = ckpt.read_checkpoint_meta(path, ctx.world_size, cfg.parallel.strategy, to_dict(cfg.model))
+        reshard = cfg.checkpoint.reshard
+        meta = ckpt.read_checkpoint_meta(path, ctx.world_size, cfg.parallel.strategy, to_dict(cfg.model),
+                                         layout=self.layout(), reshard=reshard)
         ckpt.check_schedule(path, meta, cfg.lr_schedule(), allow_change=cfg.checkpoint.allow_schedule_change,
                             warn=warn)
         self.engine.load(path)
-        state = safe_torch_load(path / f"rank_{ctx.rank:05d}.pt")
-        self.batches.load_state_dict(state["data"])
-        ckpt.restore_rng_state(state["rng"])
-        self.state.step = int(state["step"])
+        if reshard:
+            # Per-rank data positions and RNG states belong to the saved layout's ranks; the model,
+            # optimizer and schedule carry over, the stream starts again (said, not silent).
+            self.state.step = int(meta["step"])
+            log.warn(f"resume: resharded {path} (saved with {meta.get('world_size')} rank(s), layout "
+                     f"{meta.get('layout')}) into {ctx.world_size} rank(s), layout {self.layout()}; the data "
+                     f"stream restarts at its first batch")
+        else:
+            state = safe_torch_load(path / f"rank_{ctx.rank:05d}.pt")
+            self.batches.load_state_dict(state["data"])
+            ckpt.restore_rng_state(state["rng"])
+            self.state.step = int(state["step"])
         log.info(f"resume: continuing from {path} at step {self.state.step}")
         log.keep_rows_up_to(self.state.step)
+
+    def layout(self) -> dict[str, int]:
+        """The parallel layout a checkpoint records (its shards and per-rank states depend on it)."""
+        d = self.ctx.dims
+        return {"tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
+                "pp_virtual_stages": self.cfg.parallel.pp_virtual_stages if d.pp > 1 else 1}
 
     # ----------------------------------------------------------------- the loop
 

@@ -1,0 +1,282 @@
+"""Tensor, sequence and pipeline parallelism, alone and composed with FSDP2.
+
+Every layout is checked against one process running the same global batch: losses of several
+steps within 1e-5 (fp32) and, on the first step, every gradient (gathered to full tensors by
+parameter name). Checkpoints resume bit for bit on the same layout and load into other layouts.
+Process launches are shared: one 2-rank launch runs every 2-rank layout, one 4-rank launch the
+2-D ones.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.errors import ConfigError, LayoutError
+from parallel.dims import ParallelDims
+from parallel.distributed import DistContext
+from tests.conftest import read_metrics, run_torchrun, run_train, tiny_overrides
+from tests.gloo import gloo_context, run_workers
+from training.build import build_from_config
+from training.config import load_config
+
+MODEL = {"vocab_size": 64, "max_seq_len": 16, "n_layer": 4, "n_head": 4, "d_model": 32,
+         "tie_embeddings": False, "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "n_kv_head": 2}
+MICRO, ACCUM, STEPS = 2, 2, 3
+SAVE_AFTER = 2  # steps trained before the checkpoint that a fresh engine resumes from
+
+# (name, parallel section) per layout; the 2-rank ones, then the 4-rank compositions.
+TWO_RANKS = {
+    "tp": {"tp": 2},
+    "tp_no_sp": {"tp": 2, "sequence_parallel": False, "loss_parallel": False},
+    "pp_gpipe": {"pp": 2, "pp_schedule": "gpipe"},
+    "pp_1f1b": {"pp": 2, "pp_schedule": "1f1b"},
+    "pp_interleaved": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2},
+    "pp_zero_bubble": {"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 2},
+}
+FOUR_RANKS = {
+    "fsdp_x_tp": {"strategy": "fsdp", "dp_shard": 2, "tp": 2},
+    "pp_x_fsdp": {"strategy": "fsdp", "pp": 2, "dp_shard": 2},
+}
+LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def job(grad_accum: int = ACCUM, **parallel):
+    overrides = [f"--model.{k}={v}" for k, v in MODEL.items()]
+    overrides += [f"--train.micro_batch_size={MICRO}", f"--train.grad_accum_steps={grad_accum}",
+                  "--optim.warmup_steps=1", "--optim.lr=1e-2", "--train.max_steps=10"]
+    overrides += [f"--parallel.{k}={v}" for k, v in parallel.items()]
+    return load_config(None, overrides)
+
+
+def micro_batches(step: int, dp_rank: int, dp_size: int, accum: int = ACCUM) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Data-parallel rank r's micro-batches of a step; every rank of one tp group or pipeline gets the same."""
+    out = []
+    for micro in range(accum):
+        g = torch.Generator().manual_seed(1000 * step + 10 * dp_rank + micro)
+        tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, MODEL["max_seq_len"] + 1), generator=g)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def full_grads(engine) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, p in engine.module().named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name.split(".", 1)[1] if name.split(".")[0].isdigit() else name] = g.detach().clone()
+    return grads
+
+
+def full_params(engine) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in engine.module().named_parameters():
+        v = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name.split(".", 1)[1] if name.split(".")[0].isdigit() else name] = v.detach().clone()
+    return out
+
+
+def train_steps(engine, steps: range, ctx, cfg, record_grads: bool = False):
+    """Losses of ``steps`` (averaged over the data-parallel ranks, as train.py logs them)."""
+    losses, grads = [], {}
+    for step in steps:
+        batches = iter(micro_batches(step, ctx.dims.dp_rank, ctx.dims.dp_size))
+        loss, _ = engine.forward_backward_step(batches, ACCUM)
+        if record_grads and step == 0:
+            grads = full_grads(engine)
+        engine.optimizer_step(cfg.optim.lr, loss)
+        losses.append(float(ctx.all_reduce_mean(loss.detach().clone())))
+    return losses, grads
+
+
+def run_layout(rank: int, world: int, name: str, parallel: dict, ckpt_root: str) -> dict:
+    layout = {k: parallel[k] for k in LAYOUT_KEYS if k in parallel}
+    cfg = job(**parallel)
+    ctx = gloo_context(rank, world, **layout)
+    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    engine = build_from_config(cfg, ctx).engine
+    losses, grads = train_steps(engine, range(SAVE_AFTER), ctx, cfg, record_grads=True)
+    path = Path(ckpt_root) / name
+    if rank == 0:
+        path.mkdir(parents=True)
+    torch.distributed.barrier()
+    engine.save(path, rank)
+    torch.distributed.barrier()
+    saved = full_params(engine)
+    rest, _ = train_steps(engine, range(SAVE_AFTER, STEPS), ctx, cfg)
+    fresh = build_from_config(cfg, ctx).engine  # a new run that loads the checkpoint
+    fresh.load(path)
+    resumed, _ = train_steps(fresh, range(SAVE_AFTER, STEPS), ctx, cfg)
+    return {"losses": losses + rest, "resumed": resumed, "grads": grads, "saved": saved}
+
+
+def two_rank_worker(rank: int, world: int, ckpt_root: str) -> dict:
+    results = {name: run_layout(rank, world, name, parallel, ckpt_root) for name, parallel in TWO_RANKS.items()}
+    # The tp=2 checkpoint loaded into FSDP2 over 2 data-parallel ranks: another layout, the same weights.
+    cfg = job(strategy="fsdp")
+    engine = build_from_config(cfg, gloo_context(rank, world)).engine
+    engine.load(Path(ckpt_root) / "tp")
+    results["tp_into_fsdp"] = full_params(engine)
+    return results
+
+
+def four_rank_worker(rank: int, world: int, ckpt_root: str) -> dict:
+    return {name: run_layout(rank, world, name, parallel, ckpt_root) for name, parallel in FOUR_RANKS.items()}
+
+
+def reference(dp_size: int) -> dict:
+    """One process, the same global batch: every data-parallel rank's micro-batches accumulated."""
+    cfg = job(grad_accum=ACCUM * dp_size)
+    engine = build_from_config(cfg, DistContext.single()).engine
+    losses, grads = [], {}
+    for step in range(STEPS):
+        batches = iter([mb for r in range(dp_size) for mb in micro_batches(step, r, dp_size)])
+        loss, _ = engine.forward_backward_step(batches, ACCUM * dp_size)
+        if step == 0:
+            grads = full_grads(engine)
+        engine.optimizer_step(cfg.optim.lr, loss)
+        losses.append(float(loss))
+    return {"losses": losses, "grads": grads}
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    with tempfile.TemporaryDirectory() as root:
+        yield root
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(checkpoints):
+    return run_workers(two_rank_worker, 2, checkpoints)
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(checkpoints):
+    return run_workers(four_rank_worker, 4, checkpoints)
+
+
+def _check_against_reference(results: list[dict], name: str, ref: dict) -> None:
+    for rank_result in results:
+        got = rank_result[name]
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5), name
+        assert got["resumed"] == got["losses"][SAVE_AFTER:], f"{name}: resume is not bit-exact"
+    # Each rank gathers the gradients of the parameters it holds (a pipeline rank: its stages').
+    seen = {}
+    for rank_result in results:
+        seen.update(rank_result[name]["grads"])
+    assert set(seen) == set(ref["grads"]), f"{name}: gradients missing for {set(ref['grads']) - set(seen)}"
+    for key, grad in ref["grads"].items():
+        torch.testing.assert_close(seen[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_two_rank_layouts_match_one_process(name, two_rank_results):
+    _check_against_reference(two_rank_results, name, reference(dp_size=1))
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_composed_layouts_match_one_process(name, four_rank_results):
+    _check_against_reference(four_rank_results, name, reference(dp_size=2))
+
+
+def test_a_tensor_parallel_checkpoint_loads_into_other_layouts(two_rank_results, checkpoints):
+    saved = two_rank_results[0]["tp"]["saved"]
+    for rank_result in two_rank_results:  # FSDP2 over 2 data-parallel ranks
+        for key, value in saved.items():
+            torch.testing.assert_close(rank_result["tp_into_fsdp"][key], value, rtol=0, atol=0, msg=key)
+    engine = build_from_config(job(), DistContext.single()).engine  # and one process, plain tensors
+    engine.load(Path(checkpoints) / "tp")
+    for key, value in full_params(engine).items():
+        torch.testing.assert_close(value, saved[key], rtol=0, atol=0, msg=key)
+
+
+# --------------------------------------------------------------------------- the layout value
+
+
+def test_ranks_are_laid_out_with_tensor_parallel_innermost():
+    dims = [ParallelDims(8, 4, r, r % 4, pp=2, dp_shard=2, tp=2) for r in range(8)]
+    assert [d.coordinate("tp") for d in dims] == [0, 1] * 4  # consecutive ranks, inside a node
+    assert [d.coordinate("dp_shard") for d in dims] == [0, 0, 1, 1] * 2
+    assert [d.coordinate("pp") for d in dims] == [0] * 4 + [1] * 4  # stages across nodes
+    assert [d.dp_rank for d in dims] == [0, 0, 1, 1] * 2 and dims[0].dp_size == 2
+    assert ParallelDims(8, 8, 0, 0, tp=2).dp_shard == 4  # -1: the ranks left over
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=4, local_world_size=4, tp=3), "does not divide the 4 ranks"),
+    (dict(world_size=4, local_world_size=4, tp=2, dp_shard=4), "make the product equal the world size"),
+    (dict(world_size=8, local_world_size=2, tp=4), "must divide the 2 ranks per node"),
+])
+def test_invalid_world_layouts_are_one_line_errors(kwargs, message):
+    with pytest.raises(LayoutError, match=message) as info:
+        ParallelDims(rank=0, local_rank=0, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"parallel.tp": 3}, "parallel.tp=3 must divide model.n_head=4"),
+    ({"parallel.tp": 4}, "parallel.tp=4 must divide model.n_kv_head=2"),
+    ({"parallel.tp": 2, "model.max_seq_len": 15}, "must divide by it"),
+    ({"parallel.tp": 2, "model.dropout": 0.1}, "tensor parallelism here trains without dropout"),
+    ({"parallel.pp": 3}, "model.n_layer=4 must divide into"),
+    ({"parallel.pp": 2, "model.tie_embeddings": True}, "set model.tie_embeddings=false"),
+    ({"parallel.pp": 4, "train.grad_accum_steps": 2}, "must be >= parallel.pp=4"),
+    ({"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b"}, "needs parallel.pp_virtual_stages >= 2"),
+    ({"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "parallel.pp_virtual_stages": 2}, "runs one stage per rank"),
+    ({"parallel.tp": 2, "parallel.strategy": "ddp"}, "use parallel.strategy=fsdp"),
+    ({"parallel.pp": 2, "parallel.strategy": "zero2"}, "use parallel.strategy=fsdp"),
+    ({"parallel.tp": 2, "precision.mode": "fp16"}, "use bf16"),
+    ({"parallel.tp": 2, "precision.mode": "bf16_master"}, "needs parallel.strategy=fsdp"),
+    ({"parallel.tp": 2, "parallel.strategy": "fsdp", "parallel.fsdp_hybrid": True}, "set parallel.dp_replicate"),
+    ({"parallel.dp_replicate": 2, "parallel.strategy": "ddp"}, "HSDP's replicate dimension"),
+    ({"parallel.tp": 2, "train.compile": True, "model.checkpointing": "full"}, "use model.checkpointing=op_selective"),
+])
+def test_invalid_layouts_are_one_line_config_errors(overrides, message):
+    base = {f"model.{k}": v for k, v in MODEL.items()} | {"train.grad_accum_steps": ACCUM}
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(None, [f"--{k}={v}" for k, v in (base | overrides).items()])
+    assert "\n" not in str(info.value)
+
+
+def test_pipeline_stages_keep_their_blocks_under_their_global_names():
+    from model.gpt import GPT
+    from parallel.pp import split_stages, stage_ids
+
+    cfg = job().model
+    torch.manual_seed(0)
+    whole = GPT(cfg)
+    names = set(whole.state_dict())
+    parts = [p for rank in range(2) for p in split_stages(GPT(cfg), stage_ids(rank, 2, 2), 4)]
+    assert [list(p.blocks) for p in parts] == [["0"], ["2"], ["1"], ["3"]]  # looped placement: r, r + pp
+    assert parts[0].tok_emb is not None and parts[0].lm_head is None
+    assert parts[3].tok_emb is None and parts[3].lm_head is not None
+    assert set().union(*(p.state_dict() for p in parts)) == names
+
+
+# --------------------------------------------------------------------------- through train.py
+
+
+def test_train_py_resumes_a_tensor_parallel_run_exactly(tmp_path, corpus_cache):
+    """The real CLI under torchrun: 6 steps straight, or 3 then --resume, give the same losses."""
+    common = {"model.tie_embeddings": False, "parallel.tp": 2, "optim.decay_steps": 6, "train.max_steps": 6,
+              "train.grad_accum_steps": 2}
+    full, split = tmp_path / "full", tmp_path / "split"
+    tiny = ["--config", "configs/tiny.yaml"]
+    assert run_torchrun(2, [*tiny, *tiny_overrides(full, corpus_cache, **common)]).returncode == 0
+    first = run_torchrun(2, [*tiny, *tiny_overrides(split, corpus_cache, **{**common, "train.max_steps": 3})])
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run_torchrun(2, [*tiny, "--resume", *tiny_overrides(split, corpus_cache, **common)])
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "layout: tp=2" in second.stdout and "continuing from" in second.stdout
+    losses = {r["step"]: r["loss"] for r in read_metrics(split) if "loss" in r}
+    assert losses == {r["step"]: r["loss"] for r in read_metrics(full) if "loss" in r}
+
+
+def test_a_layout_that_does_not_fit_the_ranks_is_one_line(tmp_path, corpus_cache):
+    proc = run_train(["--config", "configs/tiny.yaml", *tiny_overrides(tmp_path, corpus_cache, **{"parallel.tp": 2})])
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: parallel.pp=1 x parallel.dp_replicate=1 x parallel.tp=2 = 2 does not divide "
+                                   "the 1 ranks; choose degrees whose product divides it")
