@@ -27,6 +27,7 @@ from parallel.distributed import DistContext, env_rank_tag, init_distributed, sh
 from training import checkpoint as ckpt
 from training.build import build_batches, build_from_config
 from training.config import JobConfig, describe_fields, dump_yaml, load_config, to_dict
+from training.export import with_initial_weights
 from training.loop import Throughput, TrainingLoop
 from training.metrics import RunLogger
 from training.signals import StopRequest, exit_code
@@ -60,15 +61,19 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> JobConfig:
 
 
 def run(cfg: JobConfig) -> int:
+    source, source_note = None, None
+    if cfg.model.init_from:  # before anything starts: a bad source is a one-line error
+        cfg, source, source_note = with_initial_weights(cfg)
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
         cfg.parallel, note = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
         run_dir = prepare_run_dir(cfg, ctx)
         with RunLogger(run_dir, cfg.logging, is_main=ctx.is_main, tag=ctx.tag, max_steps=cfg.train.max_steps,
                        config_dict=to_dict(cfg)) as log, StopRequest(ctx.tag) as stop_request:
-            if note:
-                log.info(note)
-            return train(cfg, ctx, run_dir, log, stop_request)
+            for line in (note, source_note):
+                if line:
+                    log.info(line)
+            return train(cfg, ctx, run_dir, log, stop_request, None if source is None else source.state)
     finally:
         shutdown_distributed(ctx)
 
@@ -82,7 +87,8 @@ def prepare_run_dir(cfg: JobConfig, ctx: DistContext) -> Path:
     return run_dir
 
 
-def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_request: StopRequest) -> int:
+def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_request: StopRequest,
+          initial_state: dict[str, torch.Tensor] | None = None) -> int:
     log.info(f"perfgpt: run {cfg.name} in {run_dir} | world {ctx.world_size} ({ctx.backend or 'single process'}) "
              f"| device {ctx.device} | precision {cfg.precision.mode} | strategy {cfg.parallel.strategy}")
     log.info("resolved config:\n" + dump_yaml(cfg).rstrip())
@@ -95,9 +101,11 @@ def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_
         ckpt.ensure_writable_dir(ckpt_root, "checkpoint.dir", rank=ctx.rank, world_size=ctx.world_size,
                                  device=ctx.device)
 
-    built = build_from_config(cfg, ctx)
+    built = build_from_config(cfg, ctx, initial_state)
     for line in built.notes + describe_model(cfg, ctx):
         log.info(line)
+    for line in built.warnings:
+        log.warn(line)
     data, batches = build_batches(cfg, ctx)
     log.info(data.description)
 

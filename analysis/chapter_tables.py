@@ -18,6 +18,7 @@ from pathlib import Path
 from analysis import comm_model as cm
 from analysis import estimator as est
 from common.hardware import DEVICES
+from common.measure import NO_DIFFERENCE, speedup
 from common.report import GIB, NEEDS_GPU, Table, gib, human_bytes, new_figure, save_figure, sci
 
 
@@ -848,6 +849,11 @@ def _compile_measured(bench_train: dict | None) -> str:
             continue
         eager = rows.get(" ".join(w for w in words if w != "train.compile=true"))
         if eager is None or row.get("status") != "ok" or eager.get("status") != "ok":
+            continue
+        if row.get("rounds_s") and eager.get("rounds_s"):  # interleaved rounds: the ratio per round, and its spread
+            r = speedup(row["rounds_s"], eager["rounds_s"])
+            verdict = "" if r.measured_difference else f": {NO_DIFFERENCE}"
+            cells.append(f"{r.median:.2f}× ({r.min:.2f}-{r.max:.2f}) tokens/s for {variant} vs without compile{verdict}")
             continue
         ratio = row["tokens_per_s"] / eager["tokens_per_s"]
         cells.append(f"{ratio:.2f}× tokens/s for {variant} vs without compile")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import platform
 import statistics
 import time
@@ -64,6 +65,12 @@ def provenance(device: torch.device) -> dict:
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
     }
+
+
+def machine_load() -> str:
+    """How busy the machine's cores were (1-minute load average): on a shared machine the other
+    processes are what widen a timing's spread, so it is said next to the numbers."""
+    return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
 
 
 # --------------------------------------------------------------------------- timing
@@ -283,3 +290,14 @@ def check_against_fp32(kernel: Callable, reference: Callable, args: list, grad_p
         check.eager_errors.append(eager_err)
         check.tolerances.append(kernel_tolerance(eager_err, error_floor(o.dtype, r, interpreted)))
     return check
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by at least one interval (operators on several threads or streams overlap)."""
+    covered, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        covered += stop - max(start, end)
+        end = stop
+    return covered

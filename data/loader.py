@@ -59,9 +59,11 @@ VERIFY_MODES = {
 
 
 def build_data(
-    cfg: DataConfig, *, seq_len: int, micro_batch_size: int, seed: int, rank: int, world_size: int, vocab_size: int
+    cfg: DataConfig, *, seq_len: int, micro_batch_size: int, seed: int, rank: int, world_size: int, vocab_size: int,
+    eval_split: str = "val",
 ) -> DataBundle:
-    """Open (or, for data.format=default, build once and cache) the dataset and return its streams."""
+    """Open (or, for data.format=default, build once and cache) the dataset and return its streams:
+    the train split as the training stream, ``eval_split`` as the validation source."""
     if seq_len < 1 or micro_batch_size < 1:
         raise DataError(f"seq_len and micro_batch_size must be >= 1, got {seq_len} and {micro_batch_size}")
     if not 0 <= rank < world_size:
@@ -69,18 +71,19 @@ def build_data(
     if cfg.format == "webdataset":
         return build_webdataset_data(
             cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, rank=rank,
-            world_size=world_size, vocab_size=vocab_size,
+            world_size=world_size, vocab_size=vocab_size, eval_split=eval_split,
         )
     meta = _open_mmap_dataset(cfg)
+    check_split(meta, eval_split)
     _check_vocab(meta, vocab_size)
     layout = dict(seq_len=seq_len, batch_size=micro_batch_size, rank=rank, world_size=world_size, vocab_size=vocab_size)
     train_shards, skipped = open_shards(meta.files("train"), vocab_size, cfg.verify, cfg.on_bad_shard)
-    val_shards, skipped_val = open_shards(meta.files("val"), vocab_size, cfg.verify, cfg.on_bad_shard)
+    val_shards, skipped_val = open_shards(meta.files(eval_split), vocab_size, cfg.verify, cfg.on_bad_shard)
     layout["check_chunks"] = cfg.verify == "lazy"
     train_set = MmapBatches(
         train_shards, seed=seed, shuffle=cfg.sampling == "random", drop_last=cfg.drop_last, split_name="train", **layout
     )
-    val_set = MmapBatches(val_shards, seed=seed, shuffle=False, drop_last=True, split_name="val", **layout)
+    val_set = MmapBatches(val_shards, seed=seed, shuffle=False, drop_last=True, split_name=eval_split, **layout)
     train = TrainStream(train_set, cfg, seed=seed, rank=rank)
     val = ValSource(val_set)
     skipped = skipped + skipped_val
@@ -93,7 +96,13 @@ def build_data(
     )
     if skipped:
         description += f" | SKIPPED {len(skipped)} bad shard(s): {skipped[0]}" + (" ..." if len(skipped) > 1 else "")
-    return DataBundle(train=train, val=val, description=description, skipped_shards=skipped)
+    return DataBundle(train=train, val=val, description=description, skipped_shards=skipped,
+                      tokenizer=meta.tokenizer, eot_id=meta.eot_id)
+
+
+def check_split(meta, split: str) -> None:
+    if split not in meta.splits:
+        raise DataError(f"{meta.root} has no split {split!r}; its splits: {', '.join(sorted(meta.splits))}")
 
 
 def verify_description(mode: str, shards: list[TokenShard]) -> str:

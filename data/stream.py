@@ -10,6 +10,7 @@ import atexit
 import copy
 import random
 import signal
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,8 @@ class DataBundle:
     val: "ValSource"
     description: str  # one line for the log
     skipped_shards: list[str] = field(default_factory=list)  # "path: reason" for each skipped shard
+    tokenizer: str = ""  # the dataset's tokenizer spec (data.tokenizer.build_tokenizer), for sampling later
+    eot_id: int | None = None  # its end-of-text id
 
 
 def split_windows(windows: torch.Tensor, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,9 +109,6 @@ class TrainStream:
         if workers > 0:
             extra = dict(persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor,
                          worker_init_fn=seed_worker, timeout=cfg.timeout)
-            # Registered after torch's and multiprocessing's own exit hooks, so it runs before them
-            # (last in, first out): see close().
-            atexit.register(self.close)
         loader = DataLoader(
             self._dataset,
             batch_size=None,  # the dataset yields whole batches
@@ -118,7 +118,12 @@ class TrainStream:
             generator=torch.Generator().manual_seed(self._seed * 1_000_003 + self._rank),
             **extra,
         )
-        return iter(loader)
+        iterator = iter(loader)
+        if workers > 0:
+            # Registered after torch's and multiprocessing's own exit hooks, so it runs before them
+            # (last in, first out); a weak reference, so that it keeps nothing alive: see close().
+            atexit.register(_stop_workers, weakref.ref(iterator))
+        return iterator
 
     def __iter__(self) -> "TrainStream":
         return self
@@ -161,13 +166,18 @@ class TrainStream:
         Not left to garbage collection: the iterator can outlive the stream (a traceback that
         holds its frames, as a DataError's does), and its workers ignore SIGTERM (seed_worker),
         so multiprocessing's exit hook, which terminates daemonic children with SIGTERM and
-        then joins them, would wait for them forever and the process would never exit.
+        then joins them, would wait for them forever and the process would never exit. For
+        iterators still alive at exit, a hook registered with each stops their workers first.
         """
         iterator, self._iterator = self._iterator, None
-        atexit.unregister(self.close)
-        shutdown = getattr(iterator, "_shutdown_workers", None)  # only the multi-process iterator has workers
-        if shutdown is not None:
-            shutdown()
+        _stop_workers(lambda: iterator)
+
+
+def _stop_workers(get_iterator) -> None:
+    """Stop the worker processes of a DataLoader iterator (if it is still alive and has any)."""
+    shutdown = getattr(get_iterator(), "_shutdown_workers", None)  # only the multi-process iterator has workers
+    if shutdown is not None:
+        shutdown()
 
 
 class ValSource:

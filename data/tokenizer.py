@@ -150,3 +150,25 @@ def build_tokenizer(spec: str) -> Tokenizer:
     if kind == "hf" and arg:
         return HFTokenizer(arg)
     raise DataError(f"unknown tokenizer {spec!r}; valid: byte, tiktoken:<encoding>, hf:<path/to/tokenizer.json>")
+
+
+def token_byte_lengths(tokenizer: Tokenizer, vocab_size: int) -> np.ndarray:
+    """UTF-8 bytes of text each id stands for (0 for end-of-text and ids beyond the tokenizer), the
+    denominator of bits per byte. Exact for the byte and tiktoken tokenizers; for a Hugging Face
+    tokenizer the length of the id decoded alone (a token that is part of a multi-byte character
+    decodes to a replacement character, so such text is slightly over-counted)."""
+    lengths = np.zeros(vocab_size, dtype=np.int64)
+    if isinstance(tokenizer, ByteTokenizer):
+        lengths[: min(256, vocab_size)] = 1
+    elif isinstance(tokenizer, TiktokenTokenizer):
+        for i in range(min(tokenizer.vocab_size, vocab_size)):
+            try:
+                lengths[i] = len(tokenizer._enc.decode_single_token_bytes(i))
+            except KeyError:  # ids between the ordinary and the special tokens
+                lengths[i] = 0
+    else:
+        for i in range(min(tokenizer.vocab_size, vocab_size)):
+            lengths[i] = len(tokenizer.decode([i]).encode("utf-8"))
+    if 0 <= tokenizer.eot_id < vocab_size:
+        lengths[tokenizer.eot_id] = 0
+    return lengths

@@ -284,9 +284,11 @@ def shard_sample_counts(meta: DatasetMeta, split: str) -> list[int]:
 
 
 def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, seed: int, rank: int,
-                          world_size: int, vocab_size: int) -> DataBundle:
+                          world_size: int, vocab_size: int, eval_split: str = "val") -> DataBundle:
     import_webdataset()
     meta = read_dataset_meta(cfg.path)
+    if eval_split not in meta.splits:
+        raise DataError(f"{meta.root} has no split {eval_split!r}; its splits: {', '.join(sorted(meta.splits))}")
     if meta.format != "webdataset":
         raise DataError(
             f"{meta.root} holds a {meta.format} dataset but data.format=webdataset; set data.format={meta.format}"
@@ -302,10 +304,10 @@ def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: in
             f"{meta.root}: samples were prepared for seq_len {prepared}, the run needs {seq_len}; set data.seq_len <= "
             f"{prepared} or re-run tools/prepare_data.py --seq-len {seq_len}"
         )
-    per_shard = {s: shard_sample_counts(meta, s) for s in ("train", "val")}
+    per_shard = {s: shard_sample_counts(meta, s) for s in ("train", eval_split)}
     counts = {s: sum(n) for s, n in per_shard.items()}
     train_paths = [str(p) for p in meta.files("train")]
-    missing = [p for p in train_paths + [str(p) for p in meta.files("val")] if not os.path.isfile(p)]
+    missing = [p for p in train_paths + [str(p) for p in meta.files(eval_split)] if not os.path.isfile(p)]
     if missing:
         raise DataError(f"{missing[0]} is listed in {meta.root}/meta.json but missing ({len(missing)} missing in all)")
     if counts["train"] == 0:
@@ -317,7 +319,7 @@ def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: in
         shuffle_buffer=cfg.shuffle_buffer, resampled=cfg.resampled, on_bad_shard=cfg.on_bad_shard,
         shard_samples=per_shard["train"], **common,
     )
-    val = WebDatasetVal([str(p) for p in meta.files("val")], shard_samples=per_shard["val"],
+    val = WebDatasetVal([str(p) for p in meta.files(eval_split)], shard_samples=per_shard[eval_split],
                         on_bad_shard=cfg.on_bad_shard, **common)
     crop = f", cropped from {prepared}" if seq_len < prepared else ""
     description = (
@@ -325,7 +327,8 @@ def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: in
         f"{meta.eot_id}) | train {counts['train']:,} samples of {seq_len + 1} tokens{crop} in {len(train_paths)} "
         f"shards, ~{train_set.batches_per_epoch:,} batches/epoch/rank, "
         f"{'resampled' if cfg.resampled else 'one-pass'}, shuffle buffer {cfg.shuffle_buffer} | val "
-        f"{counts['val']:,} samples, {val.num_batches:,} batches/rank | workers={cfg.num_workers} | "
+        f"{counts[eval_split]:,} samples, {val.num_batches:,} batches/rank | workers={cfg.num_workers} | "
         f"verify: each shard's sample count against meta.json, on_bad_shard={cfg.on_bad_shard}"
     )
-    return DataBundle(train=TrainStream(train_set, cfg, seed=seed, rank=rank), val=val, description=description)
+    return DataBundle(train=TrainStream(train_set, cfg, seed=seed, rank=rank), val=val, description=description,
+                      tokenizer=meta.tokenizer, eot_id=meta.eot_id)

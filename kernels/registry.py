@@ -106,28 +106,23 @@ def interpreter_requested() -> bool:
 
 
 def build_triton_ops() -> KernelOps:
-    """Triton kernels for every op, each falling back to its reference per call."""
+    """Triton kernels for every op, each falling back to its reference per call.
+
+    The kernels are ``perfgpt::`` custom ops (``kernels/triton/_common.py``'s ``kernel_op``), so
+    torch.compile traces a model that uses them into one graph: with compiled Triton, Inductor
+    sees and schedules the kernels themselves; in the interpreter, each op is one opaque node.
+    """
     modules = load_op_modules()
     ops = {
         field: KernelWithFallback(
             field,
-            outside_torch_compile(getattr(modules[module], function)),
+            getattr(modules[module], function),
             modules[module].unsupported_reason,
             getattr(reference, field),
         )
         for field, (module, function) in TRITON_OPS.items()
     }
     return KernelOps(backend="triton", **ops)
-
-
-def outside_torch_compile(kernel: Callable) -> Callable:
-    """The kernel as an opaque eager call inside a torch.compile'd region (a graph break).
-
-    Dynamo would otherwise trace into the host launcher, and in the interpreter into Triton's
-    numpy emulation, which fails. Letting Inductor see the kernels needs them registered as
-    ``torch.library.triton_op`` custom ops; until then compile fuses what surrounds them.
-    """
-    return torch.compiler.disable(kernel, recursive=True)
 
 
 def resolve_kernel_ops(backend: str, device: torch.device) -> tuple[KernelOps, str]:

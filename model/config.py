@@ -43,6 +43,10 @@ class ModelConfig:
         "forward and recomputed in backward"
     )
     checkpoint_every_k: int = doc(2, "with checkpointing=every_k: recompute every k-th block")
+    init_from: str | None = doc(
+        None, "start training from these weights: a Hugging Face GPT-2 or Llama directory, a nanoGPT ckpt.pt, a "
+        "perfgpt checkpoint or run directory, or a tools/export.py .safetensors; the architecture keys come from it"
+    )
 
     def __post_init__(self) -> None:
         if self.d_ff is None:

@@ -89,8 +89,10 @@ class Attention(nn.Module):
         # Per key/value head: its query heads, its key, its value. Head counts are read from the
         # projection's width, which is all of them, or a tensor-parallel rank's share.
         h = self.qkv(x).view(b, t, -1, self.group + 2, self.head_dim)  # (B, T, H_kv, group + 2, D)
-        q = h[:, :, :, : self.group].flatten(2, 3)  # (B, T, H, D)
-        k, v = h[:, :, :, self.group], h[:, :, :, self.group + 1]  # (B, T, H_kv, D)
+        # split, not indexing: its backward concatenates the three gradients into one buffer,
+        # where each index's backward would zero-fill and add a whole (B, T, H_kv, group + 2, D) copy.
+        q, k, v = h.split((self.group, 1, 1), dim=3)
+        q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3)  # (B, T, H, D), (B, T, H_kv, D) twice
         if self.use_rope:
             q, k = self.ops.apply_rope(q, *rope), self.ops.apply_rope(k, *rope)
         if cache is not None:  # generation: attend to every earlier position too

@@ -301,3 +301,28 @@ def _scaler_state(scaler, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     state["scale"] = float(tensors["scale"])
     state["_growth_tracker"] = int(tensors["growth_tracker"])
     return state
+
+
+def read_model_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The whole model of the sharded checkpoint in ``directory`` (``directory/dcp``), as plain
+    CPU tensors keyed by parameter name, in one process and whatever layout saved it.
+
+    The index gives every tensor's global shape and dtype, so the tensors are allocated from it
+    and DCP fills them from whichever files hold their slices: tensor-parallel and FSDP shards
+    join, and pipeline stages, which saved under the whole model's names, meet in one dict. The
+    optimizer state is not read.
+    """
+    import warnings
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(directory) / DCP_SUBDIR
+    _require_checkpoint(path)
+    metadata = read_verified_metadata(path)
+    model = {key[len("model."):]: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+             for key, item in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(item, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # DCP notes that without a process group it reads in one process: intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _dcp_load({"model": model}, path, metadata)
+    return model

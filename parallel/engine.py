@@ -41,7 +41,9 @@ FULL_STATE_FILE = "model_optim.pt"
 @dataclass
 class StepResult:
     grad_norm: torch.Tensor  # on device; read only at log intervals
-    skipped: bool
+    # A host bool, or a 0-d bool tensor on the device where the engine skipped the update there
+    # (fused AdamW's found_inf): the loop reads those at log intervals and before saves.
+    skipped: bool | torch.Tensor
     loss_scale: float | None = None
 
 
@@ -156,19 +158,28 @@ class TorchEngine(Engine):
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         grad_norm = self._clip_and_norm()
-        # The one deliberate host sync per step: a non-finite gradient must never reach the weights.
-        finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
+        # A non-finite gradient must never reach the weights. Fused AdamW skips on the device;
+        # the other implementations need the flag on the host: a sync each step.
+        skipped = local_value(~(torch.isfinite(grad_norm) & torch.isfinite(loss)))
+        on_device = bool(self.optimizer.defaults.get("fused"))
+        if not on_device:
+            skipped = bool(skipped)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips by itself on inf/nan and lowers the scale
             self.scaler.update()
-        elif finite:
+        elif on_device:
+            # found_inf == 1.0 makes the fused kernel leave weights, moments and step count as they were.
+            self.optimizer.found_inf = skipped.float()
             self.optimizer.step()
-        if self.masters is not None and finite:
-            self.masters.masters_to_model()
+            del self.optimizer.found_inf
+        elif not skipped:
+            self.optimizer.step()
+        if self.masters is not None and (on_device or not skipped):
+            self.masters.masters_to_model()  # after a skip the masters are unchanged: the copy is a no-op
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         scale = self.scaler.get_scale() if self.scaler is not None else None
-        return StepResult(grad_norm=grad_norm, skipped=not finite, loss_scale=scale)
+        return StepResult(grad_norm=grad_norm, skipped=skipped, loss_scale=scale)
 
     def _clip_and_norm(self) -> torch.Tensor:
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf

@@ -5,6 +5,7 @@
     3. the GPT                built from the seed (on the meta device with ``init_on_meta``)
     4. pipeline split         each rank keeps its stages (parallel/pp.py)
     5. tensor parallelism     DTensor shards over the tp mesh dimension (parallel/tp.py)
+       FP8 linears            torchao's Float8Linear swapped in (fp8_backend=torchao, parallel/float8.py)
     6. activation recompute   wrappers must exist before compile traces the blocks
     7. torch.compile          per block, so compiled regions stay inside FSDP units
     8. data parallelism       none / DDP / FSDP2 (over the dp mesh dimensions) / DeepSpeed ZeRO
@@ -17,7 +18,8 @@ nothing else assembles a model for training.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Mapping
 
 import torch
 import torch.nn as nn
@@ -28,12 +30,14 @@ from kernels.registry import resolve_kernel_ops
 from model.attention import select_attention
 from model.config import ModelConfig
 from model.gpt import GPT, indexed_blocks
+from model.interop import check_state_dict
 from model.recompute import apply_recompute, describe_recompute
 from parallel.config import ParallelConfig
 from parallel.ddp import apply_ddp
 from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
 from parallel.engine import DDPEngine, Engine, ShardedEngine, TorchEngine
+from parallel.float8 import apply_float8, precompute_scales_after_step
 from parallel.fsdp import apply_fsdp
 from parallel.optim import OptimConfig
 from parallel.pp import PipelineEngine, build_pipeline, split_stages, stage_ids
@@ -48,17 +52,23 @@ class Built:
     model: GPT  # the user's module, under every wrapper
     policy: PrecisionPolicy
     notes: list[str]  # what was chosen and why, one log line each
+    warnings: list[str] = field(default_factory=list)  # combinations that cost without gaining, one line each
 
 
 def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precision_cfg: PrecisionConfig,
                    parallel_cfg: ParallelConfig, optim_cfg: OptimConfig, ctx: DistContext, seed: int,
                    micro_batch_size: int, grad_accum_steps: int, compile: bool = False,
-                   compile_mode: str = "default", compile_loss: bool = False) -> Built:
-    """Build the GPT and everything that trains it; every rank calls this with the same sections."""
+                   compile_mode: str = "default", compile_loss: bool = False,
+                   initial_state: Mapping[str, torch.Tensor] | None = None) -> Built:
+    """Build the GPT and everything that trains it; every rank calls this with the same sections.
+
+    ``initial_state``: whole weights to start from (model.init_from), loaded into the whole model
+    before anything splits or shards it.
+    """
     dims = ctx.dims
     # 1. Precision: who holds the fp32 masters depends on the strategy, so both decide together.
     policy = precision_policy(precision_cfg, parallel_cfg.strategy)
-    check_precision_supported(policy.mode, ctx.device)
+    check_precision_supported(policy.mode, ctx.device, precision_cfg.fp8_backend, precision_cfg.fp8_recipe)
     # 2. Kernels and attention for this device.
     ops, kernel_note = resolve_kernel_ops(kernels_cfg.backend, ctx.device)
     backend, attention_note = choose_attention(model_cfg, ctx.device, policy)
@@ -67,17 +77,28 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     torch.manual_seed(seed)
     with torch.device("meta" if parallel_cfg.init_on_meta else ctx.device):
         model = GPT(model_cfg, ops=ops, attention_backend=backend)
+    if initial_state is not None:
+        if parallel_cfg.init_on_meta or model_cfg.layers != "torch":
+            raise ConfigError("model.init_from loads whole torch-layer weights before sharding: set "
+                              "parallel.init_on_meta=false and model.layers=torch")
+        check_state_dict(model_cfg, initial_state)  # a mismatch names the key and both shapes
+        model.load_state_dict(initial_state)
     model.to(dtype=policy.module_dtype)
     # 4. Pipeline stages: split first, so every later step sees only this rank's layers.
     n_stages = dims.pp * parallel_cfg.pp_virtual_stages
     stages = stage_ids(dims.coordinate("pp"), dims.pp, parallel_cfg.pp_virtual_stages) if dims.pp > 1 else [0]
     parts = split_stages(model, stages, n_stages) if dims.pp > 1 else [model]
     loss_parallel = dims.tp > 1 and parallel_cfg.loss_parallel
+    fp8_notes = []
     for part in parts:
         # 5. Tensor parallelism, on the plain modules (before wrappers change their classes).
         if dims.tp > 1:
             apply_tensor_parallel(part, ctx.submesh("tp"), sequence_parallel=parallel_cfg.sequence_parallel,
                                   loss_parallel=loss_parallel)
+        # FP8 linears swap module classes, so they go in before the recompute and compile wrappers.
+        fp8_notes.append(apply_float8(part, mode=policy.mode, backend=precision_cfg.fp8_backend,
+                                      recipe=precision_cfg.fp8_recipe, device=ctx.device,
+                                      fsdp=parallel_cfg.strategy == "fsdp"))
         # 6-7. Recompute, then compile.
         apply_recompute(part, model_cfg.checkpointing, model_cfg.checkpoint_every_k)
         apply_compile(part, compile, compile_mode, compile_loss)
@@ -90,9 +111,25 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     else:
         engine = apply_data_parallel(model, parallel_cfg, ctx, policy, optim_cfg, micro_batch_size=micro_batch_size,
                                      grad_accum_steps=grad_accum_steps)
+    if policy.fp8_torchao:
+        for stepper in getattr(engine, "steppers", [engine]):  # a pipeline steps each stage part on its own
+            precompute_scales_after_step(stepper.optimizer, stepper.model)
     notes = [kernel_note, attention_note, policy.describe(parallel_cfg.strategy), describe_recompute(parts[0]),
-             describe_layout(dims, parallel_cfg, stages)]
-    return Built(engine=engine, model=model if dims.pp == 1 else parts[0], policy=policy, notes=notes)
+             describe_layout(dims, parallel_cfg, stages)] + [note for note in fp8_notes[:1] if note]
+    return Built(engine=engine, model=model if dims.pp == 1 else parts[0], policy=policy, notes=notes,
+                 warnings=no_gain_warnings(model_cfg, backend))
+
+
+def no_gain_warnings(model_cfg: ModelConfig, attention_backend: str) -> list[str]:
+    """Known combinations that cost time and save nothing here, in one line each with the switch."""
+    out = []
+    if model_cfg.checkpointing == "selective" and attention_backend in ("sdpa", "flash_attn"):
+        # Selective recompute drops the s x s attention matrix (Korthikanti et al.); a fused
+        # attention kernel never stores it, so the recompute re-runs the kernel for no memory.
+        out.append(f"model.checkpointing=selective with {attention_backend} attention saves no memory (the fused "
+                   "kernel keeps no s x s scores) and re-runs attention in backward: use model.checkpointing=none, "
+                   "or op_selective / full to save memory")
+    return out
 
 
 def describe_layout(dims: ParallelDims, parallel_cfg: ParallelConfig, stages: list[int]) -> str:

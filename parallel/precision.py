@@ -6,7 +6,7 @@
 | bf16        | fp32    | bf16 autocast                | fp32 params             | no           |
 | fp16        | fp32    | fp16 autocast                | fp32 params             | GradScaler   |
 | bf16_master | bf16    | bf16 (norms fp32 inside)     | fp32 master copies      | no           |
-| fp8         | fp32    | TE fp8_autocast in bf16      | fp32 params             | no           |
+| fp8         | fp32    | FP8 GEMMs in bf16 autocast   | fp32 params             | no           |
 
 Backward ops run in the dtype of their forward ops (not "automatically in fp32"); ``.grad`` is
 fp32 in the autocast modes only because the leaf weights are. With bf16 weights AdamW updates
@@ -17,6 +17,10 @@ once, here, into a ``PrecisionPolicy`` that the build path, the engines and FSDP
 FSDP2 keeps fp32 shards as the masters and casts on gather (``MixedPrecisionPolicy``);
 DeepSpeed keeps its own fp32 partitions and loss scaler; plain and DDP models get bf16 weights
 and an fp32 copy held by the engine.
+
+The FP8 GEMMs come from Transformer Engine's layers (``fp8_backend=te``, ``model/te.py``) or
+from torchao's float8 training on the model's own ``nn.Linear`` layers (``torchao``,
+``parallel/float8.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from common.errors import CapabilityError, ConfigError
 from common.fields import doc, require_finite
 from model.te import fp8_autocast, require_te
+from parallel.float8 import check_torchao_float8
 
 AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
@@ -39,7 +44,15 @@ class PrecisionConfig:
     mode: Literal["fp32", "bf16", "fp16", "bf16_master", "fp8"] = doc(
         "fp32",
         "fp32 | bf16 (autocast) | fp16 (autocast + grad scaler) | bf16_master (bf16 weights, "
-        "fp32 norms and fp32 master weights) | fp8 (Transformer Engine, delayed scaling)",
+        "fp32 norms and fp32 master weights) | fp8 (FP8 GEMMs from precision.fp8_backend)",
+    )
+    fp8_backend: Literal["te", "torchao"] = doc(
+        "te", "fp8: te = Transformer Engine layers (model.layers=te), delayed scaling | torchao = the "
+        "model's own nn.Linear layers through torchao's float8 training, dynamic scaling (parallel/float8.py)"
+    )
+    fp8_recipe: Literal["tensorwise", "rowwise"] = doc(
+        "tensorwise", "fp8 with fp8_backend=torchao: one scale per tensor (fastest; FP8 all-gather under "
+        "FSDP2) | rowwise: one per row (more accurate, slower GEMMs)"
     )
     nonfinite: Literal["skip", "stop"] = doc(
         "skip", "on a non-finite loss or grad norm: skip the optimizer step, or stop the run"
@@ -62,6 +75,18 @@ class PrecisionConfig:
         for key in ("fp8_margin", "max_skipped_steps"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"precision.{key} must be >= 0 (got {getattr(self, key)})")
+        self._validate_fp8_backend_keys()
+
+    def _validate_fp8_backend_keys(self) -> None:
+        """A key of the other FP8 backend would be silently ignored: refuse it."""
+        other = {"te": ("fp8_recipe",),
+                 "torchao": ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin")}
+        defaults = PrecisionConfig()
+        for key in other[self.fp8_backend]:
+            if getattr(self, key) != getattr(defaults, key):
+                owner = "torchao" if self.fp8_backend == "te" else "te"
+                raise ConfigError(f"precision.{key} applies to precision.fp8_backend={owner}, not "
+                                  f"{self.fp8_backend}; remove it or set precision.fp8_backend={owner}")
 
 
 # Which engine keeps the fp32 masters and the loss scale, per data-parallel strategy.
@@ -88,12 +113,16 @@ class PrecisionPolicy:
     def mode(self) -> str:
         return self.config.mode
 
+    @property
+    def fp8_torchao(self) -> bool:
+        return self.mode == "fp8" and self.config.fp8_backend == "torchao"
+
     def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager:
         """The context the forward pass (and loss) run under."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         autocast = torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
-        if self.mode != "fp8":
+        if self.mode != "fp8" or self.fp8_torchao:  # torchao's Float8Linear needs no context
             return autocast
         stack = contextlib.ExitStack()
         stack.enter_context(autocast)
@@ -124,14 +153,16 @@ def _name(dtype: torch.dtype) -> str:
 def precision_policy(precision_cfg: PrecisionConfig, strategy: str) -> PrecisionPolicy:
     """Decide, once, what the precision mode means under this data-parallel strategy."""
     mode = precision_cfg.mode
-    if strategy in _SHARDED_MASTERS and mode not in _FSDP_MODES:
+    fp8_torchao = mode == "fp8" and precision_cfg.fp8_backend == "torchao"  # FSDP2 gathers its FP8 weights
+    if strategy in _SHARDED_MASTERS and mode not in _FSDP_MODES and not fp8_torchao:
         raise ConfigError(f"precision.mode={mode} is not supported with parallel.strategy={strategy}; "
-                          f"use {_either(_FSDP_MODES)}")
+                          f"use {_either(_FSDP_MODES)} (or fp8 with precision.fp8_backend=torchao)")
     if strategy in _DEEPSPEED and mode not in _ZERO_MODES:
         raise ConfigError(f"precision.mode={mode} is not supported with DeepSpeed ZeRO; use {_either(_ZERO_MODES)}")
     weights_bf16 = mode == "bf16_master" and strategy not in _SHARDED_MASTERS
     module_dtype = torch.bfloat16 if weights_bf16 else torch.float32
-    sharded_half = {"bf16": torch.bfloat16, "bf16_master": torch.bfloat16, "fp16": torch.float16}
+    sharded_half = {"bf16": torch.bfloat16, "bf16_master": torch.bfloat16, "fp16": torch.float16,
+                    "fp8": torch.bfloat16}  # fp8: what stays outside the FP8 linears
     fsdp = strategy in _SHARDED_MASTERS
     return PrecisionPolicy(
         config=precision_cfg,
@@ -145,9 +176,12 @@ def precision_policy(precision_cfg: PrecisionConfig, strategy: str) -> Precision
     )
 
 
-def check_precision_supported(mode: str, device: torch.device) -> None:
+def check_precision_supported(mode: str, device: torch.device, fp8_backend: str = "te",
+                              fp8_recipe: str = "tensorwise") -> None:
     """Fail before any work when the mode cannot run here, saying why."""
-    if mode == "fp8":
+    if mode == "fp8" and fp8_backend == "torchao":
+        check_torchao_float8(device, fp8_recipe)
+    elif mode == "fp8":
         require_te("precision.mode=fp8")
         if device.type != "cuda":
             raise CapabilityError("precision.mode=fp8 needs a CUDA GPU with FP8 tensor cores (Hopper or Ada)")

@@ -34,6 +34,8 @@ NEEDS: tuple[ApiNeed, ...] = (
             "model/recompute.py"),
     ApiNeed("transformers", "4.41", "LlamaConfig.mlp_bias: a Llama-layout export with biases loads with its MLP "
             "biases (older releases drop them)", "model/interop.py, tests/test_interop.py"),
+    ApiNeed("torchao", "0.9", "Float8LinearConfig.from_recipe_name (the tensorwise and rowwise float8 training "
+            "recipes by name)", "parallel/float8.py"),
     ApiNeed("transformer-engine", "2.0", "transformer_engine.pytorch.checkpoint and TransformerLayer's "
             "attn_input_format", "model/te.py, model/recompute.py"),
 )

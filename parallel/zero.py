@@ -307,3 +307,36 @@ def load_deepspeed_file(path: Path, map_location=None) -> Any:
         text = str(exc).strip()
         first = (text.splitlines()[0] if text else type(exc).__name__)[:200]
         raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: {first}") from None
+
+
+def read_zero_model_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The whole fp32 model of the ZeRO checkpoint in ``directory`` (any stage, any rank count),
+    keyed by parameter name: DeepSpeed's own consolidation (``zero_to_fp32``), with every file it
+    reads unpickled weights-only and only DeepSpeed's checkpoint classes allowed."""
+    if not (Path(directory) / CHECKPOINT_TAG).is_dir():
+        raise CheckpointError(f"no DeepSpeed checkpoint in {directory} (missing {CHECKPOINT_TAG}/)")
+    import_deepspeed(torch.device("cpu"))
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    # zero_to_fp32 passes weights_only=False to torch.load; torch's switch overrides that for the
+    # duration of this call (it reads the variable at every load).
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(deepspeed_checkpoint_classes()):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=CHECKPOINT_TAG)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f"would call {found.group(1)}" if found else "is not a DeepSpeed checkpoint"
+        raise CheckpointError(f"refusing to read {directory}/{CHECKPOINT_TAG}: a file {what}, which DeepSpeed "
+                              "checkpoints never hold (a crafted or foreign file)") from None
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError) as exc:
+        text = str(exc).strip()
+        first = (text.splitlines()[0] if text else type(exc).__name__)[:200]
+        raise CheckpointError(f"cannot consolidate the DeepSpeed checkpoint in {directory}: {first}") from None
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+    return {name: tensor.detach().clone() for name, tensor in state.items()}

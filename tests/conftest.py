@@ -97,3 +97,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def step_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A child process a test left running (a DataLoader worker, a spawned rank) would keep this
+    interpreter from exiting, as multiprocessing joins its children at exit: stop and name them,
+    and fail the run, so a leak shows as a failure instead of a hang."""
+    import multiprocessing
+
+    left = multiprocessing.active_children()
+    for child in left:
+        child.kill()
+        child.join(timeout=10)
+    if left:
+        print(f"\nstopped {len(left)} child process(es) left running by tests: {', '.join(c.name for c in left)}")
+        session.exitstatus = 1

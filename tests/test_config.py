@@ -108,3 +108,9 @@ def test_every_shipped_config_parses_and_builds_on_meta(path):
     with torch.device("meta"):
         model = GPT(cfg.model)
     assert model.num_parameters() == count_parameters(cfg.model)
+
+
+def test_on_and_off_stay_words_where_a_key_takes_them():
+    """YAML 1.1 reads a bare on/off as true/false; a key whose choices are on/off gets the word back."""
+    assert load_config("configs/tiny.yaml", ["--optim.fused=on"]).optim.fused == "on"
+    assert load_config("configs/tiny.yaml", ["--optim.fused=off"]).optim.fused == "off"

@@ -9,6 +9,7 @@ Process launches are shared: one 2-rank launch runs every 2-rank layout, one 4-r
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -262,7 +263,7 @@ def test_pipeline_stages_keep_their_blocks_under_their_global_names():
 def test_train_py_resumes_a_tensor_parallel_run_exactly(tmp_path, corpus_cache):
     """The real CLI under torchrun: 6 steps straight, or 3 then --resume, give the same losses."""
     common = {"model.tie_embeddings": False, "parallel.tp": 2, "optim.decay_steps": 6, "train.max_steps": 6,
-              "train.grad_accum_steps": 2}
+              "train.grad_accum_steps": 2, "train.eval_interval": 6, "train.eval_steps": 2}
     full, split = tmp_path / "full", tmp_path / "split"
     tiny = ["--config", "configs/tiny.yaml"]
     assert run_torchrun(2, [*tiny, *tiny_overrides(full, corpus_cache, **common)]).returncode == 0
@@ -273,6 +274,16 @@ def test_train_py_resumes_a_tensor_parallel_run_exactly(tmp_path, corpus_cache):
     assert "layout: tp=2" in second.stdout and "continuing from" in second.stdout
     losses = {r["step"]: r["loss"] for r in read_metrics(split) if "loss" in r}
     assert losses == {r["step"]: r["loss"] for r in read_metrics(full) if "loss" in r}
+
+    # tools/evaluate.py joins the tensor-parallel shards of the final checkpoint in one process:
+    # its loss on the loop's validation batches (2 of train.micro_batch_size=4) is the tp run's.
+    from tools.evaluate import main as evaluate_main
+
+    result = tmp_path / "eval.json"
+    assert evaluate_main([str(full / "checkpoints" / "step_00000006"), "--batches", "2", "--batch-size", "4",
+                          "--json", str(result)]) == 0
+    val = [r["val_loss"] for r in read_metrics(full) if "val_loss" in r]
+    assert json.loads(result.read_text())["loss"] == pytest.approx(val[-1], abs=1e-5)
 
 
 def test_a_layout_that_does_not_fit_the_ranks_is_one_line(tmp_path, corpus_cache):

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, free_port, read_metrics, run_train, step_losses, tiny_overrides
 
@@ -112,3 +113,55 @@ def test_a_sharded_strategy_in_one_process_is_a_one_line_error(tmp_path, corpus_
     assert proc.returncode == 2
     assert "needs several processes; launch with torchrun" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- export (tools/export.py)
+
+# Two AdamW steps from the same weights on the same global batch: the runs differ only in the
+# rounding of the gradient sums (~1e-7 relative), which Adam's normalised first steps carry into
+# the weights at most as a fraction of lr (3e-3), on near-zero gradients.
+WEIGHT_TOL = 1e-4
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_export_of_a_sharded_checkpoint_equals_the_one_process_export(strategy, single, parallel_runs, tmp_path):
+    from safetensors.torch import load_file
+
+    from tools.export import main as export_main
+
+    def exported(run_dir: Path, step: int, label: str) -> dict:
+        out = tmp_path / label
+        assert export_main([str(run_dir / "checkpoints" / f"step_{step:08d}"), "--format", "safetensors",
+                            "--out", str(out)]) == 0
+        return load_file(out / "model.safetensors")
+
+    ours, reference = exported(parallel_runs(strategy), 2, strategy), exported(single, 2, "single")
+    assert set(ours) == set(reference) and "lm_head.weight" not in ours  # tied: stored once
+    worst = max(float((ours[k] - reference[k]).abs().max()) for k in reference)
+    assert worst <= WEIGHT_TOL, worst
+    # The tolerance is far below what two steps change: a stale (initial) or wrong tensor would show.
+    from model.gpt import GPT
+    from training.config import load_config
+    from training.export import load_source
+
+    torch.manual_seed(load_config(single / "config.yaml").train.seed)  # as the build path seeds, then builds
+    initial = GPT(load_source(single).cfg).state_dict()
+    assert min(float((initial[k] - reference[k]).abs().max()) for k in reference if k.endswith("weight")) > 5 * WEIGHT_TOL
+
+
+@pytest.mark.timeout(300)
+def test_a_zero3_checkpoint_exports_to_a_hugging_face_model_with_the_same_logits(parallel_runs, tmp_path):
+    import transformers
+
+    from tools.export import main as export_main
+    from training.export import load_source
+
+    checkpoint = parallel_runs("zero3") / "checkpoints" / "step_00000002"
+    assert export_main([str(checkpoint), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert all(not keys for keys in info.values()), info  # no missing, unexpected or mismatched keys
+    ours = load_source(checkpoint).build()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(tokens).logits, ours(tokens), rtol=0, atol=1e-5)

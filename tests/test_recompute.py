@@ -195,3 +195,25 @@ def test_policies_compose_with_per_block_torch_compile():
             torch.testing.assert_close(grads[name], grads0[name], rtol=1e-4, atol=1e-6, msg=f"{policy} {name}")
         assert list(model.state_dict()) == list(base.state_dict())
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("policy, attention, warned", [
+    ("selective", "sdpa", True), ("selective", "reference", False), ("op_selective", "sdpa", False),
+    ("none", "sdpa", False),
+])
+def test_selective_recompute_over_fused_attention_is_warned_at_build(policy, attention, warned):
+    """The build path names the no-gain combination (SDPA keeps no s x s scores to drop) and the switch."""
+    from parallel.distributed import DistContext
+    from parallel.parallelize import build_training
+    from training.config import load_config
+
+    cfg = load_config("configs/tiny.yaml", ["--model.n_layer=1", "--model.d_model=32", "--model.max_seq_len=16",
+                                            f"--model.checkpointing={policy}", f"--model.attention={attention}",
+                                            "--train.device=cpu"])
+    built = build_training(model_cfg=cfg.model, kernels_cfg=cfg.kernels, precision_cfg=cfg.precision,
+                           parallel_cfg=cfg.parallel, optim_cfg=cfg.optim, ctx=DistContext.single(torch.device("cpu")), seed=0,
+                           micro_batch_size=1, grad_accum_steps=1)
+    lines = [w for w in built.warnings if "model.checkpointing=selective" in w]
+    assert bool(lines) == warned, built.warnings
+    if warned:
+        assert "saves no memory" in lines[0] and "model.checkpointing=none" in lines[0]

@@ -6,6 +6,7 @@ without a word.
 """
 
 import ast
+import gc
 import importlib.util
 import logging
 import multiprocessing
@@ -189,6 +190,16 @@ next(data.train)
 print("read a batch", flush=True)
 # Leaves with the workers running and never closes the stream, as a crashing trainer does.
 """
+
+
+def test_a_dropped_stream_stops_its_workers(tmp_path):
+    children = set(multiprocessing.active_children())
+    data = mmap_bundle(prepared(tmp_path), num_workers=2)
+    next(data.train)
+    assert len(set(multiprocessing.active_children()) - children) == 2
+    del data
+    gc.collect()
+    assert set(multiprocessing.active_children()) == children  # nothing (an exit hook) keeps them alive
 
 
 @pytest.mark.timeout(120)

@@ -1,30 +1,33 @@
 #!/usr/bin/env bash
-# One script for a GPU session (sized for one H200 in under 8 minutes, no network needed):
-#   1. the GPU tests (pytest -m gpu) and the kernel tests with the kernels compiled, not interpreted;
-#   2. tools/bench_kernels.py: eager vs torch.compile vs Triton, time and GB/s vs measured copy bandwidth;
-#   3. tools/bench_train.py, if it exists: GPT-2 124M steps with the torch ops, the Triton kernels,
-#      and torch.compile (BENCH_TRAIN_ARGS replaces those options).
-# Everything it writes goes under $OUT (default ./gpu_results), at most 10 files:
-#   env.txt, tests.log, bench_kernels.log, kernels.md, kernels.json, kernels.png,
-#   bench_train.log, train.md, train.json, train.png
-# (each .json holds the rows of the .md of the same name, for tools that read the results).
-# Each stage has its own time limit (together 440 s, plus ~10 s of set-up); a failing stage is
-# recorded and the next one still runs. The kernel tests compile a few hundred kernel variants
-# (dtypes x block sizes x integer specializations), so they run on 8 pytest-xdist workers.
+# One script for a GPU session (sized for one H200 in under 8 minutes, no network needed). Stages:
+#   1. gpu-tests      the GPU-marked tests, then the kernel tests with the kernels compiled;
+#   2. kernels        tools/bench_kernels.py: fused Triton kernels vs eager vs torch.compile, GB/s
+#                     against the measured copy bandwidth;
+#   3. train-124m     tools/bench_train.py on GPT-2 124M, bf16: eager vs torch.compile, with MFU;
+#   4. train-1.3b     the same on the 1.3B config, plus FP8 through torchao against bf16;
+#   5. attention      tools/bench_memory.py at s=8192: SDPA (flash) vs the materialized (math)
+#                     attention, bytes kept for backward and peak memory;
+#   6. chapter        tools/reproduce.py --device cuda: the chapter tables' GPU cells, saved as
+#                     gpu_measurements.json, which later CPU runs of reproduce.py read back.
+# Everything goes under $OUT (default ./gpu_results): env.txt (date, git commit, GPU, driver,
+# torch, triton), one .log per stage, and gpu_<stage>.md (+ .json rows, + .png) per benchmark.
+# Copy the gpu_*.md/json/png and gpu_measurements.json into docs/results/ to publish them.
+# Each stage has its own time limit; a failing stage is recorded and the next one still runs.
 #
-#   bash tools/gpu_bench.sh                 # from the repository root
-#   OUT=/tmp/results FULL=1 bash tools/gpu_bench.sh   # every benchmark shape (needs ~4 more minutes)
+#   bash tools/gpu_bench.sh                 # from the repository root, on the GPU machine
+#   bash tools/gpu_bench.sh --dry-run       # every stage's set-up on the CPU with tiny shapes (CI runs it)
+#   OUT=/tmp/results FULL=1 bash tools/gpu_bench.sh   # every kernel benchmark shape (~4 more minutes)
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
 OUT="${OUT:-./gpu_results}"
 PYTHON="${PYTHON:-python3}"
 FULL="${FULL:-0}"
 WORKERS="${WORKERS:-8}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-# The kernels must be compiled here: an inherited TRITON_INTERPRET=1 would silently interpret them.
-unset TRITON_INTERPRET
+export PYTHONUNBUFFERED=1 DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 
 failed=()
 stage() {  # stage NAME SECONDS LOG COMMAND...: run with a time limit, tee to LOG, remember failures
@@ -44,42 +47,74 @@ stage() {  # stage NAME SECONDS LOG COMMAND...: run with a time limit, tee to LO
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 || echo "nvidia-smi unavailable"
     "$PYTHON" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
     "$PYTHON" -c "import triton; print('triton', triton.__version__)" 2>&1
+    "$PYTHON" -c "import torchao; print('torchao', torchao.__version__)" 2>&1
+    [ "$DRY" = "1" ] && echo "DRY RUN on the CPU: tiny shapes, no figure here is a GPU measurement"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "no CUDA device visible: nothing to do here (run the CPU tests with pytest instead)" | tee -a "$OUT/env.txt"
-    exit 1
+if [ "$DRY" = "1" ]; then
+    # Each stage's own code path with shapes that take seconds on a CPU; the kernels interpreted.
+    export TRITON_INTERPRET=1
+    device=cpu
+    tiny="model.n_layer=2 model.d_model=64 model.n_head=4 model.max_seq_len=64 train.micro_batch_size=2"
+    cfg124=configs/tiny.yaml; cfg13=configs/tiny.yaml; base124="$tiny"; base13="$tiny"
+    steps=(--steps 1 --warmup 1 --rounds 1)
+    seq=256
+    kernel_ops=(--ops rms_norm --reps 1 --warmup 1 --no-compile)
+    compiled=""  # torch.compile's CPU build of every variant would take minutes; tests/test_compile.py covers it
+else
+    # The kernels must be compiled here: an inherited TRITON_INTERPRET=1 would silently interpret them.
+    unset TRITON_INTERPRET
+    if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        echo "no CUDA device visible: nothing to measure (bash tools/gpu_bench.sh --dry-run checks the stages on CPU)" \
+            | tee -a "$OUT/env.txt"
+        exit 1
+    fi
+    device=cuda
+    cfg124=configs/gpt2-124m.yaml; cfg13=configs/gpt-1.3b.yaml; base124=""; base13="train.micro_batch_size=4"
+    steps=(--steps 3 --warmup 3 --rounds 3)
+    seq=8192
+    kernel_ops=()
+    [ "$FULL" = "1" ] || kernel_ops+=(--quick)
+    compiled="train.compile=true"
 fi
+bf16="train.device=$device precision.mode=bf16 parallel.strategy=none train.grad_accum_steps=1"
 
 # 1. Tests: every GPU-marked test in the repo, then the kernel tests on CUDA (compiled kernels).
-stage gpu-tests 90 "$OUT/tests.log" \
-    "$PYTHON" -m pytest -q -m gpu tests/ --timeout=90 -p no:cacheprovider
-xdist=()
-"$PYTHON" -c "import xdist" 2>/dev/null && xdist=(-n "$WORKERS")
-stage kernel-tests 80 "$OUT/tests.log" \
-    "$PYTHON" -m pytest -q "${xdist[@]}" tests/test_kernels.py tests/test_kernels_model.py --timeout=60 -p no:cacheprovider
-
-# 2. Kernel benchmark (torch.compile of each reference is most of its time).
-bench_args=(--markdown "$OUT/kernels.md" --plot "$OUT/kernels.png")
-[ "$FULL" = "1" ] || bench_args+=(--quick)
-stage bench-kernels 160 "$OUT/bench_kernels.log" "$PYTHON" tools/bench_kernels.py "${bench_args[@]}"
-
-# 3. Training throughput, when the tool exists.
-if [ -f tools/bench_train.py ]; then
-    if [ -n "${BENCH_TRAIN_ARGS:-}" ]; then
-        # shellcheck disable=SC2206  # a list of options, split on purpose
-        train_args=(${BENCH_TRAIN_ARGS})
-    else
-        common="train.grad_accum_steps=1 precision.mode=bf16 parallel.strategy=none"
-        train_args=(--config configs/gpt2-124m.yaml --steps 10 --warmup 3 --variants
-                    "$common kernels.backend=torch" "$common kernels.backend=triton"
-                    "$common kernels.backend=torch train.compile=true")
-    fi
-    stage bench-train 110 "$OUT/bench_train.log" \
-        "$PYTHON" tools/bench_train.py --markdown "$OUT/train.md" --plot "$OUT/train.png" "${train_args[@]}"
+if [ "$DRY" = "1" ]; then
+    stage gpu-tests 120 "$OUT/tests.log" "$PYTHON" -m pytest -q --collect-only -m gpu tests/ -p no:cacheprovider
 else
-    echo "tools/bench_train.py not present: skipped" | tee -a "$OUT/env.txt"
+    stage gpu-tests 90 "$OUT/tests.log" \
+        "$PYTHON" -m pytest -q -m gpu tests/ --timeout=90 -p no:cacheprovider
+    xdist=()
+    "$PYTHON" -c "import xdist" 2>/dev/null && xdist=(-n "$WORKERS")
+    stage kernel-tests 80 "$OUT/tests.log" \
+        "$PYTHON" -m pytest -q "${xdist[@]}" tests/test_kernels.py tests/test_kernels_model.py --timeout=60 -p no:cacheprovider
+fi
+
+# 2. Kernels: time and GB/s of each fused kernel against the copy bandwidth measured alongside.
+stage kernels 160 "$OUT/kernels.log" "$PYTHON" tools/bench_kernels.py "${kernel_ops[@]}" \
+    --markdown "$OUT/gpu_kernels.md" --plot "$OUT/gpu_kernels.png"
+
+# 3-4. Training steps: bf16 eager vs compiled (MFU in the table), and FP8 (torchao) vs bf16 on 1.3B.
+stage train-124m 120 "$OUT/train_124m.log" "$PYTHON" tools/bench_train.py --config "$cfg124" "${steps[@]}" \
+    --variants "$base124 $bf16" ${compiled:+"$base124 $bf16 $compiled"} \
+    --markdown "$OUT/gpu_train_124m.md" --plot "$OUT/gpu_train_124m.png"
+fp8="train.device=$device precision.mode=fp8 precision.fp8_backend=torchao parallel.strategy=none train.grad_accum_steps=1"
+stage train-1.3b 150 "$OUT/train_1.3b.log" "$PYTHON" tools/bench_train.py --config "$cfg13" "${steps[@]}" \
+    --variants "$base13 $bf16 $compiled" "$base13 $fp8 $compiled" ${compiled:+"$base13 $bf16"} \
+    --markdown "$OUT/gpu_train_1.3b.md" --plot "$OUT/gpu_train_1.3b.png"
+
+# 5. Attention memory at a long sequence: the fused kernel keeps no s x s scores.
+stage attention 90 "$OUT/attention.log" "$PYTHON" tools/bench_memory.py --device "$device" --n-layer 1 \
+    --seq-len "$seq" --micro-batch 1 --policies none --attention reference sdpa --steps 2 \
+    --markdown "$OUT/gpu_attention.md" --plot "$OUT/gpu_attention.png"
+
+# 6. The chapter's tables with this machine's GPU cells (gpu_measurements.json).
+if [ "$DRY" = "1" ]; then
+    stage chapter 120 "$OUT/chapter.log" "$PYTHON" tools/reproduce.py --quick --no-measure --out "$OUT/chapter"
+else
+    stage chapter 120 "$OUT/chapter.log" "$PYTHON" tools/reproduce.py --quick --device cuda --out "$OUT/chapter"
 fi
 
 echo "outputs in $OUT:"

@@ -24,6 +24,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.measure import union_length  # noqa: E402
 from common.report import text_table  # noqa: E402
 
 COMM_PATTERN = re.compile(r"nccl|gloo|c10d::|all_?reduce|reduce_?scatter|all_?gather|broadcast|all_to_all", re.I)
@@ -148,17 +149,6 @@ def _totals(events: list[dict]) -> list[OpTime]:
         op.total_us += e["dur"]
         op.self_us += e["dur"]
     return sorted(table.values(), key=lambda op: op.total_us, reverse=True)
-
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total time covered by at least one interval (kernels on several streams overlap)."""
-    covered, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop <= end:
-            continue
-        covered += stop - max(start, end)
-        end = stop
-    return covered
 
 
 def peak_allocated(events: list[dict]) -> dict[str, int]:

@@ -6,6 +6,10 @@ runs. Each section goes only to the code that owns it.
 
 from __future__ import annotations
 
+from typing import Mapping
+
+import torch
+
 from data.loader import DataBundle, build_data
 from data.prefetch import DevicePrefetcher
 from parallel.distributed import DistContext
@@ -13,13 +17,13 @@ from parallel.parallelize import Built, build_training
 from training.config import JobConfig
 
 
-def build_from_config(cfg: JobConfig, ctx: DistContext) -> Built:
+def build_from_config(cfg: JobConfig, ctx: DistContext, initial_state: Mapping[str, torch.Tensor] | None = None) -> Built:
     t = cfg.train
     return build_training(
         model_cfg=cfg.model, kernels_cfg=cfg.kernels, precision_cfg=cfg.precision, parallel_cfg=cfg.parallel,
         optim_cfg=cfg.optim, ctx=ctx, seed=t.seed, micro_batch_size=t.micro_batch_size,
         grad_accum_steps=t.grad_accum_steps, compile=t.compile, compile_mode=t.compile_mode,
-        compile_loss=t.compile_loss,
+        compile_loss=t.compile_loss, initial_state=initial_state,
     )
 
 

@@ -196,13 +196,36 @@ class JobConfig:
                 raise ConfigError("precision.mode=bf16_master with parallel.tp or parallel.pp needs "
                                   "parallel.strategy=fsdp (its fp32 shards are the masters); or use precision.mode=bf16")
 
+    def _validate_fp8_torchao(self) -> None:
+        """torchao converts the GPT's nn.Linear layers (those whose dims are not multiples of 16 stay
+        as they are, and the log says so); what it cannot take is refused here."""
+        if self.model.layers != "torch":
+            raise ConfigError("precision.fp8_backend=torchao converts the model's nn.Linear layers, and "
+                              f"model.layers={self.model.layers} has none; use model.layers=torch (or fp8_backend=te)")
+        if self.parallel.tp > 1:
+            raise ConfigError("precision.fp8_backend=torchao with parallel.tp > 1 is not supported: FP8 tensor "
+                              "parallelism needs torchao's own float8 parallel styles; use parallel.tp=1 "
+                              "(FSDP2 and pipeline stages work) or precision.mode=bf16")
+        # The weight-gradient GEMM reduces over the micro-batch's tokens, and torch._scaled_mm needs
+        # its inner dimension divisible by 16.
+        tokens = self.train.micro_batch_size * self.seq_len
+        if tokens % 16:
+            seq_key = "data.seq_len" if self.data.seq_len else "model.max_seq_len"
+            raise ConfigError(f"precision.fp8_backend=torchao needs train.micro_batch_size x {seq_key} divisible "
+                              f"by 16 (torch._scaled_mm's inner dimension in the weight-gradient GEMM); "
+                              f"{self.train.micro_batch_size} x {self.seq_len} is not")
+
     def _validate_cross_sections(self) -> None:
         self._validate_model_parallel()
-        if self.precision.mode == "fp8" and self.model.layers != "te":
+        fp8_backend = self.precision.fp8_backend if self.precision.mode == "fp8" else None
+        if fp8_backend == "torchao":
+            self._validate_fp8_torchao()
+        if fp8_backend == "te" and self.model.layers != "te":
             raise ConfigError(
-                "precision.mode=fp8 needs model.layers=te (FP8 GEMMs come from Transformer Engine layers)"
+                "precision.mode=fp8 needs model.layers=te (FP8 GEMMs come from Transformer Engine layers), "
+                "or precision.fp8_backend=torchao for the model's own Linear layers"
             )
-        if self.precision.mode == "fp8":
+        if fp8_backend == "te":
             bad = [(k, v) for k, v in self.model.gemm_dims().items() if v % 16]
             if bad:
                 raise ConfigError(
@@ -304,6 +327,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value if value is not None else {}, prefix=f"{key}.")
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(args):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on / off as a boolean
         if value not in args:
             raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, args))}")
         return value

@@ -3,8 +3,13 @@
 ``train_step`` is the step every tool that trains shares (train.py, the benchmarks, the
 diagnostics): ``grad_accum_steps`` micro-batches of forward and backward, then one optimizer
 step. ``TrainingLoop`` is train.py's loop around it. Scalars (loss, grad norm) stay on the
-device and are read once per log interval; the only other host sync per step is the engine's
-finite check.
+device and are read once per log interval. So does each step's skip flag where the engine skips
+non-finite steps on the device (fused AdamW): the loop reads the flags of all steps since the
+last read at once (at log intervals, before saves, on a stop) and then acts on each step in
+order, as if it had read them one by one. Skipped steps leave the weights as they were either
+way; what waits for the read is the stop on a skip streak longer than
+``precision.max_skipped_steps``, which then comes up to ``train.log_interval - 1`` steps late
+(``precision.nonfinite=stop`` reads every step and stops at the first non-finite one).
 """
 
 from __future__ import annotations
@@ -64,35 +69,51 @@ def evaluate(engine: Engine, val, n_batches: int, ctx: DistContext) -> float:
     return float(ctx.all_reduce_mean(total / max(count, 1)))
 
 
+def read_flags(flags: list[bool | torch.Tensor]) -> list[bool]:
+    """Skip flags as host bools; those still on the device are copied in one transfer (one sync)."""
+    on_device = [f for f in flags if isinstance(f, torch.Tensor)]
+    values = iter(torch.stack([f.reshape(()) for f in on_device]).tolist() if on_device else [])
+    return [next(values) if isinstance(f, torch.Tensor) else f for f in flags]
+
+
 # --------------------------------------------------------------------------- log windows
 
 
 @dataclass
 class Window:
-    """What happened since the last log line: the steps, their losses, data waits and bytes sent."""
+    """What happened since the last log line: the steps, their losses, data waits and bytes sent.
+
+    Counts and the loss sum are taken once the loop has read the steps' skip flags (``settle``).
+    """
 
     start: float = field(default_factory=time.perf_counter)
-    loss_sum: torch.Tensor | None = None  # over applied steps only, on the device
-    applied: int = 0
-    skipped: int = 0
+    outcomes: list[StepOutcome] = field(default_factory=list)
     data_wait_s: float = 0.0
     comm: dict[str, int] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
-        return self.applied + self.skipped
+        return len(self.outcomes)
+
+    @property
+    def skipped(self) -> int:
+        return sum(bool(o.result.skipped) for o in self.outcomes)
+
+    @property
+    def applied(self) -> int:
+        return self.steps - self.skipped
+
+    def loss_sum(self) -> torch.Tensor | None:
+        """Over applied steps only, on the device; None when every step was skipped."""
+        losses = [o.loss.detach() for o in self.outcomes if not o.result.skipped]
+        return sum(losses[1:], losses[0].clone()) if losses else None
 
     def add(self, outcome: StepOutcome, comm: dict[str, int]) -> None:
         self.data_wait_s += outcome.data_wait_s
         for key in ("comm_bytes_sent", "comm_bytes_uncompressed"):  # counts add up; ratios are recomputed
             if key in comm:
                 self.comm[key] = self.comm.get(key, 0) + comm[key]
-        if outcome.result.skipped:
-            self.skipped += 1
-            return
-        self.applied += 1
-        loss = outcome.loss.detach()
-        self.loss_sum = loss.clone() if self.loss_sum is None else self.loss_sum + loss
+        self.outcomes.append(outcome)
 
     def restart_clock(self) -> None:
         """Evaluation and checkpoint time is not training throughput."""
@@ -112,7 +133,8 @@ def window_metrics(window: Window, result: StepResult, lr: float, ctx: DistConte
     elapsed = time.perf_counter() - window.start
     n = max(window.steps, 1)
     # Every rank reduces, even when all steps of the window were skipped (then on every rank alike).
-    local = window.loss_sum if window.loss_sum is not None else torch.zeros((), device=ctx.device)
+    loss_sum = window.loss_sum()
+    local = loss_sum if loss_sum is not None else torch.zeros((), device=ctx.device)
     loss = ctx.all_reduce_mean(local.detach().clone()) / max(window.applied, 1)
     mem, mem_kind = peak_memory_gib(ctx.device)
     metrics = {
@@ -200,6 +222,7 @@ class RunState:
     last_saved: int | None = None
     save_due: bool = False  # an interval save waits for an applied step
     last_val: float | None = None
+    unsettled: list[tuple[int, StepResult]] = field(default_factory=list)  # steps whose skip flag is unread
 
     @property
     def healthy(self) -> bool:
@@ -231,7 +254,8 @@ class TrainingLoop:
             world_size=ctx.world_size, strategy=cfg.parallel.strategy, barrier=ctx.barrier,
             keep_last=cfg.checkpoint.keep_last, healthy=self.state.healthy, weights=self.engine.local_weights(),
             device=ctx.device, extra_meta={"model": to_dict(cfg.model), "schedule": cfg.lr_schedule(),
-                                           "layout": self.layout()},
+                                           "layout": self.layout(), "tokenizer": self.data.tokenizer,
+                                           "eot_id": self.data.eot_id},
         )
         self.state.last_saved = step
         self.log.info(f"checkpoint: saved {path} in {time.perf_counter() - t0:.1f}s")
@@ -291,19 +315,16 @@ class TrainingLoop:
                 outcome = train_step(self.engine, self.batches, t.grad_accum_steps, lr)
                 window.add(outcome, self.engine.comm_stats())
                 s.step += 1
+                s.unsettled.append((s.step, outcome.result))
                 if prof is not None:
                     prof.step()
                 result = outcome.result
-                if result.skipped:
-                    s.skips_in_a_row, s.skipped_total = s.skips_in_a_row + 1, s.skipped_total + 1
-                    if self._stop_on_nonfinite(result):
-                        return 3
-                else:
-                    s.skips_in_a_row = 0
-                alarms.on_step(s.step, s.skips_in_a_row, result.loss_scale)
+                log_due = s.step % t.log_interval == 0 or s.step == t.max_steps
+                if (log_due or self._settle_now(result)) and self._settle(alarms):
+                    return 3
                 log.advance()
 
-                if s.step % t.log_interval == 0 or s.step == t.max_steps:
+                if log_due:
                     window = self._log_window(window, result, lr, alarms)
                 if t.eval_interval and (s.step % t.eval_interval == 0 or s.step == t.max_steps):
                     s.last_val = evaluate(self.engine, self.data.val, t.eval_steps, ctx)
@@ -316,6 +337,8 @@ class TrainingLoop:
                     window.restart_clock()
                 signum = agreement.poll(self.stop_request.requested)
                 if signum:
+                    if self._settle(alarms):
+                        return 3
                     return self._stop_on_signal(signum)
             agreement.finish()
 
@@ -326,6 +349,32 @@ class TrainingLoop:
             summary += f", final val_loss {s.last_val:.4f} (uniform baseline {math.log(cfg.model.vocab_size):.3f})"
         log.info(summary)
         return 0
+
+    def _settle_now(self, result: StepResult) -> bool:
+        """Whether this step's skip flag must be read now rather than at the next log line: when
+        it is already on the host (free), when a save may follow this step (it must not store a
+        skip streak), or when the run is to stop at the first non-finite step."""
+        interval, s = self.cfg.checkpoint.interval, self.state
+        save_may_follow = s.save_due or bool(interval and s.step % interval == 0)
+        return (isinstance(result.skipped, bool) or save_may_follow
+                or self.cfg.precision.nonfinite == "stop")
+
+    def _settle(self, alarms: LearningAlarms) -> bool:
+        """Read the skip flags of the steps not read yet (one host sync for all of them), then act
+        on each step in order: skip streak, totals, warnings. True means stop the run."""
+        s = self.state
+        steps, results = [step for step, _ in s.unsettled], [result for _, result in s.unsettled]
+        s.unsettled = []
+        for step, result, skipped in zip(steps, results, read_flags([r.skipped for r in results])):
+            result.skipped = skipped  # the window counts from the host value
+            if skipped:
+                s.skips_in_a_row, s.skipped_total = s.skips_in_a_row + 1, s.skipped_total + 1
+                if self._stop_on_nonfinite(step):
+                    return True
+            else:
+                s.skips_in_a_row = 0
+            alarms.on_step(step, s.skips_in_a_row, result.loss_scale)
+        return False
 
     def _log_window(self, window: Window, result: StepResult, lr: float, alarms: LearningAlarms) -> Window:
         t, s = self.cfg.train, self.state
@@ -348,14 +397,14 @@ class TrainingLoop:
                               "(this one was skipped)")
         return s.save_due and not result.skipped and s.step < max_steps
 
-    def _stop_on_nonfinite(self, result: StepResult) -> bool:
-        """Warn about a skipped step; True means stop the run."""
+    def _stop_on_nonfinite(self, step: int) -> bool:
+        """Warn about skipped step ``step``; True means stop the run."""
         p, s = self.cfg.precision, self.state
         if p.mode == "fp16" and s.skips_in_a_row <= p.max_skipped_steps:
             return False  # dynamic loss scaling overflows now and then by design; only a long streak matters
-        what = f"step {s.step}: non-finite loss or gradient norm"
-        if p.nonfinite == "stop":
-            self.log.warn(f"{what}; stopping (precision.nonfinite=stop). Weights are those of step {s.step - 1}.")
+        what = f"step {step}: non-finite loss or gradient norm"
+        if p.nonfinite == "stop":  # read every step (_settle_now), so step is the last one run
+            self.log.warn(f"{what}; stopping (precision.nonfinite=stop). Weights are those of step {step - 1}.")
             return True
         if s.skips_in_a_row > p.max_skipped_steps:
             self.log.warn(f"{what}; {s.skips_in_a_row} steps skipped in a row (> precision.max_skipped_steps), "

@@ -116,7 +116,7 @@ class StopAgreement:
     Ranks receive a signal at different steps, yet must save the same one. Each step every rank
     starts an all-reduce (MAX) of its signal number and reads the result of the previous step's:
     one step of lag, so the read never waits (on CUDA the value comes back through pinned memory
-    behind an event, keeping the engine's one host sync per step the only one). A single process
+    behind an event, so it adds no host sync to the step). A single process
     needs no agreement and stops after the step in which the signal arrived.
     """
 

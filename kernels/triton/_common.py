@@ -1,17 +1,20 @@
 """What every Triton op file shares: device-side activation math and host-side helpers.
 
-Host helpers decide launch parameters and say why a call is unsupported; device helpers are
-``@triton.jit`` functions inlined into the kernels that call them.
+Host helpers decide launch parameters, say why a call is unsupported and register the launchers
+as custom ops (:func:`kernel_op`); device helpers are ``@triton.jit`` functions inlined into the
+kernels that call them.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import Callable, Iterable
 
 import torch
 import triton
 import triton.language as tl
+from torch.library import custom_op, triton_op
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -41,6 +44,37 @@ def language_interpreted() -> bool:
 
 # Recorded when this file's kernels were decorated, so a later change of the flag is detectable.
 INTERPRETED = interpreter_active()
+
+OP_NAMESPACE = "perfgpt"
+
+
+def kernel_op(name: str, fake: Callable, mutates_args: Iterable[str] = ()) -> Callable[[Callable], Callable]:
+    """Register a host launcher as the custom op ``perfgpt::<name>``, so that torch.compile puts
+    one node in its graph where it would otherwise break the graph around an opaque call.
+
+    Compiled Triton: a ``torch.library.triton_op``. AOTAutograd replaces the op by its body, the
+    kernels launched through ``wrap_triton`` included, so Inductor schedules the kernels itself.
+    The body is also the op's shape function (it is traced with fake tensors), so it may only
+    launch kernels and call PyTorch ops.
+
+    Interpreted (TRITON_INTERPRET=1): a ``triton_op`` cannot be traced there. ``wrap_triton``
+    returns an interpreted kernel unchanged, and tracing the body with fake tensors then runs the
+    interpreter on them, which reads their data pointers and fails. So the launcher becomes an
+    opaque ``torch.library.custom_op`` whose shapes come from ``fake``: still one graph node, run
+    as it is when called eagerly.
+
+    Autograd is registered by the caller (``register_autograd``), in the op's module.
+    """
+
+    def register(launcher: Callable) -> Callable:
+        qualified = f"{OP_NAMESPACE}::{name}"
+        if interpreter_active():
+            op = custom_op(qualified, launcher, mutates_args=tuple(mutates_args))
+            op.register_fake(fake)
+            return op
+        return triton_op(qualified, launcher, mutates_args=tuple(mutates_args))
+
+    return register
 
 
 def unsupported_tensor_reason(**tensors: torch.Tensor | None) -> str | None:

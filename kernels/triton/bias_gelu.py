@@ -10,13 +10,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
+from torch.library import wrap_triton
 
 from kernels.triton._common import (
     as_rows,
     gelu,
     gelu_grad,
     interpreter_active,
+    kernel_op,
     parallel_programs,
     unsupported_tensor_reason,
 )
@@ -78,67 +79,81 @@ def _tile(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     return block_m, block_n, 4 if block_m * block_n <= 2048 else 8
 
 
-def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y shaped like x, x as rows)."""
+def _fwd_shape(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@kernel_op("bias_gelu_fwd", fake=_fwd_shape)
+def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
+    """y shaped like x."""
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     bias = bias.contiguous() if bias is not None else None
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y_rows = y.view(n_rows, n_cols)
     block_m, block_n, num_warps = _tile(n_rows, n_cols)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-    _bias_gelu_fwd_kernel[grid](
-        rows, bias if bias is not None else rows, y, rows.stride(0), y.stride(0), n_rows, n_cols,
+    wrap_triton(_bias_gelu_fwd_kernel)[grid](
+        rows, bias if bias is not None else rows, y_rows, rows.stride(0), y_rows.stride(0), n_rows, n_cols,
         HAS_BIAS=bias is not None, EXACT=approximate == "none", BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps,
     )
-    return y.view(x.shape), rows
+    return y
 
 
+def _bwd_shapes(
+    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dbias = torch.empty_like(bias) if bias is not None else x.new_empty(0)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), dbias
+
+
+@kernel_op("bias_gelu_bwd", fake=_bwd_shapes)
 def bias_gelu_bwd(
-    dy: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None, approximate: str
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dx as rows, dbias in the bias dtype)."""
-    dy_rows = as_rows(dy)
+    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx shaped like x, dbias in the bias dtype); dbias is empty without a bias (an op returns
+    tensors, never None)."""
+    rows, dy_rows = as_rows(x), as_rows(dy)
     n_rows, n_cols = rows.shape
     bias = bias.contiguous() if bias is not None else None
-    dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx_rows = dx.view(n_rows, n_cols)
     block_m, block_n, num_warps = _tile(n_rows, n_cols)
     col_blocks = triton.cdiv(n_cols, block_n)
     row_tiles = triton.cdiv(n_rows, block_m)
-    groups = max(1, min(row_tiles, triton.cdiv(parallel_programs(rows.device), col_blocks)))
+    groups = max(1, min(row_tiles, triton.cdiv(parallel_programs(x.device), col_blocks)))
     rows_per_group = triton.cdiv(row_tiles, groups) * block_m
     groups = triton.cdiv(n_rows, rows_per_group)
-    dbias_partial = torch.empty((groups, n_cols), dtype=torch.float32, device=rows.device) if bias is not None else dx
-    _bias_gelu_bwd_kernel[(groups, col_blocks)](
-        rows, bias if bias is not None else rows, dy_rows, dx, dbias_partial,
-        rows.stride(0), dy_rows.stride(0), dx.stride(0), n_rows, n_cols, rows_per_group,
+    dbias_partial = torch.empty((groups, n_cols), dtype=torch.float32, device=x.device) if bias is not None else dx_rows
+    wrap_triton(_bias_gelu_bwd_kernel)[(groups, col_blocks)](
+        rows, bias if bias is not None else rows, dy_rows, dx_rows, dbias_partial,
+        rows.stride(0), dy_rows.stride(0), dx_rows.stride(0), n_rows, n_cols, rows_per_group,
         HAS_BIAS=bias is not None, EXACT=approximate == "none", BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps,
     )
-    dbias = dbias_partial.sum(0).to(bias.dtype) if bias is not None else None
+    dbias = dbias_partial.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)
     return dx, dbias
 
 
-class BiasGeluFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias, approximate):
-        y, rows = bias_gelu_fwd(x, bias, approximate)
-        ctx.save_for_backward(rows, bias)
-        ctx.approximate = approximate
-        ctx.x_shape = x.shape
-        return y
+def _save_for_backward(ctx, inputs, output) -> None:
+    x, bias, approximate = inputs
+    ctx.save_for_backward(x, bias)
+    ctx.approximate = approximate
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        rows, bias = ctx.saved_tensors
-        dx, dbias = bias_gelu_bwd(dy, rows, bias, ctx.approximate)
-        return dx.view(ctx.x_shape), dbias, None
+
+def _backward(ctx, dy):
+    x, bias = ctx.saved_tensors
+    dx, dbias = bias_gelu_bwd(dy, x, bias, ctx.approximate)
+    return dx, dbias if bias is not None else None, None
+
+
+bias_gelu_fwd.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh") -> torch.Tensor:
     """GELU(x + bias) over the last dim of x; approximate='tanh' (GPT-2) or 'none' (exact erf)."""
-    return BiasGeluFunction.apply(x, bias, approximate)
+    return bias_gelu_fwd(x, bias, approximate)
 
 
 def unsupported_reason(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh") -> str | None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
+from torch.library import wrap_triton
 
-from kernels.triton._common import interpreter_active, num_warps_for, unsupported_tensor_reason
+from kernels.triton._common import interpreter_active, kernel_op, num_warps_for, unsupported_tensor_reason
 
 INTERPRETED = interpreter_active()
 MAX_BLOCK_V = 4096
@@ -71,10 +71,14 @@ def _cross_entropy_bwd_kernel(
         tl.store(drow_ptr + c, grad.to(DLOGITS.dtype.element_ty), mask=mask)
 
 
-def cross_entropy_fwd(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-row fp32 loss, per-row logsumexp, logits with unit column stride)."""
+def _fwd_shapes(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    row_loss = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return row_loss, torch.empty_like(row_loss)
+
+
+@kernel_op("cross_entropy_fwd", fake=_fwd_shapes)
+def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-row fp32 loss, per-row logsumexp)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     targets = targets.contiguous()
@@ -82,14 +86,16 @@ def cross_entropy_fwd(
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     block = min(triton.next_power_of_2(n_cols), MAX_BLOCK_V)
-    _cross_entropy_fwd_kernel[(n_rows,)](
+    wrap_triton(_cross_entropy_fwd_kernel)[(n_rows,)](
         logits, targets, loss, lse, logits.stride(0), n_cols, ignore_index,
         BLOCK_V=block, num_warps=num_warps_for(block),
     )
-    return loss, lse, logits
+    return loss, lse
 
 
 def reduce_loss(row_loss: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """In PyTorch ops, so autograd hands the kernel one gradient per row (an expanded, stride-0 view
+    of one value for 'mean' and 'sum')."""
     if reduction == "none":
         return row_loss
     if reduction == "sum":
@@ -97,60 +103,53 @@ def reduce_loss(row_loss: torch.Tensor, targets: torch.Tensor, ignore_index: int
     return row_loss.sum() / (targets != ignore_index).sum()
 
 
-def loss_grad_per_row(
-    grad_loss: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str
-) -> tuple[torch.Tensor, int]:
-    """The loss gradient each row's softmax gradient is scaled by, and its row stride (0: shared)."""
-    grad_loss = grad_loss.float()
-    if reduction == "none":
-        return grad_loss.contiguous(), 1
-    if reduction == "mean":
-        grad_loss = grad_loss / (targets != ignore_index).sum()
-    return grad_loss.reshape(1), 0
-
-
-def cross_entropy_bwd(
-    grad_loss: torch.Tensor,
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
+def _bwd_shape(
+    grad_rows: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ignore_index: int
 ) -> torch.Tensor:
-    """d loss / d logits, (N, V) in the logits' dtype."""
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+@kernel_op("cross_entropy_bwd", fake=_bwd_shape)
+def cross_entropy_bwd(
+    grad_rows: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
+    """d loss / d logits, (N, V) in the logits' dtype, given d loss / d row loss."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    targets = targets.contiguous()
     n_rows, n_cols = logits.shape
     dlogits = torch.empty((n_rows, n_cols), dtype=logits.dtype, device=logits.device)
-    scale, scale_stride = loss_grad_per_row(grad_loss, targets, ignore_index, reduction)
+    grad_rows = grad_rows.float()
     block = min(triton.next_power_of_2(n_cols), MAX_BLOCK_V)
-    _cross_entropy_bwd_kernel[(n_rows,)](
-        logits, targets, lse, scale, dlogits, logits.stride(0), dlogits.stride(0), scale_stride,
+    wrap_triton(_cross_entropy_bwd_kernel)[(n_rows,)](
+        logits, targets, lse, grad_rows, dlogits, logits.stride(0), dlogits.stride(0), grad_rows.stride(0),
         n_cols, ignore_index, BLOCK_V=block, num_warps=num_warps_for(block),
     )
     return dlogits
 
 
-class CrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, targets, ignore_index, reduction):
-        row_loss, lse, logits = cross_entropy_fwd(logits, targets, ignore_index)
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.ignore_index = ignore_index
-        ctx.reduction = reduction
-        return reduce_loss(row_loss, targets, ignore_index, reduction)
+def _save_for_backward(ctx, inputs, output) -> None:
+    logits, targets, ignore_index = inputs
+    lse = output[1]
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(logits, targets, lse)
+    ctx.ignore_index = ignore_index
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss):
-        logits, targets, lse = ctx.saved_tensors
-        dlogits = cross_entropy_bwd(grad_loss, logits, targets, lse, ctx.ignore_index, ctx.reduction)
-        return dlogits, None, None, None
+
+def _backward(ctx, grad_rows, _dlse):
+    logits, targets, lse = ctx.saved_tensors
+    return cross_entropy_bwd(grad_rows, logits, targets, lse, ctx.ignore_index), None, None
+
+
+cross_entropy_fwd.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
 ) -> torch.Tensor:
     """Softmax cross-entropy of logits (N, V) against class indices (N,); the loss is fp32."""
-    return CrossEntropyFunction.apply(logits, targets, ignore_index, reduction)
+    row_loss, _ = cross_entropy_fwd(logits, targets, ignore_index)
+    return reduce_loss(row_loss, targets, ignore_index, reduction)
 
 
 def unsupported_reason(

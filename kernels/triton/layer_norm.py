@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
+from torch.library import wrap_triton
 
 from kernels.triton._common import (
     as_rows,
@@ -23,6 +23,7 @@ from kernels.triton._common import (
     gelu,
     gelu_grad,
     interpreter_active,
+    kernel_op,
     num_warps_for,
     row_groups,
     unsupported_tensor_reason,
@@ -190,85 +191,101 @@ def _launch_params(n_cols: int) -> tuple[int, bool, int]:
     return block, block >= n_cols, num_warps_for(block)
 
 
+def _fwd_shapes(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, gelu_variant: str | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n_rows = x.numel() // x.shape[-1]
+    stats = x.new_empty(n_rows, dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+
+
+@kernel_op("layer_norm_fwd", fake=_fwd_shapes)
 def layer_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, gelu_variant: str | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y shaped like x, x as rows, mean, rstd); gelu_variant None, 'tanh' or 'none' (exact)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y shaped like x, mean, rstd); gelu_variant None, 'tanh' or 'none' (exact)."""
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     weight = weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    y_rows = y.view(n_rows, n_cols)
     block, one_block, num_warps = _launch_params(n_cols)
-    _layer_norm_fwd_kernel[(n_rows,)](
-        rows, weight, bias if bias is not None else weight, y, mean, rstd,
-        rows.stride(0), y.stride(0), n_cols, eps,
+    wrap_triton(_layer_norm_fwd_kernel)[(n_rows,)](
+        rows, weight, bias if bias is not None else weight, y_rows, mean, rstd,
+        rows.stride(0), y_rows.stride(0), n_cols, eps,
         HAS_BIAS=bias is not None, GELU=gelu_variant is not None, EXACT_GELU=gelu_variant == "none",
         BLOCK_N=block, ONE_BLOCK=one_block, num_warps=num_warps,
     )
-    return y.view(x.shape), rows, mean, rstd
+    return y, mean, rstd
 
 
+def _bwd_shapes(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor,
+    rstd: torch.Tensor, gelu_variant: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dbias = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight), dbias
+
+
+@kernel_op("layer_norm_bwd", fake=_bwd_shapes)
 def layer_norm_bwd(
-    dy: torch.Tensor,
-    rows: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    gelu_variant: str | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dx as rows, dweight, dbias) in the dtypes of x, weight and bias."""
-    dy_rows = as_rows(dy)
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor,
+    rstd: torch.Tensor, gelu_variant: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx shaped like x, dweight, dbias) in the dtypes of x, weight and bias; dbias is empty without a bias
+    (an op returns tensors, never None)."""
+    rows, dy_rows = as_rows(x), as_rows(dy)
     n_rows, n_cols = rows.shape
     weight = weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
-    groups, rows_per_group = row_groups(n_rows, rows.device)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx_rows = dx.view(n_rows, n_cols)
+    groups, rows_per_group = row_groups(n_rows, x.device)
     block, one_block, num_warps = _launch_params(n_cols)
     # The blocked path accumulates into the partial buffers, so they must start at zero.
     alloc = torch.empty if one_block else torch.zeros
-    dw_partial = alloc((groups, n_cols), dtype=torch.float32, device=rows.device)
-    db_partial = alloc((groups, n_cols), dtype=torch.float32, device=rows.device) if bias is not None else dw_partial
-    _layer_norm_bwd_kernel[(groups,)](
-        rows, weight, bias if bias is not None else weight, dy_rows, dx, mean, rstd, dw_partial, db_partial,
-        rows.stride(0), dy_rows.stride(0), dx.stride(0), n_rows, n_cols, rows_per_group,
+    dw_partial = alloc((groups, n_cols), dtype=torch.float32, device=x.device)
+    db_partial = alloc((groups, n_cols), dtype=torch.float32, device=x.device) if bias is not None else dw_partial
+    wrap_triton(_layer_norm_bwd_kernel)[(groups,)](
+        rows, weight, bias if bias is not None else weight, dy_rows, dx_rows, mean, rstd, dw_partial, db_partial,
+        rows.stride(0), dy_rows.stride(0), dx_rows.stride(0), n_rows, n_cols, rows_per_group,
         HAS_BIAS=bias is not None, GELU=gelu_variant is not None, EXACT_GELU=gelu_variant == "none",
         BLOCK_N=block, ONE_BLOCK=one_block, num_warps=num_warps,
     )
     dweight = dw_partial.sum(0).to(weight.dtype)
-    dbias = db_partial.sum(0).to(bias.dtype) if bias is not None else None
+    dbias = db_partial.sum(0).to(bias.dtype) if bias is not None else weight.new_empty(0)
     return dx, dweight, dbias
 
 
-class LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, gelu_variant):
-        y, rows, mean, rstd = layer_norm_fwd(x, weight, bias, eps, gelu_variant)
-        ctx.save_for_backward(rows, weight, bias, mean, rstd)
-        ctx.gelu_variant = gelu_variant
-        ctx.x_shape = x.shape
-        return y
+def _save_for_backward(ctx, inputs, output) -> None:
+    x, weight, bias, _, gelu_variant = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.gelu_variant = gelu_variant
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        rows, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias = layer_norm_bwd(dy, rows, weight, bias, mean, rstd, ctx.gelu_variant)
-        return dx.view(ctx.x_shape), dweight, dbias, None, None
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dweight, dbias = layer_norm_bwd(dy, x, weight, bias, mean, rstd, ctx.gelu_variant)
+    return dx, dweight, dbias if bias is not None else None, None, None
+
+
+layer_norm_fwd.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return LayerNormFunction.apply(x, weight, bias, eps, None)
+    return layer_norm_fwd(x, weight, bias, eps, None)[0]
 
 
 def layer_norm_gelu(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, approximate: str = "tanh"
 ) -> torch.Tensor:
     """GELU(LayerNorm(x)) in one pass; approximate='tanh' (GPT-2) or 'none' (exact erf)."""
-    return LayerNormFunction.apply(x, weight, bias, eps, approximate)
+    return layer_norm_fwd(x, weight, bias, eps, approximate)[0]
 
 
 def unsupported_reason(

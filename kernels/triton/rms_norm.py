@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
+from torch.library import wrap_triton
 
 from kernels.triton._common import (
     as_rows,
     block_size,
     interpreter_active,
+    kernel_op,
     num_warps_for,
     row_groups,
     unsupported_tensor_reason,
@@ -120,62 +121,75 @@ def _launch_params(n_cols: int) -> tuple[int, bool, int]:
     return block, block >= n_cols, num_warps_for(block)
 
 
-def rms_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y shaped like x, x as rows, rstd)."""
+def _fwd_shapes(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32))
+
+
+@kernel_op("rms_norm_fwd", fake=_fwd_shapes)
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y shaped like x, rstd)."""
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     weight = weight.contiguous()
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y_rows = y.view(n_rows, n_cols)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block, one_block, num_warps = _launch_params(n_cols)
-    _rms_norm_fwd_kernel[(n_rows,)](
-        rows, weight, y, rstd, rows.stride(0), y.stride(0), n_cols, eps,
+    wrap_triton(_rms_norm_fwd_kernel)[(n_rows,)](
+        rows, weight, y_rows, rstd, rows.stride(0), y_rows.stride(0), n_cols, eps,
         BLOCK_N=block, ONE_BLOCK=one_block, num_warps=num_warps,
     )
-    return y.view(x.shape), rows, rstd
+    return y, rstd
 
 
-def rms_norm_bwd(
-    dy: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+def _bwd_shapes(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx as rows, dweight) in the dtypes of x and weight."""
-    dy_rows = as_rows(dy)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+@kernel_op("rms_norm_bwd", fake=_bwd_shapes)
+def rms_norm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx shaped like x, dweight) in the dtypes of x and weight."""
+    rows, dy_rows = as_rows(x), as_rows(dy)
     n_rows, n_cols = rows.shape
     weight = weight.contiguous()
-    dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
-    groups, rows_per_group = row_groups(n_rows, rows.device)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx_rows = dx.view(n_rows, n_cols)
+    groups, rows_per_group = row_groups(n_rows, x.device)
     block, one_block, num_warps = _launch_params(n_cols)
     # The blocked path accumulates into the partial buffer, so it must start at zero.
     alloc = torch.empty if one_block else torch.zeros
-    dw_partial = alloc((groups, n_cols), dtype=torch.float32, device=rows.device)
-    _rms_norm_bwd_kernel[(groups,)](
-        rows, weight, dy_rows, dx, rstd, dw_partial,
-        rows.stride(0), dy_rows.stride(0), dx.stride(0), n_rows, n_cols, rows_per_group,
+    dw_partial = alloc((groups, n_cols), dtype=torch.float32, device=x.device)
+    wrap_triton(_rms_norm_bwd_kernel)[(groups,)](
+        rows, weight, dy_rows, dx_rows, rstd, dw_partial,
+        rows.stride(0), dy_rows.stride(0), dx_rows.stride(0), n_rows, n_cols, rows_per_group,
         BLOCK_N=block, ONE_BLOCK=one_block, num_warps=num_warps,
     )
     return dx, dw_partial.sum(0).to(weight.dtype)
 
 
-class RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, rows, rstd = rms_norm_fwd(x, weight, eps)
-        ctx.save_for_backward(rows, weight, rstd)
-        ctx.x_shape = x.shape
-        return y
+def _save_for_backward(ctx, inputs, output) -> None:
+    x, weight, _ = inputs
+    rstd = output[1]
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(x, weight, rstd)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        rows, weight, rstd = ctx.saved_tensors
-        dx, dweight = rms_norm_bwd(dy, rows, weight, rstd)
-        return dx.view(ctx.x_shape), dweight, None
+
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = rms_norm_bwd(dy, x, weight, rstd)
+    return dx, dweight, None
+
+
+rms_norm_fwd.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return RMSNormFunction.apply(x, weight, eps)
+    return rms_norm_fwd(x, weight, eps)[0]
 
 
 def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, eps: float) -> str | None:

@@ -5,7 +5,7 @@ x1*sin + x2*cos), computed in fp32 with cos/sin (T' >= T, D/2) and stored in x's
 backward is the inverse rotation (sin negated) applied to the gradient, so nothing is saved.
 
 x is read through its strides, so q and k sliced out of one fused QKV projection are not copied;
-in place, the rotated values overwrite x (autograd is told through ``mark_dirty``).
+in place, the rotated values overwrite x (see ``apply_rope`` for how that meets autograd).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
+from torch.library import wrap_triton
 
-from kernels.triton._common import interpreter_active, unsupported_tensor_reason
+from kernels.triton._common import interpreter_active, kernel_op, unsupported_tensor_reason
 
 INTERPRETED = interpreter_active()
 MAX_HEAD_DIM = 1024
@@ -48,49 +48,75 @@ def _rope_kernel(
     tl.store(y_ptr + half, (x1 * sin + x2 * cos).to(Y.dtype.element_ty), mask=mask)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, inverse: bool) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, inverse: bool) -> None:
     """Write the rotation of x (B, T, H, D) into out (may be x itself); both need unit stride in D."""
     batch, seq_len, n_heads, head_dim = x.shape
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(n_heads), max(1, HEAD_TILE_ELEMENTS // block_half))
     grid = (batch * seq_len, triton.cdiv(n_heads, block_h))
-    _rope_kernel[grid](
+    wrap_triton(_rope_kernel)[grid](
         x, out, cos, sin, seq_len, n_heads, half,
         x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
         cos.stride(0), sin.stride(0),
         INVERSE=inverse, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4,
     )
-    return out
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-class RopeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin, inplace):
-        cos, sin = _unit_stride(cos), _unit_stride(sin)
-        ctx.save_for_backward(cos, sin)
-        if inplace:
-            ctx.mark_dirty(x)
-            return rotate(x, cos, sin, out=x, inverse=False)
-        x = _unit_stride(x)
-        return rotate(x, cos, sin, out=torch.empty(x.shape, dtype=x.dtype, device=x.device), inverse=False)
+def _rope_shape(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        cos, sin = ctx.saved_tensors
-        dy = _unit_stride(dy)
-        dx = rotate(dy, cos, sin, out=torch.empty(dy.shape, dtype=dy.dtype, device=dy.device), inverse=True)
-        return dx, None, None, None
+
+@kernel_op("rope", fake=_rope_shape)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """x rotated into a new tensor (by -angle when inverse: the backward)."""
+    x = _unit_stride(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rotate(x, _unit_stride(cos), _unit_stride(sin), out, inverse)
+    return out
+
+
+def _rope_in_place_shape(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    return None
+
+
+@kernel_op("rope_", fake=_rope_in_place_shape, mutates_args=("x",))
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x rotated in place (x needs unit stride in D)."""
+    rotate(x, _unit_stride(cos), _unit_stride(sin), x, False)
+
+
+def _save_for_backward(ctx, inputs, output) -> None:
+    _, cos, sin, inverse = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.inverse = inverse
+
+
+def _backward(ctx, dy):
+    cos, sin = ctx.saved_tensors
+    return rope(dy, cos, sin, not ctx.inverse), None, None, None
+
+
+rope.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-    """Rotate x (B, T, H, D) by cos/sin (T' >= T, D/2); inplace=True overwrites x and returns it."""
-    return RopeFunction.apply(x, cos, sin, inplace)
+    """Rotate x (B, T, H, D) by cos/sin (T' >= T, D/2); inplace=True overwrites x and returns it.
+
+    An op that mutates its input cannot have an autograd formula, so where autograd records x,
+    inplace=True rotates into a new tensor and copies it back (autograd sees the copy); without
+    autograd (inference, a KV cache) it rotates x where it lies.
+    """
+    if not inplace:
+        return rope(x, cos, sin, False)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return x.copy_(rope(x, cos, sin, False))
+    rope_(x, cos, sin)
+    return x
 
 
 def apply_rope_qk(

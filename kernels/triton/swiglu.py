@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
+from torch.library import wrap_triton
 
-from kernels.triton._common import as_rows, interpreter_active, unsupported_tensor_reason
+from kernels.triton._common import as_rows, interpreter_active, kernel_op, unsupported_tensor_reason
 
 INTERPRETED = interpreter_active()
 MAX_BLOCK_N = 1024
@@ -58,50 +58,59 @@ def _grid_and_tile(n_rows: int, n_cols: int) -> tuple[tuple[int, int], dict]:
     return grid, dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m * block_n <= 2048 else 8)
 
 
-def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y shaped like gate, gate as rows, up as rows)."""
+def _fwd_shape(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@kernel_op("swiglu_fwd", fake=_fwd_shape)
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """y shaped like gate."""
     g_rows, u_rows = as_rows(gate), as_rows(up)
     n_rows, n_cols = g_rows.shape
-    y = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    y_rows = y.view(n_rows, n_cols)
     grid, tile = _grid_and_tile(n_rows, n_cols)
-    _swiglu_fwd_kernel[grid](
-        g_rows, u_rows, y, g_rows.stride(0), u_rows.stride(0), y.stride(0), n_rows, n_cols, **tile
+    wrap_triton(_swiglu_fwd_kernel)[grid](
+        g_rows, u_rows, y_rows, g_rows.stride(0), u_rows.stride(0), y_rows.stride(0), n_rows, n_cols, **tile
     )
-    return y.view(gate.shape), g_rows, u_rows
+    return y
 
 
-def swiglu_bwd(dy: torch.Tensor, g_rows: torch.Tensor, u_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dup) as rows, in the input dtype."""
-    dy_rows = as_rows(dy)
+def _bwd_shapes(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
+            torch.empty_like(gate, memory_format=torch.contiguous_format))
+
+
+@kernel_op("swiglu_bwd", fake=_bwd_shapes)
+def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup) shaped like gate, in the input dtype."""
+    g_rows, u_rows, dy_rows = as_rows(gate), as_rows(up), as_rows(dy)
     n_rows, n_cols = g_rows.shape
-    dgate = torch.empty((n_rows, n_cols), dtype=g_rows.dtype, device=g_rows.device)
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     dup = torch.empty_like(dgate)
+    dgate_rows, dup_rows = dgate.view(n_rows, n_cols), dup.view(n_rows, n_cols)
     grid, tile = _grid_and_tile(n_rows, n_cols)
-    _swiglu_bwd_kernel[grid](
-        g_rows, u_rows, dy_rows, dgate, dup,
-        g_rows.stride(0), u_rows.stride(0), dy_rows.stride(0), dgate.stride(0), n_rows, n_cols, **tile,
+    wrap_triton(_swiglu_bwd_kernel)[grid](
+        g_rows, u_rows, dy_rows, dgate_rows, dup_rows,
+        g_rows.stride(0), u_rows.stride(0), dy_rows.stride(0), dgate_rows.stride(0), n_rows, n_cols, **tile,
     )
     return dgate, dup
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up):
-        y, g_rows, u_rows = swiglu_fwd(gate, up)
-        ctx.save_for_backward(g_rows, u_rows)
-        ctx.shape = gate.shape
-        return y
+def _save_for_backward(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        g_rows, u_rows = ctx.saved_tensors
-        dgate, dup = swiglu_bwd(dy, g_rows, u_rows)
-        return dgate.view(ctx.shape), dup.view(ctx.shape)
+
+def _backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    return swiglu_bwd(dy, gate, up)
+
+
+swiglu_fwd.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return SwiGLUFunction.apply(gate, up)
+    return swiglu_fwd(gate, up)
 
 
 def unsupported_reason(gate: torch.Tensor, up: torch.Tensor) -> str | None:

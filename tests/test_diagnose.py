@@ -1,0 +1,95 @@
+"""tools/diagnose.py: each bottleneck, induced on the CPU, is the one the verdict names.
+
+The slowed loader, the memory budget and selective recompute over SDPA run in this process (a
+few steps of a 2-layer model); the communication-heavy layout is FSDP2 on two gloo processes
+with one short sequence per rank, so all-gathers and reduce-scatters outweigh the compute.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from analysis.doctor import Breakdown, Job, Span, attribute, verdicts
+from data.prefetch import DevicePrefetcher
+from tests.conftest import ROOT, free_port
+from tools.diagnose import main as diagnose_main
+
+
+def small(corpus_cache: str, *extra: str) -> list[str]:
+    return ["--config", "configs/tiny.yaml", "--steps", "2", "--warmup", "1", "--model.n_layer=2",
+            "--model.d_model=64", "--model.max_seq_len=64", "--train.micro_batch_size=4",
+            f"--data.cache_dir={corpus_cache}", "--data.default_corpus_max_mb=2.0", *extra]
+
+
+def run(capsys, args: list[str]) -> list[str]:
+    assert diagnose_main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].startswith("verdict: ")
+    return lines
+
+
+def test_spans_split_into_exposed_and_overlapped_communication_and_host_time():
+    spans = [
+        Span("aten::mm", 1, 0, 400_000), Span("c10d::allreduce_", 1, 100_000, 300_000, top_level=False),
+        Span("Optimizer.step#AdamW.step", 1, 500_000, 600_000), Span("gloo:all_reduce", 2, 0, 250_000),
+    ]
+    b = attribute(spans, main_thread=1, wall_s=1.0, data_wait_s=0.1)
+    assert (b.comm_exposed_s, b.comm_overlapped_s, b.optimizer_s) == pytest.approx((0.2, 0.25, 0.1))
+    assert b.host_s == pytest.approx(1.0 - 0.1 - 0.5)  # wall minus data wait minus the main thread's ranges
+    assert b.compute_s == pytest.approx(1.0 - 0.1 - 0.1 - 0.2 - 0.4)
+
+
+def test_no_finding_means_compute_bound():
+    b = Breakdown(wall_s=1.0, data_wait_s=0.0, optimizer_s=0.05, comm_exposed_s=0.0, comm_overlapped_s=0.0,
+                  host_s=0.05)
+    job = Job(num_workers=2, world_size=1, strategy="none", checkpointing="none", attention="sdpa", compile=True,
+              fused_optimizer=True, peak_memory_gib=1.0, memory_budget_gib=10.0)
+    assert verdicts(b, job)[0].text.startswith("compute-bound: 90%")
+
+
+def test_a_slowed_loader_is_named_with_its_switch(capsys, monkeypatch, corpus_cache):
+    original = DevicePrefetcher.__next__
+
+    def slow(self):
+        time.sleep(0.3)
+        return original(self)
+
+    monkeypatch.setattr(DevicePrefetcher, "__next__", slow)
+    lines = run(capsys, small(corpus_cache))
+    assert lines[-1].startswith("verdict: data wait") and "raise data.num_workers (now 0)" in lines[-1]
+
+
+def test_selective_recompute_over_sdpa_is_named(capsys, corpus_cache):
+    lines = run(capsys, small(corpus_cache, "--model.checkpointing=selective"))
+    assert any("selective recompute with sdpa attention saves nothing" in line for line in lines), lines
+
+
+def test_a_memory_budget_is_named_and_try_measures_the_switch(capsys, corpus_cache):
+    lines = run(capsys, small(corpus_cache, "--memory-budget-gib", "0.05", "--try", "--rounds", "2"))
+    assert lines[-1].startswith("verdict: memory: peak") and "model.checkpointing=full" in lines[-1]
+    tried = next(line for line in lines if line.startswith("try --model.checkpointing=full: "))
+    assert "over 2 interleaved rounds of 2 steps" in tried and "median" in tried
+
+
+@pytest.mark.timeout(240)
+def test_a_communication_heavy_layout_on_gloo_is_named(corpus_cache):
+    args = ["--config", "configs/tiny.yaml", "--steps", "3", "--warmup", "1", "--model.n_layer=2",
+            "--model.d_model=64", "--model.max_seq_len=16", "--train.micro_batch_size=1", "--parallel.strategy=fsdp",
+            "--optim.fused=on", f"--data.cache_dir={corpus_cache}", "--data.default_corpus_max_mb=2.0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", "tools/diagnose.py", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    verdict = proc.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("verdict: exposed communication") and "fsdp_hybrid" in verdict, proc.stdout[-1500:]
+
+
+def test_bad_flags_are_one_line(capsys):
+    assert diagnose_main(["--config", "configs/tiny.yaml", "--steps", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --steps and --rounds must be >= 1, --warmup >= 0"

@@ -1,0 +1,123 @@
+"""tools/export.py, tools/sample.py, tools/evaluate.py and model.init_from, as a user runs them.
+
+Exports from sharded checkpoints (FSDP2, ZeRO-3) are tested against the one-process export in
+tests/test_parallel_train.py, which already trains those runs; the tensor-parallel checkpoint in
+tests/test_model_parallel.py. Here: sampling against ``transformers``' own generate, training
+from imported weights, evaluation against the training loop's validation loss, and the errors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from data.tokenizer import ByteTokenizer
+from model.config import ModelConfig
+from model.gpt import GPT
+from tests.conftest import read_metrics, run_train, tiny_overrides
+from tools import evaluate as evaluate_tool
+from tools import export as export_tool
+from tools import sample as sample_tool
+from training.export import ModelSource, load_source, write_export
+
+TINY = "configs/tiny.yaml"
+
+
+def hf_gpt2(seed: int = 0) -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def one_line_error(capsys, code: int, *fragments: str) -> None:
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and err.startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+@pytest.mark.parametrize("llama", [False, True])
+def test_sample_cli_greedy_equals_transformers_generate(tmp_path, capsys, llama):
+    cfg = (ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, d_model=64, norm="rmsnorm",
+                       mlp="swiglu", position="rope", tie_embeddings=False, bias=False) if llama else
+           ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, d_model=64))
+    torch.manual_seed(3)
+    model = GPT(cfg)
+    write_export(ModelSource(cfg, model.state_dict(), "byte", None, "test"), tmp_path / "hf", "hf")
+    prompts = ["def f(x):", "import"]
+    assert sample_tool.main([str(tmp_path / "hf"), *(a for p in prompts for a in ("--prompt", p)), "--greedy",
+                             "--max-new-tokens", "32"]) == 0
+    printed = capsys.readouterr().out
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tok = ByteTokenizer()
+    for prompt in prompts:
+        ids = torch.tensor([tok.encode(prompt).tolist()])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
+                          min_new_tokens=32, pad_token_id=0)
+        expected = prompt + tok.decode(out[0, ids.shape[1]:].tolist())
+        assert f"--- {prompt!r}\n{expected}\n" in printed
+
+
+@pytest.fixture(scope="module")
+def imported_run(tmp_path_factory, corpus_cache) -> tuple[Path, Path, object]:
+    """A run started from a Hugging Face GPT-2 directory: one step at a negligible learning rate,
+    validation after it."""
+    root = tmp_path_factory.mktemp("imported")
+    hf = hf_gpt2()
+    hf.save_pretrained(root / "hf")
+    run_dir = root / "run"
+    proc = run_train(["--config", TINY, *tiny_overrides(run_dir, corpus_cache, **{
+        "model.init_from": str(root / "hf"), "model.n_layer": 4, "train.max_steps": 1, "optim.lr": 1e-9,
+        "optim.min_lr": 0.0, "optim.warmup_steps": 0, "train.eval_interval": 1, "train.eval_steps": 2,
+        "checkpoint.save_final": "true"})])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, root / "hf", (hf, proc.stdout)
+
+
+def test_init_from_a_hugging_face_directory_trains_from_its_weights(imported_run):
+    run_dir, hf_dir, (hf, stdout) = imported_run
+    assert "model.init_from: Hugging Face gpt2 model" in stdout and "n_layer 4 -> 2" in stdout
+    trained = load_source(run_dir)
+    ours = trained.build()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # one step at lr 1e-9 leaves the imported model's function in place
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=0, atol=1e-5)
+    # ... while a model from the config's own random init would be far off.
+    torch.manual_seed(0)
+    with torch.no_grad():
+        assert (GPT(trained.cfg)(tokens) - hf(tokens).logits).abs().max() > 0.1
+
+
+def test_evaluate_reproduces_the_training_loops_validation_loss(imported_run, capsys):
+    run_dir, _, _ = imported_run
+    val = [m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m][-1]
+    out = run_dir / "eval.json"
+    # The loop's validation: train.eval_steps=2 batches of train.micro_batch_size=4 sequences.
+    assert evaluate_tool.main([str(run_dir), "--batches", "2", "--batch-size", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["loss"] == pytest.approx(val, abs=1e-5) and result["tokens"] == 2 * 4 * 64
+    # Byte tokenizer: one byte per token except end-of-text (id 0).
+    assert 0 < result["bytes"] <= result["tokens"]
+    assert result["bits_per_byte"] == pytest.approx(result["loss"] * result["tokens"] / result["bytes"] / 0.6931471805599453)
+    assert evaluate_tool.main([str(run_dir), "--split", "test"]) == 2
+    assert "has no split 'test'; its splits: train, val" in capsys.readouterr().err
+
+
+def test_bad_sources_are_one_line_errors(tmp_path, capsys):
+    out = ["--format", "hf", "--out", str(tmp_path / "out")]
+    one_line_error(capsys, export_tool.main([str(tmp_path / "nothing"), *out]), "does not exist")
+    (tmp_path / "empty").mkdir()
+    one_line_error(capsys, export_tool.main([str(tmp_path / "empty"), *out]), "holds no complete perfgpt checkpoint")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    one_line_error(capsys, export_tool.main([str(tmp_path / "bad.safetensors"), *out]), "cannot read")
+    hf_gpt2().save_pretrained(tmp_path / "hf")  # a plain HF directory: no tokenizer recorded
+    capsys.readouterr()  # transformers' progress bar
+    one_line_error(capsys, sample_tool.main([str(tmp_path / "hf"), "--prompt", "x"]), "pass --tokenizer")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "n_layer": 3}))
+    one_line_error(capsys, export_tool.main([str(tmp_path / "hf"), *out]), "h.2")

@@ -1,0 +1,216 @@
+"""A trained model, whoever wrote it, as one perfgpt model config and state dict, and out again.
+
+Sources ``load_source`` reads:
+- a perfgpt checkpoint, saved by any layout: a ``step_XXXXXXXX`` directory, a checkpoint root
+  (its newest complete checkpoint) or a run directory (``<run>/checkpoints``). One process and
+  DDP save ``model_optim.pt``; FSDP2 and the tensor/pipeline layouts ``dcp/``, read through
+  parallel/checkpoint.py's verified reader, shards and stages joined; ZeRO-1/2/3 DeepSpeed's
+  files, consolidated by DeepSpeed's ``zero_to_fp32`` with every file read weights-only. The
+  checkpoint's meta.json holds the model config and the dataset's tokenizer;
+- a ``.safetensors`` file written by ``tools/export.py --format safetensors`` (the same facts in
+  its metadata);
+- a Hugging Face GPT-2 or Llama model directory, and a nanoGPT ``ckpt.pt`` (model/interop.py).
+
+Weights leave as that safetensors file or as a Hugging Face directory (``write_export``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from common.errors import CheckpointError, InteropError
+from model.config import ModelConfig
+from model.gpt import GPT
+from model.interop import CONFIG_FILE, check_state_dict, read_hf_dir, read_nanogpt_ckpt, write_hf_dir
+from parallel.checkpoint import has_sharded_state, read_model_weights, safe_torch_load
+from parallel.engine import FULL_STATE_FILE
+from parallel.zero import CHECKPOINT_TAG, read_zero_model_weights
+from training import checkpoint as ckpt
+from training.config import JobConfig, from_dict, to_dict
+
+FORMATS = ("hf", "safetensors")
+# What the weights fix; the other model keys (dropout, attention backend, recompute, init) stay the run's.
+ARCHITECTURE_KEYS = ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "norm",
+                     "norm_eps", "mlp", "gelu", "position", "rope_theta", "tie_embeddings", "bias")
+SAFETENSORS_NAME = "model.safetensors"
+# Keys of the safetensors metadata (strings only) and of an exported HF config.json.
+META_MODEL, META_TOKENIZER, META_EOT = "perfgpt_model", "perfgpt_tokenizer", "perfgpt_eot_id"
+# Prefixes wrappers put before parameter names (torch.compile, DDP, activation checkpointing).
+WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.")
+
+
+@dataclass
+class ModelSource:
+    cfg: ModelConfig
+    state: dict[str, torch.Tensor]
+    tokenizer: str | None  # data.tokenizer.build_tokenizer spec; None: unknown (pass --tokenizer)
+    eot_id: int | None
+    origin: str  # one line for the log: what was read
+
+    def build(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> GPT:
+        """The GPT with these weights, in eval mode."""
+        model = GPT(self.cfg)
+        model.load_state_dict(self.state)
+        model.to(device=device, dtype=dtype)
+        return model.eval()
+
+
+def load_source(path: str | Path) -> ModelSource:
+    """Any supported source (see the module docstring), its weights checked against its config."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist (expected a checkpoint or run directory, an exported "
+                              ".safetensors file, a Hugging Face model directory or a nanoGPT ckpt.pt)")
+    if path.is_file() and path.suffix == ".safetensors":
+        source = _read_safetensors(path)
+    elif path.is_file():
+        cfg, state = read_nanogpt_ckpt(path)
+        source = ModelSource(cfg, state, *_nanogpt_tokenizer(cfg), origin=f"nanoGPT checkpoint {path}")
+    elif (path / CONFIG_FILE).is_file():
+        source = _read_hf(path)
+    elif (path / SAFETENSORS_NAME).is_file():
+        source = _read_safetensors(path / SAFETENSORS_NAME)
+    else:
+        source = read_checkpoint(_step_dir(path))
+    check_state_dict(source.cfg, source.state)
+    return source
+
+
+def with_initial_weights(cfg: JobConfig) -> tuple[JobConfig, ModelSource, str]:
+    """``cfg`` with the architecture of ``model.init_from``, those weights, and a log line naming
+    the source and every architecture key it changed."""
+    source = load_source(cfg.model.init_from)
+    changed = [f"{k} {getattr(cfg.model, k)} -> {getattr(source.cfg, k)}" for k in ARCHITECTURE_KEYS
+               if getattr(cfg.model, k) != getattr(source.cfg, k)]
+    cfg = replace(cfg, model=replace(cfg.model, **{k: getattr(source.cfg, k) for k in ARCHITECTURE_KEYS}))
+    cfg.validate()  # e.g. tensor parallelism must still divide the heads of the imported model
+    note = (f"model.init_from: {source.origin}; architecture from it"
+            + (f" ({', '.join(changed)})" if changed else " (the same as configured)"))
+    return cfg, source, note
+
+
+def read_checkpoint(step_dir: Path) -> ModelSource:
+    """The model of one perfgpt checkpoint directory, whichever layout saved it."""
+    meta = ckpt.read_checkpoint_meta(step_dir, 1, "", reshard=True)
+    if "model" not in meta:
+        raise CheckpointError(f"{step_dir / ckpt.META} records no model config; it was written by an older perfgpt")
+    cfg = model_config(meta["model"], f"{step_dir / ckpt.META}")
+    if has_sharded_state(step_dir):
+        state, kind = read_model_weights(step_dir), "sharded (DCP)"
+    elif (step_dir / CHECKPOINT_TAG).is_dir():
+        state, kind = read_zero_model_weights(step_dir), "DeepSpeed ZeRO"
+    elif (step_dir / FULL_STATE_FILE).is_file():
+        state, kind = safe_torch_load(step_dir / FULL_STATE_FILE, map_location="cpu")["model"], "full-state"
+    else:
+        raise CheckpointError(f"{step_dir} holds no model weights (no {FULL_STATE_FILE}, dcp/ or {CHECKPOINT_TAG}/)")
+    state = _plain_names(state)
+    if cfg.tie_embeddings and "lm_head.weight" not in state and "tok_emb.weight" in state:
+        state["lm_head.weight"] = state["tok_emb.weight"]  # one tensor, saved once by some engines
+    layout = meta.get("layout") or {}
+    words = " ".join(f"{k}={v}" for k, v in layout.items() if v != 1) or "one replica"
+    origin = (f"perfgpt checkpoint {step_dir} (step {meta.get('step')}, {kind}, strategy "
+              f"{meta.get('strategy')}, {words}, {meta.get('world_size')} rank(s))")
+    return ModelSource(cfg, state, meta.get("tokenizer") or None, meta.get("eot_id"), origin)
+
+
+def model_config(raw: Mapping[str, Any], where: str) -> ModelConfig:
+    try:
+        return from_dict(ModelConfig, dict(raw), "model.")
+    except Exception as exc:  # noqa: BLE001 -- a config this code cannot build, whatever the reason
+        raise CheckpointError(f"{where}: its model config does not build here: {exc}") from None
+
+
+def _step_dir(path: Path) -> Path:
+    """A checkpoint directory from a step, checkpoint-root or run directory."""
+    if (path / ckpt.META).is_file():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    found = ckpt.find_latest(root)
+    if found is None:
+        raise CheckpointError(f"{path} holds no complete perfgpt checkpoint, Hugging Face config.json or "
+                              f"{SAFETENSORS_NAME}")
+    return found
+
+
+def _plain_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state.items():
+        for prefix in WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        out[name] = tensor.detach().to("cpu")
+    return out
+
+
+def _nanogpt_tokenizer(cfg: ModelConfig) -> tuple[str | None, int | None]:
+    # nanoGPT trains on GPT-2's BPE (50257 ids, padded to 50304); its char-level example has its own.
+    return ("tiktoken:gpt2", 50256) if cfg.vocab_size >= 50257 else (None, None)
+
+
+def _read_hf(path: Path) -> ModelSource:
+    cfg, state = read_hf_dir(path)
+    config = json.loads((path / CONFIG_FILE).read_text())
+    tokenizer = config.get(META_TOKENIZER)
+    if tokenizer is None and (path / "tokenizer.json").is_file():
+        tokenizer = f"hf:{path / 'tokenizer.json'}"
+    eos = config.get("eos_token_id")
+    eot = eos[0] if isinstance(eos, list) and eos else eos
+    return ModelSource(cfg, state, tokenizer, eot, origin=f"Hugging Face {config.get('model_type')} model {path}")
+
+
+def _read_safetensors(file: Path) -> ModelSource:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            meta = handle.metadata() or {}
+        state = load_file(str(file))
+    except Exception as exc:  # noqa: BLE001 -- safetensors raises its own error types for damaged files
+        raise InteropError(f"cannot read {file}: {str(exc).splitlines()[0][:200] if str(exc) else exc}") from None
+    if META_MODEL not in meta:
+        raise InteropError(f"{file} has no {META_MODEL} metadata: not written by tools/export.py "
+                           "(for a Hugging Face model pass its directory)")
+    cfg = model_config(json.loads(meta[META_MODEL]), str(file))
+    if cfg.tie_embeddings and "tok_emb.weight" in state:
+        state["lm_head.weight"] = state["tok_emb.weight"]  # stored once
+    eot = meta.get(META_EOT)
+    return ModelSource(cfg, state, meta.get(META_TOKENIZER) or None, int(eot) if eot not in (None, "") else None,
+                       origin=f"perfgpt export {file}")
+
+
+def write_export(source: ModelSource, out: str | Path, fmt: str, dtype: torch.dtype | None = None) -> Path:
+    """``out`` becomes a Hugging Face directory (fmt hf) or holds ``model.safetensors`` (fmt
+    safetensors); returns the file or directory written."""
+    if fmt not in FORMATS:
+        raise InteropError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in source.state.items()}
+    out = Path(out)
+    if fmt == "hf":
+        extra: dict[str, Any] = {}
+        if source.eot_id is not None:
+            extra.update(eos_token_id=source.eot_id, bos_token_id=source.eot_id)
+        if source.tokenizer:
+            extra[META_TOKENIZER] = source.tokenizer
+        return write_hf_dir(source.cfg, state, out, extra)
+    return _write_safetensors(source, state, out / SAFETENSORS_NAME)
+
+
+def _write_safetensors(source: ModelSource, state: Mapping[str, torch.Tensor], file: Path) -> Path:
+    from safetensors.torch import save_file
+
+    tensors = {k: v for k, v in state.items() if not (source.cfg.tie_embeddings and k == "lm_head.weight")}
+    meta = {"format": "pt", META_MODEL: json.dumps(to_dict(source.cfg)), META_TOKENIZER: source.tokenizer or "",
+            META_EOT: "" if source.eot_id is None else str(source.eot_id)}
+    tmp = file.with_name(file.name + ".tmp")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        tmp.replace(file)  # a failed write never leaves an earlier export half-overwritten
+    except OSError as exc:
+        raise InteropError(f"cannot write {file}: {exc.strerror or exc} (errno {exc.errno})") from None
+    return file
