@@ -41,6 +41,11 @@ stage() {  # stage NAME SECONDS LOG COMMAND...: run with a time limit, tee to LO
     [ "$rc" -eq 0 ] || failed+=("$name(rc=$rc)")
 }
 
+if [ "$DRY" != "1" ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA device visible: nothing to measure (bash tools/gpu_bench.sh --dry-run checks the stages on CPU)"
+    exit 1
+fi
+
 {
     date -u +"date: %Y-%m-%dT%H:%M:%SZ"
     echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo 'no commit') $(git status --porcelain 2>/dev/null | wc -l) changed files"
@@ -65,11 +70,6 @@ if [ "$DRY" = "1" ]; then
 else
     # The kernels must be compiled here: an inherited TRITON_INTERPRET=1 would silently interpret them.
     unset TRITON_INTERPRET
-    if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-        echo "no CUDA device visible: nothing to measure (bash tools/gpu_bench.sh --dry-run checks the stages on CPU)" \
-            | tee -a "$OUT/env.txt"
-        exit 1
-    fi
     device=cuda
     cfg124=configs/gpt2-124m.yaml; cfg13=configs/gpt-1.3b.yaml; base124=""; base13="train.micro_batch_size=4"
     steps=(--steps 3 --warmup 3 --rounds 3)
