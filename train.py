@@ -26,7 +26,7 @@ from model.flops import FLOPS_CONVENTION, count_parameters, flops_per_token
 from parallel.distributed import DistContext, env_rank_tag, init_distributed, shutdown_distributed
 from training import checkpoint as ckpt
 from training.build import build_batches, build_from_config
-from training.config import JobConfig, describe_fields, dump_yaml, load_config, to_dict
+from training.config import JobConfig, describe_fields, dump_yaml, load_config, parse_known_overrides, to_dict
 from training.export import with_initial_weights
 from training.loop import Throughput, TrainingLoop
 from training.metrics import RunLogger
@@ -42,11 +42,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--resume", nargs="?", const="latest", help="'latest' (default) or a checkpoint directory")
     parser.add_argument("--profile", action="store_true", help="write a PyTorch profiler trace to <run_dir>/profile")
     parser.add_argument("--help-config", action="store_true", help="list every config key with its default")
-    args, rest = parser.parse_known_args(argv)
-    bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
-    if bad:
-        parser.error(f"unrecognized argument {bad[0]!r}; config overrides look like --section.key=value")
-    return args, rest
+    return parse_known_overrides(parser, argv)
 
 
 def resolve_config(args: argparse.Namespace, overrides: list[str]) -> JobConfig:

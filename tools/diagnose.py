@@ -38,7 +38,7 @@ from common.report import text_table  # noqa: E402
 from model.flops import flops_per_token  # noqa: E402
 from parallel.distributed import init_distributed, shutdown_distributed  # noqa: E402
 from training.build import build_batches, build_from_config  # noqa: E402
-from training.config import JobConfig, load_config  # noqa: E402
+from training.config import JobConfig, load_config, parse_known_overrides  # noqa: E402
 from training.loop import train_step  # noqa: E402
 
 QUIET = ["--logging.progress=plain", "--checkpoint.interval=0", "--checkpoint.save_final=false"]
@@ -52,11 +52,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--memory-budget-gib", type=float, help="memory one rank may use (default: the GPU's)")
     parser.add_argument("--try", dest="try_it", action="store_true", help="run the top finding's switch side by side")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds for --try (default 3)")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
-    if bad:
-        parser.error(f"unrecognized argument {bad[0]!r}; config overrides look like --section.key=value")
-    return args, overrides
+    return parse_known_overrides(parser, argv)
 
 
 class Trainer:

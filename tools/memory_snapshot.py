@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from common.errors import USER_FACING_ERRORS  # noqa: E402
 from parallel.distributed import DistContext, pick_device  # noqa: E402
 from training.build import build_from_config  # noqa: E402
-from training.config import load_config  # noqa: E402
+from training.config import load_config, parse_known_overrides  # noqa: E402
 from training.loop import train_step  # noqa: E402
 
 MIB = 2**20
@@ -112,11 +112,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--steps", type=int, default=3, help="training steps recorded")
     parser.add_argument("--out", type=Path, help="output folder (default: <run_dir>/profile)")
     parser.add_argument("--top", type=int, default=15, help="CPU: rows of the top-allocating ops table")
-    args, rest = parser.parse_known_args(argv)
-    bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
-    if bad:
-        parser.error(f"unrecognized argument {bad[0]!r}; config overrides look like --section.key=value")
-    return args, rest
+    return parse_known_overrides(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ naming the key and, where there is a fixed set, the valid choices.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import types
 import typing
@@ -281,6 +282,16 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig
     cfg = from_dict(JobConfig, raw, prefix="")
     cfg.validate()
     return cfg
+
+
+def parse_known_overrides(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """A command line's own flags, and the ``--section.key=value`` overrides after them; anything
+    else is the parser's one-line usage error."""
+    args, rest = parser.parse_known_args(argv)
+    bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
+    if bad:
+        parser.error(f"unrecognized argument {bad[0]!r}; config overrides look like --section.key=value")
+    return args, rest
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
