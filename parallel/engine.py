@@ -33,7 +33,7 @@ from common.errors import CheckpointError
 from parallel.checkpoint import has_sharded_state, load_sharded, safe_torch_load, save_sharded
 from parallel.optim import OptimConfig, build_adamw, decay_groups
 from parallel.precision import MasterWeights, PrecisionPolicy
-from parallel.tp import local_value, loss_parallel_context
+from parallel.values import local_value, loss_parallel_context
 
 FULL_STATE_FILE = "model_optim.pt"
 

@@ -19,7 +19,7 @@ nothing else assembles a model for training.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 import torch.nn as nn
@@ -40,10 +40,11 @@ from parallel.engine import DDPEngine, Engine, ShardedEngine, TorchEngine
 from parallel.float8 import apply_float8, precompute_scales_after_step
 from parallel.fsdp import apply_fsdp
 from parallel.optim import OptimConfig
-from parallel.pp import PipelineEngine, build_pipeline, split_stages, stage_ids
 from parallel.precision import PrecisionConfig, PrecisionPolicy, check_precision_supported, precision_policy
-from parallel.tp import apply_tensor_parallel
 from parallel.zero import ZERO_STAGES, apply_zero
+
+if TYPE_CHECKING:
+    from parallel.pp import PipelineEngine
 
 
 @dataclass(frozen=True)
@@ -86,13 +87,19 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     model.to(dtype=policy.module_dtype)
     # 4. Pipeline stages: split first, so every later step sees only this rank's layers.
     n_stages = dims.pp * parallel_cfg.pp_virtual_stages
-    stages = stage_ids(dims.coordinate("pp"), dims.pp, parallel_cfg.pp_virtual_stages) if dims.pp > 1 else [0]
-    parts = split_stages(model, stages, n_stages) if dims.pp > 1 else [model]
+    stages, parts = [0], [model]
+    if dims.pp > 1:
+        from parallel.pp import split_stages, stage_ids  # torch's pipelining: seconds of imports, pp only
+
+        stages = stage_ids(dims.coordinate("pp"), dims.pp, parallel_cfg.pp_virtual_stages)
+        parts = split_stages(model, stages, n_stages)
     loss_parallel = dims.tp > 1 and parallel_cfg.loss_parallel
     fp8_notes = []
     for part in parts:
         # 5. Tensor parallelism, on the plain modules (before wrappers change their classes).
         if dims.tp > 1:
+            from parallel.tp import apply_tensor_parallel  # DTensor: over a second of imports, tp only
+
             apply_tensor_parallel(part, ctx.submesh("tp"), sequence_parallel=parallel_cfg.sequence_parallel,
                                   loss_parallel=loss_parallel)
         # FP8 linears swap module classes, so they go in before the recompute and compile wrappers.
@@ -206,6 +213,8 @@ def apply_pipeline(parts: list[GPT], stages: list[int], n_stages: int, parallel_
                    ctx: DistContext, policy: PrecisionPolicy, optim_cfg: OptimConfig, *, grad_accum_steps: int,
                    loss_parallel: bool) -> PipelineEngine:
     """Each stage sharded over the data-parallel dimensions (FSDP2), then the schedule over the pp dimension."""
+    from parallel.pp import PipelineEngine, build_pipeline
+
     dp_mesh = ctx.submesh("dp_replicate", "dp_shard")
     if parallel_cfg.strategy == "fsdp":
         if dp_mesh is None:

@@ -43,7 +43,7 @@ from parallel.checkpoint import load_sharded, save_sharded
 from parallel.engine import Engine, StepResult, TorchEngine
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
-from parallel.tp import local_value, loss_parallel_context
+from parallel.values import local_value, loss_parallel_context
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -174,21 +174,30 @@ class PipelineEngine(Engine):
                 stepper.masters.grads_to_masters()
         grads = [p.grad for s in self.steppers for p in s._grad_params if p.grad is not None]
         grad_norm = pipeline_grad_norm(grads, self.pipeline.group)
-        # The one deliberate host sync per step: a non-finite gradient must never reach the weights.
-        finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
-        if finite:
-            if self.grad_clip > 0:
-                scale = min(1.0, self.grad_clip / (float(grad_norm) + 1e-6))
-                if scale < 1.0:
-                    torch._foreach_mul_([local_value_of(g) for g in grads], scale)
-            for stepper in self.steppers:
+        # A non-finite gradient must never reach the weights. Fused AdamW skips on the device
+        # (found_inf), so with it on every stage the step needs no host sync; the other
+        # implementations read the flag on the host.
+        skipped = ~(torch.isfinite(grad_norm) & torch.isfinite(loss))
+        on_device = all(bool(s.optimizer.defaults.get("fused")) for s in self.steppers)
+        if not on_device:
+            skipped = bool(skipped)
+        if self.grad_clip > 0 and (on_device or not skipped):
+            # clip_grad_norm_'s rule with the pipeline-wide norm, computed and applied on the device
+            scale = (self.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_([local_value_of(g) for g in grads], scale)
+        for stepper in self.steppers:
+            if on_device:
+                stepper.optimizer.found_inf = skipped.float()  # 1.0: weights, moments and step count stay
                 stepper.optimizer.step()
-                if stepper.masters is not None:
-                    stepper.masters.masters_to_model()
+                del stepper.optimizer.found_inf
+            elif not skipped:
+                stepper.optimizer.step()
+            if stepper.masters is not None and (on_device or not skipped):
+                stepper.masters.masters_to_model()
         for stepper in self.steppers:
             stepper.optimizer.zero_grad(set_to_none=True)
             stepper.model.zero_grad(set_to_none=True)
-        return StepResult(grad_norm=grad_norm, skipped=not finite)
+        return StepResult(grad_norm=grad_norm, skipped=skipped)
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

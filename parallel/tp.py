@@ -40,7 +40,6 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel,
     parallelize_module,
 )
 
@@ -121,13 +120,3 @@ def _shard_positions(pos_emb: nn.Embedding, tp_mesh: DeviceMesh, sequence_parall
         return output.to_local()
 
     distribute_module(pos_emb, tp_mesh, input_fn=to_replicated, output_fn=to_local_rows)
-
-
-def local_value(tensor: torch.Tensor) -> torch.Tensor:
-    """A loss computed under loss parallelism is a replicated DTensor: its plain value."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def loss_parallel_context():
-    """Cross-entropy on vocab-sharded logits (forward and backward must both run inside it)."""
-    return loss_parallel()

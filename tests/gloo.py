@@ -7,6 +7,7 @@ on the parts of the results it needs.
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import pickle
 import tempfile
@@ -20,7 +21,9 @@ import torch.multiprocessing as mp
 from tests.conftest import free_port
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple, env: dict) -> None:
+    os.environ.clear()  # the launching test's environment, not the one the fork server started with
+    os.environ.update(env)
     os.environ.update(
         WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
     )
@@ -40,10 +43,19 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
         pickle.dump(result, f)
 
 
+# Workers are forked from a server process that imported these once, instead of each importing
+# torch and the project afresh (seconds per rank on a small machine). The server holds no threads
+# and no process group, so forking it is safe.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "training.build", "tests.conftest"]
+
+
 def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     """Run fn(rank, world_size, *args) on world_size gloo processes; return each rank's result."""
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server first starts
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=True)
+        mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args, dict(os.environ)),
+                           nprocs=world_size, join=True,
+                           start_method="forkserver")
         results = []
         for r in range(world_size):
             with open(os.path.join(out_dir, f"{r}.pkl"), "rb") as f:

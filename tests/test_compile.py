@@ -34,3 +34,45 @@ def test_compile_disabled_is_a_no_op():
     before = [type(b) for b in model.blocks.values()]
     apply_compile(model, enabled=False, mode="default", compile_loss=True)
     assert [type(b) for b in model.blocks.values()] == before and model.blocks["0"]._compiled_call_impl is None
+
+
+def _graph_ops(gelu_input: torch.Tensor) -> tuple[set[str], set[str], torch.Tensor, torch.Tensor]:
+    """Compile reference.bias_gelu; the aten ops of its forward and backward graphs, its output and input grad."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from kernels import reference
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(reference.bias_gelu, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    x = gelu_input.clone().requires_grad_()
+    out = compiled(x, None, "tanh")
+    out.backward(torch.ones_like(out))
+    torch._dynamo.reset()
+    fw, bw = ({str(n.target) for n in g.graph.nodes if n.op == "call_function"} for g in graphs)
+    return fw, bw, out.detach(), x.grad
+
+
+def test_compiled_tanh_gelu_on_cpu_is_spelled_through_sigmoid_and_is_the_same_function():
+    x = torch.randn(64, 96, dtype=torch.float64) * 3
+    fw, bw, out, grad = _graph_ops(x)
+    # Inductor's CPU code evaluates tanh about three times slower than the exponential in a sigmoid.
+    assert not any("tanh" in op or "gelu" in op for op in fw | bw), (fw, bw)
+    assert any("sigmoid" in op for op in fw) and any("sigmoid" in op for op in bw)
+    reference_x = x.clone().requires_grad_()
+    expected = torch.nn.functional.gelu(reference_x, approximate="tanh")
+    expected.backward(torch.ones_like(expected))
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, reference_x.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_eager_tanh_gelu_stays_aten_gelu():
+    from kernels import reference
+
+    x = torch.randn(8, 40) * 3
+    assert torch.equal(reference.bias_gelu(x, None, "tanh"), torch.nn.functional.gelu(x, approximate="tanh"))

@@ -33,6 +33,9 @@ LAZY_ALLOWED = {
     "kernels.triton.swiglu": "triton",
     "kernels.triton.cross_entropy": "triton",
     "kernels.triton.rope": "triton",
+    # Not optional, but over a second of torch imports each that a run without the layout never uses:
+    "parallel.tp": "torch.distributed.tensor",
+    "parallel.pp": "torch.distributed.pipelining",
 }
 
 

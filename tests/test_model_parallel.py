@@ -121,7 +121,40 @@ def two_rank_worker(rank: int, world: int, ckpt_root: str) -> dict:
     engine = build_from_config(cfg, gloo_context(rank, world)).engine
     engine.load(Path(ckpt_root) / "tp")
     results["tp_into_fsdp"] = full_params(engine)
+    results["pp_device_skip"] = pipeline_skip_on_device(rank, world)
     return results
+
+
+def pipeline_skip_on_device(rank: int, world: int) -> dict:
+    """pp=2 with fused AdamW: step 0 applies, step 1 has a NaN planted in rank 0's gradients and is
+    skipped by every stage, with no value read on the host during either optimizer step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountHostReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+                CountHostReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = job(pp=2, pp_schedule="1f1b")
+    cfg.optim.fused = "on"
+    ctx = gloo_context(rank, world, pp=2)
+    engine = build_from_config(cfg, ctx).engine
+    out = {"skipped": [], "changed": [], "steps": []}
+    for step in range(2):
+        before = full_params(engine)
+        loss, _ = engine.forward_backward_step(iter(micro_batches(step, 0, 1)), ACCUM)
+        if step == 1 and rank == 0:
+            next(p for p in engine.module().parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+        with CountHostReads():
+            result = engine.optimizer_step(cfg.optim.lr, loss)
+        out["skipped"].append(result.skipped.tolist() if torch.is_tensor(result.skipped) else result.skipped)
+        out["changed"].append(any(not torch.equal(v, full_params(engine)[k]) for k, v in before.items()))
+        out["steps"].append(sorted({int(st["step"]) for s in engine.steppers for st in s.optimizer.state.values()}))
+    out["host_reads"] = CountHostReads.reads
+    return out
 
 
 def four_rank_worker(rank: int, world: int, ckpt_root: str) -> dict:
@@ -181,6 +214,15 @@ def test_two_rank_layouts_match_one_process(name, two_rank_results):
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_composed_layouts_match_one_process(name, four_rank_results):
     _check_against_reference(four_rank_results, name, reference(dp_size=2))
+
+
+def test_a_pipeline_with_fused_adamw_skips_a_nan_step_on_the_device(two_rank_results):
+    for got in two_rank_results:
+        got = got["pp_device_skip"]
+        assert got["host_reads"] == 0  # no host sync in the optimizer step, even with clipping
+        assert got["skipped"] == [False, True]  # rank 1's stages skip too: the norm is pipeline-wide
+        assert got["changed"] == [True, False]  # the NaN step leaves every weight as it was
+        assert got["steps"] == [[1], [1]]  # and the optimizer's step count
 
 
 def test_a_tensor_parallel_checkpoint_loads_into_other_layouts(two_rank_results, checkpoints):
@@ -261,19 +303,22 @@ def test_pipeline_stages_keep_their_blocks_under_their_global_names():
 
 
 def test_train_py_resumes_a_tensor_parallel_run_exactly(tmp_path, corpus_cache):
-    """The real CLI under torchrun: 6 steps straight, or 3 then --resume, give the same losses."""
+    """The real CLI under torchrun: 6 steps straight (saving at step 3 on the way), and a second run
+    resumed from that step-3 checkpoint, give the same losses for steps 4-6."""
     common = {"model.tie_embeddings": False, "parallel.tp": 2, "optim.decay_steps": 6, "train.max_steps": 6,
-              "train.grad_accum_steps": 2, "train.eval_interval": 6, "train.eval_steps": 2}
+              "train.grad_accum_steps": 2, "train.eval_interval": 6, "train.eval_steps": 2,
+              "checkpoint.interval": 3}
     full, split = tmp_path / "full", tmp_path / "split"
     tiny = ["--config", "configs/tiny.yaml"]
-    assert run_torchrun(2, [*tiny, *tiny_overrides(full, corpus_cache, **common)]).returncode == 0
-    first = run_torchrun(2, [*tiny, *tiny_overrides(split, corpus_cache, **{**common, "train.max_steps": 3})])
+    first = run_torchrun(2, [*tiny, *tiny_overrides(full, corpus_cache, **common)])
     assert first.returncode == 0, first.stderr[-2000:]
-    second = run_torchrun(2, [*tiny, "--resume", *tiny_overrides(split, corpus_cache, **common)])
+    step3 = full / "checkpoints" / "step_00000003"
+    second = run_torchrun(2, [*tiny, "--resume", str(step3), *tiny_overrides(split, corpus_cache, **common)])
     assert second.returncode == 0, second.stderr[-2000:]
     assert "layout: tp=2" in second.stdout and "continuing from" in second.stdout
     losses = {r["step"]: r["loss"] for r in read_metrics(split) if "loss" in r}
-    assert losses == {r["step"]: r["loss"] for r in read_metrics(full) if "loss" in r}
+    assert sorted(losses) == [4, 5, 6]
+    assert losses == {r["step"]: r["loss"] for r in read_metrics(full) if "loss" in r and r["step"] > 3}
 
     # tools/evaluate.py joins the tensor-parallel shards of the final checkpoint in one process:
     # its loss on the loop's validation batches (2 of train.micro_batch_size=4) is the tp run's.

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.conftest import free_port
+from tests.gloo import run_workers
 
 WORLD = 2
 # selective and every_k use the same recompute wrapper as full, on other modules; these three cover
@@ -45,23 +41,19 @@ def _fsdp2(model, mesh):
     return model
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.nn.parallel import DistributedDataParallel as DDP
+def _worker(rank: int, world: int) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-        mesh = init_device_mesh("cpu", (WORLD,))
-        fsdp_expected = _step(_fsdp2(_build("none"), mesh), rank)
-        ddp_expected = _step(DDP(_build("none")), rank)
-        for policy in POLICIES:
-            sharded = _fsdp2(_build(policy), mesh)
-            assert [n for n, _ in sharded.named_parameters()] == list(fsdp_expected), policy
-            _assert_close(_step(sharded, rank), fsdp_expected, f"FSDP2 {policy}")
-            _assert_close(_step(DDP(_build(policy)), rank), ddp_expected, f"DDP {policy}")
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    fsdp_expected = _step(_fsdp2(_build("none"), mesh), rank)
+    ddp_expected = _step(DDP(_build("none")), rank)
+    for policy in POLICIES:
+        sharded = _fsdp2(_build(policy), mesh)
+        assert [n for n, _ in sharded.named_parameters()] == list(fsdp_expected), policy
+        _assert_close(_step(sharded, rank), fsdp_expected, f"FSDP2 {policy}")
+        _assert_close(_step(DDP(_build(policy)), rank), ddp_expected, f"DDP {policy}")
+    return True
 
 
 def _assert_close(actual: dict, expected: dict, what: str) -> None:
@@ -74,4 +66,4 @@ def _assert_close(actual: dict, expected: dict, what: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_policies_give_the_same_gradients_under_fsdp2_and_ddp():
-    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    assert run_workers(_worker, WORLD) == [True] * WORLD

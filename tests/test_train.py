@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,9 +93,17 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000003"]
 
 
-def test_corrupt_or_mismatched_checkpoints_give_clear_errors(tmp_path, corpus_cache):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory, corpus_cache) -> Path:
+    """A finished 2-step run of the tiny config; tests that damage or resume it work on a copy."""
+    run_dir = tmp_path_factory.mktemp("two-step") / "run"
     assert run_train(["--config", TINY, *tiny_overrides(run_dir, corpus_cache, **{"train.max_steps": 2})]).returncode == 0
+    return run_dir
+
+
+def test_corrupt_or_mismatched_checkpoints_give_clear_errors(tmp_path, corpus_cache, two_step_run):
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_step_run, run_dir)
     step_dir = run_dir / "checkpoints" / "step_00000002"
     (step_dir / "model_optim.pt").write_bytes(b"\x80\x02not a checkpoint")
     proc = run_train(["--config", TINY, "--resume", *tiny_overrides(run_dir, corpus_cache, **{"train.max_steps": 4})])
@@ -112,9 +121,9 @@ def test_corrupt_or_mismatched_checkpoints_give_clear_errors(tmp_path, corpus_ca
     assert proc.returncode == 2 and "checkpoint not found" in proc.stderr
 
 
-def test_resume_with_a_different_model_shape_is_a_clear_error(tmp_path, corpus_cache):
+def test_resume_with_a_different_model_shape_is_a_clear_error(tmp_path, corpus_cache, two_step_run):
     run_dir = tmp_path / "run"
-    assert run_train(["--config", TINY, *tiny_overrides(run_dir, corpus_cache, **{"train.max_steps": 2})]).returncode == 0
+    shutil.copytree(two_step_run, run_dir)
     proc = run_train(["--config", TINY, "--resume", *tiny_overrides(run_dir, corpus_cache, **{"model.d_model": 32})])
     assert proc.returncode == 2
     assert "does not match the model" in proc.stderr and "Traceback" not in proc.stderr
