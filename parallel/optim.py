@@ -37,7 +37,8 @@ class OptimConfig:
     eps: float = doc(1e-8, "AdamW epsilon, > 0")
     grad_clip: float = doc(1.0, "clip the global gradient norm to this value; 0 disables")
     fused: Literal["auto", "on", "off"] = doc(
-        "auto", "fused AdamW kernel: auto uses it where PyTorch supports the device"
+        "auto", "fused AdamW kernel (skips a non-finite step without a host sync): auto uses it on CUDA; on "
+        "uses it on any device PyTorch's fused AdamW runs on (CPU too)"
     )
 
     def validate(self) -> None:
