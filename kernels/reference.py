@@ -51,12 +51,12 @@ _GELU_A = 0.044715
 class TanhGeluViaSigmoid(torch.autograd.Function):
     """GPT-2's tanh-GELU written through 0.5 * (1 + tanh(z)) = sigmoid(2z), for Inductor on CPU.
 
-    The same function, spelled so that Inductor's CPU code evaluates an exponential instead of a
-    tanh, which it does about three times slower; a compiled block's GELU forward and backward
-    together take about half the time (``tools/bench_peers.py`` measures the whole step). Only
-    the input is saved, as aten's GELU saves it: the backward recomputes the sigmoid inside the
-    same fused kernel, so a compiled model keeps the same activations. In eager mode separate
-    kernels for each term would cost more than aten's one GELU kernel, so eager never takes this.
+    The same function, spelled so that Inductor's CPU code evaluates an exponential, which torch's
+    CPU code does much faster than a tanh (docs/profiling.md; ``tools/bench_peers.py --profile``
+    measures the whole step). Only the input is saved, as aten's GELU saves it: the backward
+    recomputes the sigmoid inside the same fused kernel, so a compiled model keeps the same
+    activations. In eager mode separate kernels for each term cost more than aten's one GELU
+    kernel, so eager never takes this.
     """
 
     @staticmethod

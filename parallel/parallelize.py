@@ -89,7 +89,7 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     n_stages = dims.pp * parallel_cfg.pp_virtual_stages
     stages, parts = [0], [model]
     if dims.pp > 1:
-        from parallel.pp import split_stages, stage_ids  # torch's pipelining: seconds of imports, pp only
+        from parallel.pp import split_stages, stage_ids  # torch's pipelining: imported by pp runs only
 
         stages = stage_ids(dims.coordinate("pp"), dims.pp, parallel_cfg.pp_virtual_stages)
         parts = split_stages(model, stages, n_stages)
@@ -98,7 +98,7 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     for part in parts:
         # 5. Tensor parallelism, on the plain modules (before wrappers change their classes).
         if dims.tp > 1:
-            from parallel.tp import apply_tensor_parallel  # DTensor: over a second of imports, tp only
+            from parallel.tp import apply_tensor_parallel  # DTensor's parallel styles: tp runs only
 
             apply_tensor_parallel(part, ctx.submesh("tp"), sequence_parallel=parallel_cfg.sequence_parallel,
                                   loss_parallel=loss_parallel)

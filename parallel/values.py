@@ -1,8 +1,10 @@
 """Plain values of tensors that may be DTensors, without importing DTensor.
 
-Importing ``torch.distributed.tensor`` costs over a second, which a run without tensor
-parallelism, FSDP2 or a pipeline never needs. A DTensor can only exist once that module has been
-imported, so looking it up in ``sys.modules`` answers "is this a DTensor?" without the import.
+Importing ``torch.distributed.tensor`` costs over a second on a small machine. The engines only
+need to ask "is this a DTensor?", and a DTensor can only exist once that module has been imported,
+so looking it up in ``sys.modules`` answers without the import: ``train.py --help`` and the one-line
+config errors come back without paying for it (a run that trains imports it anyway, through
+torch.optim's use of dynamo).
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
 # Workers are forked from a server process that imported these once, instead of each importing
 # torch and the project afresh (seconds per rank on a small machine). The server holds no threads
 # and no process group, so forking it is safe.
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "training.build", "tests.conftest"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "training.build",
+           "parallel.tp", "parallel.pp", "tests.conftest"]
 
 
 def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:

@@ -33,7 +33,7 @@ LAZY_ALLOWED = {
     "kernels.triton.swiglu": "triton",
     "kernels.triton.cross_entropy": "triton",
     "kernels.triton.rope": "triton",
-    # Not optional, but over a second of torch imports each that a run without the layout never uses:
+    # Not optional, but seconds of torch imports that start-up, --help and config errors need not pay:
     "parallel.tp": "torch.distributed.tensor",
     "parallel.pp": "torch.distributed.pipelining",
 }
