@@ -47,6 +47,22 @@ class StepResult:
     loss_scale: float | None = None
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Fused AdamW takes the skip flag as a device tensor (found_inf): no host sync to skip a step."""
+    return bool(optimizer.defaults.get("fused"))
+
+
+def step_unless_skipped(optimizer: torch.optim.Optimizer, skipped: bool | torch.Tensor) -> None:
+    """Step, unless ``skipped``: a host bool decides here; a device flag goes to the fused kernel,
+    which leaves weights, moments and step count as they were when found_inf is 1."""
+    if isinstance(skipped, torch.Tensor):
+        optimizer.found_inf = skipped.float()
+        optimizer.step()
+        del optimizer.found_inf
+    elif not skipped:
+        optimizer.step()
+
+
 class Engine(abc.ABC):
     """What the training loop, evaluation and checkpointing need from a parallel layout."""
 
@@ -161,19 +177,14 @@ class TorchEngine(Engine):
         # A non-finite gradient must never reach the weights. Fused AdamW skips on the device;
         # the other implementations need the flag on the host: a sync each step.
         skipped = local_value(~(torch.isfinite(grad_norm) & torch.isfinite(loss)))
-        on_device = bool(self.optimizer.defaults.get("fused"))
+        on_device = skips_on_device(self.optimizer)
         if not on_device:
             skipped = bool(skipped)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips by itself on inf/nan and lowers the scale
             self.scaler.update()
-        elif on_device:
-            # found_inf == 1.0 makes the fused kernel leave weights, moments and step count as they were.
-            self.optimizer.found_inf = skipped.float()
-            self.optimizer.step()
-            del self.optimizer.found_inf
-        elif not skipped:
-            self.optimizer.step()
+        else:
+            step_unless_skipped(self.optimizer, skipped)
         if self.masters is not None and (on_device or not skipped):
             self.masters.masters_to_model()  # after a skip the masters are unchanged: the copy is a no-op
         self.optimizer.zero_grad(set_to_none=True)

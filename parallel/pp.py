@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from model.gpt import GPT
 from parallel.checkpoint import load_sharded, save_sharded
-from parallel.engine import Engine, StepResult, TorchEngine
+from parallel.engine import Engine, StepResult, TorchEngine, skips_on_device, step_unless_skipped
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
 from parallel.values import local_value, loss_parallel_context
@@ -178,7 +178,7 @@ class PipelineEngine(Engine):
         # (found_inf), so with it on every stage the step needs no host sync; the other
         # implementations read the flag on the host.
         skipped = ~(torch.isfinite(grad_norm) & torch.isfinite(loss))
-        on_device = all(bool(s.optimizer.defaults.get("fused")) for s in self.steppers)
+        on_device = all(skips_on_device(s.optimizer) for s in self.steppers)
         if not on_device:
             skipped = bool(skipped)
         if self.grad_clip > 0 and (on_device or not skipped):
@@ -186,12 +186,7 @@ class PipelineEngine(Engine):
             scale = (self.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_([local_value_of(g) for g in grads], scale)
         for stepper in self.steppers:
-            if on_device:
-                stepper.optimizer.found_inf = skipped.float()  # 1.0: weights, moments and step count stay
-                stepper.optimizer.step()
-                del stepper.optimizer.found_inf
-            elif not skipped:
-                stepper.optimizer.step()
+            step_unless_skipped(stepper.optimizer, skipped)
             if stepper.masters is not None and (on_device or not skipped):
                 stepper.masters.masters_to_model()
         for stepper in self.steppers:
