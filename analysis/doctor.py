@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, field
 
 from common.measure import union_length
+from model.recompute import no_gain_note
 
 COMM = re.compile(r"c10d|gloo|nccl|all_?reduce|all_?gather|reduce_?scatter|broadcast|send|recv|_comms", re.I)
 OPTIMIZER = "Optimizer.step#"
@@ -119,11 +120,10 @@ def verdicts(b: Breakdown, job: Job) -> list[Verdict]:
         out.append(Verdict(exposed, f"exposed communication {exposed:.0%} of step time (> {EXPOSED_COMM_LIMIT:.0%}, "
                            f"overlapped {b.share('comm_overlapped'):.0%} hidden behind compute): {switch} "
                            "(chapter 8.3)", ["--parallel.ddp_bucket_cap_mb=100"] if job.strategy == "ddp" else []))
-    if job.checkpointing == "selective" and job.attention in ("sdpa", "flash_attn"):
-        out.append(Verdict(max(b.share("compute") * 0.1, 0.05),
-                           f"selective recompute with {job.attention} attention saves nothing here (the fused kernel "
-                           "keeps no s x s scores) and re-runs attention in backward: use model.checkpointing=none, "
-                           "or op_selective to save memory (chapter 8.2)", ["--model.checkpointing=none"]))
+    recompute_note = no_gain_note(job.checkpointing, job.attention)
+    if recompute_note:
+        out.append(Verdict(max(b.share("compute") * 0.1, 0.05), f"{recompute_note} (chapter 8.2)",
+                           ["--model.checkpointing=none"]))
     if job.peak_memory_gib is not None and job.memory_budget_gib:
         headroom = 1 - job.peak_memory_gib / job.memory_budget_gib
         if headroom < HEADROOM_LIMIT:

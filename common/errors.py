@@ -45,6 +45,10 @@ USER_FACING_ERRORS: tuple[type[BaseException], ...] = (
 # gloo prefixes every error with its source location, e.g.
 # "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer ..."
 _GLOO_SOURCE = re.compile(r"\[[^\]\s]*gloo/[^\]\s]*:\d+\]\s*")
+# ...except one: when an operation times out, gloo closes every pair of its context and fails the
+# other operations still pending on them with this bare text (no source location). Which of a
+# rank's pending collectives reports the timeout itself and which this, is a race.
+_GLOO_PAIR_CLOSED = "Application timeout caused pair closure"
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -52,14 +56,17 @@ def is_peer_failure(exc: BaseException) -> bool:
 
     NCCL and c10d raise ``DistError`` subclasses; gloo raises a plain ``RuntimeError`` (from a
     collective's ``wait()``, or from inside DDP's backward hooks), recognisable only by the gloo
-    source location its messages start with. Any other ``RuntimeError`` is a bug and keeps its
-    traceback.
+    source location its messages start with, or by the exact text it gives the operations a
+    timeout closed. Any other ``RuntimeError`` is a bug and keeps its traceback.
     """
     import torch.distributed as dist  # torch is heavy: only paid when a run has failed
 
     if isinstance(exc, dist.DistError):
         return True
-    return isinstance(exc, RuntimeError) and _GLOO_SOURCE.search(str(exc)) is not None
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return _GLOO_SOURCE.search(text) is not None or _GLOO_PAIR_CLOSED in (line.strip() for line in text.splitlines())
 
 
 def describe_peer_failure(exc: BaseException) -> str:

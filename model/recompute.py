@@ -221,6 +221,19 @@ def _wrap_in_place(module: nn.Module, runner: Callable) -> None:
 # --------------------------------------------------------------------------- policies
 
 
+def no_gain_note(policy: str, attention_backend: str) -> str | None:
+    """One line when ``policy`` costs time and saves nothing with this attention, else None.
+
+    Selective recompute drops the s x s attention matrix (Korthikanti et al.); a fused attention
+    kernel never stores it, so the recompute re-runs the kernel for no memory.
+    """
+    if policy != "selective" or attention_backend not in ("sdpa", "flash_attn"):
+        return None
+    return (f"selective recompute with {attention_backend} attention saves nothing here (model.checkpointing="
+            "selective saves no memory: the fused kernel keeps no s x s scores) and re-runs attention in backward: "
+            "use model.checkpointing=none, or op_selective / full to save memory")
+
+
 def apply_recompute(
     model: nn.Module, policy: str, every_k: int = 2, *, observer: Observer | None = None
 ) -> None:

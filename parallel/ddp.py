@@ -29,6 +29,10 @@ def apply_ddp(model: nn.Module, device: torch.device, cfg: ParallelConfig,
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,
         gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view,
         static_graph=cfg.ddp_static_graph,
+        # The model's only buffers (rotary tables) are computed from the config, the same on every
+        # rank; DDP's default would broadcast them from rank 0 before every forward, a blocking
+        # collective per step that nothing overlaps.
+        broadcast_buffers=False,
     )
     return ddp, _register_hook(ddp, cfg, dims)
 

@@ -31,7 +31,7 @@ from model.attention import select_attention
 from model.config import ModelConfig
 from model.gpt import GPT, indexed_blocks
 from model.interop import check_state_dict
-from model.recompute import apply_recompute, describe_recompute
+from model.recompute import apply_recompute, describe_recompute, no_gain_note
 from parallel.config import ParallelConfig
 from parallel.ddp import apply_ddp
 from parallel.dims import ParallelDims
@@ -129,14 +129,8 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
 
 def no_gain_warnings(model_cfg: ModelConfig, attention_backend: str) -> list[str]:
     """Known combinations that cost time and save nothing here, in one line each with the switch."""
-    out = []
-    if model_cfg.checkpointing == "selective" and attention_backend in ("sdpa", "flash_attn"):
-        # Selective recompute drops the s x s attention matrix (Korthikanti et al.); a fused
-        # attention kernel never stores it, so the recompute re-runs the kernel for no memory.
-        out.append(f"model.checkpointing=selective with {attention_backend} attention saves no memory (the fused "
-                   "kernel keeps no s x s scores) and re-runs attention in backward: use model.checkpointing=none, "
-                   "or op_selective / full to save memory")
-    return out
+    note = no_gain_note(model_cfg.checkpointing, attention_backend)
+    return [note] if note else []
 
 
 def describe_layout(dims: ParallelDims, parallel_cfg: ParallelConfig, stages: list[int]) -> str:
