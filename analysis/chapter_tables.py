@@ -655,7 +655,7 @@ def data_formats_table(measured: Measured) -> Table:
             "analytic: what each format's layout implies for random access of token windows",
             "measured here: " + (f"tools/bench_data.py on this machine: {_bench_data_setup(measured.data_bench)} "
                                  f"(full table in {DATA_FORMATS_MEASURED_NAME})"
-                                 if bench else "not run (python tools/reproduce.py runs it)"),
+                                 if bench else "not run (python -m tools.reproduce runs it)"),
         ],
         columns=["format", "chapter's claim", "analysis", "measured here"],
         rows=rows,

@@ -222,7 +222,7 @@ def run_data_benchmark(markdown: Path, plot: Path) -> list[Path]:
     result = data_bench.run_benchmark(DATA_GRID, [tiny], log=lambda line: print(line, flush=True))
     data_bench.write_plot(result, plot)
     where = provenance(data_bench.CPU)  # loaders run on the host whatever the model's device
-    command = " ".join(["python tools/bench_data.py", *DATA_GRID.as_flags(), "--models configs/tiny.yaml"])
+    command = " ".join(["python -m tools.bench_data", *DATA_GRID.as_flags(), "--models configs/tiny.yaml"])
     return data_bench.write_markdown(result, where, markdown, command) + [plot]
 
 

@@ -1,4 +1,6 @@
-"""Shared test set-up: the repo root on sys.path, and a small cached default corpus for runs."""
+"""Shared test set-up: launch helpers, and a small cached default corpus for runs.
+
+The repository root is importable through pytest's ``pythonpath`` setting (pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -8,13 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton reads this when triton.language is first imported, and `import torch._dynamo` already

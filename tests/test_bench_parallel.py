@@ -29,7 +29,7 @@ def test_rows_written_as_json_are_what_the_priority_table_quotes(tmp_path):
         bench_parallel.Row("zero3", math.nan, math.nan, {}, {}, status="zero3: exit 1: boom", ranks=2),
     ]
     md = tmp_path / PARALLEL_CPU
-    written = bench_parallel.write_markdown(rows, "2 ranks, 3 steps", 2, "python tools/bench_parallel.py", md)
+    written = bench_parallel.write_markdown(rows, "2 ranks, 3 steps", 2, "python -m tools.bench_parallel", md)
     assert written == [md, rows_path(md)]
     text = md.read_text()
     assert "| fsdp | 2 | 3.720000 | -2.0e-07 | 100 | 100 |" in text and "failed: zero3: exit 1: boom" in text

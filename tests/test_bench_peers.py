@@ -54,7 +54,7 @@ def test_both_sides_step_on_the_same_batches_with_the_same_optimizer(tmp_path, c
     for r in document["ratios"]:
         assert f"| {r['name']} | {r['text']} |" in table
         assert (NO_DIFFERENCE in r["text"]) == (r["min"] <= 1.0 <= r["max"])
-    assert "command: `python tools/bench_peers.py --rounds 2" in table
+    assert "command: `python -m tools.bench_peers --rounds 2" in table
     profiles = document["profile_ms_per_step"]
     assert list(profiles) == ["perfgpt eager", "transformers eager", "perfgpt compiled", "transformers compiled"]
     assert all(ops["aten::mm"] > 0 for ops in profiles.values())

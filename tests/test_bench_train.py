@@ -37,7 +37,7 @@ def test_bench_train_interleaves_rounds_and_writes_spread_table_and_rows(tmp_pat
     assert "| baseline |" in rows[0]
     assert re.search(r"\| \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)(: no difference measured)? \|", rows[1])
     assert "skipped: precision.mode=fp8 needs Transformer Engine" in rows[2]
-    assert "command: `python tools/bench_train.py --config configs/tiny.yaml --rounds 3" in table
+    assert "command: `python -m tools.bench_train --config configs/tiny.yaml --rounds 3" in table
     assert png.stat().st_size > 1000
     assert table.splitlines()[0] in capsys.readouterr().out
     # the rows as data next to the table: what tools/reproduce.py and the chapter tables read

@@ -30,10 +30,10 @@ def test_naive_baseline_packs_the_file_bytes_into_windows(tmp_path):
 
 def test_cli_runs_a_tiny_grid_and_writes_markdown_and_plot(tmp_path):
     md, png = tmp_path / "bench.md", tmp_path / "bench.png"
-    cmd = [sys.executable, str(ROOT / "tools" / "bench_data.py"), "--mb", "0.3", "--seq-len", "64",
+    cmd = [sys.executable, "-m", "tools.bench_data", "--mb", "0.3", "--seq-len", "64",
            "--batch-sizes", "2", "--workers", "0", "--batches", "3", "--tokenizer", "byte",
            "--models", str(ROOT / "configs" / "tiny.yaml"), "--markdown", str(md), "--plot", str(png)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     for fmt in ("naive", "mmap", "webdataset"):
         assert fmt in done.stdout

@@ -184,7 +184,7 @@ def test_existing_output_needs_overwrite(tmp_path):
 
 
 def test_cli_help_and_error_exit(tmp_path):
-    run = [sys.executable, str(ROOT / "tools" / "prepare_data.py")]
+    run = [sys.executable, "-m", "tools.prepare_data"]
     assert "--output" in subprocess.run(run + ["--help"], capture_output=True, text=True, check=True).stdout
     bad = subprocess.run(run + [str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o")],
                          capture_output=True, text=True)

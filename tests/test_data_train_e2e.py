@@ -30,7 +30,7 @@ def run(cmd, cwd):
 @pytest.mark.parametrize("fmt", ["mmap", "webdataset"])
 def test_prepare_then_train_three_steps(tmp_path, corpus, fmt):
     data = tmp_path / "data"
-    run([sys.executable, str(ROOT / "tools" / "prepare_data.py"), str(corpus), "--out", str(data), "--output", fmt,
+    run([sys.executable, "-m", "tools.prepare_data", str(corpus), "--out", str(data), "--output", fmt,
          "--seq-len", "32", "--samples-per-shard", "100", "--val-fraction", "0.2", "--workers", "1", "--no-progress"],
         tmp_path)
     log = run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),

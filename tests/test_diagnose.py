@@ -83,7 +83,7 @@ def test_a_communication_heavy_layout_on_gloo_is_named(corpus_cache):
             "--optim.fused=on", f"--data.cache_dir={corpus_cache}", "--data.default_corpus_max_mb=2.0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", "tools/diagnose.py", *args],
+                           f"--master_port={free_port()}", "-m", "tools.diagnose", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=200, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     verdict = proc.stdout.strip().splitlines()[-1]

@@ -182,7 +182,7 @@ def test_profile_sh_trains_profiles_summarizes_and_snapshots(tmp_path, corpus_ca
     assert not stale.with_name("trace_rank0_old.summary.txt").exists()
 
     # the memory snapshot ran on the same model in one process
-    snapshot = [c for c in launches if c["argv"] and c["argv"][0] == "tools/memory_snapshot.py"]
+    snapshot = [c for c in launches if c["argv"] and c["argv"][:2] == ["-m", "tools.memory_snapshot"]]
     assert len(snapshot) == 1 and "--parallel.strategy=none" in snapshot[0]["argv"]
     memory_events = json.loads((profile_dir / "memory_trace_cpu.json").read_text())["traceEvents"]
     assert any(e.get("name") == "[memory]" for e in memory_events)

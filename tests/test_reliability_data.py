@@ -335,7 +335,7 @@ def test_decode_matches_python_replace_and_finds_the_first_offset():
 @pytest.mark.timeout(120)
 def test_cli_reports_replacements_and_stops_on_error(tmp_path):
     inputs = [str(p) for p in utf8_inputs(tmp_path)]
-    run = [sys.executable, str(ROOT / "tools" / "prepare_data.py"), *inputs, "--no-progress", "--workers", "1"]
+    run = [sys.executable, "-m", "tools.prepare_data", *inputs, "--no-progress", "--workers", "1"]
     done = subprocess.run(run + ["--out", str(tmp_path / "a")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "warning: replaced 4 invalid UTF-8 sequence(s) with U+FFFD in 2 file(s)/line(s)" in done.stderr

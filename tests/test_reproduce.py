@@ -39,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_quick_run_writes_every_table(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "reproduce.py"), "--quick", "--out", str(out)],
+        [sys.executable, "-m", "tools.reproduce", "--quick", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=170,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

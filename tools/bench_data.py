@@ -8,8 +8,8 @@ upper bound), or measured with real training steps (--measure); --gpu-tflops add
 at --mfu would consume. A loader keeps up when its tokens/s exceed the consumption. The
 measuring lives in data/bench.py; this is its command line.
 
-    python tools/bench_data.py                                  # ~1 minute on 2 cores
-    python tools/bench_data.py --workers 0,1,2 --batch-sizes 8,32 --measure \
+    python -m tools.bench_data                                  # ~1 minute on 2 cores
+    python -m tools.bench_data --workers 0,1,2 --batch-sizes 8,32 --measure \
         --markdown docs/results/data.md --plot docs/results/data.png
 """
 
@@ -19,14 +19,11 @@ import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.errors import USER_FACING_ERRORS  # noqa: E402
-from common.measure import provenance  # noqa: E402
-from common.report import text_table  # noqa: E402
-from data.bench import CPU, FORMATS, ConsumerModel, GridOptions, run_benchmark, tables, write_markdown, write_plot  # noqa: E402
-from training.config import load_config  # noqa: E402
+from common.errors import USER_FACING_ERRORS
+from common.measure import provenance
+from common.report import text_table
+from data.bench import CPU, FORMATS, ConsumerModel, GridOptions, run_benchmark, tables, write_markdown, write_plot
+from training.config import load_config
 
 
 def int_list(text: str) -> list[int]:
@@ -97,7 +94,7 @@ def main(argv=None) -> int:
     print("\nmodel consumption")
     print(text_table(chead, cbody))
     if args.markdown:
-        command = "python tools/bench_data.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python -m tools.bench_data " + " ".join(sys.argv[1:] if argv is None else argv)
         write_markdown(result, provenance(CPU), Path(args.markdown), command)
     if args.plot:
         write_plot(result, Path(args.plot))

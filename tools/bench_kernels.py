@@ -6,8 +6,8 @@ allocator peak during forward+backward, and whether the kernel matches the fp32 
 Without a CUDA device it checks correctness only, in Triton's interpreter on small shapes, and
 says so.
 
-    python tools/bench_kernels.py                       # CPU: ~15 s, correctness only
-    python tools/bench_kernels.py --quick --markdown gpu_results/kernels.md --plot gpu_results/kernels.png
+    python -m tools.bench_kernels                       # CPU: ~15 s, correctness only
+    python -m tools.bench_kernels --quick --markdown gpu_results/kernels.md --plot gpu_results/kernels.png
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from common.errors import ConfigError  # noqa: E402
-from common.measure import resolve_device  # noqa: E402
-from kernels import bench  # noqa: E402
-from kernels.registry import TRITON_OPS  # noqa: E402
+from common.errors import ConfigError
+from common.measure import resolve_device
+from kernels import bench
+from kernels.registry import TRITON_OPS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

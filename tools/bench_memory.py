@@ -4,8 +4,8 @@ A thin command line over ``analysis/recompute_bench.py`` (its docstring says wha
 how): bytes saved for backward per block, the estimator's two estimates next to them, the
 allocator's view on CUDA, and step time relative to ``none`` from interleaved rounds.
 
-    python tools/bench_memory.py                       # default: small GPT, CPU fp32
-    python tools/bench_memory.py --attention reference --markdown docs/results/recompute.md \
+    python -m tools.bench_memory                       # default: small GPT, CPU fp32
+    python -m tools.bench_memory --attention reference --markdown docs/results/recompute.md \
         --plot docs/results/recompute.png
 """
 
@@ -18,10 +18,7 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from analysis.recompute_bench import (  # noqa: E402
+from analysis.recompute_bench import (
     DTYPES,
     format_table,
     measure_saved_bytes,
@@ -30,10 +27,10 @@ from analysis.recompute_bench import (  # noqa: E402
     write_markdown,
     write_plot,
 )
-from common.errors import USER_FACING_ERRORS, ConfigError  # noqa: E402
-from common.measure import resolve_device  # noqa: E402
-from model.config import RECOMPUTE_POLICIES, ModelConfig  # noqa: E402
-from training.config import load_config  # noqa: E402
+from common.errors import USER_FACING_ERRORS, ConfigError
+from common.measure import resolve_device
+from model.config import RECOMPUTE_POLICIES, ModelConfig
+from training.config import load_config
 
 # measure_saved_bytes is the library's; tests and callers that know the tool reach it through here.
 __all__ = ["main", "measure_saved_bytes"]

@@ -1,10 +1,10 @@
 """Loss parity, per-rank model-state memory and bytes communicated of every data-parallel strategy
 and of the tensor-, pipeline- and data-parallel layouts, side by side.
 
-    python tools/bench_parallel.py                                   # tiny config, every row, 20 steps
-    python tools/bench_parallel.py --layouts tp,pp --strategies ""   # two layout rows only
-    python tools/bench_parallel.py --with-3d                         # also pp x tp x fsdp on 8 ranks
-    python tools/bench_parallel.py --strategies ddp,fsdp -- --model.n_layer=4 --precision.mode=bf16
+    python -m tools.bench_parallel                                   # tiny config, every row, 20 steps
+    python -m tools.bench_parallel --layouts tp,pp --strategies ""   # two layout rows only
+    python -m tools.bench_parallel --with-3d                         # also pp x tp x fsdp on 8 ranks
+    python -m tools.bench_parallel --strategies ddp,fsdp -- --model.n_layer=4 --precision.mode=bf16
 
 Every row launches ``torchrun --nproc_per_node=<its ranks>`` on this file; each rank builds the
 model and engine exactly as train.py does (training/build.py, the one build path, after train.py's
@@ -57,15 +57,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-from analysis.estimator import (  # noqa: E402
+from analysis.estimator import (
     STATE_BYTES,
     JobSpec,
     comm_volume,
@@ -73,17 +70,19 @@ from analysis.estimator import (  # noqa: E402
     stage_parameters,
     tp_comm_seconds,
 )
-from common.measure import provenance  # noqa: E402
-from common.report import markdown_table, new_figure, save_figure, text_table, write_results  # noqa: E402
-from model.flops import count_parameters  # noqa: E402
-from parallel.distributed import DistContext, init_distributed, shutdown_distributed  # noqa: E402
-from parallel.engine import TorchEngine  # noqa: E402
-from parallel.optim import lr_at  # noqa: E402
-from parallel.pp import PipelineEngine, stage_ids  # noqa: E402
-from parallel.zero import ZeroEngine  # noqa: E402
-from training.build import build_batches, build_from_config  # noqa: E402
-from training.config import JobConfig, load_config  # noqa: E402
-from training.loop import train_step  # noqa: E402
+from common.measure import provenance
+from common.report import markdown_table, new_figure, save_figure, text_table, write_results
+from model.flops import count_parameters
+from parallel.distributed import DistContext, init_distributed, shutdown_distributed
+from parallel.engine import TorchEngine
+from parallel.optim import lr_at
+from parallel.pp import PipelineEngine, stage_ids
+from parallel.zero import ZeroEngine
+from training.build import build_batches, build_from_config
+from training.config import JobConfig, load_config
+from training.loop import train_step
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository, where subprocesses run
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 DEFAULT_OVERRIDES = ["--train.eval_interval=0", "--checkpoint.interval=0", "--checkpoint.save_final=false",
@@ -511,7 +510,7 @@ class Launch:
 def launch(run: Launch, args: argparse.Namespace, extra: list[str], work: Path) -> tuple[list[dict], float]:
     out = work / run.name.replace(" ", "_").replace("=", "").replace("(", "").replace(")", "")
     out.mkdir(parents=True, exist_ok=True)
-    rank_args = [str(Path(__file__).resolve()), "--worker", str(out), "--steps", str(args.steps),
+    rank_args = ["-m", "tools.bench_parallel", "--worker", str(out), "--steps", str(args.steps),
                  *(["--config", args.config] if args.config else []), "--",
                  *DEFAULT_OVERRIDES, *run.overrides, f"--logging.run_dir={out / 'run'}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "DS_ACCELERATOR": "cpu",
@@ -520,7 +519,7 @@ def launch(run: Launch, args: argparse.Namespace, extra: list[str], work: Path) 
         cmd = [sys.executable, *rank_args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run.ranks}",
-               *rank_args]
+               *rank_args]  # torchrun's -m runs the module as python -m does
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, env=env)
     seconds = time.perf_counter() - start
@@ -783,7 +782,7 @@ def main(argv: list[str]) -> int:
     for note in NOTES:
         print("- " + note)
     if args.markdown:
-        write_markdown(rows, title, args.nproc, f"python tools/bench_parallel.py {' '.join(argv)}", args.markdown)
+        write_markdown(rows, title, args.nproc, f"python -m tools.bench_parallel {' '.join(argv)}", args.markdown)
     if args.plot:
         plot(rows, args.plot)
     return 0 if all(r.status == "ok" for r in rows) else 1

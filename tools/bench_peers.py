@@ -1,8 +1,8 @@
 """perfgpt's training step against Hugging Face transformers' implementation of the same model.
 
-    python tools/bench_peers.py                                   # tiny config, eager and compiled, 1 thread
-    python tools/bench_peers.py --markdown docs/results/bench_peers_cpu.md --plot docs/results/bench_peers_cpu.png
-    python tools/bench_peers.py --modes eager --rounds 15 --model.n_layer=8     # any config override
+    python -m tools.bench_peers                                   # tiny config, eager and compiled, 1 thread
+    python -m tools.bench_peers --markdown docs/results/bench_peers_cpu.md --plot docs/results/bench_peers_cpu.png
+    python -m tools.bench_peers --modes eager --rounds 15 --model.n_layer=8     # any config override
 
 perfgpt's side is what train.py runs: the engine from the one build path (training/build.py) and
 training/loop.train_step, so it pays everything a run pays per step (the schedule's learning rate,
@@ -38,22 +38,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from common.errors import USER_FACING_ERRORS, CapabilityError, ConfigError  # noqa: E402
-from common.measure import RatioSummary, interleaved, machine_load, provenance, speedup, summarize  # noqa: E402
-from common.report import markdown_table, new_figure, save_figure, text_table, write_results  # noqa: E402
-from model.interop import GPT2, hf_layout, to_hf_config, to_hf_state_dict  # noqa: E402
-from parallel.distributed import DistContext, pick_device  # noqa: E402
-from parallel.optim import build_adamw, decay_groups  # noqa: E402
-from parallel.precision import PrecisionPolicy  # noqa: E402
-from training.build import build_from_config  # noqa: E402
-from training.config import JobConfig, load_config  # noqa: E402
-from training.loop import train_step  # noqa: E402
+from common.errors import USER_FACING_ERRORS, CapabilityError, ConfigError
+from common.measure import RatioSummary, interleaved, machine_load, provenance, speedup, summarize
+from common.report import markdown_table, new_figure, save_figure, text_table, write_results
+from model.interop import GPT2, hf_layout, to_hf_config, to_hf_state_dict
+from parallel.distributed import DistContext, pick_device
+from parallel.optim import build_adamw, decay_groups
+from parallel.precision import PrecisionPolicy
+from training.build import build_from_config
+from training.config import JobConfig, load_config
+from training.loop import train_step
 
 MODES = ("eager", "compiled")
 OURS, PEER = "perfgpt", "transformers"
@@ -371,7 +369,7 @@ def main(argv: list[str]) -> int:
     try:
         modes = check_args(args)
         torch.set_num_threads(args.threads)
-        return run(args, modes, overrides, command="python tools/bench_peers.py " + shlex.join(argv))
+        return run(args, modes, overrides, command="python -m tools.bench_peers " + shlex.join(argv))
     except USER_FACING_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

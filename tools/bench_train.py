@@ -1,7 +1,7 @@
 """Training-step throughput of one config under several variants, measured side by side.
 
-    python tools/bench_train.py --config configs/tiny.yaml
-    python tools/bench_train.py --config configs/gpt2-124m.yaml --variants precision.mode=fp32 \
+    python -m tools.bench_train --config configs/tiny.yaml
+    python -m tools.bench_train --config configs/gpt2-124m.yaml --variants precision.mode=fp32 \
         precision.mode=bf16 "precision.mode=bf16 train.compile=true" --rounds 9 --markdown out.md --plot out.png
 
 Each variant is a space-separated list of config overrides applied on top of the base config.
@@ -26,13 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from common.errors import USER_FACING_ERRORS, ConfigError  # noqa: E402
-from common.hardware import peak_tflops_for  # noqa: E402
-from common.measure import (  # noqa: E402
+from common.errors import USER_FACING_ERRORS, ConfigError
+from common.hardware import peak_tflops_for
+from common.measure import (
     RatioSummary,
     hardware_name,
     interleaved,
@@ -42,12 +40,12 @@ from common.measure import (  # noqa: E402
     speedup,
     summarize,
 )
-from common.report import markdown_table, new_figure, save_figure, text_table, write_results  # noqa: E402
-from model.flops import flops_per_token  # noqa: E402
-from parallel.distributed import DistContext, pick_device  # noqa: E402
-from training.build import build_from_config  # noqa: E402
-from training.config import JobConfig, load_config  # noqa: E402
-from training.loop import train_step  # noqa: E402
+from common.report import markdown_table, new_figure, save_figure, text_table, write_results
+from model.flops import flops_per_token
+from parallel.distributed import DistContext, pick_device
+from training.build import build_from_config
+from training.config import JobConfig, load_config
+from training.loop import train_step
 
 DEFAULT_VARIANTS = [
     "precision.mode=fp32",
@@ -219,7 +217,7 @@ def main(argv: list[str]) -> int:
         return 2
     torch.set_num_threads(args.threads)
     try:
-        return run(args, base_overrides, command="python tools/bench_train.py " + shlex.join(argv))
+        return run(args, base_overrides, command="python -m tools.bench_train " + shlex.join(argv))
     finally:
         torch.set_num_threads(threads)
 

@@ -8,9 +8,9 @@ step are assumptions, and three message sizes are shown (1 MB latency-bound, 25 
 bucket, 1000 MB a whole model's gradients). A DGX H100 has 400 Gb/s NDR NICs: --inter-gbs 50.
 
 Examples:
-  python tools/comm_model.py                                    # the chapter's 64-GPU example
-  python tools/comm_model.py --nodes 32 --inter-gbs 50 --message-mb 100
-  python tools/comm_model.py --markdown docs/comm_model.md --plot docs/comm_model.png
+  python -m tools.comm_model                                    # the chapter's 64-GPU example
+  python -m tools.comm_model --nodes 32 --inter-gbs 50 --message-mb 100
+  python -m tools.comm_model --markdown docs/comm_model.md --plot docs/comm_model.png
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from analysis import comm_model as cm  # noqa: E402
-from common.hardware import DEVICES  # noqa: E402
-from common.report import human_bytes, markdown_table, new_figure, save_figure, text_table  # noqa: E402
+from analysis import comm_model as cm
+from common.hardware import DEVICES
+from common.report import human_bytes, markdown_table, new_figure, save_figure, text_table
 
 CHAPTER_FLAT_RING_STEPS = 63  # "需要 63 步才能完成一圈" in the chapter's diagram
 

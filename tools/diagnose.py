@@ -1,9 +1,9 @@
 """The bottleneck doctor: profile a few real training steps, say where the time goes and what to switch.
 
-    python tools/diagnose.py --config configs/tiny.yaml
-    python tools/diagnose.py --config configs/tiny.yaml --model.checkpointing=selective --try
-    torchrun --nproc_per_node=2 tools/diagnose.py --config configs/tiny.yaml --parallel.ddp_bucket_cap_mb=1
-    python tools/diagnose.py --config configs/gpt2-124m.yaml --memory-budget-gib 40
+    python -m tools.diagnose --config configs/tiny.yaml
+    python -m tools.diagnose --config configs/tiny.yaml --model.checkpointing=selective --try
+    torchrun --nproc_per_node=2 -m tools.diagnose --config configs/tiny.yaml --parallel.ddp_bucket_cap_mb=1
+    python -m tools.diagnose --config configs/gpt2-124m.yaml --memory-budget-gib 40
 
 Builds the job exactly as train.py does (the one build path, the real data), runs --warmup
 steps, then --steps steps under the PyTorch profiler, and splits their wall time into compute,
@@ -23,23 +23,19 @@ import os
 import resource
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from analysis.doctor import Job, Span, attribute, verdicts  # noqa: E402
-from common.errors import USER_FACING_ERRORS  # noqa: E402
-from common.hardware import peak_tflops_for  # noqa: E402
-from common.measure import speedup  # noqa: E402
-from common.report import text_table  # noqa: E402
-from model.flops import flops_per_token  # noqa: E402
-from parallel.distributed import init_distributed, shutdown_distributed  # noqa: E402
-from training.build import build_batches, build_from_config  # noqa: E402
-from training.config import JobConfig, load_config, parse_known_overrides  # noqa: E402
-from training.loop import train_step  # noqa: E402
+from analysis.doctor import Job, Span, attribute, verdicts
+from common.errors import USER_FACING_ERRORS
+from common.hardware import peak_tflops_for
+from common.measure import speedup
+from common.report import text_table
+from model.flops import flops_per_token
+from parallel.distributed import init_distributed, shutdown_distributed
+from training.build import build_batches, build_from_config
+from training.config import JobConfig, load_config, parse_known_overrides
+from training.loop import train_step
 
 QUIET = ["--logging.progress=plain", "--checkpoint.interval=0", "--checkpoint.save_final=false"]
 

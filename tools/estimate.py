@@ -2,12 +2,12 @@
 GPU, communication, step time, MFU, and whether it fits (analysis/estimator.py explains the model).
 
 Examples:
-  python tools/estimate.py --preset 70b                          # the chapter's 70B activation example
-  python tools/estimate.py --preset 70b --plan                   # the cheapest layouts on its 64 H100s
-  python tools/estimate.py --preset 70b --tp 8                   # one layout: tensor + sequence parallel
-  python tools/estimate.py --preset gpt3-175b --gpus 8           # does GPT-3 fit on 8x H100? (no)
-  python tools/estimate.py --config configs/llama-7b.yaml --gpus 48 --device H100 --plan --global-batch 96
-  python tools/estimate.py --config configs/tiny.yaml --model.n_layer=12 --gpus 1 --device A100
+  python -m tools.estimate --preset 70b                          # the chapter's 70B activation example
+  python -m tools.estimate --preset 70b --plan                   # the cheapest layouts on its 64 H100s
+  python -m tools.estimate --preset 70b --tp 8                   # one layout: tensor + sequence parallel
+  python -m tools.estimate --preset gpt3-175b --gpus 8           # does GPT-3 fit on 8x H100? (no)
+  python -m tools.estimate --config configs/llama-7b.yaml --gpus 48 --device H100 --plan --global-batch 96
+  python -m tools.estimate --config configs/tiny.yaml --model.n_layer=12 --gpus 1 --device A100
 Presets: 70b (h=8192, a=64, L=80, s=4096, b=4 on 64 GPUs), gpt3-175b (h=12288, a=96, L=96, s=2048),
 llama2-7b. Devices: H100, H200, A100 (common/hardware.py, with sources).
 
@@ -24,15 +24,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from analysis import estimator as est  # noqa: E402
-from common.errors import ConfigError  # noqa: E402
-from common.hardware import DEVICES  # noqa: E402
-from common.report import gib, human_bytes, markdown_table, text_table  # noqa: E402
-from model.flops import FLOPS_CONVENTION  # noqa: E402
-from training.config import load_config  # noqa: E402
+from analysis import estimator as est
+from common.errors import ConfigError
+from common.hardware import DEVICES
+from common.report import gib, human_bytes, markdown_table, text_table
+from model.flops import FLOPS_CONVENTION
+from training.config import load_config
 
 # The config's parallel layout words (issue 11); a config written before they exist reads as tp=pp=1.
 LAYOUT_KEYS = ("tp", "pp", "dp_replicate", "pp_schedule", "pp_virtual_stages", "sequence_parallel")

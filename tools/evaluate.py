@@ -1,9 +1,9 @@
 """Loss, perplexity and bits per byte of a trained model on a dataset split, on one or many ranks.
 
-    python tools/evaluate.py runs/tiny                                  # the run's own dataset, val split
-    python tools/evaluate.py runs/tiny --split train --batches 50
-    python tools/evaluate.py exported/tiny --config configs/tiny.yaml   # an export: name the data config
-    torchrun --standalone --nproc_per_node=2 tools/evaluate.py runs/tiny  # each rank reads its share
+    python -m tools.evaluate runs/tiny                                  # the run's own dataset, val split
+    python -m tools.evaluate runs/tiny --split train --batches 50
+    python -m tools.evaluate exported/tiny --config configs/tiny.yaml   # an export: name the data config
+    torchrun --standalone --nproc_per_node=2 -m tools.evaluate runs/tiny  # each rank reads its share
 
 SOURCE is anything tools/export.py reads. The data come from a config's data section (the run's
 own ``config.yaml`` next to its checkpoints, else ``--config``), with ``--data.key=value``
@@ -23,18 +23,15 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from common.errors import USER_FACING_ERRORS, ConfigError  # noqa: E402
-from data.loader import build_data  # noqa: E402
-from data.tokenizer import build_tokenizer, token_byte_lengths  # noqa: E402
-from training.config import load_config  # noqa: E402
-from training.export import load_source  # noqa: E402
+from common.errors import USER_FACING_ERRORS, ConfigError
+from data.loader import build_data
+from data.tokenizer import build_tokenizer, token_byte_lengths
+from training.config import load_config
+from training.export import load_source
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

@@ -1,8 +1,8 @@
 """Export a trained model: any perfgpt checkpoint (or another source) to safetensors or a Hugging Face directory.
 
-    python tools/export.py runs/tiny --format hf --out exported/tiny            # the run's newest checkpoint
-    python tools/export.py runs/tiny/checkpoints/step_00000600 --format safetensors --out exported/tiny-st
-    python tools/export.py path/to/nanogpt/ckpt.pt --format hf --out exported/nanogpt --dtype bf16
+    python -m tools.export runs/tiny --format hf --out exported/tiny            # the run's newest checkpoint
+    python -m tools.export runs/tiny/checkpoints/step_00000600 --format safetensors --out exported/tiny-st
+    python -m tools.export path/to/nanogpt/ckpt.pt --format hf --out exported/nanogpt --dtype bf16
 
 The checkpoint may come from any layout (one process, DDP, FSDP2, ZeRO-1/2/3, tp/pp): it is
 consolidated in this one process, on the CPU. ``--format hf`` writes ``config.json`` and
@@ -19,13 +19,10 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from common.errors import USER_FACING_ERRORS  # noqa: E402
-from training.export import FORMATS, load_source, write_export  # noqa: E402
+from common.errors import USER_FACING_ERRORS
+from training.export import FORMATS, load_source, write_export
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

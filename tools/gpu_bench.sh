@@ -103,28 +103,28 @@ else
 fi
 
 # 2. Kernels: time and GB/s of each fused kernel against the copy bandwidth measured alongside.
-stage kernels 160 "$OUT/kernels.log" "$PYTHON" tools/bench_kernels.py "${kernel_ops[@]}" \
+stage kernels 160 "$OUT/kernels.log" "$PYTHON" -m tools.bench_kernels "${kernel_ops[@]}" \
     --markdown "$OUT/gpu_kernels.md" --plot "$OUT/gpu_kernels.png"
 
 # 3-4. Training steps: bf16 eager vs compiled (MFU in the table), and FP8 (torchao) vs bf16 on 1.3B.
-stage train-124m 120 "$OUT/train_124m.log" "$PYTHON" tools/bench_train.py --config "$cfg124" "${steps[@]}" \
+stage train-124m 120 "$OUT/train_124m.log" "$PYTHON" -m tools.bench_train --config "$cfg124" "${steps[@]}" \
     --variants "$base124 $bf16" ${compiled:+"$base124 $bf16 $compiled"} \
     --markdown "$OUT/gpu_train_124m.md" --plot "$OUT/gpu_train_124m.png"
 fp8="train.device=$device precision.mode=fp8 precision.fp8_backend=torchao parallel.strategy=none train.grad_accum_steps=1"
-stage train-1.3b 150 "$OUT/train_1.3b.log" "$PYTHON" tools/bench_train.py --config "$cfg13" "${steps[@]}" \
+stage train-1.3b 150 "$OUT/train_1.3b.log" "$PYTHON" -m tools.bench_train --config "$cfg13" "${steps[@]}" \
     --variants "$base13 $bf16 $compiled" "$base13 $fp8 $compiled" ${compiled:+"$base13 $bf16"} \
     --markdown "$OUT/gpu_train_1.3b.md" --plot "$OUT/gpu_train_1.3b.png"
 
 # 5. Attention memory at a long sequence: the fused kernel keeps no s x s scores.
-stage attention 90 "$OUT/attention.log" "$PYTHON" tools/bench_memory.py --device "$device" --n-layer 1 \
+stage attention 90 "$OUT/attention.log" "$PYTHON" -m tools.bench_memory --device "$device" --n-layer 1 \
     --seq-len "$seq" --micro-batch 1 --policies none --attention reference sdpa --steps 2 \
     --markdown "$OUT/gpu_attention.md" --plot "$OUT/gpu_attention.png"
 
 # 6. The chapter's tables with this machine's GPU cells (gpu_measurements.json).
 if [ "$DRY" = "1" ]; then
-    stage chapter 120 "$OUT/chapter.log" "$PYTHON" tools/reproduce.py --quick --no-measure --out "$OUT/chapter"
+    stage chapter 120 "$OUT/chapter.log" "$PYTHON" -m tools.reproduce --quick --no-measure --out "$OUT/chapter"
 else
-    stage chapter 120 "$OUT/chapter.log" "$PYTHON" tools/reproduce.py --quick --device cuda --out "$OUT/chapter"
+    stage chapter 120 "$OUT/chapter.log" "$PYTHON" -m tools.reproduce --quick --device cuda --out "$OUT/chapter"
 fi
 
 echo "outputs in $OUT:"

@@ -1,7 +1,7 @@
 """A memory snapshot of a few training steps of a config: who allocated what, and when.
 
-    python tools/memory_snapshot.py --config configs/tiny.yaml --out runs/tiny/profile
-    python tools/memory_snapshot.py --config configs/gpt2-124m.yaml --model.checkpointing=full
+    python -m tools.memory_snapshot --config configs/tiny.yaml --out runs/tiny/profile
+    python -m tools.memory_snapshot --config configs/gpt2-124m.yaml --model.checkpointing=full
 
 It builds the model and engine exactly as ``train.py`` does in one process (the one build path,
 ``training/build.py``: same kernels, attention backend, precision mode and recompute policy), runs ``--steps`` steps on random tokens of the configured shape, then:
@@ -26,14 +26,11 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.errors import USER_FACING_ERRORS  # noqa: E402
-from parallel.distributed import DistContext, pick_device  # noqa: E402
-from training.build import build_from_config  # noqa: E402
-from training.config import load_config, parse_known_overrides  # noqa: E402
-from training.loop import train_step  # noqa: E402
+from common.errors import USER_FACING_ERRORS
+from parallel.distributed import DistContext, pick_device
+from training.build import build_from_config
+from training.config import load_config, parse_known_overrides
+from training.loop import train_step
 
 MIB = 2**20
 HISTORY_ENTRIES = 100_000  # alloc/free events kept; several KB each, so the pickle stays ~100s of MB at most
@@ -98,7 +95,7 @@ def snapshot_cpu(one_step, steps: int, out: Path, top: int) -> Path:
             one_step()
     print(prof.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=top))
     prof.export_chrome_trace(str(path))
-    print(f"wrote {path}: python tools/trace_summary.py {path}, or open it in https://ui.perfetto.dev")
+    print(f"wrote {path}: python -m tools.trace_summary {path}, or open it in https://ui.perfetto.dev")
     return path
 
 

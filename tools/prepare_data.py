@@ -1,9 +1,9 @@
 """Tokenize text, folders, JSONL or Parquet into a perfgpt dataset (mmap shards or WebDataset tars).
 
 Examples:
-  python tools/prepare_data.py corpus.txt --out data/shakespeare --text-split paragraph
-  python tools/prepare_data.py docs/ --glob '**/*.md' --out data/md --tokenizer tiktoken:gpt2
-  python tools/prepare_data.py shard.parquet --out data/wds --output webdataset --seq-len 256
+  python -m tools.prepare_data corpus.txt --out data/shakespeare --text-split paragraph
+  python -m tools.prepare_data docs/ --glob '**/*.md' --out data/md --tokenizer tiktoken:gpt2
+  python -m tools.prepare_data shard.parquet --out data/wds --output webdataset --seq-len 256
 Then train with: python train.py --config configs/tiny.yaml --data.format=<mmap|webdataset> --data.path=<out>
 """
 
@@ -13,13 +13,10 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.errors import DataError  # noqa: E402
-from data.prepare import OUTPUTS, TEXT_SPLITS, UTF8_POLICIES, PrepareOptions, Utf8Report, prepare  # noqa: E402
-from data.shards import DEFAULT_CHUNK_TOKENS  # noqa: E402
+from common.errors import DataError
+from data.prepare import OUTPUTS, TEXT_SPLITS, UTF8_POLICIES, PrepareOptions, Utf8Report, prepare
+from data.shards import DEFAULT_CHUNK_TOKENS
 
 
 def parse_args(argv=None) -> argparse.Namespace:

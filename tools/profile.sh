@@ -86,13 +86,13 @@ if [[ ${#TRACES[@]} -eq 0 ]]; then
     exit 1
 fi
 for trace in "${TRACES[@]}"; do
-    "$PYTHON" tools/trace_summary.py "$trace" | tee "${trace%%.json*}.summary.txt"
+    "$PYTHON" -m tools.trace_summary "$trace" | tee "${trace%%.json*}.summary.txt"
     echo
 done
 
 if [[ "$SNAPSHOT" == 1 ]]; then
     echo "== 3/3 memory snapshot (one process, same model, precision and checkpointing)"
-    "$PYTHON" tools/memory_snapshot.py --config "$CONFIG" --out "$PROFILE_DIR" "${OVERRIDES[@]}" \
+    "$PYTHON" -m tools.memory_snapshot --config "$CONFIG" --out "$PROFILE_DIR" "${OVERRIDES[@]}" \
         --parallel.strategy=none --parallel.init_on_meta=false --train.compile=false
 else
     echo "== 3/3 memory snapshot skipped (--no-snapshot)"

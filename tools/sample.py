@@ -1,8 +1,8 @@
 """Generate text from a trained model, with a KV cache.
 
-    python tools/sample.py runs/tiny --prompt "def " --max-new-tokens 64
-    python tools/sample.py exported/tiny --prompt "import " --prompt "class " --temperature 0.8 --top-k 40 --seed 1
-    python tools/sample.py runs/tiny --prompt "def " --greedy --max-new-tokens 32
+    python -m tools.sample runs/tiny --prompt "def " --max-new-tokens 64
+    python -m tools.sample exported/tiny --prompt "import " --prompt "class " --temperature 0.8 --top-k 40 --seed 1
+    python -m tools.sample runs/tiny --prompt "def " --greedy --max-new-tokens 32
 
 SOURCE is anything tools/export.py reads: a checkpoint (any layout), a checkpoint root or run
 directory, an exported .safetensors file, a Hugging Face directory or a nanoGPT ckpt.pt. The
@@ -17,15 +17,12 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from common.errors import USER_FACING_ERRORS, ConfigError  # noqa: E402
-from data.tokenizer import build_tokenizer  # noqa: E402
-from model.generate import Sampling, generate  # noqa: E402
-from training.export import load_source  # noqa: E402
+from common.errors import USER_FACING_ERRORS, ConfigError
+from data.tokenizer import build_tokenizer
+from model.generate import Sampling, generate
+from training.export import load_source
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Summarize a PyTorch profiler chrome trace (what ``train.py --profile`` writes) as tables.
 
-    python tools/trace_summary.py runs/tiny/profile            # newest trace in the folder
-    python tools/trace_summary.py runs/tiny/profile/trace_rank0_step6.json --top 20
+    python -m tools.trace_summary runs/tiny/profile            # newest trace in the folder
+    python -m tools.trace_summary runs/tiny/profile/trace_rank0_step6.json --top 20
 
 It prints the profiled steps' wall times, where the time went (top CPU ops by self time; on a
 CUDA trace also the top GPU kernels, how busy the GPU was, and the share of communication and
@@ -21,11 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.measure import union_length  # noqa: E402
-from common.report import text_table  # noqa: E402
+from common.measure import union_length
+from common.report import text_table
 
 COMM_PATTERN = re.compile(r"nccl|gloo|c10d::|all_?reduce|reduce_?scatter|all_?gather|broadcast|all_to_all", re.I)
 MIB = 2**20
