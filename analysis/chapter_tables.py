@@ -116,7 +116,7 @@ def formats_table(measured: Measured) -> Table:
         "FP8 tensor cores are on Hopper (sm_90) and Ada (sm_89), not 'Hopper+' only. FP16 tensor cores arrived with "
         "Volta; BF16 ones with Ampere.",
         "Measured = torch.finfo on this machine; analytic = the formula from the bit layout. They must agree "
-        "(tests/test_reproduce.py checks it).",
+        "(tests/unit/analysis/test_chapter_tables.py checks it).",
     ]
     return Table(
         name="numeric_formats",
@@ -702,7 +702,7 @@ def communication_table(measured: Measured) -> Table:
             f"{cost.steps} steps; {human_bytes(cost.inter_bytes_per_gpu)} per busy NIC ({cost.nics_per_node} of "
             f"{top.gpus_per_node} per node); 7B grads {cost.total_s * 1e3:.0f} ms; 25 MB bucket "
             f"{small.total_s * 1e3:.2f} ms (latency {small.latency_s * 1e3:.2f} ms)",
-            "checked equal to a flat all-reduce on gloo, 2 nodes × 2 ranks (tests/test_comm.py); time needs a multi-node "
+            "checked equal to a flat all-reduce on gloo, 2 nodes × 2 ranks (tests/unit/parallel/test_hierarchical_comm.py); time needs a multi-node "
             "GPU cluster" if cost.algorithm.startswith("two-level") else "needs a multi-node GPU cluster",
         ])
     notes = [

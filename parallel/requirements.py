@@ -33,7 +33,7 @@ NEEDS: tuple[ApiNeed, ...] = (
     ApiNeed("flash-attn", "2.7.0", "the torch op flash_attn::_flash_attn_forward, whose output op_selective keeps",
             "model/recompute.py"),
     ApiNeed("transformers", "4.41", "LlamaConfig.mlp_bias: a Llama-layout export with biases loads with its MLP "
-            "biases (older releases drop them)", "model/interop.py, tests/test_interop.py"),
+            "biases (older releases drop them)", "model/interop.py, tests/unit/model/test_interop.py"),
     ApiNeed("torchao", "0.9", "Float8LinearConfig.from_recipe_name (the tensorwise and rowwise float8 training "
             "recipes by name)", "parallel/float8.py"),
     ApiNeed("transformer-engine", "2.0", "transformer_engine.pytorch.checkpoint and TransformerLayer's "

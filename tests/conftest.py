@@ -1,6 +1,15 @@
-"""Shared test set-up: launch helpers, and a small cached default corpus for runs.
+"""Shared test set-up: the two tiers, launch helpers, and a small cached default corpus for runs.
 
-The repository root is importable through pytest's ``pythonpath`` setting (pyproject.toml)."""
+The repository root is importable through pytest's ``pythonpath`` setting (pyproject.toml).
+
+Tiers. A test that starts another process (train.py or a tool in a subprocess, torchrun, the gloo
+worker launcher in tests/gloo.py, a shell script) costs seconds of interpreter start-up per process,
+so it belongs to the ``slow`` tier, and ``python -m pytest -m "not slow"`` is the inner loop. The
+mark is found, not written by hand: ``pytest_collection_modifyitems`` reads the code a test runs
+(its function, its fixtures, and the helpers of tests/ they call) for the names that launch a
+process. So that nothing slips through, a test left in the fast tier that does launch one fails
+with a line saying so (``_launch_guard``).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +28,90 @@ if not torch.cuda.is_available():
     # Triton reads this when triton.language is first imported, and `import torch._dynamo` already
     # does that, so it is set once for the session: on CPU the kernels run in the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# ----------------------------------------------------------------------------- the slow tier
+
+# Names whose use means a process is launched: the helpers below and tests/gloo.py's, and the
+# standard-library and torch entry points they are built on.
+LAUNCH_NAMES = frozenset({"run_train", "run_torchrun", "run_workers", "subprocess", "start_processes"})
+PROJECT_PACKAGES = frozenset({"tests", "common", "kernels", "model", "data", "parallel", "training", "analysis",
+                              "tools", "train"})
+_LAUNCHES: dict = {}  # code object -> whether it launches; a cache over the whole collection
+
+
+def _launches(code, namespace: dict) -> bool:
+    """Whether ``code`` launches a process: it names a launcher, or a nested function or a function
+    of this project that it refers to does (so a test calling a tool's ``main`` that launches counts)."""
+    if code in _LAUNCHES:
+        return _LAUNCHES[code]
+    _LAUNCHES[code] = False  # a cycle ends here
+    found = bool(LAUNCH_NAMES & set(code.co_names)) or any(
+        _launches(const, namespace) for const in code.co_consts if hasattr(const, "co_names"))
+    for name in code.co_names:
+        if found:
+            break
+        target = namespace.get(name)
+        func = getattr(target, "__func__", target)  # methods and static methods
+        module = getattr(func, "__module__", None) or ""
+        if callable(func) and hasattr(func, "__code__") and module.split(".")[0] in PROJECT_PACKAGES:
+            found = _launches(func.__code__, func.__globals__)
+        elif isinstance(target, type(os)) and target.__name__.split(".")[0] in PROJECT_PACKAGES:
+            # a module used as a namespace (``bench_parallel.main``): its functions that this code names
+            found = any(_launches(f.__code__, f.__globals__) for f in
+                        (getattr(target, n, None) for n in code.co_names) if hasattr(f, "__code__"))
+    _LAUNCHES[code] = found
+    return found
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        funcs = [getattr(item, "function", None)]
+        info = getattr(item, "_fixtureinfo", None)
+        for name in item.fixturenames:
+            if name == "_launch_guard":  # the guard itself refers to subprocess
+                continue
+            defs = info.name2fixturedefs.get(name) if info is not None else None
+            if defs:
+                funcs.append(defs[-1].func)
+        if any(f is not None and hasattr(f, "__code__") and _launches(f.__code__, f.__globals__)
+               for f in (getattr(f, "__wrapped__", f) for f in funcs)):
+            item.add_marker(pytest.mark.slow)
+
+
+def _is_launch(args) -> bool:
+    """A command that starts a Python interpreter or a shell script (not a compiler Inductor calls)."""
+    argv = [str(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else list(args))]
+    if not argv:
+        return False
+    program = Path(argv[0].split()[0]).name
+    if program in ("bash", "sh") or program.endswith(".sh"):
+        return True
+    # Python running a script or a module (Inductor's own ``python -c`` probes and compile workers are not launches)
+    runs_code = any(a == "-m" or a.endswith(".py") for a in argv[1:])
+    return program.startswith("python") and runs_code and not any("torch._inductor" in a for a in argv)
+
+
+@pytest.fixture(autouse=True)
+def _launch_guard(request, monkeypatch):
+    """In the fast tier, starting a process is a classification error: say so instead of running slowly."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    original = subprocess.Popen.__init__
+
+    def guarded(self, args, *a, **kw):
+        if _is_launch(args):
+            raise AssertionError(f"{request.node.nodeid} launches {args!r} but is not in the slow tier: call the "
+                                 "launch through run_train / run_torchrun / run_workers / subprocess in tests/ so "
+                                 "tests/conftest.py marks it slow")
+        original(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+    yield
+
+
+# ----------------------------------------------------------------------------- fixtures
 
 
 @pytest.fixture

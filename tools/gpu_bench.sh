@@ -74,7 +74,7 @@ if [ "$DRY" = "1" ]; then
     steps=(--steps 1 --warmup 1 --rounds 1)
     seq=256
     kernel_ops=(--ops rms_norm --reps 1 --warmup 1 --no-compile)
-    compiled=""  # torch.compile's CPU build of every variant would take minutes; tests/test_compile.py covers it
+    compiled=""  # torch.compile's CPU build of every variant would take minutes; tests/unit/parallel/test_compile.py covers it
 else
     # The kernels must be compiled here: an inherited TRITON_INTERPRET=1 would silently interpret them.
     unset TRITON_INTERPRET
@@ -99,7 +99,7 @@ else
     xdist=()
     "$PYTHON" -c "import xdist" 2>/dev/null && xdist=(-n "$WORKERS")
     stage kernel-tests 80 "$OUT/tests.log" \
-        "$PYTHON" -m pytest -q "${xdist[@]}" tests/test_kernels.py tests/test_kernels_model.py --timeout=60 -p no:cacheprovider
+        "$PYTHON" -m pytest -q "${xdist[@]}" tests/unit/kernels/test_triton_kernels.py tests/unit/kernels/test_gpt_on_triton_kernels.py --timeout=60 -p no:cacheprovider
 fi
 
 # 2. Kernels: time and GB/s of each fused kernel against the copy bandwidth measured alongside.

@@ -1,4 +1,4 @@
-"""GPU-path decisions checked on CPU (issue 9, items 16-20): dependency floors against the APIs
+"""GPU-path decisions checked on CPU: dependency floors against the APIs
 the code calls, DeepSpeed's own parser on our generated config, Transformer Engine's recompute,
 FP8 shape rules, meta-device init with TE layers, and capability checks for flash-attn and bf16.
 
@@ -28,7 +28,7 @@ def job(*overrides: str):
     return load_config("configs/tiny.yaml", list(overrides))
 
 
-# --------------------------------------------------------------------------- item 16: floors
+# --------------------------------------------------------------------------- dependency floors
 
 
 def _declared_floors() -> dict[str, str]:
@@ -166,7 +166,7 @@ def te_checkpoint_calls(monkeypatch) -> list[dict]:
     return calls
 
 
-# --------------------------------------------------------------------------- item 17: FP8 + recompute
+# --------------------------------------------------------------------------- FP8 + recompute
 
 
 @pytest.mark.parametrize("policy, every_k, expected_calls", [("full", 2, 3), ("every_k", 2, 1)])
@@ -198,7 +198,7 @@ def test_op_selective_refuses_te_blocks():
         apply_recompute(_Stack([_fake_te_block()]), "op_selective")
 
 
-# --------------------------------------------------------------------------- item 18: FP8 shapes
+# --------------------------------------------------------------------------- FP8 shapes
 
 FP8 = ("--precision.mode=fp8", "--model.layers=te", "--model.d_model=64")
 
@@ -217,7 +217,7 @@ def test_fp8_accepts_tokens_per_micro_batch_divisible_by_8():
     assert cfg.precision.mode == "fp8"
 
 
-# --------------------------------------------------------------------------- item 19: meta init + TE
+# --------------------------------------------------------------------------- meta init + TE
 
 
 def test_init_on_meta_with_te_layers_is_a_config_error():
@@ -241,7 +241,7 @@ def test_fsdp_refuses_to_materialize_te_layers_from_meta(monkeypatch):
                    precision_policy(PrecisionConfig(), "fsdp"), torch.device("cpu"))
 
 
-# --------------------------------------------------------------------------- item 20: V100 vs A100
+# --------------------------------------------------------------------------- V100 vs A100
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""No host sync per training step for the non-finite check (issue 13, item 6).
+"""No host sync per training step for the non-finite check.
 
 The engine used to read ``bool(isfinite(grad_norm) & isfinite(loss))`` on the host every step, a
 device sync that stalls the CPU until the GPU has finished the step. With fused AdamW the flag
@@ -167,7 +167,7 @@ def test_steps_between_log_lines_never_read_the_device_and_a_nan_step_is_still_s
 
 
 def test_a_skip_streak_still_holds_back_interval_saves_when_flags_stay_on_the_device(tmp_path, corpus_cache):
-    """tests/test_reliability_checkpoint.py's skip-streak run with the flags on the device and no
+    """tests/unit/training/test_checkpoints.py's skip-streak run with the flags on the device and no
     log line until the end: step 1 is applied (lr 1e30), every later step has an inf loss. Each
     interval save reads the flags first, so it waits, and keep_last=1 keeps step 1."""
     run_dir = tmp_path / "run"

@@ -27,9 +27,9 @@ from data.shards import HEADER, HEADER_V1, TokenShard, read_dataset_meta, read_h
 from data.tokenizer import ByteTokenizer
 from data.wds_format import TokenSampleWriter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
-# ------------------------------------------------------------------- item 9: WebDataset shard counts
+# ------------------------------------------------------------------- WebDataset shard counts
 
 VOCAB, EOT, T, B = 65536, 65535, 8, 2
 needs_wds = pytest.mark.skipif(importlib.util.find_spec("webdataset") is None, reason="webdataset not installed")
@@ -126,7 +126,7 @@ def test_wds_damaged_val_shard_is_skipped_alike_on_every_rank(tmp_path, kind, ca
     assert "val/shard-000001.tar" in caplog.text
 
 
-# ------------------------------------------------------------------ item 10: lazy CRC of mmap shards
+# ------------------------------------------------------------------ lazy CRC of mmap shards
 
 TEXTS = [f"document {i}: " + "lorem ipsum dolor " * (i % 5 + 2) for i in range(40)]
 CHUNK = 64  # tokens per CRC chunk, so a small dataset has many chunks
@@ -282,7 +282,7 @@ def test_default_corpus_is_written_in_the_new_format(tmp_path):
     assert all(TokenShard(p).header.version == 2 for s in ("train", "val") for p in meta.files(s))
 
 
-# --------------------------------------------------------------- item 11: invalid UTF-8 in prepare_data
+# --------------------------------------------------------------- invalid UTF-8 in prepare_data
 
 BAD_TEXT = b"caf\xe9 ok\n\nsecond \xff\xfe paragraph\n"  # latin-1 e-acute at byte 3, then two bad bytes
 

@@ -1,4 +1,4 @@
-"""The training loop under signals, restarts and runs that cannot learn (issue 9: items 4, 8, 12-15).
+"""The training loop under signals, restarts and runs that cannot learn.
 
 Signals: SIGTERM (what Slurm sends before killing a job) and Ctrl-C finish the current step, save
 it and exit 143 / 130 with one line; torchrun forwards SIGTERM to every worker and all of them
@@ -64,7 +64,7 @@ def _long_run(run_dir: Path, corpus_cache: str, **extra) -> list[str]:
         "train.max_steps": 100_000, "optim.decay_steps": 100_000, "checkpoint.interval": 0, **extra})]
 
 
-# --------------------------------------------------------------------------- item 4: signals
+# --------------------------------------------------------------------------- signals
 
 
 @pytest.mark.timeout(240)
@@ -169,14 +169,14 @@ def test_torchrun_forwards_sigterm_and_every_rank_saves_the_same_step(tmp_path, 
     assert [s["step"] for s in states] == [meta["step"]] * 2  # both ranks stopped after the same step
     assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out
 
-    # item 15: a two-rank checkpoint resumed by one process names the rank count, not the strategy
+    # a two-rank checkpoint resumed by one process names the rank count, not the strategy
     # (strategy none was promoted to ddp under two processes, so the strategies differ as well).
     one = run_train(["--resume", str(step_dir), *_long_run(run_dir, corpus_cache)])
     assert one.returncode == 2
     assert "saved by 2 rank(s), this run has 1" in one.stderr and "parallel.strategy" not in one.stderr
 
 
-# --------------------------------------------------------------------------- item 8: metrics after a restart
+# --------------------------------------------------------------------------- metrics after a restart
 
 
 def test_resume_leaves_one_metrics_row_per_step(tmp_path, corpus_cache):
@@ -197,7 +197,7 @@ def test_resume_leaves_one_metrics_row_per_step(tmp_path, corpus_cache):
     assert "metrics: dropped 4 row(s) after step 3" in proc.stdout  # steps 4, 5, val at 5, the torn line
 
 
-# --------------------------------------------------------------------------- items 12, 13: runs that cannot learn
+# --------------------------------------------------------------------------- runs that cannot learn
 
 
 def test_an_all_skipped_window_logs_null_and_the_overflowing_scaler_is_named(tmp_path, corpus_cache):
@@ -228,7 +228,7 @@ def test_gradients_underflowed_to_zero_are_reported(tmp_path, corpus_cache):
     assert "loss scale 1e-30 underflows them to zero; raise precision.fp16_init_scale" in out
 
 
-# --------------------------------------------------------------------------- items 14, 15: messages
+# --------------------------------------------------------------------------- messages
 
 
 def test_peer_failures_are_recognised_narrowly():

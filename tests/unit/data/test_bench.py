@@ -11,7 +11,7 @@ from common.report import read_results, rows_path
 from data.bench import naive_stream
 from data.config import DataConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_naive_baseline_packs_the_file_bytes_into_windows(tmp_path):

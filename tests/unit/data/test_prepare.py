@@ -14,7 +14,7 @@ from data.prepare import PrepareOptions, is_validation_index, prepare
 from data.shards import TokenShard, read_dataset_meta
 from data.tokenizer import ByteTokenizer, build_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TEXTS = [f"document {i}: " + "héllo wörld " * (i % 7 + 1) + "\n" * (i % 3) for i in range(30)]
 
 

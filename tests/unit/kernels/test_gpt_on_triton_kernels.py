@@ -1,7 +1,7 @@
 """The GPT with kernels.backend=triton (interpreted on CPU) against the same GPT on the reference ops.
 
 Every fused op the model uses is switched in: LayerNorm or RMSNorm, bias+GELU or SwiGLU, rotary
-embeddings and the vocabulary cross-entropy. See tests/test_kernels.py for why TRITON_INTERPRET
+embeddings and the vocabulary cross-entropy. See tests/unit/kernels/test_triton_kernels.py for why TRITON_INTERPRET
 is set at collection time on a machine without CUDA.
 """
 

@@ -1,4 +1,4 @@
-"""A crafted checkpoint must not run code on load (issue 9, item 5).
+"""A crafted checkpoint must not run code on load.
 
 The payload is what an attacker would plant: a pickle whose ``__reduce__`` calls ``exec`` to
 create a marker file. Each test puts it where a loader would unpickle it — DCP's ``.metadata``

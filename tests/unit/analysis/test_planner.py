@@ -315,7 +315,7 @@ def test_planner_keeps_selective_recompute_for_70b_on_64_h100s_with_tp_and_sp():
     assert best.micro_batch * best.grad_accum * best.dp == 256
     costs = [plan.time.seconds_per_token for plan in plans]
     assert costs == sorted(costs)
-    # data parallelism alone keeps nothing but full recompute (tests/test_estimator.py), and neither does
+    # data parallelism alone keeps nothing but full recompute (tests/unit/analysis/test_estimator.py), and neither does
     # any layout without tensor parallelism here
     assert all(plan.job.policy in ("full", "offload") for plan in plans if plan.job.tp == 1 and plan.job.pp == 1)
     assert {plan.job.policy for plan in plans if plan.job.tp > 1} >= {"selective"}

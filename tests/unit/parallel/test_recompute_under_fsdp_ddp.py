@@ -63,7 +63,6 @@ def _assert_close(actual: dict, expected: dict, what: str) -> None:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-7, msg=f"{what}: {name}")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_policies_give_the_same_gradients_under_fsdp2_and_ddp():
     assert run_workers(_worker, WORLD) == [True] * WORLD

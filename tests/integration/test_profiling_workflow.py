@@ -19,7 +19,7 @@ import torch
 
 from tools import memory_snapshot, trace_summary
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def synthetic_trace() -> dict:

@@ -1,8 +1,8 @@
 """tools/export.py, tools/sample.py, tools/evaluate.py and model.init_from, as a user runs them.
 
 Exports from sharded checkpoints (FSDP2, ZeRO-3) are tested against the one-process export in
-tests/test_parallel_train.py, which already trains those runs; the tensor-parallel checkpoint in
-tests/test_model_parallel.py. Here: sampling against ``transformers``' own generate, training
+tests/integration/test_strategies_under_torchrun.py, which already trains those runs; the tensor-parallel checkpoint in
+tests/unit/parallel/test_tp_pp.py. Here: sampling against ``transformers``' own generate, training
 from imported weights, evaluation against the training loop's validation loss, and the errors.
 """
 

@@ -23,7 +23,7 @@ from model.config import ModelConfig
 from model.flops import count_parameters, flops_per_token, matmul_parameters
 from model.gpt import GPT, split_qkv
 from tests.conftest import run_train, step_losses, tiny_overrides
-from tests.test_kernels import DEVICE, assert_matches_reference, randn
+from tests.unit.kernels.test_triton_kernels import DEVICE, assert_matches_reference, randn
 
 DTYPES = [torch.float32, torch.bfloat16]
 

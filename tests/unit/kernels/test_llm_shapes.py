@@ -16,7 +16,7 @@ import torch
 
 from kernels import reference
 from kernels.registry import resolve_kernel_ops
-from tests.test_kernels import (  # noqa: F401 (tk is a fixture)
+from tests.unit.kernels.test_triton_kernels import (  # noqa: F401 (tk is a fixture)
     DEVICE,
     assert_matches_reference,
     randn,

@@ -1,4 +1,4 @@
-"""FP8 training through torchao (issue 13, item 4): ``precision.mode=fp8 precision.fp8_backend=torchao``.
+"""FP8 training through torchao: ``precision.mode=fp8 precision.fp8_backend=torchao``.
 
 The tiny GPT (2 layers, d_model 64: every block GEMM a multiple of 16) trains through the real
 build path with torchao's Float8Linear layers and is compared with the same run in bf16. On this

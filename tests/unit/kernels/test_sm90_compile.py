@@ -1,6 +1,6 @@
 """Every Triton kernel compiles for a Hopper GPU (sm_90) ahead of time, on a machine without one.
 
-The interpreter that runs tests/test_kernels.py on CPU executes kernels as numpy and accepts
+The interpreter that runs tests/unit/kernels/test_triton_kernels.py on CPU executes kernels as numpy and accepts
 programs the compiler rejects (mistyped loop-carried values, names bound in one constexpr branch
 only, non-constexpr globals, ...). This test pushes both branches of every kernel through
 Triton's whole pipeline down to a cubin with the ptxas bundled in the triton wheel. It runs in a
@@ -18,7 +18,7 @@ import pytest
 
 triton = pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 NORM_FWD = dict(stride_x="i32", stride_y="i32", n_cols="i32", eps="fp32")
 NORM_BWD = dict(stride_x="i32", stride_dy="i32", stride_dx="i32", n_rows="i32", n_cols="i32", rows_per_group="i32")
@@ -109,7 +109,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns when it is unset; 1 is the GPU default
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # an empty cache: every kernel is really compiled
-    code = "from tests.test_kernels_compile import compile_all_for_sm90; compile_all_for_sm90()"
+    code = "from tests.unit.kernels.test_sm90_compile import compile_all_for_sm90; compile_all_for_sm90()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("compiled ") == len(VARIANTS)

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
-
+ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):

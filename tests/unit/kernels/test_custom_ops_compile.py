@@ -1,4 +1,4 @@
-"""The Triton kernels are ``perfgpt::`` custom ops, so torch.compile traces through them (issue 13, item 6).
+"""The Triton kernels are ``perfgpt::`` custom ops, so torch.compile traces through them.
 
 Before, each kernel call was wrapped in ``torch.compiler.disable``: a graph break on each side of
 every fused op. Now ``kernels/triton/_common.py``'s ``kernel_op`` registers each host launcher as
@@ -12,7 +12,7 @@ a custom op with its autograd formula, and a compiled model is one graph:
 - with compiled Triton each op is a ``torch.library.triton_op``, which AOTAutograd replaces by
   the kernels themselves (``triton_kernel_wrapper_functional`` nodes) so that Inductor schedules
   them. A CPU machine cannot launch them, but it can trace them: a subprocess with
-  TRITON_INTERPRET unset and a Hopper target named on paper (as tests/test_kernels_compile.py
+  TRITON_INTERPRET unset and a Hopper target named on paper (as tests/unit/kernels/test_sm90_compile.py
   does) traces every op forward and backward with fake tensors and checks that no ``perfgpt``
   op is left, only kernels. On a CUDA machine the in-process tests run that path for real.
 """
@@ -40,9 +40,9 @@ from kernels import reference  # noqa: E402
 from kernels.registry import REFERENCE_OPS, TRITON_OPS, resolve_kernel_ops  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.gpt import GPT  # noqa: E402
-from tests.test_kernels_model import assert_fp32_loss_and_grads_match  # noqa: E402
+from tests.unit.kernels.test_gpt_on_triton_kernels import assert_fp32_loss_and_grads_match  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = DEVICE.type == "cpu"
 # aot_eager runs dynamo and AOTAutograd (fake tracing, functionalization, the autograd formulas),
@@ -243,7 +243,7 @@ triton.runtime.driver.set_active(HopperOnPaper())
 from kernels import reference
 from kernels.registry import TRITON_OPS
 from kernels.triton import _common, load_op_modules
-from tests.test_triton_op_compile import OP_CASES
+from tests.unit.kernels.test_custom_ops_compile import OP_CASES
 
 assert not _common.INTERPRETED
 modules = load_op_modules()

@@ -27,7 +27,7 @@ from analysis.measure import measure_formats
 from common.hardware import DEVICES
 from common.report import read_results, rows_path, write_results
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TABLES = ("numeric_formats", "precision_modes", "activation_recompute", "attention", "data_formats",
           "communication", "priority")
 
@@ -247,7 +247,7 @@ def test_every_chapter_correction_names_tests_that_exist():
     assert len(sections) >= 5
     for section in sections:
         title = section.splitlines()[0]
-        ids = re.findall(r"`(tests/test_\w+\.py)::([\w:]+)`", section)
+        ids = re.findall(r"`(tests/[\w/]+\.py)::([\w:]+)`", section)
         assert ids, f"correction {title!r} names no test"
         for file, name in ids:
             assert (ROOT / file).is_file(), f"{title!r}: {file} does not exist"
