@@ -27,9 +27,9 @@ from parallel.distributed import DistContext, env_rank_tag, init_distributed, sh
 from training import checkpoint as ckpt
 from training.build import build_batches, build_from_config
 from training.config import JobConfig, describe_fields, dump_yaml, load_config, parse_known_overrides, to_dict
-from training.export import with_initial_weights
 from training.loop import Throughput, TrainingLoop
 from training.metrics import RunLogger
+from training.model_io import with_initial_weights
 from training.signals import StopRequest, exit_code
 
 
@@ -119,7 +119,7 @@ def describe_model(cfg: JobConfig, ctx: DistContext) -> list[str]:
         layout["sequence_parallel"] = p.sequence_parallel
     if d.pp > 1:
         layout |= {"pp_schedule": p.pp_schedule, "pp_virtual_stages": p.pp_virtual_stages}
-    verdict = fit_verdict(m, seq_len, cfg.train.micro_batch_size, ctx.world_size, p.strategy, m.checkpointing,
+    verdict = fit_verdict(m, seq_len, cfg.train.micro_batch_size, ctx.world_size, p.strategy, m.recompute,
                           cfg.precision.mode, _device_name(ctx.device), **layout)
     return [
         f"model: {count_parameters(m) / 1e6:.2f}M parameters ({count_parameters(m, include_embeddings=False) / 1e6:.2f}M "

@@ -419,7 +419,7 @@ def _planner_note(p70) -> str:
         return f"The planner finds no layout that fits on {p70.world_size}× H100 at {global_batch} sequences per step."
     return (
         f"On {p70.world_size}× H100 at the chapter's {p70.micro_batch} sequences per GPU ({global_batch} per step), "
-        f"data parallelism alone fits only with checkpointing={' or '.join(data_parallel) or 'nothing'}; the planner "
+        f"data parallelism alone fits only with recompute={' or '.join(data_parallel) or 'nothing'}; the planner "
         f"(tools/estimate.py --preset 70b --plan) searches tensor, sequence and pipeline parallelism too, and its "
         f"cheapest layout is {est.describe_plan(plans[0])}."
     )

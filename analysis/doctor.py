@@ -90,7 +90,7 @@ class Job:
     num_workers: int
     world_size: int
     strategy: str
-    checkpointing: str
+    recompute: str
     attention: str  # the backend the build chose
     compile: bool
     fused_optimizer: bool
@@ -120,20 +120,20 @@ def verdicts(b: Breakdown, job: Job) -> list[Verdict]:
         out.append(Verdict(exposed, f"exposed communication {exposed:.0%} of step time (> {EXPOSED_COMM_LIMIT:.0%}, "
                            f"overlapped {b.share('comm_overlapped'):.0%} hidden behind compute): {switch} "
                            "(chapter 8.3)", ["--parallel.ddp_bucket_cap_mb=100"] if job.strategy == "ddp" else []))
-    recompute_note = no_gain_note(job.checkpointing, job.attention)
+    recompute_note = no_gain_note(job.recompute, job.attention)
     if recompute_note:
         out.append(Verdict(max(b.share("compute") * 0.1, 0.05), f"{recompute_note} (chapter 8.2)",
-                           ["--model.checkpointing=none"]))
+                           ["--model.recompute=none"]))
     if job.peak_memory_gib is not None and job.memory_budget_gib:
         headroom = 1 - job.peak_memory_gib / job.memory_budget_gib
         if headroom < HEADROOM_LIMIT:
-            switch = ("model.checkpointing=full (or selective with the materialized attention)"
-                      if job.checkpointing in ("none", "selective") else "a larger parallel.strategy shard (fsdp)")
+            switch = ("model.recompute=full (or selective with the materialized attention)"
+                      if job.recompute in ("none", "selective") else "a larger parallel.strategy shard (fsdp)")
             out.append(Verdict(1 - max(headroom, 0), f"memory: peak {job.peak_memory_gib:.2f} GiB of a "
                                f"{job.memory_budget_gib:.2f} GiB budget ({headroom:.0%} headroom, < "
                                f"{HEADROOM_LIMIT:.0%}): {switch}, or a smaller train.micro_batch_size with more "
                                "train.grad_accum_steps (chapter 8.2)",
-                               ["--model.checkpointing=full"] if job.checkpointing in ("none", "selective") else []))
+                               ["--model.recompute=full"] if job.recompute in ("none", "selective") else []))
     host = b.share("host")
     if host > HOST_LIMIT:
         out.append(Verdict(host, f"host overhead {host:.0%} of step time (> {HOST_LIMIT:.0%}: Python and launch "

@@ -25,7 +25,7 @@ wide instead of h (the QKV output and the K, V inputs of the attention shrink; t
 not). At p=2, m=1, f=4h with dropout it is the formula above exactly. The policies the paper does
 not cover are derived the same way:
     op_selective  the block input, plus the outputs of the matmuls and of the attention kernel
-                  (what ``model.checkpointing``'s op-level policy keeps)
+                  (what ``model.recompute``'s op-level policy keeps)
     every_k       floor(L/k) layers at ``full``, the rest at ``none`` (averaged per layer)
     offload       nothing stays on the GPU; the ``none`` bytes go to host memory over PCIe
 
@@ -215,7 +215,7 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def _checkpointed_layers(n_layer: int, every_k: int) -> int:
-    # model.checkpointing wraps blocks whose 1-based index is a multiple of k.
+    # model.recompute wraps blocks whose 1-based index is a multiple of k.
     return n_layer // every_k
 
 
@@ -250,7 +250,7 @@ def activation_bytes_per_layer(
     ``dropout`` defaults to ``model_cfg.dropout > 0``; ``attention`` is ``materialized`` (the
     s x s scores are stored, the paper's case) or ``flash`` (only a fp32 log-sum-exp per row), or
     a backend name (``reference`` stores the scores; ``sdpa``, ``flash_attn`` do not);
-    ``every_k`` defaults to ``model_cfg.checkpoint_every_k``. With ``tp`` > 1 the tensors inside
+    ``every_k`` defaults to ``model_cfg.recompute_every_k``. With ``tp`` > 1 the tensors inside
     the tensor-parallel region are split over ``tp`` GPUs, and the rest too when
     ``sequence_parallel``. See the module docstring.
     """
@@ -271,7 +271,7 @@ def activation_bytes_per_layer(
     if policy == "offload":
         return 0.0
     if policy == "every_k":
-        k = every_k or model_cfg.checkpoint_every_k
+        k = every_k or model_cfg.recompute_every_k
         kept = _checkpointed_layers(model_cfg.n_layer, k)
         full = activation_bytes_per_layer(model_cfg, s, b, "full", p, with_dropout, attention=attention, **split)
         none = activation_bytes_per_layer(
@@ -377,7 +377,7 @@ def saved_bytes_per_layer(
     if policy == "full":
         return float(p * n * h + rope_tables)
     if policy == "every_k":
-        k = every_k or cfg.checkpoint_every_k
+        k = every_k or cfg.recompute_every_k
         kept = _checkpointed_layers(cfg.n_layer, k)
         args = (cfg, s, b)
         full = saved_bytes_per_layer(*args, "full", p, attention=attention, device=device)
@@ -807,7 +807,7 @@ def _layer_activations(job: JobSpec) -> _LayerActivations:
     kept = _layer_bytes(job, job.policy)
     if job.policy == "every_k":
         full = _layer_bytes(job, "full")
-        rebuilt = none - full if _checkpointed_layers(cfg.n_layer, cfg.checkpoint_every_k) else 0.0
+        rebuilt = none - full if _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) else 0.0
     else:
         rebuilt = max(none - kept, 0.0)
     return _LayerActivations(kept, rebuilt, embeddings)
@@ -895,7 +895,7 @@ def _recompute_flops_split(model_cfg: ModelConfig, seq_len: int, policy: str, ev
     if policy == "full":
         return L * gemms, L * core
     if policy == "every_k":
-        kept = _checkpointed_layers(L, every_k or model_cfg.checkpoint_every_k)
+        kept = _checkpointed_layers(L, every_k or model_cfg.recompute_every_k)
         return kept * gemms, kept * core
     return 0.0, 0.0  # none, offload; op_selective recomputes element-wise ops only (memory-bound, ~no FLOPs)
 
@@ -965,7 +965,7 @@ def tp_comm_seconds(job: JobSpec, stage: int = 0) -> tuple[float, float]:
     one = collective_seconds(activation, t, job.device, job.assumptions.link_fraction,
                              ranks_per_node=_per_node(job, 1, t))
     layers = cfg.n_layer // job.pp
-    recomputed = {"full": layers, "every_k": _checkpointed_layers(cfg.n_layer, cfg.checkpoint_every_k) / job.pp}
+    recomputed = {"full": layers, "every_k": _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.pp}
     count = 8 * layers + 4 * recomputed.get(job.policy, 0)
     count += 2 * (stage == 0) + 2 * (stage == job.pp - 1)
     return count * one, count * (t - 1) / t * activation
@@ -1238,7 +1238,7 @@ def layout_words(job: JobSpec) -> str:
     """The job in the config's own words, e.g. ``strategy=fsdp dp_shard=8 tp=8 pp=1 ...``.
 
     Keys: parallel.{strategy, dp_replicate, dp_shard, tp, pp, pp_schedule, pp_virtual_stages,
-    sequence_parallel}, model.checkpointing, train.micro_batch_size (micro_batch) and
+    sequence_parallel}, model.recompute, train.micro_batch_size (micro_batch) and
     train.grad_accum_steps (grad_accum). dp_replicate, the schedule and sequence_parallel are
     named only where they apply.
     """
@@ -1252,7 +1252,7 @@ def layout_words(job: JobSpec) -> str:
             words.append(f"pp_virtual_stages={job.pp_virtual_stages}")
     if job.tp > 1:
         words.append(f"sequence_parallel={'true' if job.sp else 'false'}")
-    words += [f"checkpointing={job.policy}", f"micro_batch={job.micro_batch}", f"grad_accum={job.grad_accum}"]
+    words += [f"recompute={job.policy}", f"micro_batch={job.micro_batch}", f"grad_accum={job.grad_accum}"]
     return " ".join(words)
 
 
@@ -1341,7 +1341,7 @@ def fit_verdict(
         return f"fit check skipped: {exc}"
     result = estimate(job)
     shape = f", tp={job.tp}, pp={job.pp}" if job.tp * job.pp > 1 else ""
-    head = f"{world_size}x {device.name}, {strategy}{shape}, checkpointing={policy}, micro-batch {micro_batch_size}, {precision_mode}"
+    head = f"{world_size}x {device.name}, {strategy}{shape}, recompute={policy}, micro-batch {micro_batch_size}, {precision_mode}"
     if result.fits:
         return f"fit: yes, {describe_estimate(result)} ({head})"
     first = f"fit: NO, {result.problems[0]} ({head})"

@@ -1,7 +1,7 @@
 """Measured activation memory and recompute overhead of each activation recompute policy.
 
 The library behind ``tools/bench_memory.py`` and the "measured here" column of the chapter's
-recompute table (``analysis/measure.py``). For every (attention backend, policy) pair it builds
+recompute table (``analysis/chapter_measurements.py``). For every (attention backend, policy) pair it builds
 the same GPT (same seed, same weights), runs one forward and backward on the same batch and
 reports:
 
@@ -136,7 +136,7 @@ def build_model(
     torch.manual_seed(seed)
     model = GPT(model_cfg, attention_backend=attention_backend).to(device=device, dtype=dtype)
     model.train()
-    apply_recompute(model, policy, model_cfg.checkpoint_every_k, observer=observer)
+    apply_recompute(model, policy, model_cfg.recompute_every_k, observer=observer)
     return model
 
 
@@ -385,5 +385,5 @@ def settings_line(
         f"Measured {where['date']} on {where['hardware']}, torch {where['torch']}: "
         f"d_model={model_cfg.d_model}, n_head={model_cfg.n_head}, n_layer={model_cfg.n_layer}, d_ff={model_cfg.d_ff}, "
         f"mlp={model_cfg.mlp}, dropout={model_cfg.dropout}, seq_len={seq_len}, micro_batch={micro_batch}, "
-        f"{str(dtype).removeprefix('torch.')}, every_k={model_cfg.checkpoint_every_k}, {steps} timed rounds."
+        f"{str(dtype).removeprefix('torch.')}, every_k={model_cfg.recompute_every_k}, {steps} timed rounds."
     )

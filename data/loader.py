@@ -39,10 +39,10 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from common.errors import DataError
+from data.bundle import STATE_VERSION, DataBundle, TrainStream, ValSource, seed_worker, split_windows
 from data.config import DataConfig
 from data.default_corpus import ensure_default_corpus
 from data.shards import DatasetMeta, TokenShard, read_dataset_meta
-from data.stream import STATE_VERSION, DataBundle, TrainStream, ValSource, seed_worker, split_windows
 from data.webdataset_loader import build_webdataset_data
 
 # Re-exported: callers import the stream pieces from here.

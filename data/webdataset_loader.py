@@ -59,9 +59,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from common.errors import DataError
 from common.log import get_logger
+from data.bundle import DataBundle, TrainStream, split_windows
 from data.config import DataConfig
 from data.shards import DatasetMeta, read_dataset_meta
-from data.stream import DataBundle, TrainStream, split_windows
 from data.wds_format import decode_tokens, import_webdataset, iter_shard_samples
 
 log = get_logger("data")

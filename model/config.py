@@ -38,11 +38,11 @@ class ModelConfig:
         "auto", "attention backend; auto picks flash_attn on CUDA when installed, else sdpa"
     )
     layers: Literal["torch", "te"] = doc("torch", "torch layers, or Transformer Engine layers (needs TE)")
-    checkpointing: Literal["none", "selective", "op_selective", "full", "every_k", "offload"] = doc(
+    recompute: Literal["none", "selective", "op_selective", "full", "every_k", "offload"] = doc(
         "none", "activation recompute policy (model/recompute.py): which activations are dropped in "
         "forward and recomputed in backward"
     )
-    checkpoint_every_k: int = doc(2, "with checkpointing=every_k: recompute every k-th block")
+    recompute_every_k: int = doc(2, "with recompute=every_k: recompute every k-th block")
     init_from: str | None = doc(
         None, "start training from these weights: a Hugging Face GPT-2 or Llama directory, a nanoGPT ckpt.pt, a "
         "perfgpt checkpoint or run directory, or a tools/export.py .safetensors; the architecture keys come from it"
@@ -93,8 +93,8 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        if self.checkpoint_every_k < 1:
-            raise ConfigError("model.checkpoint_every_k must be >= 1")
+        if self.recompute_every_k < 1:
+            raise ConfigError("model.recompute_every_k must be >= 1")
 
     def gemm_dims(self) -> dict[str, int]:
         """Dimensions that appear in GEMMs of the transformer blocks (FP8 needs them % 16 == 0)."""
@@ -104,4 +104,4 @@ class ModelConfig:
         return dims
 
 
-RECOMPUTE_POLICIES = choices(ModelConfig, "checkpointing")
+RECOMPUTE_POLICIES = choices(ModelConfig, "recompute")

@@ -1,4 +1,4 @@
-"""Activation recompute policies (``model.checkpointing``), applied in place to a built GPT.
+"""Activation recompute policies (``model.recompute``), applied in place to a built GPT.
 
 "Recompute" here always means activations dropped in forward and rebuilt in backward; saving and
 loading training state is "checkpoint" (training/checkpoint.py), a different thing with its own errors.
@@ -229,9 +229,9 @@ def no_gain_note(policy: str, attention_backend: str) -> str | None:
     """
     if policy != "selective" or attention_backend not in ("sdpa", "flash_attn"):
         return None
-    return (f"selective recompute with {attention_backend} attention saves nothing here (model.checkpointing="
+    return (f"selective recompute with {attention_backend} attention saves nothing here (model.recompute="
             "selective saves no memory: the fused kernel keeps no s x s scores) and re-runs attention in backward: "
-            "use model.checkpointing=none, or op_selective / full to save memory")
+            "use model.recompute=none, or op_selective / full to save memory")
 
 
 def apply_recompute(
@@ -243,11 +243,11 @@ def apply_recompute(
     for measurement only.
     """
     if policy not in RECOMPUTE_POLICIES:
-        raise RecomputeError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(RECOMPUTE_POLICIES)}")
+        raise RecomputeError(f"unknown recompute policy {policy!r}; choose one of {', '.join(RECOMPUTE_POLICIES)}")
     if policy == "none":
         return
     if every_k < 1:
-        raise RecomputeError(f"checkpoint_every_k must be >= 1 (got {every_k})")
+        raise RecomputeError(f"recompute_every_k must be >= 1 (got {every_k})")
     if not isinstance(getattr(model, "blocks", None), (nn.ModuleList, nn.ModuleDict)):
         raise RecomputeError(
             f"{type(model).__name__} has no `blocks`; apply checkpointing to the GPT itself, "
@@ -266,8 +266,8 @@ def _target_module(policy: str, block: nn.Module, index: int, every_k: int) -> n
         core = getattr(getattr(block, "attn", None), "core", None)
         if not isinstance(core, nn.Module):
             raise RecomputeError(
-                f"checkpointing=selective recomputes block.attn.core, which {type(block).__name__} does not have "
-                "(Transformer Engine layers: use checkpointing=full)"
+                f"recompute=selective recomputes block.attn.core, which {type(block).__name__} does not have "
+                "(Transformer Engine layers: use recompute=full)"
             )
         return core
     if policy == "every_k":
@@ -280,8 +280,8 @@ def _runner(policy: str, observer: Observer | None, target: nn.Module | None = N
     if policy == "op_selective":
         if te_block:
             raise RecomputeError(
-                "checkpointing=op_selective cannot select inside Transformer Engine layers (their GEMMs are not "
-                "aten ops, and torch's recompute would leave TE's FP8 autocast); use checkpointing=full or every_k"
+                "recompute=op_selective cannot select inside Transformer Engine layers (their GEMMs are not "
+                "aten ops, and torch's recompute would leave TE's FP8 autocast); use recompute=full or every_k"
             )
         return SelectiveOpRecompute(saved_ops(), observer)
     if policy == "offload":

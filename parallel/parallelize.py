@@ -107,7 +107,7 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
                                       recipe=precision_cfg.fp8_recipe, device=ctx.device,
                                       fsdp=parallel_cfg.strategy == "fsdp"))
         # 6-7. Recompute, then compile.
-        apply_recompute(part, model_cfg.checkpointing, model_cfg.checkpoint_every_k)
+        apply_recompute(part, model_cfg.recompute, model_cfg.recompute_every_k)
         apply_compile(part, compile, compile_mode, compile_loss)
     # 8-9. Data parallelism and the engine that drives the layout.
     if dims.pp > 1:
@@ -129,7 +129,7 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
 
 def no_gain_warnings(model_cfg: ModelConfig, attention_backend: str) -> list[str]:
     """Known combinations that cost time and save nothing here, in one line each with the switch."""
-    note = no_gain_note(model_cfg.checkpointing, attention_backend)
+    note = no_gain_note(model_cfg.recompute, attention_backend)
     return [note] if note else []
 
 

@@ -77,7 +77,7 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
         cfg = ModelConfig(d_model=256, n_head=4, n_layer=4)
     overrides = {
         "d_model": args.d_model, "n_head": args.n_head, "n_layer": args.n_layer,
-        "dropout": args.dropout, "checkpoint_every_k": args.every_k,
+        "dropout": args.dropout, "recompute_every_k": args.every_k,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if "d_model" in overrides and not args.config:

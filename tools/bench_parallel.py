@@ -425,7 +425,7 @@ def formula_comm(cfg: JobConfig, pp_rank: int, dp_size: int) -> dict[str, float]
     # here) and the micro-batch count is raised to what the estimator's schedule checks accept.
     job = JobSpec(model=cfg.model, seq_len=cfg.seq_len, micro_batch=cfg.train.micro_batch_size,
                   world_size=dp_size * p.tp * n_stages,
-                  strategy=p.strategy, policy=cfg.model.checkpointing, precision=precision,
+                  strategy=p.strategy, policy=cfg.model.recompute, precision=precision,
                   grad_accum=max(m, n_stages), tp=p.tp, pp=n_stages, sequence_parallel=p.sequence_parallel)
     out = {dim: 0.0 for dim in COMM_DIMS}
     out["tp"] = m * sum(tp_comm_seconds(job, s)[1] for s in stages)

@@ -1,7 +1,7 @@
 """The bottleneck doctor: profile a few real training steps, say where the time goes and what to switch.
 
     python -m tools.diagnose --config configs/tiny.yaml
-    python -m tools.diagnose --config configs/tiny.yaml --model.checkpointing=selective --try
+    python -m tools.diagnose --config configs/tiny.yaml --model.recompute=selective --try
     torchrun --nproc_per_node=2 -m tools.diagnose --config configs/tiny.yaml --parallel.ddp_bucket_cap_mb=1
     python -m tools.diagnose --config configs/gpt2-124m.yaml --memory-budget-gib 40
 
@@ -155,7 +155,7 @@ def diagnose(args: argparse.Namespace, overrides: list[str]) -> list[str]:
             if budget is None and ctx.device.type == "cuda":
                 budget = torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
             job = Job(num_workers=cfg.data.num_workers, world_size=ctx.world_size, strategy=cfg.parallel.strategy,
-                      checkpointing=cfg.model.checkpointing, attention=trainer.attention, compile=cfg.train.compile,
+                      recompute=cfg.model.recompute, attention=trainer.attention, compile=cfg.train.compile,
                       fused_optimizer=cfg.optim.fused != "off", peak_memory_gib=peak_memory_gib(ctx.device),
                       memory_budget_gib=budget)
         finally:

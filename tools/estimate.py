@@ -90,7 +90,7 @@ def build_job(args: argparse.Namespace, overrides: list[str]) -> est.JobSpec:
         cfg = load_config(args.config, overrides)
         model, seq_len, micro_batch, gpus = cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 1
         grad_accum = cfg.train.grad_accum_steps
-        strategy, policy, precision = cfg.parallel.strategy, cfg.model.checkpointing, cfg.precision.mode
+        strategy, policy, precision = cfg.parallel.strategy, cfg.model.recompute, cfg.precision.mode
         layout = _config_layout(cfg.parallel)
     if args.gpus_per_node:
         device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)

@@ -31,7 +31,7 @@ from common.errors import USER_FACING_ERRORS, ConfigError
 from data.loader import build_data
 from data.tokenizer import build_tokenizer, token_byte_lengths
 from training.config import load_config
-from training.export import load_source
+from training.model_io import load_source
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

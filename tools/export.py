@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from common.errors import USER_FACING_ERRORS
-from training.export import FORMATS, load_source, write_export
+from training.model_io import FORMATS, load_source, write_export
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,7 +1,7 @@
 """A memory snapshot of a few training steps of a config: who allocated what, and when.
 
     python -m tools.memory_snapshot --config configs/tiny.yaml --out runs/tiny/profile
-    python -m tools.memory_snapshot --config configs/gpt2-124m.yaml --model.checkpointing=full
+    python -m tools.memory_snapshot --config configs/gpt2-124m.yaml --model.recompute=full
 
 It builds the model and engine exactly as ``train.py`` does in one process (the one build path,
 ``training/build.py``: same kernels, attention backend, precision mode and recompute policy), runs ``--steps`` steps on random tokens of the configured shape, then:
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or Path(cfg.logging.run_dir.format(name=cfg.name)) / "profile"
     out.mkdir(parents=True, exist_ok=True)
-    print(f"{cfg.name}: {', '.join(notes)}; checkpointing={cfg.model.checkpointing}, precision={cfg.precision.mode}, "
+    print(f"{cfg.name}: {', '.join(notes)}; recompute={cfg.model.recompute}, precision={cfg.precision.mode}, "
           f"micro_batch={cfg.train.micro_batch_size}, seq_len={cfg.seq_len}, {device}")
     if device.type == "cuda":
         snapshot_cuda(one_step, args.steps, out, device)

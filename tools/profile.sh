@@ -11,7 +11,7 @@
 #   --no-snapshot    skip the memory snapshot (tools/memory_snapshot.py, one process)
 #   -h, --help       this text
 #
-# Overrides go to train.py and to the snapshot, e.g. --model.checkpointing=full --precision.mode=bf16.
+# Overrides go to train.py and to the snapshot, e.g. --model.recompute=full --precision.mode=bf16.
 # Environment: PYTHON (default: python), TRAIN_PY (default: train.py in the repository root).
 set -euo pipefail
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from analysis import measure
+from analysis import chapter_measurements
 from analysis.chapter_tables import DATA_FORMATS_MEASURED_NAME, MEASURED_FILES, Measured, build_tables
 from common.errors import USER_FACING_ERRORS
 from common.measure import hardware_name, resolve_device
@@ -61,17 +61,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_measurements(device: torch.device, quick: bool) -> dict:
     """Everything 'measured here' for this device, as JSON-ready dicts."""
-    cfg, seq_len, micro_batch = measure.measurement_model(quick, device.type)
+    cfg, seq_len, micro_batch = chapter_measurements.measurement_model(quick, device.type)
     rounds = 2 if quick else 5
     attention_shape = (1, 4, 256, 32) if quick else (2, 8, 1024, 64)
     if device.type == "cuda" and not quick:
         attention_shape = (4, 16, 4096, 128)  # the chapter's d_head, a length the reference still fits
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     results = {
-        "precision": measure.measure_precision_modes(cfg, seq_len, micro_batch, device, rounds),
-        "attention": measure.measure_attention(*attention_shape, device, dtype, rounds),
+        "precision": chapter_measurements.measure_precision_modes(cfg, seq_len, micro_batch, device, rounds),
+        "attention": chapter_measurements.measure_attention(*attention_shape, device, dtype, rounds),
     }
-    recompute = measure.measure_recompute(cfg, seq_len, micro_batch, device, steps=1 if quick else 3)
+    recompute = chapter_measurements.measure_recompute(cfg, seq_len, micro_batch, device, steps=1 if quick else 3)
     recompute["model"] = dataclasses.asdict(cfg)
     recompute["device"] = device.type
     results["recompute"] = recompute
@@ -120,7 +120,7 @@ def assemble(measurements: dict, device: torch.device, gpu_results: dict, out: P
     gpu = measurements if device.type == "cuda" else gpu_results
     data_rows = rows_path(out / DATA_FORMATS_MEASURED_NAME)
     return Measured(
-        formats=measure.measure_formats(),
+        formats=chapter_measurements.measure_formats(),
         precision=measurements.get("precision"),
         attention=measurements.get("attention"),
         recompute=recompute,
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     fresh = bool(measurements) and not args.reuse_measurements
     if fresh and not args.quick:  # --quick reuses an earlier result if there is one
         data_md = args.out / DATA_FORMATS_MEASURED_NAME
-        measure.run_data_benchmark(data_md, data_md.with_suffix(".png"))
+        chapter_measurements.run_data_benchmark(data_md, data_md.with_suffix(".png"))
     if fresh:
         saved.write_text(json.dumps(measurements, indent=1, default=str) + "\n")
     gpu_results = load_gpu_results(args.gpu_results or args.out / GPU_RESULTS)

@@ -22,7 +22,7 @@ import torch
 from common.errors import USER_FACING_ERRORS, ConfigError
 from data.tokenizer import build_tokenizer
 from model.generate import Sampling, generate
-from training.export import load_source
+from training.model_io import load_source
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -160,11 +160,11 @@ class JobConfig:
             if m.dropout > 0:
                 raise ConfigError(f"model.dropout={m.dropout} with parallel.tp={p.tp}: each rank would draw its own "
                                   "masks for shared activations; tensor parallelism here trains without dropout")
-            if t.compile and m.checkpointing in ("selective", "full", "every_k"):
+            if t.compile and m.recompute in ("selective", "full", "every_k"):
                 # torch 2.13's compiler saves the tensor-parallel DeviceMesh among the tensors of a
                 # checkpointed region and fails ("expected all tensors_saved_with_vc_check to be Tensors").
-                raise ConfigError(f"train.compile=true with model.checkpointing={m.checkpointing} under parallel.tp > 1 "
-                                  "fails in torch's compiler; use model.checkpointing=op_selective (or offload), "
+                raise ConfigError(f"train.compile=true with model.recompute={m.recompute} under parallel.tp > 1 "
+                                  "fails in torch's compiler; use model.recompute=op_selective (or offload), "
                                   "or train.compile=false")
         if p.pp > 1:
             stages = p.pp * p.pp_virtual_stages
@@ -315,12 +315,25 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         node[keys[-1]] = text
 
 
+# Keys that were renamed: a config that still uses the old name is told the new one. Activation
+# recompute had checkpoint-words, which clashed with checkpoint.* (saving and loading).
+RENAMED_KEYS = {
+    "model.checkpointing": "model.recompute",
+    "model.checkpoint_every_k": "model.recompute_every_k",
+}
+
+
 def from_dict(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
+    renamed = [RENAMED_KEYS[prefix + key] for key in unknown if prefix + key in RENAMED_KEYS]
+    if renamed:
+        old = next(k for k, v in RENAMED_KEYS.items() if v == renamed[0])
+        raise ConfigError(f"{old} is now called {renamed[0]} (activation recompute; checkpoint.* is saving "
+                          f"checkpoints): rename the key in the config or the override")
     if unknown:
         raise ConfigError(
             f"unknown key {prefix}{unknown[0]}; valid keys{' in ' + prefix.rstrip('.') if prefix else ''}: "

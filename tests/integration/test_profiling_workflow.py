@@ -91,10 +91,10 @@ def test_summary_cli_reports_missing_traces(tmp_path, capsys):
 def test_memory_snapshot_on_cpu_writes_a_trace_with_memory_events(tmp_path, capsys):
     args = ["--config", str(ROOT / "configs/tiny.yaml"), "--out", str(tmp_path), "--steps", "1",
             "--model.n_layer=1", "--model.d_model=32", "--model.max_seq_len=32", "--train.micro_batch_size=2",
-            "--model.checkpointing=full", "--train.device=cpu"]
+            "--model.recompute=full", "--train.device=cpu"]
     assert memory_snapshot.main(args) == 0
     out = capsys.readouterr().out
-    assert "checkpointing=full" in out and "Self CPU Mem" in out
+    assert "recompute=full" in out and "Self CPU Mem" in out
     summary = trace_summary.summarize_trace(trace_summary.load_trace(tmp_path / "memory_trace_cpu.json"))
     assert summary.peak_allocated["cpu"] > 0
 

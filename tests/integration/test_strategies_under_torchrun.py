@@ -143,7 +143,7 @@ def test_export_of_a_sharded_checkpoint_equals_the_one_process_export(strategy, 
     # The tolerance is far below what two steps change: a stale (initial) or wrong tensor would show.
     from model.gpt import GPT
     from training.config import load_config
-    from training.export import load_source
+    from training.model_io import load_source
 
     torch.manual_seed(load_config(single / "config.yaml").train.seed)  # as the build path seeds, then builds
     initial = GPT(load_source(single).cfg).state_dict()
@@ -155,7 +155,7 @@ def test_a_zero3_checkpoint_exports_to_a_hugging_face_model_with_the_same_logits
     import transformers
 
     from tools.export import main as export_main
-    from training.export import load_source
+    from training.model_io import load_source
 
     checkpoint = parallel_runs("zero3") / "checkpoints" / "step_00000002"
     assert export_main([str(checkpoint), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0

@@ -22,7 +22,7 @@ from tests.conftest import read_metrics, run_train, tiny_overrides
 from tools import evaluate as evaluate_tool
 from tools import export as export_tool
 from tools import sample as sample_tool
-from training.export import ModelSource, load_source, write_export
+from training.model_io import ModelSource, load_source, write_export
 
 TINY = "configs/tiny.yaml"
 

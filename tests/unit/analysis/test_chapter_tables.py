@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from analysis import estimator as est
+from analysis.chapter_measurements import measure_formats
 from analysis.chapter_tables import (
     BENCH_TRAIN_CPU,
     CHAPTER_FORMATS,
@@ -23,7 +24,6 @@ from analysis.chapter_tables import (
     format_from_layout,
     priority_table,
 )
-from analysis.measure import measure_formats
 from common.hardware import DEVICES
 from common.report import read_results, rows_path, write_results
 

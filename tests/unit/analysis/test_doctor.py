@@ -47,7 +47,7 @@ def test_spans_split_into_exposed_and_overlapped_communication_and_host_time():
 def test_no_finding_means_compute_bound():
     b = Breakdown(wall_s=1.0, data_wait_s=0.0, optimizer_s=0.05, comm_exposed_s=0.0, comm_overlapped_s=0.0,
                   host_s=0.05)
-    job = Job(num_workers=2, world_size=1, strategy="none", checkpointing="none", attention="sdpa", compile=True,
+    job = Job(num_workers=2, world_size=1, strategy="none", recompute="none", attention="sdpa", compile=True,
               fused_optimizer=True, peak_memory_gib=1.0, memory_budget_gib=10.0)
     assert verdicts(b, job)[0].text.startswith("compute-bound: 90%")
 
@@ -65,14 +65,14 @@ def test_a_slowed_loader_is_named_with_its_switch(capsys, monkeypatch, corpus_ca
 
 
 def test_selective_recompute_over_sdpa_is_named(capsys, corpus_cache):
-    lines = run(capsys, small(corpus_cache, "--model.checkpointing=selective"))
+    lines = run(capsys, small(corpus_cache, "--model.recompute=selective"))
     assert any("selective recompute with sdpa attention saves nothing" in line for line in lines), lines
 
 
 def test_a_memory_budget_is_named_and_try_measures_the_switch(capsys, corpus_cache):
     lines = run(capsys, small(corpus_cache, "--memory-budget-gib", "0.05", "--try", "--rounds", "2"))
-    assert lines[-1].startswith("verdict: memory: peak") and "model.checkpointing=full" in lines[-1]
-    tried = next(line for line in lines if line.startswith("try --model.checkpointing=full: "))
+    assert lines[-1].startswith("verdict: memory: peak") and "model.recompute=full" in lines[-1]
+    tried = next(line for line in lines if line.startswith("try --model.recompute=full: "))
     assert "over 2 interleaved rounds of 2 steps" in tried and "median" in tried
 
 

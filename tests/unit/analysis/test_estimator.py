@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from analysis import estimator as est
-from analysis.measure import count_saved_bytes
+from analysis.chapter_measurements import count_saved_bytes
 from common.hardware import DEVICES, DeviceSpec, lookup_device, peak_tflops_for
 from model.config import ModelConfig
 from model.gpt import GPT

@@ -356,10 +356,10 @@ def test_layout_words_are_the_configs():
                       dp_replicate=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
     assert est.layout_words(job) == (
         "strategy=fsdp dp_replicate=2 dp_shard=2 tp=8 pp=2 pp_schedule=interleaved_1f1b pp_virtual_stages=2 "
-        "sequence_parallel=true checkpointing=selective micro_batch=1 grad_accum=8"
+        "sequence_parallel=true recompute=selective micro_batch=1 grad_accum=8"
     )
     plain = est.JobSpec(cfg, 2048, 2, 8, "ddp", "none", "bf16_master", H100)
-    assert est.layout_words(plain) == "strategy=ddp dp_shard=8 tp=1 pp=1 checkpointing=none micro_batch=2 grad_accum=1"
+    assert est.layout_words(plain) == "strategy=ddp dp_shard=8 tp=1 pp=1 recompute=none micro_batch=2 grad_accum=1"
 
 
 # --------------------------------------------------------------------------- the command line
@@ -380,7 +380,7 @@ def test_estimate_plan_prints_one_layout_per_line_for_70b():
     lines = [line for line in text.splitlines() if line.startswith("strategy=")]
     assert len(lines) == 3
     words = dict(word.split("=") for word in lines[0].split(":")[0].split())
-    assert int(words["tp"]) > 1 and words["sequence_parallel"] == "true" and words["checkpointing"] == "selective"
+    assert int(words["tp"]) > 1 and words["sequence_parallel"] == "true" and words["recompute"] == "selective"
     assert "GiB/GPU" in lines[0] and "s/step" in lines[0] and "MFU" in lines[0]
     assert "cheapest that fits: strategy=fsdp" in text  # the verdict names the same kind of layout
 
@@ -388,7 +388,7 @@ def test_estimate_plan_prints_one_layout_per_line_for_70b():
 def test_estimate_plan_still_serves_data_parallel_configs_and_takes_layouts():
     text = _run_estimate("--config", "configs/tiny.yaml", "--gpus", "4", "--device", "A100", "--plan", "--top", "2")
     lines = [line for line in text.splitlines() if line.startswith("strategy=")]
-    assert len(lines) == 2 and all("checkpointing=" in line for line in lines)
+    assert len(lines) == 2 and all("recompute=" in line for line in lines)
     one = _run_estimate("--preset", "70b", "--tp", "8", "--pp", "2", "--grad-accum", "8", "--micro-batch", "1",
                         "--policy", "selective")
     assert "tp=8 + SP" in one and "Pipeline: 2 stages of 40 layers, 1f1b" in one and "fit: yes" in one

@@ -392,7 +392,7 @@ def test_data_modules_import_each_other_at_the_top_without_a_cycle():
         assert not inside, f"{path.name} imports {inside} inside a function"
         graph[f"data.{path.stem}"] = {m for m, _ in imports if m.startswith("data.")}
     assert "data.loader" not in graph["data.webdataset_loader"]
-    assert {"data.stream", "data.webdataset_loader"} <= graph["data.loader"]
+    assert {"data.bundle", "data.webdataset_loader"} <= graph["data.loader"]
 
     def reach(start, seen):
         for nxt in graph.get(start, ()):
@@ -406,8 +406,8 @@ def test_data_modules_import_each_other_at_the_top_without_a_cycle():
 
 
 def test_loader_still_exports_the_stream_pieces():
+    import data.bundle
     import data.loader
-    import data.stream
 
     for name in ("DataBundle", "TrainStream", "ValSource", "seed_worker", "split_windows", "STATE_VERSION"):
-        assert getattr(data.loader, name) is getattr(data.stream, name)
+        assert getattr(data.loader, name) is getattr(data.bundle, name)

@@ -158,7 +158,7 @@ def test_bad_requests_fail_with_a_message_that_says_what_to_do():
             super().__init__()
             self.blocks = nn.ModuleList([nn.Linear(4, 4)])
 
-    with pytest.raises(RecomputeError, match="use checkpointing=full"):
+    with pytest.raises(RecomputeError, match="use recompute=full"):
         apply_recompute(BlocksWithoutAttentionCore(), "selective")
     with pytest.raises(RecomputeError, match="before wrapping it"):
         apply_recompute(nn.Sequential(nn.Linear(4, 4)), "full")
@@ -208,12 +208,12 @@ def test_selective_recompute_over_fused_attention_is_warned_at_build(policy, att
     from training.config import load_config
 
     cfg = load_config("configs/tiny.yaml", ["--model.n_layer=1", "--model.d_model=32", "--model.max_seq_len=16",
-                                            f"--model.checkpointing={policy}", f"--model.attention={attention}",
+                                            f"--model.recompute={policy}", f"--model.attention={attention}",
                                             "--train.device=cpu"])
     built = build_training(model_cfg=cfg.model, kernels_cfg=cfg.kernels, precision_cfg=cfg.precision,
                            parallel_cfg=cfg.parallel, optim_cfg=cfg.optim, ctx=DistContext.single(torch.device("cpu")), seed=0,
                            micro_batch_size=1, grad_accum_steps=1)
-    lines = [w for w in built.warnings if "model.checkpointing=selective" in w]
+    lines = [w for w in built.warnings if "model.recompute=selective" in w]
     assert bool(lines) == warned, built.warnings
     if warned:
-        assert "saves no memory" in lines[0] and "model.checkpointing=none" in lines[0]
+        assert "saves no memory" in lines[0] and "model.recompute=none" in lines[0]

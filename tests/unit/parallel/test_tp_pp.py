@@ -275,7 +275,7 @@ def test_invalid_world_layouts_are_one_line_errors(kwargs, message):
     ({"parallel.tp": 2, "precision.mode": "bf16_master"}, "needs parallel.strategy=fsdp"),
     ({"parallel.tp": 2, "parallel.strategy": "fsdp", "parallel.fsdp_hybrid": True}, "set parallel.dp_replicate"),
     ({"parallel.dp_replicate": 2, "parallel.strategy": "ddp"}, "HSDP's replicate dimension"),
-    ({"parallel.tp": 2, "train.compile": True, "model.checkpointing": "full"}, "use model.checkpointing=op_selective"),
+    ({"parallel.tp": 2, "train.compile": True, "model.recompute": "full"}, "use model.recompute=op_selective"),
 ])
 def test_invalid_layouts_are_one_line_config_errors(overrides, message):
     base = {f"model.{k}": v for k, v in MODEL.items()} | {"train.grad_accum_steps": ACCUM}

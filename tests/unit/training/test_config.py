@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import re
 
 import pytest
 import torch
@@ -114,3 +115,17 @@ def test_on_and_off_stay_words_where_a_key_takes_them():
     """YAML 1.1 reads a bare on/off as true/false; a key whose choices are on/off gets the word back."""
     assert load_config("configs/tiny.yaml", ["--optim.fused=on"]).optim.fused == "on"
     assert load_config("configs/tiny.yaml", ["--optim.fused=off"]).optim.fused == "off"
+
+
+@pytest.mark.parametrize("old, new", [("model.checkpointing", "model.recompute"),
+                                      ("model.checkpoint_every_k", "model.recompute_every_k")])
+def test_a_renamed_key_names_its_new_name(tmp_path, old, new):
+    value = "full" if old.endswith("checkpointing") else 3
+    with pytest.raises(ConfigError, match=rf"^{re.escape(old)} is now called {re.escape(new)} "):
+        load_config(None, [f"--{old}={value}"])
+    section, key = old.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  {key}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(old)} is now called {re.escape(new)} "):
+        load_config(path)
+    assert getattr(load_config(None, [f"--{new}={value}"]).model, new.split(".")[1]) == value
