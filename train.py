@@ -60,6 +60,8 @@ def run(cfg: JobConfig) -> int:
     source, source_note = None, None
     if cfg.model.init_from:  # before anything starts: a bad source is a one-line error
         cfg, source, source_note = with_initial_weights(cfg)
+    # The warm-up this run uses goes into config.yaml and the checkpoints' schedule record.
+    cfg.optim, warmup_note = cfg.optim.for_run(cfg.train.max_steps)
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
         cfg.parallel, note = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
@@ -69,6 +71,8 @@ def run(cfg: JobConfig) -> int:
             for line in (note, source_note):
                 if line:
                     log.info(line)
+            if warmup_note and ctx.is_main:
+                log.warn(warmup_note)
             return train(cfg, ctx, run_dir, log, stop_request, None if source is None else source.state)
     finally:
         shutdown_distributed(ctx)
@@ -104,6 +108,9 @@ def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_
         log.warn(line)
     data, batches = build_batches(cfg, ctx)
     log.info(data.description)
+    if cfg.train.eval_interval:
+        key = "train.eval_sequences" if cfg.train.eval_sequences else "train.eval_steps x train.micro_batch_size"
+        log.info(data.val.describe(cfg.train.validation_sequences, key))
 
     rate, rate_note = throughput(cfg, ctx)
     log.info(rate_note)

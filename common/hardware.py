@@ -37,10 +37,9 @@ class DeviceSpec:
     hbm_tb_s: float
     nvlink_gb_s: float  # total bidirectional per GPU, as datasheets quote it
     network_gb_s: float  # per GPU, one direction
-    # Added for the estimator; defaults keep the original eight-argument constructor working.
-    fp32_tflops: float | None = None  # without tensor cores (TF32 off)
-    pcie_gb_s: float = 32.0  # host link, one direction
-    host_mem_gib: float = 128.0  # system memory per GPU, for activation offload
+    fp32_tflops: float  # without tensor cores (TF32 off)
+    pcie_gb_s: float  # host link, one direction
+    host_mem_gib: float  # system memory per GPU, for activation offload
     gpus_per_node: int = 8
 
     @property

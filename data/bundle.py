@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import atexit
 import copy
+import itertools
 import random
 import signal
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -180,21 +182,62 @@ def _stop_workers(get_iterator) -> None:
         shutdown()
 
 
-class ValSource:
-    """Deterministic validation batches: ``batches(n)`` yields the same first n batches every call.
+IGNORE_INDEX = -100  # a target the loss leaves out (torch's cross_entropy default): validation padding rows
 
-    Wraps a batch source with ``batches_per_epoch`` and ``batch(g)``, read in the calling process
-    (no workers); for mmap shards rank r takes every W-th window in file order.
+
+class ValSource:
+    """The validation set: the first ``n`` windows of the split in order, the same for every layout.
+
+    Window ``i`` of the set belongs to data-parallel rank ``i mod W``, and batch ``k`` of every
+    rank holds that rank's windows among ``[k·B·W, (k+1)·B·W)``. Every rank reads each such chunk
+    (so all ranks agree where the set ends without talking) and yields the same number of batches
+    of exactly ``B`` rows: an engine that gathers weights in forward (FSDP, ZeRO-3) needs as many
+    forwards on every rank, and a pipeline keeps the shapes of its first batch. Rows past the end
+    of a rank's share are padding (token 0 in, ``IGNORE_INDEX`` as every target), which the loss
+    leaves out. Summing ``loss x real targets`` over ranks and dividing by the real targets
+    (``training.loop.evaluate``) then gives the mean over the same sequences for any ``W`` and
+    ``B``. Ranks of one tensor-parallel group or pipeline get the same ``rank`` and read alike.
+
+    ``windows`` starts a fresh pass over the split's windows in order (int arrays of ``T + 1``
+    tokens); ``available`` is how many the split holds (an upper bound where a full read decides).
+    Read in the calling process, no workers.
     """
 
-    def __init__(self, dataset):
-        self._dataset = dataset
+    def __init__(self, windows: Callable[[], Iterator[np.ndarray]], *, available: int, seq_len: int,
+                 batch_size: int, rank: int, world_size: int, split: str = "val"):
+        self._windows = windows
+        self.available, self.seq_len, self.batch_size = available, seq_len, batch_size
+        self.rank, self.world_size, self.split = rank, world_size, split
 
-    @property
-    def num_batches(self) -> int:
-        return self._dataset.batches_per_epoch
+    def size(self, n: int | None) -> int:
+        """Windows in the set of ``n`` (None or 0: the whole split)."""
+        return self.available if not n else min(n, self.available)
 
-    def batches(self, n: int):
-        """The first ``min(n, num_batches)`` batches of this rank's share of the validation split."""
-        for g in range(min(n, self.num_batches)):
-            yield self._dataset.batch(g)
+    def num_batches(self, n: int | None) -> int:
+        """Batches each rank runs for the set of ``n`` windows."""
+        return -(-self.size(n) // (self.batch_size * self.world_size))
+
+    def describe(self, n: int | None, key: str = "train.eval_sequences") -> str:
+        """One log line: which windows the set holds and how the ranks share them."""
+        size, T = self.size(n), self.seq_len
+        what = (f"the first {size:,} of {self.available:,} windows" if size < self.available
+                else f"all {size:,} windows")
+        line = (f"validation: {what} of the {self.split} split ({T + 1} tokens each, {T} targets), "
+                f"{self.num_batches(n):,} batch(es) of {self.batch_size} on each of {self.world_size} "
+                f"data-parallel rank(s)")
+        if n and n > self.available:
+            line += f"; {key}={n} asks for more than the split holds"
+        return line
+
+    def batches(self, n: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's ``(x, y)`` batches of the first ``n`` windows (None or 0: all of them)."""
+        B, W = self.batch_size, self.world_size
+        stream = itertools.islice(self._windows(), n or None)
+        while chunk := list(itertools.islice(stream, B * W)):
+            mine = chunk[self.rank :: W]
+            windows = torch.zeros((B, self.seq_len + 1), dtype=torch.int64)
+            if mine:
+                windows[: len(mine)] = torch.from_numpy(np.stack(mine).astype(np.int64))
+            x, y = windows[:, :-1].clone(), windows[:, 1:].clone()  # own storage: y's padding must not reach x
+            y[len(mine):] = IGNORE_INDEX
+            yield x, y

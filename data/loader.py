@@ -16,6 +16,9 @@ mmap and default (exact resume)
     *handed to the caller* (batches that workers prefetched are not counted), and a resumed
     stream continues with exactly the next batch.
 
+Validation (both formats): ``ValSource`` in ``data/bundle.py``, the first ``n`` windows of the
+split in file order, shared out among the ranks, so the figure does not depend on the layout.
+
 WebDataset (``data.format=webdataset``): see ``data/webdataset_loader.py``; same stream and
 state interface, resume at shard-plus-offset granularity.
 
@@ -83,15 +86,19 @@ def build_data(
     train_set = MmapBatches(
         train_shards, seed=seed, shuffle=cfg.sampling == "random", drop_last=cfg.drop_last, split_name="train", **layout
     )
-    val_set = MmapBatches(val_shards, seed=seed, shuffle=False, drop_last=True, split_name=eval_split, **layout)
+    # The validation set is defined over the whole split, the same for every layout: ValSource
+    # shares it out among the ranks, so its window source is the one-rank view.
+    val_set = MmapBatches(val_shards, seed=seed, shuffle=False, drop_last=False, split_name=eval_split,
+                          **{**layout, "batch_size": 1, "rank": 0, "world_size": 1})
     train = TrainStream(train_set, cfg, seed=seed, rank=rank)
-    val = ValSource(val_set)
+    val = ValSource(val_set.in_order, available=val_set.total_windows, seq_len=seq_len,
+                    batch_size=micro_batch_size, rank=rank, world_size=world_size, split=eval_split)
     skipped = skipped + skipped_val
     description = (
         f"data: format={cfg.format} path={meta.root} tokenizer={meta.tokenizer} (vocab {meta.vocab_size}, "
         f"eot {meta.eot_id}) | train {train_set.token_count:,} tokens in {len(train_shards)} shard(s), "
         f"{train_set.batches_per_epoch:,} batches/epoch/rank of {micro_batch_size}x{seq_len} "
-        f"({cfg.sampling}) | val {val_set.token_count:,} tokens, {val_set.batches_per_epoch:,} batches/rank | "
+        f"({cfg.sampling}) | {eval_split} {val_set.token_count:,} tokens, {val_set.total_windows:,} windows | "
         f"workers={cfg.num_workers} | {verify_description(cfg.verify, train_shards + val_shards)}"
     )
     if skipped:
@@ -231,21 +238,34 @@ class MmapBatches(IterableDataset):
 
     def windows(self, g: int) -> torch.Tensor:
         """Batch ``g`` as one (B, T + 1) int64 tensor of token windows."""
-        if self._shards is None:
-            self._shards = [TokenShard(p) for p in self.paths]
         ids = self.window_ids(g)
-        T = self.seq_len
-        buf = np.empty((len(ids), T + 1), dtype=np.int64)
+        buf = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
         for row, window in enumerate(ids.tolist()):
-            shard = bisect.bisect_right(self.window_starts, window) - 1
-            start = (window - self.window_starts[shard]) * T
-            source = self._shards[shard]
-            if self.check_chunks and not source.all_verified:
-                source.check_tokens(start, start + T + 1)
-            buf[row] = source.tokens[start : start + T + 1]
+            buf[row] = self.window_tokens(window)
         if buf.max() >= self.vocab_size or buf.min() < 0:
             self._raise_bad_token(buf, ids)
         return torch.from_numpy(buf)
+
+    def window_tokens(self, window: int) -> np.ndarray:
+        """The ``T + 1`` tokens of global window ``window`` (the shard's dtype), its CRC chunk checked
+        on this process's first read of it (``data.verify=lazy``); the vocabulary is the caller's check."""
+        if self._shards is None:
+            self._shards = [TokenShard(p) for p in self.paths]
+        T = self.seq_len
+        shard = bisect.bisect_right(self.window_starts, window) - 1
+        start = (window - self.window_starts[shard]) * T
+        source = self._shards[shard]
+        if self.check_chunks and not source.all_verified:
+            source.check_tokens(start, start + T + 1)
+        return source.tokens[start : start + T + 1]
+
+    def in_order(self):
+        """Every window of the split in file order (the validation set's order), each checked."""
+        for window in range(self.total_windows):
+            tokens = self.window_tokens(window)
+            if tokens.max() >= self.vocab_size or tokens.min() < 0:
+                self._raise_bad_token(tokens[None], np.array([window]))
+            yield tokens
 
     def _raise_bad_token(self, buf: np.ndarray, ids: np.ndarray) -> None:
         row = int(np.argmax((buf >= self.vocab_size).any(axis=1) | (buf < 0).any(axis=1)))

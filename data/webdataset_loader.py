@@ -40,16 +40,16 @@ Bad shards
     reader whose shards all fail raises instead of spinning. A short shard is only known to be
     short at its end, so in skip mode the samples before the damage have been used.
 
-Validation (``WebDatasetVal``) applies the same checks. With ``skip``, the samples a bad shard
-lost count as holes in the global sample order, and every rank drops each group of
-``world_size`` consecutive samples that contains a hole, so all ranks still run the same number
-of validation batches (a collective per batch, as with FSDP, must not hang).
+Validation (``WebDatasetVal``, a ``data.bundle.ValSource``) reads the val shards in order and
+applies the same checks. Every rank reads every sample, so with ``skip`` all ranks see the same
+samples missing: the validation set is the first ``n`` samples that remain, the same on every
+rank, and all ranks still run the same number of batches (a collective per batch, as with FSDP,
+must not hang).
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 import os
 import random
 
@@ -59,7 +59,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from common.errors import DataError
 from common.log import get_logger
-from data.bundle import DataBundle, TrainStream, split_windows
+from data.bundle import DataBundle, TrainStream, ValSource
 from data.config import DataConfig
 from data.shards import DatasetMeta, read_dataset_meta
 from data.wds_format import decode_tokens, import_webdataset, iter_shard_samples
@@ -212,22 +212,22 @@ class WebDatasetBatches(IterableDataset):
             yield torch.from_numpy(np.stack(rows).astype(np.int64)), (virtual, dict(position))
 
 
-class WebDatasetVal:
-    """Validation batches read in order from all val shards; rank r takes every W-th sample."""
+class WebDatasetVal(ValSource):
+    """The validation set over the val shards' samples in order; a bad shard's lost samples are
+    left out of the order (the same on every rank, since every rank reads them all)."""
 
     def __init__(self, shard_paths: list[str], *, sample_tokens: int, seq_len: int, batch_size: int, rank: int,
-                 world_size: int, vocab_size: int, shard_samples: list[int], on_bad_shard: str = "error"):
-        self.paths, self.sample_tokens, self.seq_len = list(shard_paths), sample_tokens, seq_len
-        self.batch_size, self.rank, self.world_size, self.vocab_size = batch_size, rank, world_size, vocab_size
+                 world_size: int, vocab_size: int, shard_samples: list[int], on_bad_shard: str = "error",
+                 split: str = "val"):
+        self.paths, self.sample_tokens, self.vocab_size = list(shard_paths), sample_tokens, vocab_size
         self.shard_samples, self.on_bad_shard = list(shard_samples), on_bad_shard
         self.skipped: dict[str, str] = {}  # path -> why, for each bad shard skipped so far
         total_samples = sum(self.shard_samples)
-        self.num_batches = total_samples // world_size // batch_size
-        if self.num_batches == 0:
-            raise DataError(
-                f"val split ({self.paths[0] if self.paths else 'no shards'} ...) has {total_samples} samples: "
-                f"fewer than one batch of {batch_size} per rank over {world_size} rank(s); prepare more validation data"
-            )
+        if total_samples == 0:
+            raise DataError(f"{split} split ({self.paths[0] if self.paths else 'no shards'} ...) has no samples; "
+                            "prepare more validation data")
+        super().__init__(self._samples, available=total_samples, seq_len=seq_len, batch_size=batch_size,
+                         rank=rank, world_size=world_size, split=split)
 
     def _decode(self, sample: dict, path: str) -> np.ndarray:
         tokens = decode_tokens(sample, path, self.sample_tokens)
@@ -235,14 +235,12 @@ class WebDatasetVal:
             raise DataError(f"{path}: token id {int(tokens.max())} outside model.vocab_size={self.vocab_size}")
         return tokens[: self.seq_len + 1]
 
-    def _all_samples(self):
-        """Every val sample in order (all ranks read all, so all see the same holes); None is a lost one."""
+    def _samples(self):
+        """Every readable val sample in order."""
         for path, expected in zip(self.paths, self.shard_samples):
-            read = 0
             try:
                 for sample in iter_shard_samples(path, 0, expected):
                     yield self._decode(sample, path)
-                    read += 1
             except Exception as e:
                 problem = e if isinstance(e, DataError) else corrupt_shard_error(path, e)
                 if self.on_bad_shard != "skip":
@@ -251,22 +249,6 @@ class WebDatasetVal:
                     self.skipped[path] = str(problem)
                     log.warning("data: skipped the rest of a bad validation shard (%d so far): %s",
                                 len(self.skipped), problem)
-                yield from itertools.repeat(None, max(0, expected - read))
-
-    def _rank_samples(self):
-        """Rank r's sample of each group of W consecutive samples that lost none of them."""
-        everything = self._all_samples()
-        while group := list(itertools.islice(everything, self.world_size)):
-            if len(group) == self.world_size and all(s is not None for s in group):
-                yield group[self.rank]
-
-    def batches(self, n: int):
-        samples = self._rank_samples()
-        for _ in range(min(n, self.num_batches)):
-            rows = list(itertools.islice(samples, self.batch_size))
-            if len(rows) < self.batch_size:  # skipped shards left fewer samples than meta.json counts
-                return
-            yield split_windows(torch.from_numpy(np.stack(rows).astype(np.int64)))
 
 
 def shard_sample_counts(meta: DatasetMeta, split: str) -> list[int]:
@@ -320,14 +302,14 @@ def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: in
         shard_samples=per_shard["train"], **common,
     )
     val = WebDatasetVal([str(p) for p in meta.files(eval_split)], shard_samples=per_shard[eval_split],
-                        on_bad_shard=cfg.on_bad_shard, **common)
+                        on_bad_shard=cfg.on_bad_shard, split=eval_split, **common)
     crop = f", cropped from {prepared}" if seq_len < prepared else ""
     description = (
         f"data: format=webdataset path={meta.root} tokenizer={meta.tokenizer} (vocab {meta.vocab_size}, eot "
         f"{meta.eot_id}) | train {counts['train']:,} samples of {seq_len + 1} tokens{crop} in {len(train_paths)} "
         f"shards, ~{train_set.batches_per_epoch:,} batches/epoch/rank, "
-        f"{'resampled' if cfg.resampled else 'one-pass'}, shuffle buffer {cfg.shuffle_buffer} | val "
-        f"{counts[eval_split]:,} samples, {val.num_batches:,} batches/rank | workers={cfg.num_workers} | "
+        f"{'resampled' if cfg.resampled else 'one-pass'}, shuffle buffer {cfg.shuffle_buffer} | {eval_split} "
+        f"{counts[eval_split]:,} samples | workers={cfg.num_workers} | "
         f"verify: each shard's sample count against meta.json, on_bad_shard={cfg.on_bad_shard}"
     )
     return DataBundle(train=TrainStream(train_set, cfg, seed=seed, rank=rank), val=val, description=description,

@@ -28,8 +28,6 @@ from common.errors import CapabilityError
 # What "auto" resolves to (model.attention's other choices): the kernels that actually run.
 ATTENTION_BACKENDS = ("flash_attn", "sdpa", "reference")
 FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2 builds its kernels for Ampere, Ada and Hopper only
-# SDPA's enable_gqa appeared in torch 2.5 (the floor is 2.6; checked so the explicit repeat stays the fallback).
-SDPA_HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 def flash_attn_available() -> bool:
@@ -137,8 +135,8 @@ def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
 
 
 def _sdpa_takes_gqa(q: torch.Tensor) -> bool:
-    if not SDPA_HAS_ENABLE_GQA:
-        return False
+    """Whether SDPA gets the narrow k/v (enable_gqa): on CPU, and on CUDA where its flash kernel
+    runs (16-bit, head dim <= 256, Ampere or later); other CUDA kernels get k/v repeated per group."""
     if q.device.type == "cpu":
         return True
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256:

@@ -9,7 +9,7 @@ cosine decay to ``min_lr`` at ``decay_steps`` (counted from step 0), then flat.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -24,8 +24,8 @@ class OptimConfig:
     lr: float = doc(6e-4, "peak learning rate reached at the end of warmup")
     min_lr: float = doc(6e-5, "learning rate at the end of the cosine decay")
     warmup_steps: int = doc(
-        100, "linear warmup length in optimizer steps; at most train.max_steps unless optim.decay_steps is set "
-        "(a run that is the first part of a longer schedule)"
+        100, "linear warmup length in optimizer steps; without optim.decay_steps a longer one than "
+        "train.max_steps is cut to train.max_steps for the run, with a warning (a short smoke run)"
     )
     decay_steps: int | None = doc(
         None, "step at which the cosine decay reaches optim.min_lr (counted from step 0, warmup included; "
@@ -69,10 +69,28 @@ class OptimConfig:
             raise ConfigError(f"optim.grad_clip must be >= 0, 0 disables clipping (got {self.grad_clip})")
 
     def schedule(self, max_steps: int) -> dict[str, Any]:
-        """The schedule with decay_steps resolved: ``lr_at``'s keyword arguments, and what a
-        checkpoint records so a resumed run can be checked against it."""
-        decay_steps = max_steps if self.decay_steps is None else self.decay_steps
-        return {"lr": self.lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps, "decay_steps": decay_steps}
+        """The schedule of a run of ``max_steps`` steps: ``lr_at``'s keyword arguments, and what a
+        checkpoint records so a resumed run can be checked against it.
+
+        Without decay_steps the schedule ends with the run (decay_steps = max_steps), and a warm-up
+        longer than the run, which would never reach ``lr``, is cut to the run's length (the first
+        thing a user tries is a short smoke run of a config made for a long one). With decay_steps
+        set the run may be the first slice of a longer schedule, and its warm-up stays."""
+        if self.decay_steps is None:
+            warmup_steps, decay_steps = min(self.warmup_steps, max_steps), max_steps
+        else:
+            warmup_steps, decay_steps = self.warmup_steps, self.decay_steps
+        return {"lr": self.lr, "min_lr": self.min_lr, "warmup_steps": warmup_steps, "decay_steps": decay_steps}
+
+    def for_run(self, max_steps: int) -> tuple[OptimConfig, str | None]:
+        """This section with the warm-up a run of ``max_steps`` steps uses (``schedule``), and a
+        warning line naming the keys if that is shorter than optim.warmup_steps."""
+        warmup_steps = self.schedule(max_steps)["warmup_steps"]
+        if warmup_steps == self.warmup_steps:
+            return self, None
+        note = (f"optim.warmup_steps={self.warmup_steps} is longer than train.max_steps={max_steps}: warming up over "
+                f"{warmup_steps} steps for this run (set optim.decay_steps to keep the longer schedule)")
+        return replace(self, warmup_steps=warmup_steps), note
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:

@@ -35,7 +35,14 @@ class TrainConfig:
     micro_batch_size: int = doc(8, "sequences per rank per forward/backward")
     grad_accum_steps: int = doc(1, "micro-batches accumulated per optimizer step")
     eval_interval: int = doc(200, "evaluate on the validation split every N steps; 0 disables")
-    eval_steps: int = doc(20, "validation batches per evaluation")
+    eval_steps: int = doc(
+        20, "validation set size when train.eval_sequences=0: eval_steps x train.micro_batch_size sequences "
+        "for the whole run, shared out among the data-parallel ranks"
+    )
+    eval_sequences: int = doc(
+        0, "validation set: the first N windows of the val split, the same for every layout (split across "
+        "data-parallel ranks, loss averaged over all their tokens); 0: train.eval_steps x train.micro_batch_size"
+    )
     log_interval: int = doc(10, "read scalars back from the device and log every N steps")
     seed: int = doc(1337, "seed for parameters, data order and dropout")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto: cuda when available, else cpu")
@@ -53,6 +60,11 @@ class TrainConfig:
     )
     data_wait_warn: float = doc(0.2, "warn when the fraction of step time spent waiting for data exceeds this")
 
+    @property
+    def validation_sequences(self) -> int:
+        """Windows in the validation set (data.bundle.ValSource), whatever the layout."""
+        return self.eval_sequences or self.eval_steps * self.micro_batch_size
+
     def validate(self) -> None:
         for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_interval", "profile_active"):
             if getattr(self, key) < 1:
@@ -62,6 +74,9 @@ class TrainConfig:
                 raise ConfigError(f"train.{key} must be >= 0 (got {getattr(self, key)})")
         if self.eval_interval < 0 or self.eval_steps < 1:
             raise ConfigError("train.eval_interval must be >= 0 and train.eval_steps >= 1")
+        if self.eval_sequences < 0:
+            raise ConfigError(f"train.eval_sequences must be >= 0 (0: train.eval_steps x train.micro_batch_size), "
+                              f"got {self.eval_sequences}")
         require_finite("train.data_wait_warn", self.data_wait_warn, ConfigError)
         if self.data_wait_warn < 0:
             raise ConfigError(f"train.data_wait_warn must be >= 0 (got {self.data_wait_warn})")
@@ -126,23 +141,11 @@ class JobConfig:
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
-        self._validate_schedule()
         self._validate_cross_sections()
 
-    def _validate_schedule(self) -> None:
-        # Without an explicit decay_steps the schedule ends with this run, and a warmup longer
-        # than the run never reaches optim.lr; with one, the run may be the first slice of a
-        # longer schedule (e.g. a job split by a time limit), so a long warmup is intended.
-        if self.optim.decay_steps is None and self.optim.warmup_steps > self.train.max_steps:
-            raise ConfigError(
-                f"optim.warmup_steps={self.optim.warmup_steps} is longer than train.max_steps={self.train.max_steps}, "
-                "so the learning rate never reaches optim.lr; lower optim.warmup_steps, or set optim.decay_steps "
-                "to the full schedule if this run is part of a longer one"
-            )
-
     def lr_schedule(self) -> dict[str, Any]:
-        """The learning-rate schedule with decay_steps resolved: ``lr_at``'s keyword arguments,
-        and what a checkpoint records so a resumed run can be checked against it."""
+        """The learning-rate schedule of this run (``OptimConfig.schedule``): ``lr_at``'s keyword
+        arguments, and what a checkpoint records so a resumed run can be checked against it."""
         return self.optim.schedule(self.train.max_steps)
 
     def _validate_model_parallel(self) -> None:

@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from data.bundle import IGNORE_INDEX
 from parallel.checkpoint import safe_torch_load
 from parallel.distributed import DistContext
 from parallel.engine import Engine, StepResult
@@ -57,16 +58,34 @@ def train_step(engine: Engine, batches: Batches, grad_accum_steps: int, lr: floa
     return StepOutcome(loss, engine.optimizer_step(lr, loss), wait)
 
 
-def evaluate(engine: Engine, val, n_batches: int, ctx: DistContext) -> float:
-    """Mean validation loss over the first ``n_batches`` of every rank's share (a collective)."""
+def validation_sums(engine: Engine, val, n_sequences: int, device: torch.device) -> torch.Tensor:
+    """This rank's summed validation loss (nats) and its count of real targets, float64 on the device.
+
+    ``eval_loss`` is a batch's mean over its real targets (padding rows' targets are IGNORE_INDEX),
+    so it is weighted by their count: the sums of all ranks then give the mean over the whole set.
+    A batch of padding only is run all the same (every rank runs as many forwards) and not counted.
+    """
     engine.train(False)
-    total = torch.zeros((), device=ctx.device)
+    nats = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    for x, y in val.batches(n_batches):
-        total += engine.eval_loss(x.to(ctx.device), y.to(ctx.device)).float()
-        count += 1
+    for x, y in val.batches(n_sequences):
+        real = int((y != IGNORE_INDEX).sum())  # on the host, before the copy: no device sync
+        loss = engine.eval_loss(x.to(device), y.to(device))
+        if real:
+            nats += loss.double() * real
+            count += real
     engine.train(True)
-    return float(ctx.all_reduce_mean(total / max(count, 1)))
+    return torch.stack([nats, nats.new_tensor(float(count))])
+
+
+def evaluate(engine: Engine, val, n_sequences: int, ctx: DistContext) -> float:
+    """Mean loss per target over the validation set of ``n_sequences`` windows (a collective).
+
+    Every rank adds its sums; ranks of one tensor-parallel group or pipeline hold the same ones, so
+    each data-parallel share counts the same number of times in numerator and denominator.
+    """
+    sums = ctx.all_reduce_mean(validation_sums(engine, val, n_sequences, ctx.device))
+    return float(sums[0] / sums[1].clamp(min=1))
 
 
 def read_flags(flags: list[bool | torch.Tensor]) -> list[bool]:
@@ -327,7 +346,7 @@ class TrainingLoop:
                 if log_due:
                     window = self._log_window(window, result, lr, alarms)
                 if t.eval_interval and (s.step % t.eval_interval == 0 or s.step == t.max_steps):
-                    s.last_val = evaluate(self.engine, self.data.val, t.eval_steps, ctx)
+                    s.last_val = evaluate(self.engine, self.data.val, t.validation_sequences, ctx)
                     log.log(s.step, {"val_loss": s.last_val})
                     log.info(f"step {s.step}: val_loss {s.last_val:.4f}")
                     window.restart_clock()

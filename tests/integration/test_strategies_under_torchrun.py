@@ -5,9 +5,12 @@ window of the epoch's permutation, so 2 ranks with micro-batch B read, step for 
 the 2B windows that 1 process with micro-batch 2B reads (also with gradient accumulation: fsdp
 and zero2 run 2 micro-batches of B/2, which exercises FSDP2's deferred reduce-scatter and
 DeepSpeed's accumulation boundary). The model is built from the same seed on every rank,
-dropout is 0, so each strategy computes the same global-batch gradient as the single process; only the order of floating-point sums differs (per-rank means averaged by a
-collective vs one mean over 2B sequences). Tolerance: 1e-5 on the loss of each of 4 steps and
-on the final validation loss (fp32; observed differences are ~1e-6).
+dropout is 0, so each strategy computes the same global-batch gradient as the single process; only
+the order of floating-point sums differs (per-rank means averaged by a collective vs one mean over
+2B sequences). Tolerance: 1e-5 on the loss of each of 4 steps and on the validation loss (fp32;
+observed differences are ~1e-6). The validation set is 13 windows in every run (train.eval_sequences):
+1 process reads them in batches of 8, 2 ranks share them 7 + 6 in batches of their micro-batch,
+padding the rest, so the figure is the same set's mean whatever the layout.
 
 Resume: the FSDP2 and ZeRO-3 runs save a checkpoint at step 2; a second launch resumes from it
 and must reproduce steps 3-4 bit for bit (model, optimizer and data position all restored).
@@ -30,10 +33,9 @@ STEPS = 4
 LOSS_TOL = 1e-5
 # Micro-batches per rank x accumulation steps x 2 ranks = 8 sequences per step, the single run's
 # micro-batch. Rank r's k-th step then reads windows [8k, 8k + 8) of the permutation either way.
-# Validation: 16 windows in all runs (8 x 2 batches single, 4 x 2 or 2 x 4 per rank x 2 ranks).
-ACCUMULATE = {"train.micro_batch_size": 2, "train.grad_accum_steps": 2, "train.eval_steps": 4}
+ACCUMULATE = {"train.micro_batch_size": 2, "train.grad_accum_steps": 2}
 PER_STRATEGY = {"ddp": {}, "fsdp": ACCUMULATE, "zero1": {}, "zero2": ACCUMULATE, "zero3": {}}
-COMMON = {"train.max_steps": STEPS, "train.eval_interval": STEPS, "train.eval_steps": 2, "checkpoint.interval": 2,
+COMMON = {"train.max_steps": STEPS, "train.eval_interval": 2, "train.eval_sequences": 13, "checkpoint.interval": 2,
           "checkpoint.save_final": "false", "checkpoint.keep_last": 0}
 
 
@@ -49,8 +51,8 @@ def torchrun(run_dir: Path, corpus_cache: str, extra: dict, resume: str | None =
     )
 
 
-def val_loss(run_dir: Path) -> float:
-    return [m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m][-1]
+def val_loss(run_dir: Path, step: int = STEPS) -> float:
+    return next(m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m and m["step"] == step)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,8 @@ def test_two_rank_losses_match_one_process_with_the_same_global_batch(strategy, 
     assert sorted(ours) == list(range(1, STEPS + 1))
     for step in reference:
         assert ours[step] == pytest.approx(reference[step], abs=LOSS_TOL), f"step {step}"
-    assert val_loss(run_dir) == pytest.approx(val_loss(single), abs=LOSS_TOL)
+    for step in (2, STEPS):
+        assert val_loss(run_dir, step) == pytest.approx(val_loss(single, step), abs=LOSS_TOL), f"val at {step}"
     # Training did something: the losses are not all the same number.
     assert len({round(v, 4) for v in ours.values()}) > 1
 
@@ -105,6 +108,56 @@ def test_resume_from_a_sharded_checkpoint_reproduces_the_next_steps(strategy, sa
     assert "continuing from" in proc.stdout
     expected = {s: v for s, v in step_losses(full).items() if s > 2}
     assert step_losses(resumed) == expected  # bit for bit
+
+
+@pytest.mark.timeout(300)
+def test_evaluate_on_a_two_rank_checkpoint_gives_the_logged_validation_loss(parallel_runs, tmp_path):
+    """tools/evaluate.py, one process, on the FSDP2 run's step-2 checkpoint: by default the run's
+    validation set (13 windows), so its loss is the val_loss the 2 ranks logged at step 2."""
+    import json
+
+    from tools.evaluate import main as evaluate_main
+
+    run_dir = parallel_runs("fsdp")
+    out = tmp_path / "eval.json"
+    assert evaluate_main([str(run_dir / "checkpoints" / "step_00000002"), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["sequences"] == 13 and result["tokens"] == 13 * 64
+    assert result["loss"] == pytest.approx(val_loss(run_dir, 2), abs=LOSS_TOL)
+
+
+@pytest.mark.timeout(300)
+def test_one_process_reshards_a_two_rank_fsdp_checkpoint(parallel_runs, tmp_path, corpus_cache):
+    """checkpoint.reshard=true: the FSDP2 run's step-2 checkpoint (DCP, 2 ranks) resumed by train.py in
+    one process continues at step 3 with the saved weights and the schedule's step-3 learning rate;
+    the data stream restarts, so step 3's loss is the saved model's loss on the first batch."""
+    from parallel.optim import lr_at
+    from training.config import load_config
+    from training.model_io import load_source
+
+    checkpoint = parallel_runs("fsdp") / "checkpoints" / "step_00000002"
+    run_dir = tmp_path / "resharded"
+    overrides = {**COMMON, "train.micro_batch_size": 8, "checkpoint.reshard": "true"}
+    proc = run_train(["--config", TINY, *tiny_overrides(run_dir, corpus_cache, **overrides),
+                      "--resume", str(checkpoint)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resharded" in proc.stdout + proc.stderr and "at step 2" in proc.stdout
+    rows = {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+    assert sorted(rows) == [3, 4]
+    cfg = load_config(run_dir / "config.yaml")
+    assert rows[3]["lr"] == pytest.approx(lr_at(2, **cfg.lr_schedule()), rel=1e-12)
+
+    # The reference: the checkpoint read by the export path (another reader of DCP), its loss on the
+    # first batch of a one-process stream.
+    from data.loader import build_data
+
+    model = load_source(checkpoint).build()
+    data = build_data(cfg.data, seq_len=cfg.seq_len, micro_batch_size=8, seed=cfg.train.seed, rank=0, world_size=1,
+                      vocab_size=cfg.model.vocab_size)
+    x, y = next(data.train)
+    with torch.no_grad():
+        expected = float(model(x, y))
+    assert rows[3]["loss"] == pytest.approx(expected, abs=LOSS_TOL)
 
 
 @pytest.mark.timeout(120)

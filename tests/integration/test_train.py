@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from parallel.checkpoint import safe_torch_load
 from tests.conftest import ROOT, free_port, read_metrics, run_train, step_losses, tiny_overrides
@@ -214,17 +215,28 @@ def test_profile_flag_writes_a_trace(tmp_path, corpus_cache):
 
 @pytest.mark.timeout(300)
 def test_torchrun_two_processes_on_cpu(tmp_path, corpus_cache):
+    """Also a smoke run: 3 steps with the config's 50-step warm-up warm up over the 3 steps, with one
+    warning line (rank 0's), and the config and the checkpoint record the warm-up used."""
     run_dir = tmp_path / "ddp"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "train.py",
-         "--config", TINY, *tiny_overrides(run_dir, corpus_cache, **{"train.max_steps": 3})],
+         "--config", TINY, *tiny_overrides(run_dir, corpus_cache, **{"train.max_steps": 3, "optim.warmup_steps": 50})],
         cwd=ROOT, capture_output=True, text=True, timeout=280, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world 2 (gloo)" in proc.stdout and "-> ddp" in proc.stdout
     assert "[rank 1 local 1 node 0]" in proc.stdout
     assert len(step_losses(run_dir)) == 3
+
+    output = proc.stdout + proc.stderr
+    warnings = [line for line in output.splitlines() if "optim.warmup_steps=50 is longer than train.max_steps=3" in line]
+    assert len(warnings) == 1 and "warming up over 3 steps" in warnings[0], warnings
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["warmup_steps"] == 3
+    meta = json.loads((run_dir / "checkpoints" / "step_00000003" / "meta.json").read_text())
+    assert meta["schedule"]["warmup_steps"] == 3 and meta["schedule"]["decay_steps"] == 3
+    lrs = [r["lr"] for r in read_metrics(run_dir) if "lr" in r]
+    assert lrs == pytest.approx([3e-3 / 3, 3e-3 * 2 / 3, 3e-3])  # the tiny config's optim.lr, reached at step 3
 
 
 def test_wandb_offline_and_tensorboard_receive_the_metrics(tmp_path, corpus_cache):

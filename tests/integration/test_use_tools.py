@@ -97,10 +97,12 @@ def test_evaluate_reproduces_the_training_loops_validation_loss(imported_run, ca
     run_dir, _, _ = imported_run
     val = [m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m][-1]
     out = run_dir / "eval.json"
-    # The loop's validation: train.eval_steps=2 batches of train.micro_batch_size=4 sequences.
-    assert evaluate_tool.main([str(run_dir), "--batches", "2", "--batch-size", "4", "--json", str(out)]) == 0
+    # By default the run's validation set: train.eval_steps=2 x train.micro_batch_size=4 sequences,
+    # here in batches of 3 (the last one padded): the same figure.
+    assert evaluate_tool.main([str(run_dir), "--batch-size", "3", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["loss"] == pytest.approx(val, abs=1e-5) and result["tokens"] == 2 * 4 * 64
+    assert result["sequences"] == 8
     # Byte tokenizer: one byte per token except end-of-text (id 0).
     assert 0 < result["bytes"] <= result["tokens"]
     assert result["bits_per_byte"] == pytest.approx(result["loss"] * result["tokens"] / result["bytes"] / 0.6931471805599453)

@@ -9,7 +9,7 @@ import torch
 
 from analysis import estimator as est
 from analysis.chapter_measurements import count_saved_bytes
-from common.hardware import DEVICES, DeviceSpec, lookup_device, peak_tflops_for
+from common.hardware import DEVICES, lookup_device, peak_tflops_for
 from model.config import ModelConfig
 from model.gpt import GPT
 
@@ -239,12 +239,11 @@ def test_bad_choices_are_one_line_errors():
         est.preset("gpt5")
 
 
-# --------------------------------------------------------------------------- hardware table compatibility
+# --------------------------------------------------------------------------- hardware table
 
 
-def test_hardware_table_keeps_its_original_interface():
-    legacy = DeviceSpec("X", 1.0, None, 0.5, 16.0, 1.0, 100.0, 10.0)  # the original eight fields
-    assert legacy.fp16_tflops == 1.0 and legacy.nvlink_one_way_gb_s == 50.0
+def test_the_hardware_table_resolves_device_names():
+    assert H100.fp16_tflops == 989.0 and H100.nvlink_one_way_gb_s == 450.0
     assert lookup_device("NVIDIA H100 80GB HBM3") is H100
     assert peak_tflops_for("NVIDIA H100 80GB HBM3", "bf16")[0] == 989.0
     assert peak_tflops_for("NVIDIA A100-SXM4-80GB", "fp32")[0] == 156.0

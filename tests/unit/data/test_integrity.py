@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from common.errors import DataError
+from data.bundle import IGNORE_INDEX
 from data.config import DataConfig
 from data.loader import build_data
 from data.prepare import PrepareOptions, Utf8Report, decode_utf8, prepare
@@ -114,15 +115,18 @@ def test_wds_damaged_val_shard_is_an_error(tmp_path, kind):
 def test_wds_damaged_val_shard_is_skipped_alike_on_every_rank(tmp_path, kind, caplog):
     root = make_wds(tmp_path / "w", samples=40, per_shard=10, val_samples=40)
     damage_tar(root / "val" / "shard-000001.tar", 13, kind)
-    got = []
+    got, batches = [], []
     with caplog.at_level(logging.WARNING, logger="perfgpt.data"):
         for rank in range(2):
             val = wds_bundle(root, rank=rank, world_size=2, on_bad_shard="skip").val
-            got.append([int(v) // T for x, _ in val.batches(100) for v in x[:, 0]])
+            rows = [(x[i], y[i]) for x, y in val.batches(100) for i in range(len(x))]
+            batches.append(len(rows))
+            got.append([int(x[0]) // T for x, y in rows if y[0] != IGNORE_INDEX])
             assert list(val.skipped) == [str(root / "val" / "shard-000001.tar")]
-    # samples 13..19 are lost; 12 shares its group of two with 13, so both ranks drop that group
-    assert len(got[0]) == len(got[1]) == 16
-    assert sorted(got[0] + got[1]) == list(range(12)) + list(range(20, 40))
+    # samples 13..19 are lost: the set is the 33 that remain, shared 17 + 16, and both ranks run
+    # the same batches (rank 1's last row is padding)
+    assert batches[0] == batches[1] and (len(got[0]), len(got[1])) == (17, 16)
+    assert sorted(got[0] + got[1]) == list(range(13)) + list(range(20, 40))
     assert "val/shard-000001.tar" in caplog.text
 
 
@@ -181,6 +185,7 @@ def test_flipped_token_byte_is_caught_when_its_chunk_is_first_read(tmp_path, wor
 EXIT_WITH_LIVE_WORKERS = """
 import sys
 sys.path.insert(0, {root!r})
+from data.bundle import IGNORE_INDEX
 from data.config import DataConfig
 from data.loader import build_data
 

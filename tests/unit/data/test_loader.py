@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from common.errors import DataError
+from data.bundle import IGNORE_INDEX
 from data.config import DataConfig
 from data.loader import build_data
 from data.prefetch import DevicePrefetcher
@@ -129,15 +130,28 @@ def test_resume_with_a_different_layout_is_refused(tmp_path):
         bundle(root, batch=4).train.load_state_dict(state)
 
 
-def test_validation_is_repeatable_and_rank_disjoint(tmp_path):
-    root = make_dataset(tmp_path / "d", val_tokens=8 * 12 + 1)
-    vals = [bundle(root, rank=r, world_size=2).val for r in range(2)]
-    assert vals[0].num_batches == 3
-    first = window_starts(vals[0].batches(2))
-    assert first == window_starts(vals[0].batches(2))
-    second = window_starts(vals[1].batches(3))
-    assert not set(first) & set(second)
-    assert len(list(vals[0].batches(100))) == 3
+@pytest.mark.parametrize("n", [12, 7, 5, 100, None])
+def test_validation_is_the_first_windows_of_the_split_whatever_the_ranks(tmp_path, n):
+    """1, 2 or 3 ranks share out the same first n windows (each once); every rank runs the same
+    number of full-size batches, rows past its share padded with targets the loss ignores."""
+    root = make_dataset(tmp_path / "d", val_tokens=8 * 12 + 1)  # 12 windows, the first at token 721
+    expected = [721 + T * i for i in range(min(n or 12, 12))]
+    for world in (1, 2, 3):
+        per_rank = [list(bundle(root, rank=r, world_size=world).val.batches(n)) for r in range(world)]
+        assert len({len(batches) for batches in per_rank}) == 1
+        seen = []
+        for batches in per_rank:
+            for x, y in batches:
+                assert x.shape == y.shape == (B, T)
+                real = y[:, 0] != IGNORE_INDEX
+                assert (y[~real] == IGNORE_INDEX).all() and (x[~real] == 0).all()
+                assert torch.equal(x[real][:, 1:], y[real][:, :-1])
+                seen += [int(v) for v in x[real][:, 0]]
+        assert sorted(seen) == expected, world
+        assert len(per_rank[0]) == -(-len(expected) // (B * world))  # no batch of padding only beyond that
+    val = bundle(root, rank=1, world_size=2).val
+    assert window_starts(val.batches(5)) == window_starts(val.batches(5))  # repeatable
+    assert "the first 5 of 12 windows" in val.describe(5) and "asks for more" in val.describe(100)
 
 
 def test_too_small_for_one_batch(tmp_path):

@@ -52,9 +52,10 @@ def test_samples_decode_to_windows_and_val_is_repeatable(tmp_path):
     x, y = next(data.train)
     assert x.shape == (B, T) and x.dtype == torch.int64
     assert x[0].tolist() == list(range(T)) and y[0].tolist() == list(range(1, T + 1))
-    first = [b[0] for b in data.val.batches(3)]
-    again = [b[0] for b in data.val.batches(3)]
-    assert data.val.num_batches == 6 and all(torch.equal(a, b) for a, b in zip(first, again))
+    first = [b[0] for b in data.val.batches(3 * B)]
+    again = [b[0] for b in data.val.batches(3 * B)]
+    assert len(first) == 3 and all(torch.equal(a, b) for a, b in zip(first, again))
+    assert data.val.num_batches(None) == 6
     assert "format=webdataset" in data.description
 
 

@@ -46,9 +46,10 @@ def repeat_interleave_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 @pytest.mark.parametrize("n_kv_head", [1, 2, 6])
 @pytest.mark.parametrize("backend,native_gqa", [("reference", None), ("sdpa", True), ("sdpa", False)])
 def test_gqa_attention_equals_repeat_interleave(monkeypatch, backend, native_gqa, n_kv_head, dtype):
-    """Forward and gradients of q, k, v; sdpa both through enable_gqa and through the explicit repeat."""
+    """Forward and gradients of q, k, v; sdpa both through enable_gqa and through the explicit repeat
+    (the path of CUDA kernels that do not take enable_gqa)."""
     if native_gqa is not None:
-        monkeypatch.setattr(attention, "SDPA_HAS_ENABLE_GQA", native_gqa)
+        monkeypatch.setattr(attention, "_sdpa_takes_gqa", lambda q: native_gqa)
     core = AttentionCore(backend, dropout=0.0)
     batch, seq, heads, head_dim = 2, 9, 6, 8
     q = randn(batch, seq, heads, head_dim, dtype=dtype, seed=1)
@@ -156,14 +157,14 @@ def test_gqa_gpt_on_triton_kernels_matches_the_reference_ops(triton_ops):
             assert not getattr(triton_ops, name).logged_reasons, name
 
 
-# --------------------------------------------------------------------------- the default is unchanged
+# --------------------------------------------------------------------------- multi-head attention as a special case
 
 
 def multi_head_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
-    """The GPT's forward as it was before GQA, op for op: the fused projection viewed as
-    (B, T, 3, H, D), i.e. [all query heads | all key heads | all value heads], and the MLP bias
-    added after the GEMM. The model now stores qkv rows grouped per key/value head and draws them
-    in the old order, so reading its weights back in the old order must give the same logits."""
+    """A plain multi-head GPT forward, op for op: the fused projection viewed as (B, T, 3, H, D),
+    i.e. [all query heads | all key heads | all value heads], and the MLP bias added after the GEMM.
+    The model stores qkv rows grouped per key/value head (and draws them at init in the plain
+    order), so its weights regrouped into the plain layout must give the same logits."""
     cfg, sd = model.cfg, model.state_dict()
     for name in [n for n in sd if ".attn.qkv." in n]:
         sd[name] = torch.cat(split_qkv(sd[name], cfg.n_head, cfg.kv_heads))

@@ -2,7 +2,8 @@
 
 Every layout is checked against one process running the same global batch: losses of several
 steps within 1e-5 (fp32) and, on the first step, every gradient (gathered to full tensors by
-parameter name). Checkpoints resume bit for bit on the same layout and load into other layouts.
+parameter name), and the validation loss on a set that leaves padding rows within 1e-5.
+Checkpoints resume bit for bit on the same layout and load into other layouts.
 Process launches are shared: one 2-rank launch runs every 2-rank layout, one 4-rank launch the
 2-D ones.
 """
@@ -17,17 +18,22 @@ import pytest
 import torch
 
 from common.errors import ConfigError, LayoutError
+from data.bundle import ValSource
 from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
 from tests.conftest import read_metrics, run_torchrun, run_train, tiny_overrides
 from tests.gloo import gloo_context, run_workers
 from training.build import build_from_config
 from training.config import load_config
+from training.loop import evaluate
 
 MODEL = {"vocab_size": 64, "max_seq_len": 16, "n_layer": 4, "n_head": 4, "d_model": 32,
          "tie_embeddings": False, "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "n_kv_head": 2}
 MICRO, ACCUM, STEPS = 2, 2, 3
 SAVE_AFTER = 2  # steps trained before the checkpoint that a fresh engine resumes from
+# Validation windows after the last step: 7 over 2 data-parallel ranks in batches of MICRO leave
+# padding rows, so the layouts' eval paths (pipeline schedule, vocabulary-parallel loss) meet them.
+VAL = 7
 
 # (name, parallel section) per layout; the 2-rank ones, then the 4-rank compositions.
 TWO_RANKS = {
@@ -61,6 +67,13 @@ def micro_batches(step: int, dp_rank: int, dp_size: int, accum: int = ACCUM) -> 
         tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, MODEL["max_seq_len"] + 1), generator=g)
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
+
+
+def val_source(dp_rank: int, dp_size: int) -> ValSource:
+    g = torch.Generator().manual_seed(99)
+    windows = torch.randint(0, MODEL["vocab_size"], (VAL, MODEL["max_seq_len"] + 1), generator=g).numpy()
+    return ValSource(lambda: iter(windows), available=VAL, seq_len=MODEL["max_seq_len"], batch_size=MICRO,
+                     rank=dp_rank, world_size=dp_size)
 
 
 def full_grads(engine) -> dict[str, torch.Tensor]:
@@ -108,10 +121,11 @@ def run_layout(rank: int, world: int, name: str, parallel: dict, ckpt_root: str)
     torch.distributed.barrier()
     saved = full_params(engine)
     rest, _ = train_steps(engine, range(SAVE_AFTER, STEPS), ctx, cfg)
+    val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.dims.dp_size), VAL, ctx)
     fresh = build_from_config(cfg, ctx).engine  # a new run that loads the checkpoint
     fresh.load(path)
     resumed, _ = train_steps(fresh, range(SAVE_AFTER, STEPS), ctx, cfg)
-    return {"losses": losses + rest, "resumed": resumed, "grads": grads, "saved": saved}
+    return {"losses": losses + rest, "resumed": resumed, "grads": grads, "saved": saved, "val": val}
 
 
 def two_rank_worker(rank: int, world: int, ckpt_root: str) -> dict:
@@ -173,7 +187,8 @@ def reference(dp_size: int) -> dict:
             grads = full_grads(engine)
         engine.optimizer_step(cfg.optim.lr, loss)
         losses.append(float(loss))
-    return {"losses": losses, "grads": grads}
+    val = evaluate(engine, val_source(0, 1), VAL, DistContext.single())
+    return {"losses": losses, "grads": grads, "val": val}
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +212,7 @@ def _check_against_reference(results: list[dict], name: str, ref: dict) -> None:
         got = rank_result[name]
         assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5), name
         assert got["resumed"] == got["losses"][SAVE_AFTER:], f"{name}: resume is not bit-exact"
+        assert got["val"] == pytest.approx(ref["val"], abs=1e-5), f"{name}: validation loss"
     # Each rank gathers the gradients of the parameters it holds (a pipeline rank: its stages').
     seen = {}
     for rank_result in results:
@@ -320,13 +336,13 @@ def test_train_py_resumes_a_tensor_parallel_run_exactly(tmp_path, corpus_cache):
     assert sorted(losses) == [4, 5, 6]
     assert losses == {r["step"]: r["loss"] for r in read_metrics(full) if "loss" in r and r["step"] > 3}
 
-    # tools/evaluate.py joins the tensor-parallel shards of the final checkpoint in one process:
-    # its loss on the loop's validation batches (2 of train.micro_batch_size=4) is the tp run's.
+    # tools/evaluate.py joins the tensor-parallel shards of the final checkpoint in one process: by
+    # default its loss is on the run's validation set (train.eval_steps=2 x micro-batch 4 sequences),
+    # so it is the tp run's val_loss.
     from tools.evaluate import main as evaluate_main
 
     result = tmp_path / "eval.json"
-    assert evaluate_main([str(full / "checkpoints" / "step_00000006"), "--batches", "2", "--batch-size", "4",
-                          "--json", str(result)]) == 0
+    assert evaluate_main([str(full / "checkpoints" / "step_00000006"), "--json", str(result)]) == 0
     val = [r["val_loss"] for r in read_metrics(full) if "val_loss" in r]
     assert json.loads(result.read_text())["loss"] == pytest.approx(val[-1], abs=1e-5)
 

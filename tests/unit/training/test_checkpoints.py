@@ -80,7 +80,6 @@ def _copy(base_run: Path, tmp_path: Path) -> Path:
         ("--optim.eps=0", "optim.eps must be > 0"),
         ("--optim.decay_steps=-1", "optim.decay_steps must be >= 0"),
         ("--optim.decay_steps=1", "optim.decay_steps=1 ends the decay before optim.warmup_steps=50"),
-        ("--train.max_steps=10", "optim.warmup_steps=50 is longer than train.max_steps=10"),
         ("--checkpoint.interval=-5", "checkpoint.interval must be >= 0"),
         ("--checkpoint.keep_last=-1", "checkpoint.keep_last must be >= 0"),
         ("--precision.fp16_init_scale=0", "precision.fp16_init_scale must be > 0"),
@@ -94,9 +93,20 @@ def test_out_of_range_values_are_one_line_config_errors(override, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_a_warmup_longer_than_the_run_is_accepted_when_the_schedule_is_stated():
+def test_a_warmup_longer_than_the_run_is_kept_when_the_schedule_is_stated():
     cfg = load_config(TINY, ["--train.max_steps=10", "--optim.decay_steps=600"])
     assert cfg.lr_schedule() == {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 50, "decay_steps": 600}
+    assert cfg.optim.for_run(10) == (cfg.optim, None)
+
+
+def test_a_smoke_run_warms_up_within_the_run_and_says_so():
+    cfg = load_config(TINY, ["--train.max_steps=10"])  # the config's warm-up is 50 steps
+    assert cfg.lr_schedule() == {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 10, "decay_steps": 10}
+    optim, note = cfg.optim.for_run(10)
+    assert optim.warmup_steps == 10 and optim.schedule(10) == cfg.lr_schedule()
+    assert "optim.warmup_steps=50" in note and "train.max_steps=10" in note and "optim.decay_steps" in note
+    assert "\n" not in note
+    assert load_config(TINY).optim.for_run(600)[1] is None  # a warm-up within the run is left alone
 
 
 def test_an_infinite_learning_rate_stops_before_any_work(tmp_path, corpus_cache):
