@@ -74,7 +74,6 @@ from common.measure import provenance
 from common.report import markdown_table, new_figure, save_figure, text_table, write_results
 from model.flops import count_parameters
 from parallel.distributed import DistContext, init_distributed, shutdown_distributed
-from parallel.engine import TorchEngine
 from parallel.optim import lr_at
 from parallel.pp import PipelineEngine, stage_ids
 from parallel.zero import ZeroEngine
@@ -220,7 +219,7 @@ def record_optimizer(engine, ledger: StorageLedger) -> None:
     # A pipeline rank steps one optimizer per stage it holds.
     for stepper in engine.steppers if isinstance(engine, PipelineEngine) else [engine]:
         _add_inner_optimizer(stepper.optimizer, ledger, with_state=True)
-        if isinstance(stepper, TorchEngine) and stepper.masters is not None:
+        if stepper.masters is not None:
             for m in stepper.masters.masters:
                 ledger.add("optimizer", m)
 
