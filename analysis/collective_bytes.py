@@ -51,16 +51,13 @@ def ring_bytes_sent(kind: str, whole: float, n: int) -> float:
     return 2 * frac * whole if kind == "all_reduce" else frac * whole
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def _nbytes(value) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
+    """Bytes of a tensor, or of the tensors in (nested) lists and tuples of them."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
 
 
 # --------------------------------------------------------------------------- pricing, by argument name
