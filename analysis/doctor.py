@@ -5,7 +5,7 @@
 - data wait: time the step blocked on the next batch (the engine measures it around each fetch);
 - optimizer: the optimizer step (the profiler's ``Optimizer.step#...`` ranges);
 - communication, exposed: collective and point-to-point ops on the training thread, which it
-  waits for; overlapped: the same ops on other threads (DDP's bucketed all-reduces run from the
+  waits for (common/comm_names.py decides which profiled names are communication); overlapped: the same ops on other threads (DDP's bucketed all-reduces run from the
   autograd thread during backward), which cost nothing while compute continues;
 - host overhead: wall time not covered by any operator on the training thread (Python, launch
   gaps, the framework's own bookkeeping);
