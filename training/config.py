@@ -77,6 +77,10 @@ class TrainConfig:
         if self.eval_sequences < 0:
             raise ConfigError(f"train.eval_sequences must be >= 0 (0: train.eval_steps x train.micro_batch_size), "
                               f"got {self.eval_sequences}")
+        for key, default in (("compile_loss", False), ("compile_mode", "default")):
+            if getattr(self, key) != default and not self.compile:  # it would be ignored: say so instead
+                raise ConfigError(f"train.{key}={getattr(self, key)} has no effect without train.compile=true; "
+                                  "set train.compile=true or leave it at its default")
         require_finite("train.data_wait_warn", self.data_wait_warn, ConfigError)
         if self.data_wait_warn < 0:
             raise ConfigError(f"train.data_wait_warn must be >= 0 (got {self.data_wait_warn})")
@@ -174,9 +178,6 @@ class JobConfig:
             if m.n_layer % stages:
                 raise ConfigError(f"model.n_layer={m.n_layer} must divide into parallel.pp x pp_virtual_stages = "
                                   f"{stages} pipeline stages of equal size")
-            if m.tie_embeddings:
-                raise ConfigError("model.tie_embeddings=true shares the embedding with the LM head, which sit on the "
-                                  "first and last pipeline stage; set model.tie_embeddings=false with parallel.pp > 1")
             if t.grad_accum_steps < p.pp:
                 raise ConfigError(f"train.grad_accum_steps={t.grad_accum_steps} is the number of pipeline "
                                   f"micro-batches: it must be >= parallel.pp={p.pp} to keep every stage busy")
