@@ -31,6 +31,7 @@ from training.loop import Throughput, TrainingLoop
 from training.metrics import RunLogger
 from training.model_io import with_initial_weights
 from training.signals import StopRequest, exit_code
+from training.task_eval import TaskEvaluator
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -104,10 +105,12 @@ def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_
         log.warn(line)
     data, batches = build_batches(cfg, ctx)
     log.info(data.description)
+    # The harness tasks load before the first step (a bad name stops the run there).
+    tasks = TaskEvaluator(cfg, ctx, data.tokenizer, data.eot_id) if cfg.harness.tasks else None
 
     rate, rate_note = throughput(cfg, ctx)
     log.info(rate_note)
-    loop = TrainingLoop(cfg, ctx, built.engine, data, batches, run_dir, ckpt_root, log, stop_request, rate)
+    loop = TrainingLoop(cfg, ctx, built.engine, data, batches, run_dir, ckpt_root, log, stop_request, rate, tasks)
     loop.resume()
     return loop.run()
 
