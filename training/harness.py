@@ -262,13 +262,15 @@ def load_tasks(names: list[str], task_dir: str | Path | None = None) -> dict:
         include = str(task_dir)
         if not Path(include).is_dir():
             raise ConfigError(f"task directory {include} does not exist")
+    broken = _unparsable_task_files([Path(n) for n in names if n.endswith((".yaml", ".yml"))])
+    if broken:
+        raise ConfigError(f"harness task file {broken[0]}")
     manager = TaskManager(include_path=include, include_defaults=False) if include else None
     if manager is None or not all(_known(manager, name) for name in names):
         manager = TaskManager(include_path=include)
     unknown = [name for name in names if not _known(manager, name)]
     if unknown:
-        broken = _unparsable_task_files([Path(n) for n in unknown if n.endswith((".yaml", ".yml"))]
-                                        + (sorted(Path(include).rglob("*.yaml")) if include else []))
+        broken = _unparsable_task_files(sorted(Path(include).rglob("*.yaml"))) if include else []
         hint = (f"; {broken[0]}" if broken else
                 "; list the harness's tasks with: lm_eval ls tasks" + (f" --include_path {include}" if include else ""))
         raise ConfigError(f"unknown harness task {unknown[0]!r}{hint}")
