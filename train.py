@@ -57,7 +57,7 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> JobConfig:
 # --------------------------------------------------------------------------- the run
 
 
-def run(cfg: JobConfig) -> int:
+def run(cfg: JobConfig, stop_request: StopRequest) -> int:
     source, source_note = None, None
     if cfg.model.init_from:  # before anything starts: a bad source is a one-line error
         cfg, source, source_note = with_initial_weights(cfg)
@@ -66,7 +66,7 @@ def run(cfg: JobConfig) -> int:
         cfg.parallel, note = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
         run_dir = prepare_run_dir(cfg, ctx)
         with RunLogger(run_dir, cfg.logging, is_main=ctx.is_main, tag=ctx.tag, max_steps=cfg.train.max_steps,
-                       config_dict=to_dict(cfg)) as log, StopRequest(ctx.tag) as stop_request:
+                       config_dict=to_dict(cfg)) as log:
             for line in (note, source_note):
                 if line:
                     log.info(line)
@@ -158,12 +158,16 @@ def main(argv: list[str]) -> int:
         return 0
     tag = env_rank_tag()  # under torchrun every rank prints its own line: say which one
     try:
-        return run(resolve_config(args, overrides))
+        cfg = resolve_config(args, overrides)
+        # From here a signal never raises inside set-up code: it exits at once until the first
+        # step, and from then on finishes the step and saves (training/signals.py).
+        with StopRequest(tag) as stop_request:
+            return run(cfg, stop_request)
     except USER_FACING_ERRORS as exc:
         kind = "config error" if isinstance(exc, ConfigError) else "error"
         print(f"{tag}{kind}: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C during set-up; in the loop it finishes the step and saves
+    except KeyboardInterrupt:  # Ctrl-C while the config is read, before StopRequest takes the signals over
         print(f"{tag}interrupted (SIGINT) before the first step; nothing to save", file=sys.stderr)
         return exit_code(signal.SIGINT)
     except RuntimeError as exc:

@@ -1,4 +1,5 @@
-"""SIGTERM and Ctrl-C end a run cleanly: finish the step, save, exit non-zero; a second signal exits at once.
+"""SIGTERM and Ctrl-C end a run cleanly: during set-up at once with one line; during training they
+finish the step, save and exit non-zero; a second signal exits at once.
 
 Preemptible clusters send SIGTERM some seconds before SIGKILL (Slurm: ``KillWait``, 30 s by
 default; torchrun forwards it to every worker and waits 30 s). The handler only records the
@@ -34,29 +35,36 @@ def signal_name(signum: int) -> str:
 
 
 class StopRequest:
-    """Records SIGTERM/SIGINT instead of dying, once armed; leaving the ``with`` block restores the handlers.
+    """Takes SIGTERM/SIGINT away from the default action for the whole run, in two phases.
 
-    The signals are read by a watcher thread from ``signal.set_wakeup_fd``, which the C-level
+    During set-up (from ``install`` to ``arm``) a signal ends the process at once with one line
+    (``interrupted (SIGINT) before the first step; nothing to save``) and the shell's exit code:
+    nothing has been trained, so there is nothing to save. It is not raised as KeyboardInterrupt
+    into whatever set-up code is running, because that may be C++ called from Python (torch's and
+    Triton's extensions, mid-import), where the exception cannot pass through and the process
+    aborts with a C++ traceback instead (seen under load: ``terminate called after throwing an
+    instance of 'nanobind::python_error'``, exit -6).
+
+    From ``arm`` (the first training step) on, a signal is only recorded; the loop asks
+    ``requested`` after each optimizer step, finishes it, saves and exits; a second signal exits
+    at once. Signals are read by a watcher thread from ``signal.set_wakeup_fd``, which the C-level
     handler writes at once, not by the Python-level handler: that one runs only when the main
-    thread next executes Python, and a rank blocked in a collective on a hung peer may not for
-    minutes, while a second signal must end it at once. The Python-level handler replaces the
-    default action (termination, KeyboardInterrupt) and is only a fallback recorder.
+    thread next executes Python, and a rank blocked in a collective or a long kernel may not for
+    minutes. The Python-level handler only replaces the default action and records, as a fallback.
     """
 
     def __init__(self, tag: str = ""):
         self.tag = tag
         self.signum = 0
+        self.armed = False  # False: set-up, a signal exits at once; True: training, a signal is recorded
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
         self._previous_fd = -1
         self._write_fd: int | None = None
 
-    def arm(self) -> None:
-        """Install the handlers (from the first training step on; set-up stays interruptible).
-
-        Signal handlers can only be set from the main thread; elsewhere (a test harness, a
-        notebook thread) the process keeps its default behaviour rather than failing.
-        """
+    def install(self) -> None:
+        """Take the signals over (set-up phase). Signal handlers can only be set from the main
+        thread; elsewhere (a test harness, a notebook thread) the process keeps its default behaviour."""
         if threading.current_thread() is not threading.main_thread() or self._write_fd is not None:
             return
         read_fd, self._write_fd = os.pipe()
@@ -66,7 +74,15 @@ class StopRequest:
             self._previous[sig] = signal.signal(sig, self._on_python_signal)
         threading.Thread(target=self._watch, args=(read_fd,), name="perfgpt-signals", daemon=True).start()
 
+    def arm(self) -> None:
+        """From the first training step on: a signal finishes the step and saves."""
+        self.install()
+        self.armed = True
+        if self.signum:  # arrived in the instant between the end of set-up and now
+            self._leave_set_up(self.signum)
+
     def __enter__(self) -> StopRequest:
+        self.install()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -93,6 +109,8 @@ class StopRequest:
             os.close(read_fd)
 
     def _on_signal(self, signum: int) -> None:
+        if not self.armed:
+            self._leave_set_up(signum)
         now = time.monotonic()
         if not self.signum:
             self.signum, self._first_at = signum, now
@@ -103,9 +121,15 @@ class StopRequest:
         os.write(2, f"{self.tag}second {signal_name(signum)}: exiting at once without saving\n".encode())
         os._exit(exit_code(signum))
 
+    def _leave_set_up(self, signum: int) -> None:
+        os.write(2, f"{self.tag}interrupted ({signal_name(signum)}) before the first step; nothing to save\n".encode())
+        os._exit(exit_code(signum))
+
     def _on_python_signal(self, signum: int, frame) -> None:
-        # Normally the watcher has recorded this signal already. Should anything have replaced the
+        # Normally the watcher has acted on this signal already. Should anything have replaced the
         # wakeup fd since, the stop still happens; only the "second signal" exit would be lost.
+        if not self.armed:
+            self._leave_set_up(signum)
         if not self.signum:
             self.signum, self._first_at = signum, time.monotonic()
 

@@ -117,6 +117,34 @@ def test_ctrl_c_during_set_up_exits_with_one_line(tmp_path, corpus_cache):
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
 
 
+# Set-up code that cannot let a KeyboardInterrupt through: C++ called from Python (torch's and
+# Triton's extensions during an import) aborts the process when the exception reaches it. Here a
+# handler that swallows it stands in for that code: a signal raised *into* set-up would be caught
+# and set-up would go on; taken away from set-up code, it ends the process with one line.
+SIGNAL_IN_SET_UP = f"""
+import os, signal, sys, threading, time
+sys.path.insert(0, {str(ROOT)!r})
+from training.signals import StopRequest
+
+with StopRequest("[rank 0] "):
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            sum(range(10_000))
+        except BaseException as exc:
+            print("set-up swallowed", type(exc).__name__, flush=True)
+    print("set-up went on", flush=True)
+"""
+
+
+def test_a_signal_during_set_up_never_enters_set_up_code():
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_IN_SET_UP], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.strip() == "[rank 0] interrupted (SIGINT) before the first step; nothing to save"
+
+
 SECOND_SIGNAL = f"""
 import datetime, os, signal, sys, threading, time
 sys.path.insert(0, {str(ROOT)!r})
