@@ -150,11 +150,16 @@ def main(argv: list[str] | None = None) -> int:
               f"({result['bytes']:,} bytes) | loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
               f"bits/byte {result['bits_per_byte']:.4f}")
         if args.json:
-            try:
-                args.json.write_text(json.dumps(result, indent=2) + "\n")
-            except OSError as exc:
-                print(f"error: cannot write --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
-                return 2
+            return write_json(args.json, result)
+    return 0
+
+
+def write_json(path: Path, body: dict) -> int:
+    try:
+        path.write_text(json.dumps(body, indent=2, default=str) + "\n")
+    except OSError as exc:
+        print(f"error: cannot write --json {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -164,9 +169,9 @@ def print_scores(args: argparse.Namespace, results: dict | None) -> int:
     harness = import_harness("--tasks")  # imported already by score_tasks
     print(f"{args.source}\n{harness.results_table(results)}")
     if args.json:
-        summary = {"source": str(args.source), "scores": harness.scores(results), "n_samples": results.get("n-samples", {}),
-                   "n_shot": results.get("n-shot", {}), "versions": results.get("versions", {})}
-        args.json.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        return write_json(args.json, {"source": str(args.source), "ranks": max(1, int(os.environ.get("WORLD_SIZE", "1"))),
+                                      "scores": harness.scores(results), "n_samples": results.get("n-samples", {}),
+                                      "n_shot": results.get("n-shot", {}), "versions": results.get("versions", {})})
     return 0
 
 

@@ -4,6 +4,10 @@ against a run without it (same losses, bit for bit; scores in metrics.jsonl and 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from data.tokenizer import ByteTokenizer
-from tests.conftest import ROOT, read_metrics, run_train, step_losses, tiny_overrides
+from tests.conftest import ROOT, free_port, read_metrics, run_torchrun, run_train, step_losses, tiny_overrides
 from tools import evaluate as evaluate_tool
 from training.harness import PerfGPTLM, load_tasks, run_tasks
 from training.model_io import load_source, write_export
@@ -114,3 +118,36 @@ def test_the_evaluate_command_prints_the_harness_table(runs, capsys):
     out = capsys.readouterr().out
     assert "|perfgpt_python_mc " in out and "|acc_norm" in out and "exact_match" in out
     assert "|     1|" in out  # one few-shot example per prompt
+
+
+def test_two_ranks_share_the_requests_and_score_what_one_process_scores(runs, tmp_path):
+    """tools.evaluate --tasks under torchrun: each rank scores its share, rank 0 gathers the same table."""
+    plain, _ = runs
+    args = ["--tasks", ",".join(TASKS), "--task-dir", str(TASK_DIR)]
+    assert evaluate_tool.main([str(plain), *args, "--json", str(tmp_path / "one.json")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", "-m", "tools.evaluate", str(plain), *args,
+                           "--json", str(tmp_path / "two.json")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert two["ranks"] == 2 and two["scores"] == one["scores"]
+
+
+def test_tasks_during_fsdp_training_score_the_weights_the_checkpoint_holds(runs, corpus_cache, tmp_path):
+    """Under FSDP2 each rank joins the shards into its own copy; the scores logged after the last
+    step are those of the final checkpoint evaluated on its own."""
+    run_dir = tmp_path / "fsdp"
+    proc = run_torchrun(2, ["--config", "configs/tiny.yaml", *tiny_overrides(run_dir, corpus_cache, **{
+        "parallel.strategy": "fsdp", "train.max_steps": 8, "checkpoint.save_final": "true",
+        "harness.tasks": ",".join(TASKS), "harness.task_dir": str(TASK_DIR), "harness.interval": 8,
+        "harness.limit": 10})])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = {k.removeprefix("harness/"): v for r in read_metrics(run_dir) if r["step"] == 8 for k, v in r.items()
+              if k.startswith("harness/")}
+    assert set(logged) == {"perfgpt_python_mc/acc", "perfgpt_python_mc/acc_norm", "perfgpt_python_gen/exact_match"}
+    out = tmp_path / "scores.json"
+    assert evaluate_tool.main([str(run_dir), "--tasks", ",".join(TASKS), "--task-dir", str(TASK_DIR), "--limit", "10",
+                               "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["scores"] == logged
