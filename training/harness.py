@@ -211,11 +211,19 @@ class PerfGPTLM(TemplateLM):
             for start in range(0, len(ordered), self._batch_size):
                 batch = ordered[start:start + self._batch_size]
                 with self._forward_context():
-                    tokens = generate(self.model, [prompts[n] for n in batch], max_new, sampling, eos_id=self._eot)
+                    tokens = generate(self.model, [prompts[n] for n in batch], max_new, sampling, eos_id=self._eot,
+                                      stop_when=self._stop_check(until))
                 for n, row in zip(batch, tokens):
                     out[n] = cut_at_stop(self.tok_decode(row), until)
                     self.cache_hook.add_partial("generate_until", requests[n].args, out[n])
         return out  # type: ignore[return-value]
+
+    def _stop_check(self, until: list[str]) -> Callable[[list[int]], bool] | None:
+        """Whether a row's text so far holds a stop string: generating further would only be cut."""
+        stops = [stop for stop in until if stop]
+        if not stops:
+            return None
+        return lambda tokens: any(stop in self.tok_decode(tokens) for stop in stops)
 
     def _generation_settings(self, kwargs: dict) -> tuple[list[str], int, Sampling]:
         until = kwargs.pop("until", None) or []
