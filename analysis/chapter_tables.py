@@ -1,12 +1,14 @@
 """The chapter's tables, reproduced: its claim | our analytic figure at its scale | measured here.
 
-Each ``*_table`` function takes the measurements of this run (``Measured``) and returns a
-``report.Table``. Analytic figures come from ``analysis/estimator.py`` and ``analysis/hardware.py``;
-the chapter's claims are quoted as printed (translated); verdicts say why a claim is wrong where
-it is, and docs/chapter_corrections.md lists each correction with the tests that establish it.
-A "measured here" cell holds either a measurement of this run or a figure read, at generation
-time, from a measured file under docs/results/ (named in the cell); otherwise it says what is
-missing. No cell quotes a figure from anywhere else.
+What the tables say lives in ``analysis/chapter_tables.yaml``: each table's title, setup lines,
+columns and verdict notes, the chapter's claims quoted as printed (translated), and the templates of
+the cells. Each ``*_table`` function here computes the figures those templates name, from
+``analysis/estimator.py`` and ``common/hardware.py`` (analytic) and from the measurements of this
+run (``Measured``), and ``render`` fills them into a ``report.Table``. Verdicts say why a claim is
+wrong where it is, and docs/chapter_corrections.md lists each correction with the tests that
+establish it. A "measured here" cell holds either a measurement of this run or a figure read, at
+generation time, from a measured file under docs/results/ (named in the cell); otherwise it says
+what is missing. No cell quotes a figure from anywhere else.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from analysis import comm_model as cm
 from analysis import estimator as est
 from common.hardware import DEVICES
 from common.measure import NO_DIFFERENCE, speedup
 from common.report import GIB, NEEDS_GPU, Table, gib, human_bytes, new_figure, save_figure, sci
+
+TEXT = yaml.safe_load(Path(__file__).with_suffix(".yaml").read_text(encoding="utf-8"))
 
 
 @dataclass
@@ -42,8 +48,46 @@ class Measured:
 # numbers are read from the rows each tool writes next to them (same stem, .json), never from the Markdown.
 BENCH_TRAIN_CPU = "bench_train_cpu.md"  # tools/bench_train.py on configs/tiny.yaml
 PARALLEL_CPU = "parallel_strategies_cpu.md"  # tools/bench_parallel.py on 2 gloo processes
+DATA_FORMATS_MEASURED_NAME = "data_formats_measured.md"  # tools/bench_data.py, run by tools/reproduce.py
 MEASURED_FILES = (BENCH_TRAIN_CPU, PARALLEL_CPU)
 NOT_MEASURED = "not measured"
+
+
+# --------------------------------------------------------------------------- the renderer
+
+
+def fill(template: str, values: dict) -> str:
+    """A template of chapter_tables.yaml with its named figures filled in."""
+    return template.format(**values)
+
+
+def _shown(entries: list, values: dict) -> list[str]:
+    """Setup lines or notes: a plain entry always, a {text, when|unless} entry when its figure says so."""
+    lines = []
+    for entry in entries:
+        if isinstance(entry, dict):
+            if ("when" in entry and not values[entry["when"]]) or ("unless" in entry and values[entry["unless"]]):
+                continue
+            entry = entry["text"]
+        lines.append(fill(entry, values))
+    return lines
+
+
+def render(name: str, values: dict, rows: list[list[str]] | None = None, plot=None) -> Table:
+    """Table ``name`` of chapter_tables.yaml: its title, setup, columns and notes filled with ``values``;
+    ``rows`` as given, or the table's own row templates filled."""
+    spec = TEXT[name]
+    if rows is None:
+        rows = [[fill(cell, values) for cell in row.values()] for row in spec["rows"]]
+    return Table(
+        name=name,
+        title=fill(spec["title"], values),
+        setup=_shown(spec["setup"], values),
+        columns=[fill(column, values) for column in spec["columns"]],
+        rows=rows,
+        notes=_shown(spec["notes"], values),
+        plot=plot,
+    )
 
 
 def _where(result: dict) -> str:
@@ -54,11 +98,8 @@ def _where(result: dict) -> str:
 
 # As printed: (bits, sign, exponent, mantissa, range, GPU support)
 CHAPTER_FORMATS = {
-    "FP32": (32, 1, 8, 23, "~10⁻³⁸ ~ 10³⁸", "all"),
-    "FP16": (16, 1, 5, 10, "~10⁻⁵ ~ 65504", "Volta+"),
-    "BF16": (16, 1, 8, 7, "~10⁻³⁸ ~ 10³⁸", "Ampere+"),
-    "FP8 (E4M3)": (8, 1, 4, 3, "~10⁻⁶ ~ 448", "Hopper+"),
-    "FP8 (E5M2)": (8, 1, 5, 2, "~10⁻¹⁴ ~ 57344", "Hopper+"),
+    row["format"]: (row["bits"], row["sign"], row["exponent"], row["mantissa"], row["range"], row["gpus"])
+    for row in TEXT["numeric_formats"]["claims"]
 }
 
 
@@ -84,63 +125,38 @@ def format_from_layout(exponent_bits: int, mantissa_bits: int, finite_only: bool
 
 
 def formats_table(measured: Measured) -> Table:
+    texts = TEXT["numeric_formats"]["texts"]
     rows, analytic_all = [], {}
-    for label, (bits, _, e, m, claimed_range, gpus) in CHAPTER_FORMATS.items():
-        analytic = format_from_layout(e, m, finite_only=label == "FP8 (E4M3)")
+    for claim in TEXT["numeric_formats"]["claims"]:
+        label = claim["format"]
+        analytic = format_from_layout(claim["exponent"], claim["mantissa"], claim.get("finite_only", False))
         analytic_all[label] = analytic
-        got = measured.formats.get(label, {})
-        if got.get("missing"):
-            measured_cell = f"torch has no {got['dtype']}"
-        else:
-            inf = "inf" if math.isinf(got["inf_casts_to"]) else f"{sci(got['inf_casts_to'])} (no inf)"
-            measured_cell = (
-                f"e{got['exponent_bits']}m{got['mantissa_bits']}: max {sci(got['max'])}, "
-                f"min normal {sci(got['min_normal'])}, min subnormal {sci(got['min_subnormal'])}, "
-                f"eps {sci(got['eps'])}; +inf casts to {inf}"
-            )
+        figures = {
+            "max": sci(analytic["max"]), "min_normal": sci(analytic["min_normal"]),
+            "min_subnormal": sci(analytic["min_subnormal"]),
+            "normal_exponent": round(math.log2(analytic["min_normal"])),
+            "subnormal_exponent": round(math.log2(analytic["min_subnormal"])),
+        }
         rows.append([
             label,
-            f"{bits} bits (1/{e}/{m}); range {claimed_range}; {gpus}",
-            f"max {sci(analytic['max'])}, min normal 2^{round(math.log2(analytic['min_normal']))} = "
-            f"{sci(analytic['min_normal'])}, min subnormal 2^{round(math.log2(analytic['min_subnormal']))} = "
-            f"{sci(analytic['min_subnormal'])}" + ("" if analytic["has_inf"] else ", no inf"),
-            measured_cell,
-            _format_verdict(label),
+            fill(texts["claim"], claim),
+            fill(texts["analytic" if analytic["has_inf"] else "analytic_no_inf"], figures),
+            _format_measured(measured.formats.get(label, {})),
+            claim["verdict"],
         ])
-    notes = [
-        "The bit layouts and maxima in the chapter are right. Its lower range ends are not: FP8 E4M3 reaches 2⁻⁶ "
-        "(normal) and 2⁻⁹ ≈ 2e-3 (subnormal), not ~1e-6; E5M2 reaches 2⁻¹⁴ and 2⁻¹⁶ ≈ 1.5e-5, not 1e-14; FP16's "
-        "smallest normal is 6.1e-5 and smallest subnormal 6e-8, so '~1e-5' is neither.",
-        "E4M3 (the 'fn' variant PyTorch and the OCP spec use) has no infinity: torch saturates +inf to its max on a "
-        "cast, which is why FP8 recipes keep amax histories and scales.",
-        "FP8 tensor cores are on Hopper (sm_90) and Ada (sm_89), not 'Hopper+' only. FP16 tensor cores arrived with "
-        "Volta; BF16 ones with Ampere.",
-        "Measured = torch.finfo on this machine; analytic = the formula from the bit layout. They must agree "
-        "(tests/unit/analysis/test_chapter_tables.py checks it).",
-    ]
-    return Table(
-        name="numeric_formats",
-        title="8.1 Numeric formats",
-        setup=[
-            "chapter: the 8.1 format table, as printed",
-            "analytic: IEEE-754-style formulas from (exponent, mantissa) bits; OCP FP8 rules for E4M3",
-            f"measured here: torch.finfo and a cast of +inf, torch {_torch_version()}",
-        ],
-        columns=["format", "chapter's claim", "analytic (bit layout)", "measured here (torch.finfo)", "verdict"],
-        rows=rows,
-        notes=notes,
-        plot=lambda path: _plot_formats(analytic_all, path),
+    return render("numeric_formats", {"torch_version": _torch_version()}, rows,
+                  plot=lambda path: _plot_formats(analytic_all, path))
+
+
+def _format_measured(got: dict) -> str:
+    if got.get("missing"):
+        return f"torch has no {got['dtype']}"
+    inf = "inf" if math.isinf(got["inf_casts_to"]) else f"{sci(got['inf_casts_to'])} (no inf)"
+    return (
+        f"e{got['exponent_bits']}m{got['mantissa_bits']}: max {sci(got['max'])}, "
+        f"min normal {sci(got['min_normal'])}, min subnormal {sci(got['min_subnormal'])}, "
+        f"eps {sci(got['eps'])}; +inf casts to {inf}"
     )
-
-
-def _format_verdict(label: str) -> str:
-    return {
-        "FP32": "correct",
-        "FP16": "max correct; lower end ~1e-5 matches neither 6.1e-5 nor 6e-8",
-        "BF16": "correct",
-        "FP8 (E4M3)": "max correct; min is 2⁻⁹ ≈ 2e-3, not 1e-6; no inf; Hopper and Ada",
-        "FP8 (E5M2)": "max correct; min is 2⁻¹⁶ ≈ 1.5e-5, not 1e-14; Hopper and Ada",
-    }[label]
 
 
 def _plot_formats(analytic: dict, path: Path) -> None:
@@ -165,14 +181,6 @@ def _torch_version() -> str:
 
 # --------------------------------------------------------------------------- 8.1 precision modes
 
-# mode label -> (our precision mode, chapter TFLOPS, chapter relative throughput, chapter memory)
-CHAPTER_PRECISION = {
-    "FP32": ("fp32", "~500", "1.0×", "100%"),
-    "FP16 (AMP)": ("fp16", "~1000", "2.0×", "~60%"),
-    "BF16 (AMP)": ("bf16", "~1000", "2.0×", "~60%"),
-    "BF16 (whole model)": ("bf16_master", "~1000", "2.1×", "~50%"),
-    "FP8 (TE)": ("fp8", "~1800", "3.6×", "~35%"),
-}
 PRECISION_MEASURED_VARIANT = {"fp32": "fp32", "fp16": "fp16_autocast", "bf16": "bf16_autocast", "bf16_master": "bf16_model"}
 
 
@@ -186,76 +194,44 @@ def _mode_peak(mode: str) -> tuple[float, str]:
 
 
 def precision_table(measured: Measured) -> Table:
+    texts = TEXT["precision_modes"]["texts"]
+    claims = TEXT["precision_modes"]["claims"]
     gpt3 = est.preset("gpt3-175b")
     h100 = DEVICES["H100"]
     n_params = est.count_parameters(gpt3.model)
     results = {}
-    for label, (mode, *_rest) in CHAPTER_PRECISION.items():
-        job = est.JobSpec(gpt3.model, gpt3.seq_len, 1, 8, "fsdp", "none", mode, h100)
-        results[label] = est.estimate(job)
+    for claim in claims:
+        job = est.JobSpec(gpt3.model, gpt3.seq_len, 1, 8, "fsdp", "none", claim["mode"], h100)
+        results[claim["label"]] = est.estimate(job)
     fp32_memory = results["FP32"].memory.total
     fp32_speed = results["FP32"].time.seconds_per_token  # predicted as if memory were no limit
     min_gpus = est.min_gpus_to_fit(gpt3.model, gpt3.seq_len, h100, "bf16_master")
     rows = []
-    for label, (mode, tflops, rel, mem) in CHAPTER_PRECISION.items():
-        result = results[label]
-        peak, kind = _mode_peak(mode)
-        analytic = (
-            f"peak {peak:g} TFLOP/s dense {kind} ({peak / h100.tf32_tflops:.1f}× TF32); "
-            f"predicted {fp32_speed / result.time.seconds_per_token:.1f}× fp32 if it fit; "
-            f"{gib(result.memory.total)}/GPU = {result.memory.total / fp32_memory:.0%} of fp32 "
-            f"(states {gib(result.memory.states)}): does not fit in 80 GiB"
-        )
-        rows.append([label, f"{tflops} TFLOPS, {rel}, memory {mem}", analytic, _precision_measured(mode, measured)])
-    notes = [
-        f"Physically impossible as stated: GPT-3 175B has {n_params / 1e9:.1f}B parameters; mixed-precision AdamW "
-        f"keeps 16 bytes per parameter ({16 * n_params / 1e12:.2f} TB) against 8 × 80 GB = 640 GB, before any "
-        f"activation. Even fully sharded (FSDP/ZeRO-3) each GPU needs {gib(16 * n_params / 8)} of model states. "
-        f"Our planner finds the smallest H100 count that fits (FSDP, full recompute, micro-batch 1): "
-        f"{_gpu_count(min_gpus)}.",
-        "The 'TFLOPS' column is the H100 SXM datasheet's dense peaks (TF32 495, FP16/BF16 989, FP8 1979), not "
-        "measurements. 'FP32 ~500' is TF32 on tensor cores; plain FP32 (PyTorch's default for matmuls, TF32 off) "
-        f"peaks at {h100.fp32_tflops:g}.",
-        "AMP does not shrink model states: autocast keeps fp32 weights, gradients and Adam moments (16 B/param); "
-        "only activations become 16-bit. 'Memory 60%/50%/35%' cannot come from precision alone; at this scale "
-        "the states dominate, so the analytic memory barely moves between modes.",
-        f"FP8 end to end is not the ratio of peaks: only the GEMMs run in FP8, and the estimator assumes they "
-        f"reach {_fraction_pct('fp8_compute_fraction')} of the FP8 peak where BF16 reaches "
-        f"{_fraction_pct('compute_fraction')} of its own (analysis/estimator.py, Assumptions); FP8 is not "
-        "measured here (it needs Transformer Engine on a Hopper or Ada GPU).",
-    ]
+    for claim in claims:
+        result = results[claim["label"]]
+        peak, kind = _mode_peak(claim["mode"])
+        analytic = fill(texts["analytic"], {
+            "peak": peak, "kind": kind, "peak_vs_tf32": peak / h100.tf32_tflops,
+            "speed_vs_fp32": fp32_speed / result.time.seconds_per_token,
+            "memory_per_gpu": gib(result.memory.total), "memory_vs_fp32": result.memory.total / fp32_memory,
+            "states_per_gpu": gib(result.memory.states),
+        })
+        rows.append([claim["label"], fill(texts["claim"], claim), analytic, _precision_measured(claim["mode"], measured)])
     cpu = measured.precision
-    if cpu is not None:
-        notes.append(
-            "Measured here is a small model on this machine: CPU throughput ratios say nothing about tensor "
-            "cores (CPUs without AMX run bf16 slower); the saved-bytes ratio shows what autocast really "
-            "halves (only matmul outputs; norms, residual stream and loss stay fp32)."
-        )
-    return Table(
-        name="precision_modes",
-        title="8.1 Precision modes (chapter: GPT-3 175B on 8× H100 80GB SXM5)",
-        setup=[
-            "chapter: the 8.1 'performance comparison' table (GPT-3 175B, 8× H100 80GB SXM5)",
-            f"analytic: analysis/estimator.py at the chapter's scale: GPT-3 175B, s={gpt3.seq_len}, micro-batch 1, "
-            "8× H100, FSDP (fully sharded), no recompute; throughput ratio from the step-time model",
-            "measured here: " + (f"{cpu['setup']} on {_where(cpu)}" if cpu else "not run"),
-        ],
-        columns=["mode", "chapter's claim", "analytic at the chapter's scale", "measured here"],
-        rows=rows,
-        notes=notes,
-        plot=lambda path: _plot_precision(results, path),
-    )
+    values = {
+        "gpt3": gpt3, "h100": h100, "assumptions": est.Assumptions(), "cpu": cpu,
+        "cpu_where": _where(cpu) if cpu else None,
+        "n_params_billion": n_params / 1e9, "states_tb": 16 * n_params / 1e12, "sharded_states": gib(16 * n_params / 8),
+        "gpu_count": _gpu_count(min_gpus, texts),
+    }
+    return render("precision_modes", values, rows, plot=lambda path: _plot_precision(results, claims, path))
 
 
-def _gpu_count(n: int | None) -> str:
+def _gpu_count(n: int | None, texts: dict) -> str:
     if n is None:
-        return "none up to the planner's limit"
+        return texts["gpus_none"]
     power = est.smallest_power_of_two(n)
-    return f"{n}" + ("" if power == n else f" (the smallest power of two that fits: {power})")
-
-
-def _fraction_pct(name: str) -> str:
-    return f"{getattr(est.Assumptions(), name):.0%}"
+    return fill(texts["gpus" if power == n else "gpus_rounded"], {"gpus": n, "power": power})
 
 
 def _precision_measured(mode: str, measured: Measured) -> str:
@@ -277,11 +253,11 @@ def _precision_measured(mode: str, measured: Measured) -> str:
     return "; ".join(cells)
 
 
-def _plot_precision(results: dict, path: Path) -> None:
+def _plot_precision(results: dict, claims: list[dict], path: Path) -> None:
     fig, (ax_peak, ax_mem) = new_figure(ncols=2, width=5.5)
-    labels = list(results)
-    chapter = [float(CHAPTER_PRECISION[label][1].strip("~")) for label in labels]
-    peaks = [_mode_peak(CHAPTER_PRECISION[label][0])[0] for label in labels]
+    labels = [claim["label"] for claim in claims]
+    chapter = [float(claim["tflops"].strip("~")) for claim in claims]
+    peaks = [_mode_peak(claim["mode"])[0] for claim in claims]
     xs = range(len(labels))
     ax_peak.bar([x - 0.2 for x in xs], chapter, 0.4, label="chapter 'TFLOPS'")
     ax_peak.bar([x + 0.2 for x in xs], peaks, 0.4, label="H100 dense datasheet peak")
@@ -299,17 +275,11 @@ def _plot_precision(results: dict, path: Path) -> None:
 
 # --------------------------------------------------------------------------- 8.2 activation recompute
 
-CHAPTER_RECOMPUTE = {
-    "none": ("~80 GB", "0%"),
-    "selective": ("~40 GB", "~5%"),
-    "full": ("~15 GB", "~33%"),
-    "offload": ("~10 GB GPU", "0% + PCIe"),
-    "op_selective": ("—", "—"),
-    "every_k": ("—", "—"),
-}
+TP_COLUMN = 8  # one node of tensor parallelism, the paper's t
 
 
 def recompute_table(measured: Measured) -> Table:
+    texts = TEXT["activation_recompute"]["texts"]
     p70 = est.preset("70b")
     cfg, s, b = p70.model, p70.seq_len, p70.micro_batch
     h100 = DEVICES["H100"]
@@ -317,112 +287,57 @@ def recompute_table(measured: Measured) -> Table:
     model_flops = est.flops_per_token(cfg, s)
     analytic, with_tp = {}, {}
     rows = []
-    for policy, (claim_mem, claim_cost) in CHAPTER_RECOMPUTE.items():
+    for claim in TEXT["activation_recompute"]["claims"]:
+        policy = claim["policy"]
         per_layer = est.activation_bytes_per_layer(cfg, s, b, policy, attention="materialized")
         flash = est.activation_bytes_per_layer(cfg, s, b, policy, attention="flash")
         with_tp[policy] = L * per_layer_tp_sp(cfg, s, b, policy)
-        overhead = est.recompute_flops_per_token(cfg, s, policy) / model_flops
         analytic[policy] = L * per_layer
+        figures = {"h100": h100, "overhead": est.recompute_flops_per_token(cfg, s, policy) / model_flops,
+                   "total": gib(L * per_layer), "per_layer": gib(per_layer), "flash_total": gib(L * flash)}
         if policy == "offload":
             host = L * est.activation_bytes_per_layer(cfg, s, b, "none", attention="materialized")
-            job = est.JobSpec(cfg, s, b, 64, "fsdp", "offload", "bf16_master", h100)
-            result = est.estimate(job)
-            cost = (
-                f"0 FLOPs; {gib(host)} to host and back over PCIe ≈ {result.time.offload_s:.0f} s/step vs "
-                f"{result.time.compute_s:.0f} s compute; host has ~{h100.host_mem_gib:g} GiB per GPU"
-            )
-            mem = f"~0 saved on GPU (+1 layer in flight, {gib(per_layer_none(cfg, s, b))}); {gib(host)} on host"
+            result = est.estimate(est.JobSpec(cfg, s, b, 64, "fsdp", "offload", "bf16_master", h100))
+            tp_host = L * per_layer_tp_sp(cfg, s, b, "none")
+            figures |= {"host": gib(host), "layer_in_flight": gib(per_layer_none(cfg, s, b)),
+                        "offload_s": result.time.offload_s, "compute_s": result.time.compute_s,
+                        "tp_sp_host": gib(tp_host), "tp_sp_per_layer": gib(tp_host / L)}
+            memory, tp_sp, cost = "memory_offload", "tp_sp_offload", "cost_offload"
         else:
-            cost = f"{overhead:.1%} extra FLOPs" + (" (element-wise only; memory-bound)" if policy == "op_selective" else "")
-            mem = f"{gib(L * per_layer)} ({gib(per_layer)}/layer); flash/SDPA: {gib(L * flash)}"
-        rows.append([policy, f"{claim_mem}, {claim_cost}", mem, _tp_sp_cell(cfg, s, b, policy), cost,
-                     _recompute_measured(policy, measured)])
-    share_chapter = 2 * 4096 / (2 * 4096 + 4 * 4096)
-    attn_term = 5 * cfg.n_head * s / cfg.d_model
-    notes = [
-        f"Korthikanti et al. 2022 per-layer formulas (16-bit activations, 1-byte dropout masks): none = "
-        f"s·b·h·(34 + 5·a·s/h), selective = 34·s·b·h, full = 2·s·b·h. At h={cfg.d_model}, a={cfg.n_head}, "
-        f"s={s}, b={b}, {L} layers: {gib(analytic['none'])} / {gib(analytic['selective'])} / "
-        f"{gib(analytic['full'])}, not 80 / 40 / 15 GB. The chapter's figures are off by 24× for no recompute.",
-        f"The chapter's attention-share formula 2s/(2s+4h) gives {share_chapter:.0%} at s=h=4096, not 50%, and "
-        f"ignores the head count the s² term scales with. Korthikanti's share is (5as/h)/(34+5as/h) = "
-        f"{attn_term / (34 + attn_term):.0%} at this config, which is why selective recompute saves so much when "
-        "the scores are stored; with FlashAttention/SDPA they never are, and selective ≈ none "
-        "(compare the flash/SDPA figures and the measured sdpa rows).",
-        "Selective recompute costs one extra attention-core forward (QKᵀ and ·V), a few percent; full recompute "
-        "one extra forward of every layer, ~33% of model FLOPs, in line with the chapter. The √n memory claim "
-        "belongs to segment checkpointing (Chen et al. 2016), not per-layer recompute.",
-        _tp_sp_note(cfg, s, b),
-        _planner_note(p70),
-        "Offloading is not '0% + PCIe': hundreds of GiB per GPU per step cross PCIe on the compute stream "
-        "(torch.autograd.graph.save_on_cpu does not overlap), and a node lacks the host memory to hold them.",
-        "Measured here: bytes autograd saves per block (tools/bench_memory.py, counted once per storage) next to "
-        "analysis.estimator.saved_bytes_per_layer, our model's exact analytic count; time is forward+backward "
-        "relative to none in the same run (CPU timings are noisy on a shared machine). On a CPU, offload "
-        "copies host memory to host memory, so its time says nothing about PCIe.",
-    ]
+            tp_layer = per_layer_tp_sp(cfg, s, b, policy)
+            figures |= {"tp_sp_total": gib(L * tp_layer), "tp_sp_per_layer": gib(tp_layer)}
+            memory, tp_sp, cost = "memory", "tp_sp", "cost_op_selective" if policy == "op_selective" else "cost"
+        rows.append([policy, fill(texts["claim"], claim), fill(texts[memory], figures), fill(texts[tp_sp], figures),
+                     fill(texts[cost], figures), _recompute_measured(policy, measured)])
+    attention_term = 5 * cfg.n_head * s / cfg.d_model
+    tp_only = {p: L * est.activation_bytes_per_layer(cfg, s, b, p, attention="materialized", tp=TP_COLUMN)
+               for p in ("none", "selective")}
     rec = measured.recompute
-    return Table(
-        name="activation_recompute",
-        title="8.2 Activation recompute (chapter: 70B, seq_len 4096, batch 4)",
-        setup=[
-            "chapter: the 8.2 'memory savings estimate' table (70B model, s=4096, b=4)",
-            f"analytic: Korthikanti et al. 2022 at h={cfg.d_model}, a={cfg.n_head}, L={L}, s={s}, b={b}, "
-            "16-bit activations, dropout (materialized scores, as in the paper), and the same with flash/SDPA; "
-            f"per GPU with tensor parallelism t={TP_COLUMN} + sequence parallelism (section 4.2.2)",
-            "measured here: " + (f"{rec['setup']} on {_where(rec)}" if rec else "tools/bench_memory.py not available"),
-        ],
-        columns=["policy", "chapter's claim", "analytic at the chapter's scale",
-                 f"analytic per GPU, t={TP_COLUMN} + SP", "recompute cost (analytic)", "measured here"],
-        rows=rows,
-        notes=notes,
-        plot=lambda path: _plot_recompute(analytic, with_tp, path),
-    )
-
-
-TP_COLUMN = 8  # one node of tensor parallelism, the paper's t
+    values = {
+        "cfg": cfg, "s": s, "b": b, "tp": TP_COLUMN, "rec": rec, "rec_where": _where(rec) if rec else None,
+        "none_total": gib(analytic["none"]), "selective_total": gib(analytic["selective"]),
+        "full_total": gib(analytic["full"]),
+        "chapter_share": 2 * 4096 / (2 * 4096 + 4 * 4096), "attention_share": attention_term / (34 + attention_term),
+        "tp_only_none": gib(tp_only["none"]), "tp_only_selective": gib(tp_only["selective"]),
+        "tp_sp_selective": gib(L * per_layer_tp_sp(cfg, s, b, "selective")),
+        **_planner_figures(p70),
+    }
+    return render("activation_recompute", values, rows, plot=lambda path: _plot_recompute(analytic, with_tp, path))
 
 
 def per_layer_tp_sp(cfg, s, b, policy: str, tp: int = TP_COLUMN) -> float:
     return est.activation_bytes_per_layer(cfg, s, b, policy, attention="materialized", tp=tp, sequence_parallel=True)
 
 
-def _tp_sp_cell(cfg, s, b, policy: str) -> str:
-    L = cfg.n_layer
-    if policy == "offload":
-        host = L * per_layer_tp_sp(cfg, s, b, "none")
-        return f"~0 on GPU (+1 layer in flight, {gib(host / L)}); {gib(host)} on host"
-    per_layer = per_layer_tp_sp(cfg, s, b, policy)
-    return f"{gib(L * per_layer)} ({gib(per_layer)}/layer)"
-
-
-def _tp_sp_note(cfg, s, b) -> str:
-    L, t = cfg.n_layer, TP_COLUMN
-    tp_only = {p: L * est.activation_bytes_per_layer(cfg, s, b, p, attention="materialized", tp=t)
-               for p in ("none", "selective")}
-    return (
-        f"With tensor parallelism over t={t} GPUs (Korthikanti et al. 2022, 4.2.1) only the attention and MLP "
-        f"internals are split: s·b·h·(10 + 24/t + 5·a·s/(h·t)) per layer, {gib(tp_only['none'])} per GPU without "
-        f"recompute and {gib(tp_only['selective'])} with selective; the 10·s·b·h of norm inputs, matmul inputs and "
-        f"dropout masks stays whole on every GPU. Sequence parallelism (4.2.2) splits those along the sequence, "
-        f"so everything is divided by t: s·b·h·(34 + 5·a·s/h)/t, and 34·s·b·h/t = "
-        f"{gib(L * per_layer_tp_sp(cfg, s, b, 'selective'))} with selective recompute (the column above)."
-    )
-
-
-def _planner_note(p70) -> str:
+def _planner_figures(p70) -> dict:
+    """The 70B preset on its own GPU count: the policies data parallelism alone fits with, and the
+    planner's cheapest layout (None when nothing fits)."""
     h100 = DEVICES["H100"]
     global_batch = p70.micro_batch * p70.world_size
     plans = est.plan_layouts(p70.model, p70.seq_len, p70.world_size, h100, global_batch=global_batch, top=1)
     data_parallel = sorted({plan.job.policy for plan in est.plan_fits(p70.model, p70.seq_len, p70.world_size, h100, top=None)})
-    if not plans:
-        return f"The planner finds no layout that fits on {p70.world_size}× H100 at {global_batch} sequences per step."
-    return (
-        f"On {p70.world_size}× H100 at the chapter's {p70.micro_batch} sequences per GPU ({global_batch} per step), "
-        f"data parallelism alone fits only with recompute={' or '.join(data_parallel) or 'nothing'}; the planner "
-        f"(tools/estimate.py --preset 70b --plan) searches tensor, sequence and pipeline parallelism too, and its "
-        f"cheapest layout is {est.describe_plan(plans[0])}."
-    )
+    return {"p70": p70, "global_batch": global_batch, "plan": est.describe_plan(plans[0]) if plans else None,
+            "data_parallel_policies": " or ".join(data_parallel) or "nothing"}
 
 
 def per_layer_none(cfg, s, b) -> float:
@@ -479,10 +394,6 @@ def _plot_recompute(analytic: dict, with_tp: dict, path: Path) -> None:
 # --------------------------------------------------------------------------- 8.5 attention
 
 
-CHAPTER_ATTENTION = {"seq_len": 8192, "batch": 4, "head_dim": 128, "device": "A100", "standard_gb": 12.4,
-                     "flash_gb": 0.8, "standard_ms": 42.0, "flash_ms": 11.0}
-
-
 def attention_memory(seq_len: int, batch: int, head_dim: int, heads: int, dtype_bytes: int = 2) -> dict[str, float]:
     """One s x s score matrix vs what flash attention keeps (q, k, v, output and a fp32 log-sum-exp)."""
     return {
@@ -492,7 +403,7 @@ def attention_memory(seq_len: int, batch: int, head_dim: int, heads: int, dtype_
 
 
 def attention_table(measured: Measured) -> Table:
-    c = CHAPTER_ATTENTION
+    c = TEXT["attention"]["claims"]
     s, b, d = c["seq_len"], c["batch"], c["head_dim"]
     a100 = DEVICES["A100"]
     per_head = attention_memory(s, b, d, 1)
@@ -503,62 +414,18 @@ def attention_table(measured: Measured) -> Table:
     causal_train_flops = 3.5 * forward_flops / 2  # causal flash skips half; backward ~2.5x forward
     peak = a100.bf16_tflops * 1e12
     att = measured.attention
-    gpu = measured.gpu.get("attention")
-    rows = [
-        [
-            "memory, standard",
-            f"{c['standard_gb']} GB",
-            f"{human_bytes(per_head['standard'])} per head per s×s bf16 matrix; {c['standard_gb']} GB implies "
-            f"{implied_heads:.1f} heads (head count unstated)",
-            _attention_measured(att, "reference"),
-        ],
-        [
-            "memory, flash",
-            f"{c['flash_gb']} GB",
-            f"{human_bytes(per_head['flash'])} per head (q, k, v, out, fp32 lse); {human_bytes(at_heads['flash'])} "
-            f"at {heads} heads",
-            _attention_measured(att, "sdpa"),
-        ],
-        [
-            "memory ratio",
-            "15.5×",
-            f"s/(4·d) = {s / (4 * d):g}× (exactly {per_head['standard'] / per_head['flash']:.1f}× with the lse)",
-            f"{att['saved_ratio']:.1f}× saved for backward ({att['setup']}; {att['hardware']})" if att else "not run",
-        ],
-        [
-            "time, standard / flash",
-            f"{c['standard_ms']:g} ms / {c['flash_ms']:g} ms (3.8×)",
-            f"at {heads} heads: forward alone is {forward_flops / 1e12:.2f} TFLOP = {forward_flops / peak * 1e3:.1f} ms "
-            f"at 100% of A100's {a100.bf16_tflops:g} TFLOP/s; causal forward+backward ≥ "
-            f"{causal_train_flops / peak * 1e3:.1f} ms",
-            _attention_time(gpu),
-        ],
-    ]
-    notes = [
-        "The chapter's example states neither the head count nor whether it times forward only or forward + "
-        "backward; the 15.5× memory ratio is just s/(4d) for one s×s matrix vs q, k, v and the output, "
-        "whatever the head count. Report it as unsourced.",
-        f"11 ms is only possible forward-only: at the {heads} heads the 12.4 GB implies, even causal forward + "
-        f"backward needs ≥ {causal_train_flops / peak * 1e3:.0f} ms at 100% of the A100's dense BF16 peak.",
-        "FlashAttention's memory is O(s) per head instead of O(s²); its FLOPs are the same (more in backward, which "
-        "recomputes the scores); the speed-up comes from not writing the s×s matrix to HBM and is a GPU "
-        "measurement. FlashAttention-2 is by Tri Dao alone (2023), not 'Dao & Guo'.",
-    ]
-    return Table(
-        name="attention",
-        title="8.5 Standard vs flash attention (chapter: seq_len 8192, batch 4, d_head 128, A100 80GB)",
-        setup=[
-            "chapter: the 8.5 comment under its FlashAttention example",
-            "analytic: bytes of one bf16 s×s score matrix vs flash's q, k, v, output and log-sum-exp; "
-            "attention FLOPs 4·s²·d per head and sequence (forward, no causal skipping)",
-            "measured here: " + (f"bytes saved for backward by model.attention's reference and sdpa cores, "
-                                 f"{att['setup']} on {_where(att)}" if att else "not run"),
-        ],
-        columns=["quantity", "chapter's claim", "analytic at the chapter's scale", "measured here"],
-        rows=rows,
-        notes=notes,
-        plot=lambda path: _plot_attention(s, b, d, path),
-    )
+    values = {
+        "claims": c, "a100": a100, "att": att, "att_where": _where(att) if att else None, "heads": heads,
+        "implied_heads": implied_heads, "standard_per_head": human_bytes(per_head["standard"]),
+        "flash_per_head": human_bytes(per_head["flash"]), "flash_at_heads": human_bytes(at_heads["flash"]),
+        "s_over_4d": s / (4 * d), "exact_ratio": per_head["standard"] / per_head["flash"],
+        "forward_tflop": forward_flops / 1e12, "forward_ms": forward_flops / peak * 1e3,
+        "causal_train_ms": causal_train_flops / peak * 1e3,
+        "measured_standard": _attention_measured(att, "reference"), "measured_flash": _attention_measured(att, "sdpa"),
+        "measured_ratio": fill(TEXT["attention"]["texts"]["measured_ratio"], {"att": att}) if att else "not run",
+        "measured_time": _attention_time(measured.gpu.get("attention")),
+    }
+    return render("attention", values, plot=lambda path: _plot_attention(s, b, d, path))
 
 
 def _attention_measured(att: dict | None, backend: str) -> str:
@@ -592,28 +459,6 @@ def _plot_attention(s_max: int, b: int, d: int, path: Path) -> None:
 
 # --------------------------------------------------------------------------- 8.4 data formats
 
-CHAPTER_DATA = [
-    ("CSV/JSON", "sequential parsing", "small data, prototypes", "✅",
-     "only with a separate line-offset index; every read parses text (4-6 bytes per token id as text)", "naive"),
-    ("TFRecord", "sequential read", "TensorFlow ecosystem", "❌",
-     "correct without an index file; length-prefixed, CRC'd records", None),
-    ("HDF5", "mmap", "scientific computing", "✅",
-     "random access yes, but reads go through libhdf5's chunk cache; only contiguous uncompressed datasets "
-     "can be mmapped", None),
-    ("Parquet", "columnar read", "structured data", "✅",
-     "at row-group granularity: a read decodes (decompresses) a whole page/row group", None),
-    ("WebDataset (TAR)", "sequential streaming", "⭐ large-scale training", "❌ (but shardable)",
-     "correct: 512-byte tar headers per member; shuffle = shard order + buffer; needs node and worker "
-     "splitting", "webdataset"),
-    ("MMAP Binary", "memory mapping", "⭐ low-latency random access", "✅",
-     "correct: a window is a slice, 2 bytes/token (uint16), no parsing; perfgpt's default format", "mmap"),
-]
-NOT_BENCHMARKED = {
-    "TFRecord": "not a perfgpt format (no reader)",
-    "HDF5": "not a perfgpt format (no reader)",
-    "Parquet": "input only: tools/prepare_data.py reads it into token shards",
-}
-
 
 def bench_data_rows(document: dict) -> dict[str, list[str]]:
     """{format: ['tokens/s ... (workers w, batch b)', ...]} from tools/bench_data.py's loader rows."""
@@ -626,48 +471,21 @@ def bench_data_rows(document: dict) -> dict[str, list[str]]:
 
 
 def data_formats_table(measured: Measured) -> Table:
+    texts = TEXT["data_formats"]["texts"]
     bench = bench_data_rows(measured.data_bench) if measured.data_bench else {}
     rows = []
-    for fmt, mode, use, ra, analysis, bench_name in CHAPTER_DATA:
-        if fmt in NOT_BENCHMARKED:
-            cell = NOT_BENCHMARKED[fmt]
-        elif bench_name in bench:
-            label = "raw text tokenized on the fly: " if bench_name == "naive" else ""
-            cell = label + "; ".join(bench[bench_name])
+    for claim in TEXT["data_formats"]["claims"]:
+        loader = claim.get("loader")
+        if "not_benchmarked" in claim:
+            cell = claim["not_benchmarked"]
+        elif loader in bench:
+            cell = fill(texts["measured_naive" if loader == "naive" else "measured"], {"figures": "; ".join(bench[loader])})
         else:
-            cell = "run tools/bench_data.py"
-        rows.append([fmt, f"{mode}; {use}; random access {ra}", analysis, cell])
-    notes = [
-        "'CSV/JSON: random access ✅' is wrong: text records have variable length, so random access needs an offset "
-        "index built by a full scan, and each read parses text. HDF5's access path is its chunked I/O library, "
-        "not mmap.",
-        "For GPT pre-training the data should be tokenized once, offline, into integer shards: the mmap format "
-        "then costs 2 bytes/token and a slice per sample; tar shards suit streaming from object storage.",
-        "Loader throughput only matters relative to what the model consumes; tools/bench_data.py reports both "
-        f"(see {DATA_FORMATS_MEASURED_NAME}). With the byte tokenizer, tokenizing raw text on the fly costs "
-        "almost nothing; a BPE tokenizer (bench_data's default) is the realistic case for the naive path.",
-    ]
-    return Table(
-        name="data_formats",
-        title="8.4 Data formats",
-        setup=[
-            "chapter: the 8.4 'efficient data formats' table",
-            "analytic: what each format's layout implies for random access of token windows",
-            "measured here: " + (f"tools/bench_data.py on this machine: {_bench_data_setup(measured.data_bench)} "
-                                 f"(full table in {DATA_FORMATS_MEASURED_NAME})"
-                                 if bench else "not run (python -m tools.reproduce runs it)"),
-        ],
-        columns=["format", "chapter's claim", "analysis", "measured here"],
-        rows=rows,
-        notes=notes,
-    )
-
-
-DATA_FORMATS_MEASURED_NAME = "data_formats_measured.md"
-
-
-def _bench_data_setup(document: dict) -> str:
-    return f"Loader throughput ({document.get('setting', 'settings not recorded')})"
+            cell = texts["not_run"]
+        rows.append([claim["format"], fill(texts["claim"], claim), claim["analysis"], cell])
+    values = {"bench": bench, "measured_name": DATA_FORMATS_MEASURED_NAME,
+              "bench_setting": (measured.data_bench or {}).get("setting", "settings not recorded")}
+    return render("data_formats", values, rows)
 
 
 # --------------------------------------------------------------------------- 8.3 communication
@@ -685,51 +503,23 @@ def _topology(nodes: int, gpus_per_node: int = 8):
 
 
 def communication_table(measured: Measured) -> Table:
-    h100 = DEVICES["H100"]
+    spec = TEXT["communication"]
+    texts = spec["texts"]
     top = _topology(nodes=8)
     grads = 2 * est.count_parameters(est.preset("llama2-7b").model)  # bf16 gradients
     bucket = {c.algorithm: c for c in cm.all_algorithms(top, BUCKET_BYTES)}
     rows = []
-    claims = {
-        "flat ring": "'63 steps to go round the ring'",
-        "leader-based (chapter)": "intra-node NVLink 900 GB/s, inter-node IB 100 GB/s, leaders only",
-    }
     for cost in cm.all_algorithms(top, grads):
         small = bucket[cost.algorithm]
-        rows.append([
-            cost.algorithm,
-            claims.get(cost.algorithm, "—"),
-            f"{cost.steps} steps; {human_bytes(cost.inter_bytes_per_gpu)} per busy NIC ({cost.nics_per_node} of "
-            f"{top.gpus_per_node} per node); 7B grads {cost.total_s * 1e3:.0f} ms; 25 MB bucket "
-            f"{small.total_s * 1e3:.2f} ms (latency {small.latency_s * 1e3:.2f} ms)",
-            "checked equal to a flat all-reduce on gloo, 2 nodes × 2 ranks (tests/unit/parallel/test_hierarchical_comm.py); time needs a multi-node "
-            "GPU cluster" if cost.algorithm.startswith("two-level") else "needs a multi-node GPU cluster",
-        ])
-    notes = [
-        f"Setup: all-reduce of Llama-2-7B bf16 gradients ({human_bytes(grads)}) and of one 25 MB DDP bucket over "
-        f"8 nodes × 8 H100: NVLink {h100.nvlink_one_way_gb_s:g} GB/s one way (the '900 GB/s' is the bidirectional "
-        f"total), one {h100.network_gb_s:g} GB/s NDR NIC per GPU (the chapter draws 100 GB/s), both at 80% of peak; "
-        f"{NVLINK_STEP_US:g} µs per NVLink step and {NETWORK_STEP_US:g} µs per network step (assumed). Model: "
-        "analysis/comm_model.py (alpha-beta), also as tools/comm_model.py.",
-        "A flat ring over 64 GPUs takes 2·63 = 126 steps (reduce-scatter then all-gather), not 63; its bandwidth "
-        "term barely grows with the GPU count, only its latency term does.",
-        "The chapter's leader-only scheme pushes the whole tensor through one NIC per node while seven sit idle; "
-        "the correct two-level algorithm (parallel/comm.py) keeps all eight busy. NCCL is already topology-aware "
-        "(its rings use every NIC, the 'xL' row), and the NCCL_*_CONNECTIVITY variables the chapter sets do not exist.",
-    ]
-    return Table(
-        name="communication",
-        title="8.3 Communication: flat vs hierarchical all-reduce (64 GPUs = 8 nodes × 8)",
-        setup=[
-            "chapter: the 8.3 diagram and hierarchical_all_reduce code",
-            "analytic: alpha-beta model of one all-reduce on 8× DGX H100 (analysis/comm_model.py)",
-            "measured here: correctness on gloo (CPU); bandwidth needs a multi-node GPU cluster",
-        ],
-        columns=["scheme", "chapter's claim", "analytic at the chapter's scale", "measured here"],
-        rows=rows,
-        notes=notes,
-        plot=lambda path: _plot_comm(grads, path),
-    )
+        analytic = fill(texts["analytic"], {
+            "cost": cost, "top": top, "busy_nic_bytes": human_bytes(cost.inter_bytes_per_gpu),
+            "total_ms": cost.total_s * 1e3, "bucket_ms": small.total_s * 1e3, "bucket_latency_ms": small.latency_s * 1e3,
+        })
+        measured_cell = texts["measured_two_level" if cost.algorithm.startswith("two-level") else "measured"]
+        rows.append([cost.algorithm, spec["claims"].get(cost.algorithm, texts["no_claim"]), analytic, measured_cell])
+    values = {"h100": DEVICES["H100"], "gradient_bytes": human_bytes(grads), "nvlink_step_us": NVLINK_STEP_US,
+              "network_step_us": NETWORK_STEP_US}
+    return render("communication", values, rows, plot=lambda path: _plot_comm(grads, path))
 
 
 def _plot_comm(nbytes: float, path: Path) -> None:
@@ -752,6 +542,7 @@ def _plot_comm(nbytes: float, path: Path) -> None:
 
 
 def priority_table(measured: Measured) -> Table:
+    texts = TEXT["priority"]["texts"]
     h100 = DEVICES["H100"]
     llama = est.preset("llama2-7b")
     p70 = est.preset("70b")
@@ -773,67 +564,28 @@ def priority_table(measured: Measured) -> Table:
     zero2_64 = job(strategy="zero2", world_size=64)  # DDP's 2Ψ traffic; DDP itself does not fit (16Ψ)
     t = zero2_64.time
     serial_step = t.compute_s + t.comm_s + t.offload_s + t.memory_bound_s
-    att, rec = measured.attention, measured.recompute
-    rows = [
-        ["1", "BF16 mixed precision", "2× throughput, 50% memory",
-         f"{h100.bf16_tflops / h100.tf32_tflops:.1f}× peak vs TF32, {h100.bf16_tflops / h100.fp32_tflops:.0f}× vs plain "
-         f"FP32; predicted {fp32.time.step_s / bf16.time.step_s:.1f}× (7B, 64× H100); memory "
-         f"{bf16.memory.total / fp32.memory.total:.0%} of fp32 (states unchanged at 16 B/param)",
-         _precision_measured("bf16", measured)],
-        ["2", "FlashAttention", "3-4× attention speed",
-         "memory s/(4d) less per head (16× at s=8192, d=128); same FLOPs; speed is an HBM-traffic effect",
-         (f"{att['saved_ratio']:.1f}× fewer bytes saved ({att['hardware']}); time: "
-          f"{_attention_time(measured.gpu.get('attention'))}" if att else NEEDS_GPU)],
-        ["3", "FSDP / ZeRO", "large memory reduction",
-         f"7B on 8 GPUs: model states {gib(ddp.memory.states)} (DDP) → {gib(zero3.memory.states)} (FSDP) per GPU; "
-         f"comm 2Ψ → 3Ψ per step",
-         _sharding_measured(measured.documents.get(PARALLEL_CPU))],
-        ["4", "activation recompute", "50%+ activation memory",
-         f"70B: selective −{1 - sel70 / none70:.0%} (stored scores), full −{1 - full70 / none70:.0%}; "
-         "with flash/SDPA selective ≈ 0%",
-         _recompute_summary(rec)],
-        ["5", "DataLoader tuning", "removes the data bottleneck",
-         "workload-dependent: the trainer logs the fraction of step time spent waiting for data",
-         "run tools/bench_data.py" if not measured.data_bench else f"see {DATA_FORMATS_MEASURED_NAME}"],
-        ["6", "communication overlap", "10-20% throughput",
-         f"7B, ZeRO-2 on 64 GPUs (DDP's 2Ψ traffic), micro-batch 1: {t.comm_s * 1e3:.0f} ms of gradient "
-         "reduce-scatter + all-gather hidden behind "
-         f"{t.compute_s * 1e3:.0f} ms of compute: step {serial_step:.2f} s → {t.step_s:.2f} s "
-         f"(+{serial_step / t.step_s - 1:.0%} throughput); the gain is whatever comm was exposed",
-         NEEDS_GPU],
-        ["7", "torch.compile", "10-30% compute", "workload-dependent expectation; no analytic figure",
-         _compile_measured(measured.documents.get(BENCH_TRAIN_CPU))],
-        ["8", "FP8 training", "another 2× throughput",
-         f"2.0× peak ({h100.fp8_tflops:g} vs {h100.bf16_tflops:g}); predicted "
-         f"{bf16.time.step_s / fp8.time.step_s:.2f}× end to end at the estimator's assumed "
-         f"{_fraction_pct('fp8_compute_fraction')} vs {_fraction_pct('compute_fraction')} of peak",
-         f"{NEEDS_GPU} (Transformer Engine)"],
-        ["9", "custom Triton kernels", "5-20% compute", "workload-dependent expectation; no analytic figure",
-         NEEDS_GPU],
-    ]
-    notes = [
-        f"'BF16 2×' holds against TF32, not against plain FP32 ({h100.bf16_tflops / h100.fp32_tflops:.1f}× by "
-        "peak); AMP does not halve model states.",
-        "'FP8 another 2×' is the ratio of peaks, not an end-to-end gain.",
-        "Compile and overlap percentages are expectations that depend on the workload, not results"
-        + (f"; the compile figure measured here is a tiny model on a CPU ({BENCH_TRAIN_CPU}) and says nothing "
-           "about a GPU." if BENCH_TRAIN_CPU in measured.documents else "."),
-        "Every 'measured here' cell is this run's measurement or a figure read from the named file in "
-        "docs/results/ when this table was generated.",
-    ]
-    return Table(
-        name="priority",
-        title="Summary: the chapter's optimization priority table",
-        setup=[
-            "chapter: the closing priority table",
-            "analytic: analysis/estimator.py for Llama-2-7B on 64× H100 (FSDP, micro-batch 1, s=4096) unless stated",
-            f"measured here: this run's small-model measurements (the other tables) and the measured files "
-            f"{', '.join(MEASURED_FILES)} of docs/results/, named in each cell",
-        ],
-        columns=["#", "technique", "chapter's claim", "analytic", "measured here"],
-        rows=rows,
-        notes=notes,
-    )
+    att = measured.attention
+    values = {
+        "h100": h100, "assumptions": est.Assumptions(), "needs_gpu": NEEDS_GPU,
+        "measured_files": ", ".join(MEASURED_FILES), "bench_train": BENCH_TRAIN_CPU,
+        "compile_measured": BENCH_TRAIN_CPU in measured.documents,
+        "bf16_vs_tf32": h100.bf16_tflops / h100.tf32_tflops, "bf16_vs_fp32": h100.bf16_tflops / h100.fp32_tflops,
+        "bf16_speedup": fp32.time.step_s / bf16.time.step_s, "bf16_memory": bf16.memory.total / fp32.memory.total,
+        "ddp_states": gib(ddp.memory.states), "fsdp_states": gib(zero3.memory.states),
+        "selective_saves": 1 - sel70 / none70, "full_saves": 1 - full70 / none70,
+        "comm_ms": t.comm_s * 1e3, "compute_ms": t.compute_s * 1e3, "serial_step_s": serial_step,
+        "step_s": t.step_s, "overlap_gain": serial_step / t.step_s - 1,
+        "fp8_speedup": bf16.time.step_s / fp8.time.step_s,
+        "measured_bf16": _precision_measured("bf16", measured),
+        "measured_attention": (f"{att['saved_ratio']:.1f}× fewer bytes saved ({att['hardware']}); time: "
+                               f"{_attention_time(measured.gpu.get('attention'))}" if att else NEEDS_GPU),
+        "measured_sharding": _sharding_measured(measured.documents.get(PARALLEL_CPU)),
+        "measured_recompute": _recompute_summary(measured.recompute),
+        "measured_data": (fill(texts["data_measured"], {"data_measured_name": DATA_FORMATS_MEASURED_NAME})
+                          if measured.data_bench else texts["data_not_run"]),
+        "measured_compile": _compile_measured(measured.documents.get(BENCH_TRAIN_CPU)),
+    }
+    return render("priority", values)
 
 
 def _compile_measured(bench_train: dict | None) -> str:

@@ -5,7 +5,7 @@
 - data wait: time the step blocked on the next batch (the engine measures it around each fetch);
 - optimizer: the optimizer step (the profiler's ``Optimizer.step#...`` ranges);
 - communication, exposed: collective and point-to-point ops on the training thread, which it
-  waits for; overlapped: the same ops on other threads (DDP's bucketed all-reduces run from the
+  waits for (common/comm_names.py decides which profiled names are communication); overlapped: the same ops on other threads (DDP's bucketed all-reduces run from the
   autograd thread during backward), which cost nothing while compute continues;
 - host overhead: wall time not covered by any operator on the training thread (Python, launch
   gaps, the framework's own bookkeeping);
@@ -19,13 +19,12 @@ pay for its own cost; they are stated in each message.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
+from common.comm_names import is_communication
 from common.measure import union_length
 from model.recompute import no_gain_note
 
-COMM = re.compile(r"c10d|gloo|nccl|all_?reduce|all_?gather|reduce_?scatter|broadcast|send|recv|_comms", re.I)
 OPTIMIZER = "Optimizer.step#"
 
 DATA_WAIT_LIMIT = 0.15
@@ -75,8 +74,9 @@ def attribute(spans: list[Span], main_thread: int, wall_s: float, data_wait_s: f
     main = [s for s in spans if s.thread == main_thread]
     optimizer = union_length([(s.start_us, s.end_us) for s in main if s.name.startswith(OPTIMIZER)])
     # Collectives are often nested (inside FSDP's or autograd's ranges): every level counts.
-    comm_main = union_length([(s.start_us, s.end_us) for s in main if COMM.search(s.name)])
-    comm_other = union_length([(s.start_us, s.end_us) for s in spans if s.thread != main_thread and COMM.search(s.name)])
+    comm = [s for s in spans if is_communication(s.name)]
+    comm_main = union_length([(s.start_us, s.end_us) for s in comm if s.thread == main_thread])
+    comm_other = union_length([(s.start_us, s.end_us) for s in comm if s.thread != main_thread])
     covered = union_length([(s.start_us, s.end_us) for s in main if s.top_level])
     host = max(0.0, wall_s - data_wait_s - covered / 1e6)
     return Breakdown(wall_s=wall_s, data_wait_s=data_wait_s, optimizer_s=optimizer / 1e6,

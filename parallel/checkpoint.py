@@ -9,8 +9,11 @@ hold them.
 
 ``get_state_dict`` / ``set_state_dict`` (torch.distributed.checkpoint.state_dict) give model
 and optimizer states keyed by parameter *names* (not by optimizer-internal indices), which is
-what makes the optimizer state resharding-safe. Atomicity comes from the caller:
-training/checkpoint.py hands us a temporary directory and renames it once every rank is done.
+what makes the optimizer state resharding-safe. A single process's checkpoint (``FULL_STATE_FILE``:
+whole tensors, the optimizer's state numbered by position) is put under the same names and each
+rank copies out its slices (``load_full_state``), so it too loads into any layout. Atomicity
+comes from the caller: training/checkpoint.py hands us a temporary directory and renames it once
+every rank is done.
 
 Loading never runs code from the checkpoint. DCP's own reader unpickles ``.metadata`` with
 plain ``pickle`` and non-tensor values (the optimizer's param groups) with
@@ -36,8 +39,11 @@ import torch
 import torch.nn as nn
 
 from common.errors import CheckpointError
+from parallel.optim import decay_groups
+from parallel.values import is_dtensor
 
 DCP_SUBDIR = "dcp"
+FULL_STATE_FILE = "model_optim.pt"  # a single process's checkpoint: whole tensors, the optimizer's state by index
 METADATA = ".metadata"
 DIGEST = "metadata.sha256.json"  # written by the coordinator after DCP's own files
 
@@ -70,29 +76,49 @@ def _options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _states(parts: Parts) -> tuple[list[tuple[dict, dict]], dict[str, Any]]:
+def _states(parts: Parts, aliases: dict[str, str] | None = None) -> tuple[list[tuple[dict, dict, dict]], dict[str, Any]]:
+    """Each part's model and flat optimizer state, and all of them merged into one name space.
+    ``aliases`` (parameter name -> saved name) renames a parameter's optimizer entries: a pipeline's
+    copy of a tied embedding keeps the tied model's names, so the state of the parameter it copies
+    is written once (DCP keeps one of identical entries) and read back into both. Per part: its model
+    state, its optimizer state under the saved names, and each saved optimizer key's own name."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    per_part = [get_state_dict(module, optimizer, options=_options()) for module, optimizer in parts]
+    per_part = []
+    for module, optimizer in parts:
+        model_state, optim_state = get_state_dict(module, optimizer, options=_options())
+        names = {_saved_key(key, aliases or {}): key for key in optim_state}
+        per_part.append((model_state, {saved: optim_state[key] for saved, key in names.items()}, names))
     merged: dict[str, Any] = {"model": {}, "optimizer": {}}
-    for model_state, optim_state in per_part:
+    for model_state, optim_state, _ in per_part:
         merged["model"].update(model_state)
         merged["optimizer"].update(optim_state)
     return per_part, merged
 
 
-def save_model_optimizer(parts: Parts, path: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
+def _saved_key(key: str, aliases: dict[str, str]) -> str:
+    """Flat optimizer keys are "state.<param>.<field>" and "param_groups.<param>.<field>"."""
+    kind, _, rest = key.partition(".")
+    for name, saved in aliases.items():
+        if rest.startswith(name + "."):
+            return f"{kind}.{saved}{rest[len(name):]}"
+    return key
+
+
+def save_model_optimizer(parts: Parts, path: Path, extra: dict[str, torch.Tensor] | None = None,
+                         aliases: dict[str, str] | None = None) -> None:
     """Collective: every rank calls this with its model parts and the same ``path``."""
     import torch.distributed.checkpoint as dcp
 
-    _, state = _states(parts)
+    _, state = _states(parts, aliases)
     if extra:
         state["extra"] = extra
     dcp.save(state, checkpoint_id=str(path))
     _write_metadata_digest(Path(path))
 
 
-def load_model_optimizer(parts: Parts, path: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
+def load_model_optimizer(parts: Parts, path: Path, extra: dict[str, torch.Tensor] | None = None,
+                         aliases: dict[str, str] | None = None) -> None:
     """Load in place into the model parts and their optimizers, whatever their current layout.
 
     DCP loads into existing tensors: ``get_state_dict`` first gives a fresh optimizer zero-filled
@@ -102,13 +128,13 @@ def load_model_optimizer(parts: Parts, path: Path, extra: dict[str, torch.Tensor
 
     _require_checkpoint(path)
     metadata = read_verified_metadata(Path(path))
-    per_part, state = _states(parts)
+    per_part, state = _states(parts, aliases)
     if extra:
         state["extra"] = extra
     _dcp_load(state, Path(path), metadata)  # fills the per-part tensors, which the merged dicts share
-    for (module, optimizer), (model_state, optim_state) in zip(parts, per_part):
+    for (module, optimizer), (model_state, optim_state, names) in zip(parts, per_part):
         set_state_dict(module, optimizer, model_state_dict={k: state["model"][k] for k in model_state},
-                       optim_state_dict={k: state["optimizer"][k] for k in optim_state}, options=_options())
+                       optim_state_dict={names[k]: state["optimizer"][k] for k in optim_state}, options=_options())
 
 
 def has_sharded_state(directory: Path) -> bool:
@@ -275,16 +301,101 @@ def safe_torch_load(path: Path, map_location: Any = "cpu") -> Any:
         raise CheckpointError(f"cannot read checkpoint file {path}: {_first_line(exc)}") from None
 
 
-def save_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: Path) -> None:
+def save_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: Path,
+                 aliases: dict[str, str] | None = None) -> None:
     """Model parts with their optimizers (+ fp16 loss scale) into ``directory/dcp``."""
-    save_model_optimizer(parts, Path(directory) / DCP_SUBDIR, _scaler_tensors(scaler))
+    save_model_optimizer(parts, Path(directory) / DCP_SUBDIR, _scaler_tensors(scaler), aliases)
 
 
-def load_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: Path) -> None:
+def load_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: Path,
+                 aliases: dict[str, str] | None = None) -> None:
+    """Model parts with their optimizers (+ fp16 loss scale) from ``directory``: its DCP state, or,
+    where a single process saved it, its ``FULL_STATE_FILE``, of which each rank takes its slices."""
+    full = Path(directory) / FULL_STATE_FILE
+    if not has_sharded_state(directory) and full.is_file():
+        load_full_state(parts, scaler, safe_torch_load(full), aliases)
+        return
     extra = _scaler_tensors(scaler)
-    load_model_optimizer(parts, Path(directory) / DCP_SUBDIR, extra)
+    load_model_optimizer(parts, Path(directory) / DCP_SUBDIR, extra, aliases)
     if extra:
         scaler.load_state_dict(_scaler_state(scaler, extra))
+
+
+def load_full_state(parts: Parts, scaler: torch.amp.GradScaler | None, state: dict[str, Any],
+                    aliases: dict[str, str] | None = None) -> None:
+    """A one-process checkpoint's state (whole tensors, the optimizer's state by index) into model
+    parts of any layout: the state is put under the names DCP uses, and every tensor of the parts'
+    state dicts takes its slice of the whole one, as DCP would fill it from sharded files."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    named = full_state_by_name(state)
+    per_part, merged = _states(parts, aliases)
+    for section in ("model", "optimizer"):
+        for key, dest in merged[section].items():
+            if key not in named[section]:
+                raise CheckpointError(f"the one-process checkpoint has no {section} entry {key!r}: it was saved "
+                                      "for another model")
+            merged[section][key] = _fill(dest, named[section][key])
+    for (module, optimizer), (model_state, optim_state, names) in zip(parts, per_part):
+        set_state_dict(module, optimizer, model_state_dict={k: merged["model"][k] for k in model_state},
+                       optim_state_dict={names[k]: merged["optimizer"][k] for k in optim_state}, options=_options())
+    if scaler is not None and "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
+
+
+def full_state_by_name(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A one-process checkpoint (``TorchEngine.state_dict``) under DCP's flat names: model entries
+    by parameter name (a tied head under both names; the fp32 masters' values where it kept
+    masters) and optimizer entries "state.<param>.<field>" / "param_groups.<param>.<field>". Its
+    optimizer numbers parameters in the order the engine handed them over: ``decay_groups`` of
+    the model's parameters, in the model's order (a shared weight once)."""
+    model = dict(state["model"])
+    owner: dict[tuple, str] = {}  # where a tensor's data lives -> the first name that holds it
+    first_of: dict[str, str] = {}  # each key's parameter: itself, or for a tied head the embedding
+    params = []  # the model's parameters, in its order, each once
+    for name, tensor in model.items():
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if where not in owner:
+            owner[where] = name
+            params.append(name)
+        first_of[name] = owner[where]
+    if "masters" in state:  # bf16 weights stepped through fp32 masters: the masters are the values
+        model.update(zip(params, state["masters"]))
+    model = {name: model[first_of[name]] for name in first_of}
+    groups = decay_groups([(name, model[name]) for name in params], 0.0)
+    by_id = {id(model[name]): name for name in params}
+    order = [by_id[id(t)] for group in groups for t in group["params"]]
+    optim = state["optimizer"]
+    stepped = sum(len(group["params"]) for group in optim["param_groups"])
+    if stepped != len(order):
+        raise CheckpointError(f"the one-process checkpoint's optimizer steps {stepped} parameters, its model "
+                              f"has {len(order)}: the checkpoint is damaged")
+    flat: dict[str, Any] = {}
+    for group in optim["param_groups"]:
+        for index in group["params"]:
+            flat.update({f"param_groups.{order[index]}.{k}": v for k, v in group.items() if k != "params"})
+    for index, fields in optim["state"].items():
+        name = order[index]
+        if "exp_avg" in fields and fields["exp_avg"].shape != model[name].shape:
+            raise CheckpointError(f"the one-process checkpoint's optimizer state for {name} has shape "
+                                  f"{tuple(fields['exp_avg'].shape)}, the parameter {tuple(model[name].shape)}")
+        flat.update({f"state.{name}.{k}": v for k, v in fields.items()})
+    return {"model": model, "optimizer": flat}
+
+
+def _fill(dest: Any, whole: Any) -> Any:
+    """``dest`` (a tensor of this rank's state dict, a DTensor's local shard or a whole tensor) with
+    its part of ``whole``; plain values are taken as they are."""
+    if not isinstance(dest, torch.Tensor):
+        return whole
+    if is_dtensor(dest):
+        local = dest.to_local()
+        (chunk,) = dest.__create_chunk_list__()  # this rank's offsets and sizes in the whole tensor
+        part = whole[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))]
+        local.copy_(part.reshape(local.shape))
+    else:
+        dest.copy_(whole)
+    return dest
 
 
 def _scaler_tensors(scaler: torch.amp.GradScaler | None) -> dict[str, torch.Tensor] | None:

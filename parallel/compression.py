@@ -81,11 +81,6 @@ class ErrorFeedback:
         return None if any(p is None for p in parts) else torch.cat(parts)
 
 
-def whole_tensor(numel: int) -> Segments:
-    """Segments for a plain flat tensor that is not a DDP bucket (one key)."""
-    return [(0, numel)]
-
-
 def bucket_segments(bucket: dist.GradBucket) -> Segments:
     segments = [(id(p), g.numel()) for p, g in zip(bucket.parameters(), bucket.gradients())]
     if sum(n for _, n in segments) != bucket.buffer().numel():  # DDP packs gradients without gaps

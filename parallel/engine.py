@@ -12,17 +12,16 @@ its own engine, chosen once by the build path (``parallel/parallelize.py``):
     PipelineEngine  pipeline stages: a schedule runs the step's micro-batches (parallel/pp.py)
     ZeroEngine      DeepSpeed ZeRO 1-3 (parallel/zero.py)
 
-The torch engines share the step itself: autocast from the precision policy, an fp16
-GradScaler, fp32 master copies for bf16 weights, gradient clipping, and the finite check.
+The torch engines share the forward (autocast from the precision policy) and the optimizer
+step (``parallel/step.py``: fp16 GradScaler, fp32 master copies for bf16 weights, gradient
+clipping and the finite check), which the pipeline engine runs over its stages too.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,37 +29,11 @@ import torch
 import torch.nn as nn
 
 from common.errors import CheckpointError
-from parallel.checkpoint import has_sharded_state, load_sharded, safe_torch_load, save_sharded
-from parallel.optim import OptimConfig, build_adamw, decay_groups
-from parallel.precision import MasterWeights, PrecisionPolicy
-from parallel.values import local_value, loss_parallel_context
-
-FULL_STATE_FILE = "model_optim.pt"
-
-
-@dataclass
-class StepResult:
-    grad_norm: torch.Tensor  # on device; read only at log intervals
-    # A host bool, or a 0-d bool tensor on the device where the engine skipped the update there
-    # (fused AdamW's found_inf): the loop reads those at log intervals and before saves.
-    skipped: bool | torch.Tensor
-    loss_scale: float | None = None
-
-
-def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Fused AdamW takes the skip flag as a device tensor (found_inf): no host sync to skip a step."""
-    return bool(optimizer.defaults.get("fused"))
-
-
-def step_unless_skipped(optimizer: torch.optim.Optimizer, skipped: bool | torch.Tensor) -> None:
-    """Step, unless ``skipped``: a host bool decides here; a device flag goes to the fused kernel,
-    which leaves weights, moments and step count as they were when found_inf is 1."""
-    if isinstance(skipped, torch.Tensor):
-        optimizer.found_inf = skipped.float()
-        optimizer.step()
-        del optimizer.found_inf
-    elif not skipped:
-        optimizer.step()
+from parallel.checkpoint import FULL_STATE_FILE, has_sharded_state, load_sharded, safe_torch_load, save_sharded
+from parallel.optim import OptimConfig
+from parallel.precision import PrecisionPolicy
+from parallel.step import Optimized, OptimizerStep, StepResult
+from parallel.values import full_value, loss_parallel_context
 
 
 class Engine(abc.ABC):
@@ -137,18 +110,14 @@ class TorchEngine(Engine):
     def __init__(self, model: nn.Module, policy: PrecisionPolicy, optim_cfg: OptimConfig, device: torch.device,
                  *, loss_parallel: bool = False):
         self.model, self.policy, self.device = model, policy, device
-        self.grad_clip = optim_cfg.grad_clip
         # Tensor parallelism with vocab-sharded logits: the loss and its backward run in
         # loss_parallel(), and the loss comes back a replicated DTensor.
         self._loss_context = loss_parallel_context if loss_parallel else contextlib.nullcontext
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.masters = MasterWeights([p for _, p in params]) if policy.engine_masters else None
-        if self.masters is not None:
-            params = [(n, m) for (n, _), m in zip(params, self.masters.masters)]
-        self.optimizer = build_adamw(decay_groups(params, optim_cfg.weight_decay), optim_cfg, device)
+        self.part = Optimized.build(model, policy, optim_cfg, device)
+        self.optimizer, self.masters = self.part.optimizer, self.part.masters
         self.scaler = (torch.amp.GradScaler(device.type, init_scale=policy.config.fp16_init_scale)
                        if policy.grad_scaler else None)
-        self._grad_params = [p for _, p in params]
+        self._step = OptimizerStep([self.part], grad_clip=optim_cfg.grad_clip, device=device, scaler=self.scaler)
 
     # ----------------------------------------------------------------- step
 
@@ -160,47 +129,19 @@ class TorchEngine(Engine):
             if self.scaler is not None:
                 scaled = self.scaler.scale(scaled)
             scaled.backward()
-        return local_value(loss.detach())
+        return full_value(loss.detach())
 
     def _grad_sync(self, is_last_micro: bool) -> contextlib.AbstractContextManager:
         """Where gradients are averaged across ranks, skip it on all but the last micro-batch."""
         return contextlib.nullcontext()
 
     def optimizer_step(self, lr: float, loss: torch.Tensor) -> StepResult:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if self.masters is not None:
-            self.masters.grads_to_masters()
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = self._clip_and_norm()
-        # A non-finite gradient must never reach the weights. Fused AdamW skips on the device;
-        # the other implementations need the flag on the host: a sync each step.
-        skipped = local_value(~(torch.isfinite(grad_norm) & torch.isfinite(loss)))
-        on_device = skips_on_device(self.optimizer)
-        if not on_device:
-            skipped = bool(skipped)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)  # skips by itself on inf/nan and lowers the scale
-            self.scaler.update()
-        else:
-            step_unless_skipped(self.optimizer, skipped)
-        if self.masters is not None and (on_device or not skipped):
-            self.masters.masters_to_model()  # after a skip the masters are unchanged: the copy is a no-op
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
-        scale = self.scaler.get_scale() if self.scaler is not None else None
-        return StepResult(grad_norm=grad_norm, skipped=skipped, loss_scale=scale)
-
-    def _clip_and_norm(self) -> torch.Tensor:
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grads = [p for p in self._grad_params if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
+        return self._step(lr, loss)
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self._loss_context(), self.policy.forward_context(self.device):
-            return local_value(self.model(x, y).detach())
+            return full_value(self.model(x, y).detach())
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
@@ -209,10 +150,7 @@ class TorchEngine(Engine):
         return {}
 
     def local_weights(self) -> list[torch.Tensor]:
-        tensors = [_local_part(p) for p in self.model.parameters()]
-        if self.masters is not None:
-            tensors += [m.detach() for m in self.masters.masters]
-        return [t for t in tensors if t.numel() > 0]
+        return self.part.local_weights()
 
     def module(self) -> nn.Module:
         return unwrap(self.model)
@@ -249,12 +187,6 @@ class TorchEngine(Engine):
             load_sharded([(self.module(), self.optimizer)], self.scaler, directory)
             return
         self.load_state_dict(safe_torch_load(directory / FULL_STATE_FILE, map_location=self.device))
-
-
-def _local_part(param: torch.Tensor) -> torch.Tensor:
-    """What this rank stores of a parameter: a DTensor's local shard, else the tensor itself."""
-    to_local = getattr(param, "to_local", None)
-    return (to_local() if callable(to_local) else param).detach()
 
 
 class DDPEngine(TorchEngine):

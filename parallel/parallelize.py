@@ -206,8 +206,9 @@ def apply_sharded_data_parallel(model: nn.Module, parallel_cfg: ParallelConfig, 
 def apply_pipeline(parts: list[GPT], stages: list[int], n_stages: int, parallel_cfg: ParallelConfig,
                    ctx: DistContext, policy: PrecisionPolicy, optim_cfg: OptimConfig, *, grad_accum_steps: int,
                    loss_parallel: bool) -> PipelineEngine:
-    """Each stage sharded over the data-parallel dimensions (FSDP2), then the schedule over the pp dimension."""
-    from parallel.pp import PipelineEngine, build_pipeline
+    """Each stage sharded over the data-parallel dimensions (FSDP2), then the schedule over the pp
+    dimension; a tied embedding's two copies joined across the first and last stage."""
+    from parallel.pp import PipelineEngine, build_pipeline, tie_embedding_copies
 
     dp_mesh = ctx.submesh("dp_replicate", "dp_shard")
     if parallel_cfg.strategy == "fsdp":
@@ -219,4 +220,6 @@ def apply_pipeline(parts: list[GPT], stages: list[int], n_stages: int, parallel_
     pp_group = ctx.submesh("pp").get_group()
     pipeline, eval_pipeline = build_pipeline(parts, stages, n_stages, parallel_cfg.pp_schedule, grad_accum_steps,
                                              pp_group, ctx.device)
-    return PipelineEngine(pipeline, eval_pipeline, policy, optim_cfg, ctx.device, loss_parallel=loss_parallel)
+    tied = tie_embedding_copies(parts, ctx.mesh, pp_group)
+    return PipelineEngine(pipeline, eval_pipeline, policy, optim_cfg, ctx.device, loss_parallel=loss_parallel,
+                          tied=tied)

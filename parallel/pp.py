@@ -6,7 +6,22 @@ so a stage's parameter names equal the whole model's and checkpoints load into a
 first stage keeps the embeddings, the last the final norm and the LM head. Layers are split
 evenly: ``n_layer`` must divide by ``pp * pp_virtual_stages``. With virtual stages (interleaved
 schedules) rank r holds stages r, r + pp, r + 2 pp, ... (the "looped" placement the schedules
-expect). A tied LM head cannot live on two stages, so pipeline runs need untied embeddings.
+expect).
+
+Tied embeddings (GPT-2, GPT-3) are pipelined as Megatron-core does it: the first stage holds the
+word embedding, the last stage's LM head keeps a copy of it as a parameter of its own (equal at the
+split: every rank built the same model from the same seed, or loaded the same model.init_from
+weights, before splitting it), and after each backward the two copies' gradients are
+summed over a process group of those two ranks (``TiedEmbedding``, at the end of the step's
+backward, as DDP's all-reduce ends it), before the gradient norm and clipping. The same gradient, clip factor and AdamW update then keep the copies bit-equal. The norm
+counts the embedding once, as one process does. The looped placement puts stage 0 on pipeline rank
+0 and the last stage on rank pp - 1, so the two copies always live on different ranks, with or
+without virtual stages; under tensor parallelism both copies are vocab-sharded alike (the
+embedding row-wise, the head column-wise: dimension 0 of the same (vocab, d_model) weight), and
+under FSDP2 both are sharded alike over the same data-parallel mesh, so the ranks that pair up
+hold the same slice. Checkpoints keep the tied model's names: the copy's optimizer state is saved
+and loaded as ``tok_emb.weight``'s (written once; parallel/checkpoint.py), so a pipeline's
+checkpoint loads into one process and back.
 
 Schedules (``parallel.pp_schedule``): ``gpipe`` (all forwards, then all backwards: the most
 activation memory), ``1f1b`` (one forward, one backward in steady state: at most pp micro-
@@ -40,10 +55,11 @@ from torch.distributed.tensor import DTensor
 
 from model.gpt import GPT
 from parallel.checkpoint import load_sharded, save_sharded
-from parallel.engine import Engine, StepResult, TorchEngine, skips_on_device, step_unless_skipped
+from parallel.engine import Engine
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
-from parallel.values import local_value, loss_parallel_context
+from parallel.step import Optimized, OptimizerStep, StepResult
+from parallel.values import full_value, local_shard, loss_parallel_context
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -54,6 +70,8 @@ SCHEDULES = {
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")  # schedules that take a list of stages per rank
 # Evaluation runs forward only, one micro-batch per call: all-forward (GPipe order) schedules.
 EVAL_SCHEDULE = {False: ScheduleGPipe, True: ScheduleLoopedBFS}
+# The last stage's copy of a tied embedding is checkpointed (optimizer state) under the original's name.
+TIED_COPY_ALIASES = {"lm_head.weight": "tok_emb.weight"}
 
 
 def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
@@ -67,7 +85,9 @@ def stage_layers(stage: int, n_stages: int, n_layer: int) -> range:
 
 
 def split_stages(model: GPT, stages: list[int], n_stages: int) -> list[GPT]:
-    """One copy of ``model`` per stage in ``stages``, each holding only what that stage runs."""
+    """One copy of ``model`` per stage in ``stages``, each holding only what that stage runs. With
+    tied embeddings the last stage's head keeps the shared weight, now its own parameter: the
+    embedding it was tied to stays on the first stage."""
     parts = []
     for stage in stages:
         part = copy.deepcopy(model) if len(stages) > 1 else model
@@ -129,7 +149,7 @@ def run_step(pipeline: Pipeline, x: torch.Tensor, y: torch.Tensor, *, train: boo
     run(*args, target=target, losses=losses)
     device = x.device
     if losses:
-        loss = torch.stack([local_value(m.detach()).float() for m in losses]).mean()
+        loss = torch.stack([full_value(m.detach()).float() for m in losses]).mean()
     else:
         loss = torch.zeros((), device=device)
     # Only the last stage saw the losses; the others contribute zero to the sum.
@@ -137,20 +157,78 @@ def run_step(pipeline: Pipeline, x: torch.Tensor, y: torch.Tensor, *, train: boo
     return loss
 
 
+# --------------------------------------------------------------------------- tied embeddings
+
+
+def tied_embedding_group(mesh, pp_group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """The process group of the first and the last stage's rank of this rank's pipeline (None for
+    the ranks in between). Collective: every rank creates every pipeline's group, in the same
+    order. With two stages the pipeline's own group is that pair."""
+    pp_dim = list(mesh.mesh_dim_names).index("pp")
+    ranks = mesh.mesh.movedim(pp_dim, 0).reshape(mesh.mesh.shape[pp_dim], -1)  # [pp rank, pipeline]
+    if len(ranks) == 2:
+        return pp_group
+    group = None
+    for first, last in zip(ranks[0].tolist(), ranks[-1].tolist()):
+        created = dist.new_group([first, last])
+        if dist.get_rank() in (first, last):
+            group = created
+    return group
+
+
+class TiedEmbedding:
+    """The two copies of a pipelined tied embedding on this rank (the first stage's ``tok_emb.weight``
+    or the last stage's ``lm_head.weight``), and the group that joins them."""
+
+    def __init__(self, parts: list[GPT], group: dist.ProcessGroup | None):
+        self.group = group
+        self.originals = [part.tok_emb.weight for part in parts if part.tok_emb is not None]
+        self.copies = [part.lm_head.weight for part in parts if part.lm_head is not None]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.originals + self.copies
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        """After backward: each copy's gradient becomes the sum of both, the tied parameter's gradient."""
+        for param in self.params:
+            grad = param.grad
+            if isinstance(grad, DTensor) and grad.placements != param.placements:
+                # The vocab-parallel embedding's backward leaves its gradient replicated, the head's is
+                # vocab-sharded: laid out as the parameter (a local slice, no communication), both
+                # ranks of the pair hold the same slice.
+                param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
+            dist.all_reduce(local_shard(grad), op=dist.ReduceOp.SUM, group=self.group)
+
+
+def tie_embedding_copies(parts: list[GPT], mesh, pp_group: dist.ProcessGroup) -> TiedEmbedding | None:
+    """The copies of a tied embedding across the pipeline and the group that joins them (collective:
+    every rank calls it); None when the embeddings are not tied."""
+    if not parts[0].cfg.tie_embeddings:
+        return None
+    return TiedEmbedding(parts, tied_embedding_group(mesh, pp_group))
+
+
 # --------------------------------------------------------------------------- the engine
 
 
 class PipelineEngine(Engine):
     """This rank's pipeline stages as an ``Engine``: the schedule runs each step's micro-batches;
-    each stage part has its own optimizer (and fp32 masters), stepped together."""
+    each stage part has its own optimizer (and fp32 masters), stepped together by one
+    ``OptimizerStep`` whose gradient norm spans the pipeline."""
 
     def __init__(self, pipeline: Pipeline, eval_pipeline: Pipeline, policy: PrecisionPolicy,
-                 optim_cfg: OptimConfig, device: torch.device, *, loss_parallel: bool):
+                 optim_cfg: OptimConfig, device: torch.device, *, loss_parallel: bool,
+                 tied: TiedEmbedding | None = None):
         self.pipeline, self.eval_pipeline, self.policy, self.device = pipeline, eval_pipeline, policy, device
         self.model = nn.ModuleList(pipeline.parts)
-        self.grad_clip = optim_cfg.grad_clip
-        self.steppers = [TorchEngine(part, policy, optim_cfg, device) for part in pipeline.parts]
+        self.steppers = [Optimized.build(part, policy, optim_cfg, device) for part in pipeline.parts]
+        self.tied = tied
+        self._step = OptimizerStep(self.steppers, grad_clip=optim_cfg.grad_clip, device=device, group=pipeline.group,
+                                   counted_once=tuple(tied.copies) if tied is not None else ())
         self._loss_context = loss_parallel_context if loss_parallel else contextlib.nullcontext
+        self._aliases = TIED_COPY_ALIASES if tied is not None else None
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, is_last_micro: bool, n_micro: int) -> torch.Tensor:
         raise RuntimeError("a pipeline runs whole steps: call forward_backward_step")
@@ -164,35 +242,12 @@ class PipelineEngine(Engine):
         x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
         with self._loss_context(), self.policy.forward_context(self.device):
             loss = run_step(self.pipeline, x, y, train=True)
+        if self.tied is not None:  # the step's gradients are complete: the tied copies' are joined
+            self.tied.sum_grads()
         return loss, wait
 
     def optimizer_step(self, lr: float, loss: torch.Tensor) -> StepResult:
-        for stepper in self.steppers:
-            for group in stepper.optimizer.param_groups:
-                group["lr"] = lr
-            if stepper.masters is not None:
-                stepper.masters.grads_to_masters()
-        grads = [p.grad for s in self.steppers for p in s._grad_params if p.grad is not None]
-        grad_norm = pipeline_grad_norm(grads, self.pipeline.group)
-        # A non-finite gradient must never reach the weights. Fused AdamW skips on the device
-        # (found_inf), so with it on every stage the step needs no host sync; the other
-        # implementations read the flag on the host.
-        skipped = ~(torch.isfinite(grad_norm) & torch.isfinite(loss))
-        on_device = all(skips_on_device(s.optimizer) for s in self.steppers)
-        if not on_device:
-            skipped = bool(skipped)
-        if self.grad_clip > 0 and (on_device or not skipped):
-            # clip_grad_norm_'s rule with the pipeline-wide norm, computed and applied on the device
-            scale = (self.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_([local_value_of(g) for g in grads], scale)
-        for stepper in self.steppers:
-            step_unless_skipped(stepper.optimizer, skipped)
-            if stepper.masters is not None and (on_device or not skipped):
-                stepper.masters.masters_to_model()
-        for stepper in self.steppers:
-            stepper.optimizer.zero_grad(set_to_none=True)
-            stepper.model.zero_grad(set_to_none=True)
-        return StepResult(grad_norm=grad_norm, skipped=skipped)
+        return self._step(lr, loss)
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -212,22 +267,7 @@ class PipelineEngine(Engine):
         return self.model
 
     def save(self, directory: Path, rank: int) -> None:
-        save_sharded([(s.model, s.optimizer) for s in self.steppers], None, directory)
+        save_sharded([(s.model, s.optimizer) for s in self.steppers], None, directory, aliases=self._aliases)
 
     def load(self, directory: Path) -> None:
-        load_sharded([(s.model, s.optimizer) for s in self.steppers], None, directory)
-
-
-def pipeline_grad_norm(grads: list[torch.Tensor], group: dist.ProcessGroup) -> torch.Tensor:
-    """The 2-norm of the whole model's gradient: each stage's part (itself reduced over its
-    tensor- and data-parallel shards by DTensor), squared and summed over the pipeline."""
-    local = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True) if grads else torch.zeros(())
-    local = local_value_of(local.full_tensor() if isinstance(local, DTensor) else local).float()
-    squared = (local ** 2).reshape(1)
-    dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
-    return squared.sqrt()[0]
-
-
-def local_value_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view of its storage), a plain tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        load_sharded([(s.model, s.optimizer) for s in self.steppers], None, directory, aliases=self._aliases)

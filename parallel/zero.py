@@ -44,10 +44,11 @@ import torch.nn as nn
 
 from common.errors import CapabilityError, CheckpointError, ConfigError
 from parallel.config import ParallelConfig
-from parallel.engine import Engine, StepResult, unwrap
+from parallel.engine import Engine, unwrap
 from parallel.optim import OptimConfig, build_adamw, decay_groups
 from parallel.precision import PrecisionPolicy
 from parallel.requirements import install_floor
+from parallel.step import StepResult, set_lr
 
 CHECKPOINT_TAG = "deepspeed"
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -188,10 +189,14 @@ class ZeroEngine(Engine):
         return loss.detach().float()
 
     def optimizer_step(self, lr: float, loss: torch.Tensor) -> StepResult:
+        """The learning rate, then DeepSpeed's own step. The torch engines' shared step
+        (parallel/step.py) cannot drive a ZeRO optimizer: the gradients sit in DeepSpeed's
+        partitioned buffers and the fp32 masters in its flat partitions, which only
+        ``engine.step()`` reads; it clips (``gradient_clipping``), checks for overflow, skips, and
+        runs its own loss scaler. Its grad norm comes back as a host float (a sync per step)."""
         if not self.engine.is_gradient_accumulation_boundary():
             raise RuntimeError("optimizer_step called before the last micro-batch of the step")
-        for group in self.engine.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.engine.optimizer, lr)
         self.engine.step()
         skipped = not self.engine.was_step_applied()
         norm = self.engine.get_global_grad_norm()

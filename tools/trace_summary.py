@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.comm_names import is_communication
 from common.measure import union_length
 from common.report import text_table
 
-COMM_PATTERN = re.compile(r"nccl|gloo|c10d::|all_?reduce|reduce_?scatter|all_?gather|broadcast|all_to_all", re.I)
 MIB = 2**20
 
 
@@ -102,9 +101,9 @@ def summarize_trace(trace: dict) -> TraceSummary:
     summary.kernels = _totals(kernels)
     if kernels:
         summary.gpu_busy_us = union_length([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
-        summary.comm_us = sum(e["dur"] for e in kernels if COMM_PATTERN.search(e["name"]))
+        summary.comm_us = sum(e["dur"] for e in kernels if is_communication(e["name"]))
     else:
-        summary.comm_us = sum(op.self_us for op in summary.cpu_ops if COMM_PATTERN.search(op.name))
+        summary.comm_us = sum(op.self_us for op in summary.cpu_ops if is_communication(op.name))
     summary.memcpy_us = sum(e["dur"] for e in complete if e.get("cat") in ("gpu_memcpy", "gpu_memset"))
     summary.peak_allocated = peak_allocated(events)
     return summary

@@ -202,9 +202,6 @@ class JobConfig:
             if m.n_layer % stages:
                 raise ConfigError(f"model.n_layer={m.n_layer} must divide into parallel.pp x pp_virtual_stages = "
                                   f"{stages} pipeline stages of equal size")
-            if m.tie_embeddings:
-                raise ConfigError("model.tie_embeddings=true shares the embedding with the LM head, which sit on the "
-                                  "first and last pipeline stage; set model.tie_embeddings=false with parallel.pp > 1")
             if t.grad_accum_steps < p.pp:
                 raise ConfigError(f"train.grad_accum_steps={t.grad_accum_steps} is the number of pipeline "
                                   f"micro-batches: it must be >= parallel.pp={p.pp} to keep every stage busy")

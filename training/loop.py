@@ -25,8 +25,9 @@ import torch
 
 from parallel.checkpoint import safe_torch_load
 from parallel.distributed import DistContext
-from parallel.engine import Engine, StepResult
+from parallel.engine import Engine
 from parallel.optim import lr_at
+from parallel.step import StepResult
 from training import checkpoint as ckpt
 from training.config import JobConfig, to_dict
 from training.metrics import LearningAlarms, RunLogger, peak_memory_gib

@@ -27,8 +27,7 @@ from common.errors import CheckpointError, InteropError
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.interop import CONFIG_FILE, check_state_dict, read_hf_dir, read_nanogpt_ckpt, write_hf_dir
-from parallel.checkpoint import has_sharded_state, read_model_weights, safe_torch_load
-from parallel.engine import FULL_STATE_FILE
+from parallel.checkpoint import FULL_STATE_FILE, has_sharded_state, read_model_weights, safe_torch_load
 from parallel.zero import CHECKPOINT_TAG, read_zero_model_weights
 from training import checkpoint as ckpt
 from training.config import JobConfig, from_dict, to_dict

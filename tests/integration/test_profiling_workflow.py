@@ -60,6 +60,19 @@ def test_summary_of_a_hand_made_trace():
     assert "communication (GPU kernels): 0.0 ms = 5%" in text
 
 
+def test_communication_on_a_cpu_trace_is_what_the_classifier_names():
+    """Without GPU kernels the share is the self time of CPU ops that are communication: sends,
+    receives and waits of a pipeline count; aten::broadcast_tensors (no communication) does not."""
+    def x(name, ts, dur):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": "cpu_op", "pid": 1, "tid": 1}
+
+    trace = {"traceEvents": [
+        x("aten::broadcast_tensors", 0, 40), x("c10d::send", 50, 10), x("c10d::recv_", 70, 20),
+        x("_c10d_functional::wait_tensor", 100, 5), x("c10d::alltoall_base_", 110, 7),
+    ]}
+    assert trace_summary.summarize_trace(trace).comm_us == 10 + 20 + 5 + 7
+
+
 def test_summary_of_a_real_profiler_trace(tmp_path):
     from model.config import ModelConfig
     from model.gpt import GPT

@@ -44,6 +44,13 @@ def test_spans_split_into_exposed_and_overlapped_communication_and_host_time():
     assert b.compute_s == pytest.approx(1.0 - 0.1 - 0.1 - 0.2 - 0.4)
 
 
+def test_pipeline_sends_and_waits_are_communication_and_broadcast_tensors_is_not():
+    spans = [Span("aten::broadcast_tensors", 1, 0, 100_000), Span("c10d::recv_", 1, 200_000, 300_000),
+             Span("_c10d_functional::wait_tensor", 1, 400_000, 450_000), Span("gloo:send", 2, 0, 80_000)]
+    b = attribute(spans, main_thread=1, wall_s=1.0, data_wait_s=0.0)
+    assert (b.comm_exposed_s, b.comm_overlapped_s) == pytest.approx((0.15, 0.08))
+
+
 def test_no_finding_means_compute_bound():
     b = Breakdown(wall_s=1.0, data_wait_s=0.0, optimizer_s=0.05, comm_exposed_s=0.0, comm_overlapped_s=0.0,
                   host_s=0.05)
