@@ -219,10 +219,12 @@ def precision_table(measured: Measured) -> Table:
         "AMP does not shrink model states: autocast keeps fp32 weights, gradients and Adam moments (16 B/param); "
         "only activations become 16-bit. 'Memory 60%/50%/35%' cannot come from precision alone; at this scale "
         "the states dominate, so the analytic memory barely moves between modes.",
-        f"FP8 end to end is not the ratio of peaks: only the GEMMs run in FP8, and the estimator assumes they "
-        f"reach {_fraction_pct('fp8_compute_fraction')} of the FP8 peak where BF16 reaches "
-        f"{_fraction_pct('compute_fraction')} of its own (analysis/estimator.py, Assumptions); FP8 is not "
-        "measured here (it needs Transformer Engine on a Hopper or Ada GPU).",
+        f"FP8 end to end is not the ratio of peaks: only the GEMMs run in FP8 (fitted at "
+        f"{_fraction_pct('fp8_gemm_fraction')} of the FP8 peak where BF16 GEMMs reach "
+        f"{_fraction_pct('gemm_fraction_hopper')} of their own on H100, both times the GEMM-shape factor), while "
+        "attention, element-wise work and communication stay as they are (analysis/estimator.py, Assumptions, "
+        "fitted on published measurements: docs/results/published_vs_estimator.md); FP8 is not measured here "
+        "(it needs Transformer Engine on a Hopper or Ada GPU).",
     ]
     cpu = measured.precision
     if cpu is not None:
@@ -805,8 +807,9 @@ def priority_table(measured: Measured) -> Table:
          _compile_measured(measured.documents.get(BENCH_TRAIN_CPU))],
         ["8", "FP8 training", "another 2× throughput",
          f"2.0× peak ({h100.fp8_tflops:g} vs {h100.bf16_tflops:g}); predicted "
-         f"{bf16.time.step_s / fp8.time.step_s:.2f}× end to end at the estimator's assumed "
-         f"{_fraction_pct('fp8_compute_fraction')} vs {_fraction_pct('compute_fraction')} of peak",
+         f"{bf16.time.step_s / fp8.time.step_s:.2f}× end to end at the estimator's fitted GEMM rates "
+         f"({_fraction_pct('fp8_gemm_fraction')} of the FP8 peak, {_fraction_pct('gemm_fraction_hopper')} of the "
+         "BF16 one, times the shape factor)",
          f"{NEEDS_GPU} (Transformer Engine)"],
         ["9", "custom Triton kernels", "5-20% compute", "workload-dependent expectation; no analytic figure",
          NEEDS_GPU],
