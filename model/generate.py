@@ -45,7 +45,11 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     """(B, V) logits -> (B,) token ids."""
     if sampling.temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / sampling.temperature
+    # Shift by the maximum before dividing: with a tiny temperature (1e-40) the quotient would
+    # overflow to inf and inf - inf gives NaN probabilities; shifted, the best logit stays 0 and
+    # the others go to -inf, so a near-zero temperature samples like greedy decoding.
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / sampling.temperature
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -219,8 +219,33 @@ def _stored(cfg: ModelConfig, state: State) -> State:
 # --------------------------------------------------------------------------- HF -> perfgpt
 
 
+# The config.json fields the readers take numbers and switches from, with their JSON types: a
+# value of another type is named in one line rather than failing somewhere inside the reader.
+HF_INT_FIELDS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner", "max_position_embeddings",
+                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+                 "intermediate_size", "head_dim")  # eos/bos ids may be lists
+HF_FLOAT_FIELDS = ("layer_norm_epsilon", "rms_norm_eps", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                   "attention_dropout", "initializer_range", "rope_theta")
+HF_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+
+
+def check_hf_config_types(config: Any) -> None:
+    """InteropError naming the first field whose JSON type the readers cannot use."""
+    if not isinstance(config, Mapping):
+        raise InteropError(f"config.json holds a JSON {type(config).__name__}, not a JSON object of model settings")
+    for keys, ok, what in ((HF_INT_FIELDS, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+                           (HF_FLOAT_FIELDS, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                            "a number"),
+                           (HF_BOOL_FIELDS, lambda v: isinstance(v, bool), "true or false")):
+        for key in keys:
+            value = config.get(key)
+            if value is not None and not ok(value):
+                raise InteropError(f"config.json {key}={value!r} must be {what}")
+
+
 def from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
     """A perfgpt ModelConfig for an HF GPT-2 or Llama ``config.json``; InteropError for what it cannot express."""
+    check_hf_config_types(config)
     model_type = config.get("model_type")
     if model_type == GPT2:
         cfg = _from_gpt2_config(config)
@@ -323,6 +348,10 @@ def from_nanogpt(checkpoint: Mapping[str, Any]) -> tuple[ModelConfig, State]:
         tie_embeddings=True, bias=bool(args["bias"]), dropout=float(args.get("dropout", 0.0)),
     )
     cfg.validate()
+    not_tensors = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if not_tensors:
+        raise InteropError(f"nanoGPT weight {not_tensors[0]!r} is a {type(state[not_tensors[0]]).__name__}, not a "
+                           "tensor: not a model saved by nanoGPT's train.py")
     state = _without_derived({k.removeprefix("_orig_mod."): v for k, v in state.items()})
     state.pop("lm_head.weight", None)  # tied to transformer.wte.weight
     names = [(ours, theirs) for ours, theirs, _ in _gpt2_names(cfg) if cfg.bias or not ours.endswith("bias")]

@@ -38,6 +38,13 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{key} must be >= 1 (got {getattr(self, key)})")
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ConfigError(f"parallel.dp_shard must be >= 1, or -1 for the ranks left over (got {self.dp_shard})")
+        if self.pp == 1:  # pipeline keys without a pipeline would be ignored: say so instead
+            unused = [f"pp_schedule={self.pp_schedule}" if self.pp_schedule != "1f1b" else "",
+                      f"pp_virtual_stages={self.pp_virtual_stages}" if self.pp_virtual_stages != 1 else ""]
+            unused = [u for u in unused if u]
+            if unused:
+                raise ConfigError(f"parallel.{unused[0]} has no effect with parallel.pp=1 (no pipeline): set "
+                                  "parallel.pp > 1, or leave the pipeline keys at their defaults")
         if self.pp_schedule in ("gpipe", "1f1b") and self.pp_virtual_stages != 1:
             raise ConfigError(f"parallel.pp_schedule={self.pp_schedule} runs one stage per rank; set "
                               "parallel.pp_virtual_stages=1 or an interleaved schedule")

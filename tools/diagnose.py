@@ -19,6 +19,7 @@ current config (interleaved rounds of --steps steps) and the measured step-time 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import sys
@@ -142,6 +143,9 @@ def diagnose(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     cfg = load_config(args.config, QUIET + overrides)
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise ValueError("--steps and --rounds must be >= 1, --warmup >= 0")
+    budget = args.memory_budget_gib
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"--memory-budget-gib must be a finite number of GiB > 0 (got {budget})")
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
         cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)

@@ -93,6 +93,11 @@ def evaluate(args: argparse.Namespace, overrides: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
+        # checked before the evaluation, not after it
+        where = "is a directory" if args.json.is_dir() else f"is in {args.json.parent}, which does not exist"
+        print(f"error: --json {args.json} {where}; give a file path in an existing directory", file=sys.stderr)
+        return 2
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
@@ -109,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
               f"({result['bytes']:,} bytes) | loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
               f"bits/byte {result['bits_per_byte']:.4f}")
         if args.json:
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
+            try:
+                args.json.write_text(json.dumps(result, indent=2) + "\n")
+            except OSError as exc:
+                print(f"error: cannot write --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+                return 2
     return 0
 
 

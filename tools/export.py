@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "safetensors: one file of perfgpt's own weights")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point weights (default: as saved)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (a directory "
+                        "holding anything else is refused either way)")
     return parser.parse_args(argv)
 
 
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         source = load_source(args.source)
-        written = write_export(source, args.out, args.format, DTYPES.get(args.dtype))
+        written = write_export(source, args.out, args.format, DTYPES.get(args.dtype), overwrite=args.overwrite)
     except USER_FACING_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

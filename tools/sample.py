@@ -49,13 +49,29 @@ def sample(args: argparse.Namespace) -> list[tuple[str, str]]:
         raise ConfigError(f"{args.source} does not record its tokenizer; pass --tokenizer (byte, tiktoken:<encoding> "
                           "or hf:<tokenizer.json>)")
     tokenizer = build_tokenizer(spec)
+    if tokenizer.vocab_size > source.cfg.vocab_size:
+        raise ConfigError(f"tokenizer {spec} has {tokenizer.vocab_size:,} ids, more than the model's vocabulary of "
+                          f"{source.cfg.vocab_size:,} (model.vocab_size): it is not the tokenizer this model was "
+                          "trained with; pass the run's own --tokenizer")
+    prompts = [tokenizer.encode(_prompt_text(p, i)).tolist() for i, p in enumerate(args.prompt, 1)]
     model = source.build(torch.device(args.device))
-    prompts = [tokenizer.encode(p).tolist() for p in args.prompt]
     sampling = Sampling(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed)
     eos = None if args.no_stop else source.eot_id
     outputs = generate(model, prompts, args.max_new_tokens, sampling, eos_id=eos, use_cache=not args.no_cache)
     return [(prompt, tokenizer.decode([t for t in out if t != eos])) for prompt, out in zip(args.prompt, outputs)]
+
+
+def _prompt_text(prompt: str, index: int) -> str:
+    """The prompt as text; the shell hands non-UTF-8 bytes over as lone surrogates, which no
+    tokenizer can encode."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raw = prompt.encode("utf-8", "surrogateescape")
+        raise ConfigError(f"--prompt #{index} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at position "
+                          f"{exc.start}); pass the prompt as UTF-8 text") from None
+    return prompt
 
 
 def main(argv: list[str] | None = None) -> int:

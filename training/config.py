@@ -62,6 +62,10 @@ class TrainConfig:
                 raise ConfigError(f"train.{key} must be >= 0 (got {getattr(self, key)})")
         if self.eval_interval < 0 or self.eval_steps < 1:
             raise ConfigError("train.eval_interval must be >= 0 and train.eval_steps >= 1")
+        for key, default in (("compile_loss", False), ("compile_mode", "default")):
+            if getattr(self, key) != default and not self.compile:  # it would be ignored: say so instead
+                raise ConfigError(f"train.{key}={getattr(self, key)} has no effect without train.compile=true; "
+                                  "set train.compile=true or leave it at its default")
         require_finite("train.data_wait_warn", self.data_wait_warn, ConfigError)
         if self.data_wait_warn < 0:
             raise ConfigError(f"train.data_wait_warn must be >= 0 (got {self.data_wait_warn})")

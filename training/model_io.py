@@ -38,6 +38,7 @@ FORMATS = ("hf", "safetensors")
 ARCHITECTURE_KEYS = ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "norm",
                      "norm_eps", "mlp", "gelu", "position", "rope_theta", "tie_embeddings", "bias")
 SAFETENSORS_NAME = "model.safetensors"
+EXPORT_FILES = frozenset({CONFIG_FILE, SAFETENSORS_NAME})  # what either format writes into --out
 # Keys of the safetensors metadata (strings only) and of an exported HF config.json.
 META_MODEL, META_TOKENIZER, META_EOT = "perfgpt_model", "perfgpt_tokenizer", "perfgpt_eot_id"
 # Prefixes wrappers put before parameter names (torch.compile, DDP, activation checkpointing).
@@ -183,11 +184,18 @@ def _read_safetensors(file: Path) -> ModelSource:
                        origin=f"perfgpt export {file}")
 
 
-def write_export(source: ModelSource, out: str | Path, fmt: str, dtype: torch.dtype | None = None) -> Path:
+def write_export(source: ModelSource, out: str | Path, fmt: str, dtype: torch.dtype | None = None, *,
+                 overwrite: bool = False) -> Path:
     """``out`` becomes a Hugging Face directory (fmt hf) or holds ``model.safetensors`` (fmt
-    safetensors); returns the file or directory written."""
+    safetensors); returns the file or directory written.
+
+    ``out`` must be new or empty; with ``overwrite`` it may hold an earlier export, which is
+    replaced. A directory with other files (another model's tokenizer, generation config, ...) is
+    refused either way: replacing only some of its files would leave a model that is neither.
+    """
     if fmt not in FORMATS:
         raise InteropError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
+    _check_export_dir(Path(out), overwrite)
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in source.state.items()}
     out = Path(out)
     if fmt == "hf":
@@ -198,6 +206,19 @@ def write_export(source: ModelSource, out: str | Path, fmt: str, dtype: torch.dt
             extra[META_TOKENIZER] = source.tokenizer
         return write_hf_dir(source.cfg, state, out, extra)
     return _write_safetensors(source, state, out / SAFETENSORS_NAME)
+
+
+def _check_export_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise InteropError(f"--out {out} is a file; give a directory (new or empty)")
+    existing = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = [name for name in existing if name not in EXPORT_FILES and not name.endswith(".tmp")]
+    if foreign:
+        raise InteropError(f"--out {out} is not empty and holds {foreign[0]}, which an export does not write; "
+                           "choose a new or empty directory")
+    if existing and not overwrite:
+        raise InteropError(f"--out {out} already holds an export ({', '.join(existing)}); pass --overwrite to "
+                           "replace it, or choose another --out")
 
 
 def _write_safetensors(source: ModelSource, state: Mapping[str, torch.Tensor], file: Path) -> Path:

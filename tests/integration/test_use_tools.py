@@ -18,6 +18,7 @@ import transformers
 from data.tokenizer import ByteTokenizer
 from model.config import ModelConfig
 from model.gpt import GPT
+from model.interop import to_nanogpt
 from tests.conftest import read_metrics, run_train, tiny_overrides
 from tools import evaluate as evaluate_tool
 from tools import export as export_tool
@@ -121,3 +122,84 @@ def test_bad_sources_are_one_line_errors(tmp_path, capsys):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "n_layer": 3}))
     one_line_error(capsys, export_tool.main([str(tmp_path / "hf"), *out]), "h.2")
+
+
+# --------------------------------------------------------------------------- ordinary mistakes, one line each
+
+
+def tiny_export(tmp_path: Path, fmt: str = "safetensors") -> Path:
+    cfg = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=1, n_head=2, d_model=32)
+    torch.manual_seed(0)
+    return write_export(ModelSource(cfg, GPT(cfg).state_dict(), "byte", 0, "test"), tmp_path / f"model-{fmt}", fmt)
+
+
+def test_export_never_replaces_an_earlier_export_or_another_models_files_silently(tmp_path, capsys):
+    source = tiny_export(tmp_path, "hf")
+    out = tmp_path / "out"
+    assert export_tool.main([str(source), "--format", "hf", "--out", str(out)]) == 0
+    written = (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    one_line_error(capsys, export_tool.main([str(source), "--format", "hf", "--out", str(out), "--dtype", "bf16"]),
+                   "already holds an export", "--overwrite")
+    assert (out / "model.safetensors").read_bytes() == written  # nothing overwritten
+    assert export_tool.main([str(source), "--format", "hf", "--out", str(out), "--dtype", "bf16", "--overwrite"]) == 0
+    assert (out / "model.safetensors").read_bytes() != written
+    # another model's directory: its tokenizer would stay beside our weights, so refused even with --overwrite
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "tokenizer.json").write_text("{}")
+    capsys.readouterr()
+    one_line_error(capsys, export_tool.main([str(source), "--format", "hf", "--out", str(other), "--overwrite"]),
+                   "holds tokenizer.json")
+    assert (other / "config.json").read_text() == "{}"
+
+
+def test_sample_names_bad_prompts_tokenizers_and_survives_a_tiny_temperature(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    source = str(tiny_export(tmp_path))
+    one_line_error(capsys, sample_tool.main([source, "--prompt", "ab\udcff", "--max-new-tokens", "2"]),
+                   "--prompt #1 is not valid UTF-8", "0xff")
+    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(299)} | {"[UNK]": 299, "<|endoftext|>": 300},
+                                    unk_token="[UNK]"))
+    big.pre_tokenizer = pre_tokenizers.Whitespace()
+    big.save(str(tmp_path / "big.json"))
+    one_line_error(capsys, sample_tool.main([source, "--prompt", "w1", "--tokenizer", f"hf:{tmp_path / 'big.json'}"]),
+                   "has 301 ids, more than the model's vocabulary of 256")
+    # a positive temperature too small to divide by samples like greedy decoding instead of failing
+    assert sample_tool.main([source, "--prompt", "ab", "--temperature", "1e-40", "--max-new-tokens", "8"]) == 0
+    tiny = capsys.readouterr().out
+    assert sample_tool.main([source, "--prompt", "ab", "--greedy", "--max-new-tokens", "8"]) == 0
+    assert tiny == capsys.readouterr().out
+
+
+def test_init_from_and_export_name_a_damaged_source(tmp_path, capsys):
+    out = ["--format", "safetensors", "--out", str(tmp_path / "out")]
+    hf_gpt2().save_pretrained(tmp_path / "hf")
+    capsys.readouterr()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps([config]))
+    one_line_error(capsys, export_tool.main([str(tmp_path / "hf"), *out]), "config.json", "not a JSON object")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "n_embd": "sixty-four"}))
+    one_line_error(capsys, export_tool.main([str(tmp_path / "hf"), *out]), "n_embd='sixty-four'", "integer")
+    cfg = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=1, n_head=2, d_model=32, gelu="exact")
+    nano = to_nanogpt(cfg, GPT(cfg).state_dict())
+    nano["model"]["transformer.wte.weight"] = "not a tensor"
+    torch.save(nano, tmp_path / "ckpt.pt")
+    one_line_error(capsys, export_tool.main([str(tmp_path / "ckpt.pt"), *out]),
+                   "'transformer.wte.weight' is a str, not a tensor")
+
+
+def test_evaluate_checks_its_json_path_before_evaluating(tmp_path, capsys):
+    source = str(tiny_export(tmp_path))
+    one_line_error(capsys, evaluate_tool.main([source, "--json", str(tmp_path)]), "is a directory")
+    one_line_error(capsys, evaluate_tool.main([source, "--json", str(tmp_path / "no" / "x.json")]), "does not exist")
+
+
+@pytest.mark.parametrize("budget", ["-1", "0", "nan", "inf"])
+def test_diagnose_refuses_a_memory_budget_that_is_not_a_size(capsys, budget):
+    from tools import diagnose
+
+    one_line_error(capsys, diagnose.main(["--config", TINY, "--memory-budget-gib", budget]),
+                   "--memory-budget-gib must be a finite number of GiB > 0")

@@ -129,3 +129,19 @@ def test_a_renamed_key_names_its_new_name(tmp_path, old, new):
     with pytest.raises(ConfigError, match=rf"^{re.escape(old)} is now called {re.escape(new)} "):
         load_config(path)
     assert getattr(load_config(None, [f"--{new}={value}"]).model, new.split(".")[1]) == value
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--optim.lr=3e38"], "optim.lr=3e+38 is too large for AdamW"),
+    (["--optim.lr=0.5", "--optim.weight_decay=4"], "optim.lr x optim.weight_decay = 2 must be < 1"),
+    # keys that would be silently ignored are named instead
+    (["--parallel.pp_schedule=gpipe"], "parallel.pp_schedule=gpipe has no effect with parallel.pp=1"),
+    (["--parallel.pp_virtual_stages=2", "--parallel.pp_schedule=interleaved_1f1b"],
+     "parallel.pp_schedule=interleaved_1f1b has no effect with parallel.pp=1"),
+    (["--train.compile_loss=true"], "train.compile_loss=True has no effect without train.compile=true"),
+    (["--train.compile_mode=max-autotune"], "train.compile_mode=max-autotune has no effect without train.compile"),
+])
+def test_values_that_cannot_work_or_would_be_ignored_are_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+    assert load_config(None, ["--train.compile=true", "--train.compile_loss=true"]).train.compile_loss
