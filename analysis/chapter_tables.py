@@ -11,6 +11,8 @@ missing. No cell quotes a figure from anywhere else.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -419,11 +421,17 @@ def _planner_note(p70) -> str:
     data_parallel = sorted({plan.job.policy for plan in est.plan_fits(p70.model, p70.seq_len, p70.world_size, h100, top=None)})
     if not plans:
         return f"The planner finds no layout that fits on {p70.world_size}× H100 at {global_batch} sequences per step."
+    # The preset keeps Korthikanti's dropout; the trainer's tensor parallelism trains without it.
+    no_dropout = dataclasses.replace(p70.model, dropout=0.0)
+    tp_plans = est.plan_layouts(no_dropout, p70.seq_len, p70.world_size, h100, global_batch=global_batch, top=1)
+    tp_note = (f" The preset trains with dropout, which the trainer's tensor parallelism refuses, so no tp layout "
+               f"is proposed for it; without dropout the cheapest is {est.describe_plan(tp_plans[0])}."
+               if tp_plans else "")
     return (
         f"On {p70.world_size}× H100 at the chapter's {p70.micro_batch} sequences per GPU ({global_batch} per step), "
         f"data parallelism alone fits only with recompute={' or '.join(data_parallel) or 'nothing'}; the planner "
         f"(tools/estimate.py --preset 70b --plan) searches tensor, sequence and pipeline parallelism too, and its "
-        f"cheapest layout is {est.describe_plan(plans[0])}."
+        f"cheapest layout is {est.describe_plan(plans[0])}.{tp_note}"
     )
 
 

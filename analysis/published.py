@@ -28,6 +28,7 @@ import yaml
 from analysis import estimator as est
 from common.errors import ConfigError
 from common.hardware import SYSTEMS
+from common.report import new_figure, save_figure
 from model.config import ModelConfig
 from model.flops import count_parameters, flops_per_token
 
@@ -463,8 +464,6 @@ def render_markdown(comparisons: list[Comparison], assumptions: est.Assumptions,
 def plot(comparisons: list[Comparison], path: Path) -> None:
     """Predicted against published (log-log), throughput and memory side by side, one colour per source,
     filled markers for held-out and check rows, hollow for calibration rows."""
-    from common.report import new_figure, save_figure
-
     fig, axes = new_figure(ncols=2, width=6.0, height=5.0)
     sources = list(dict.fromkeys(c.row.source.name for c in comparisons))
     colours = {s: f"C{i}" for i, s in enumerate(sources)}

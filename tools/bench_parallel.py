@@ -70,9 +70,11 @@ from analysis.estimator import (
     stage_parameters,
     tp_comm_seconds,
 )
+from common.fields import choices
 from common.measure import provenance
 from common.report import markdown_table, new_figure, save_figure, text_table, write_results
 from model.flops import count_parameters
+from parallel.config import ParallelConfig
 from parallel.distributed import DistContext, init_distributed, shutdown_distributed
 from parallel.engine import TorchEngine
 from parallel.optim import lr_at
@@ -84,7 +86,8 @@ from training.loop import train_step
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository, where subprocesses run
 
-STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+# Every data-parallel strategy the config accepts ("none" has no data parallelism to measure).
+STRATEGIES = tuple(s for s in choices(ParallelConfig, "strategy") if s != "none")
 DEFAULT_OVERRIDES = ["--train.eval_interval=0", "--checkpoint.interval=0", "--checkpoint.save_final=false",
                      "--logging.progress=plain", "--logging.jsonl=false", "--train.device=cpu"]
 STATE_KEYS = ("params", "grads", "optimizer")

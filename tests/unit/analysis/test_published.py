@@ -197,3 +197,11 @@ def test_unpredictable_rows_say_why(comparisons):
     cp = [c for c in comparisons if c.row.cp > 1]
     assert cp and all(c.predicted is None and "context parallelism" in c.why_not for c in cp)
 
+
+
+def test_the_readme_and_the_estimator_doc_state_the_current_held_out_errors(comparisons):
+    held = {s.quantity: s for s in pub.summarize(comparisons) if s.source == "all"}
+    throughput, memory = f"{held['throughput'].median:.1%}", f"{held['memory'].median:.0%}"
+    for path in ("README.md", "docs/estimator.md"):
+        text = (ROOT / path).read_text()
+        assert throughput in text and memory in text and f"{len(pub.load_rows())} published" in text, path
