@@ -911,7 +911,8 @@ def _attention_seconds(job: JobSpec, forwards: float) -> tuple[float, float]:
         rate = _gemm_rate(job) * a.attention_fraction
         return executed / rate, 0.0
     heads = cfg.n_head / t
-    one = 2 * gemm_seconds(job, s, cfg.head_dim, s) * b * heads  # QK^T and @V, each 2*s*s*head_dim per head
+    sixteen = dataclasses.replace(job, precision="bf16_master") if job.precision == "fp8" else job
+    one = 2 * gemm_seconds(sixteen, s, cfg.head_dim, s) * b * heads  # QK^T and @V, each 2*s*s*head_dim per head
     fwd_bytes, bwd_bytes = _score_traffic_bytes(job)
     elements = b * heads * s * s
     hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction

@@ -250,8 +250,9 @@ def plan_lines(job: est.JobSpec, global_batch: int, top: int, cfg: JobConfig | N
 
 def scaling_main(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | None) -> int:
     """--scaling: the job's model on each GPU count, weak and strong (analysis/scaling.py)."""
-    job = build_job(dataclasses.replace(args, gpus=None, tp=None, pp=None, dp_replicate=None, strategy=None), overrides,
-                    cfg) if args.preset else None
+    # the planner chooses the layout at every count: only the model, sequence, precision and batch are kept
+    unlaid = argparse.Namespace(**{**vars(args), **{key: None for key in (*LAYOUT_KEYS, "gpus", "strategy")}})
+    job = build_job(unlaid, overrides, cfg) if args.preset else None
     if job is None:  # a config: its model, sequence, precision and sequences per GPU, on any layout
         model, seq_len, precision = cfg.model, args.seq_len or cfg.seq_len, args.precision or cfg.precision.mode
         per_gpu = (args.micro_batch or cfg.train.micro_batch_size) * (args.grad_accum or cfg.train.grad_accum_steps)
