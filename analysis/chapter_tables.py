@@ -12,7 +12,6 @@ missing. No cell quotes a figure from anywhere else.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from dataclasses import dataclass, field
 from pathlib import Path

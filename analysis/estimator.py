@@ -19,12 +19,16 @@ from common.errors import ConfigError
 from common.fields import choices
 from common.hardware import DEVICES, DeviceSpec, lookup_device
 from common.report import gib
-from data.config import DataConfig
 from model.config import RECOMPUTE_POLICIES, ModelConfig
-from model.flops import block_parameters, count_parameters, flops_per_token, matmul_parameters
+from model.flops import (
+    block_parameters,
+    count_parameters,
+    flops_per_token,
+    matmul_parameters,  # noqa: F401 (callers read it from here: est.matmul_parameters)
+)
 from parallel.config import ParallelConfig
 from parallel.precision import PrecisionConfig
-from training.config import JobConfig, TrainConfig
+from training.config import JobConfig
 
 GIB = 2**30
 

@@ -177,8 +177,8 @@ def flops_per_token_published(row: PublishedRow) -> float:
     cfg, s = row.model, row.seq_len
     if row.source.flops_convention == "megatron_eq3":
         # Narayanan et al. 2021, equation (3): F = 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) per iteration
-        l, h, v = cfg.n_layer, cfg.d_model, cfg.vocab_size
-        return 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+        layers, h, v = cfg.n_layer, cfg.d_model, cfg.vocab_size
+        return 96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
     return flops_per_token(cfg, s)
 
 

@@ -46,8 +46,8 @@ table (same stem), which tools/reproduce.py reads.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
+import dataclasses
 import json
 import math
 import os

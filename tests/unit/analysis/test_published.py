@@ -84,8 +84,8 @@ def test_units_convert_both_ways(rows):
                 assert pub.in_unit(row, key, tokens) == pytest.approx(value)
     # Megatron-LM's equation (3) for its 1T row: 96*l*h^2*(1 + s/(6h) + V/(16lh)) FLOPs per token
     row = _row(rows, "narayanan2021/t1-1008b")
-    l, h, s, v = 128, 25600, 2048, 51200
-    per_token = 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    layers, h, s, v = 128, 25600, 2048, 51200
+    per_token = 96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
     assert pub.tokens_per_s_per_gpu(row, "tflops_per_gpu", 163) == pytest.approx(163e12 / per_token)
 
 
