@@ -461,3 +461,18 @@ def test_scaling_curves_run_for_a_preset():
     text = _run_estimate("--preset", "llama2-7b", "--scaling", "8,16")
     rows = [line for line in text.splitlines() if line.split() and line.split()[0] in ("8", "16")]
     assert len(rows) == 2 and "preset llama2-7b" in text
+
+
+def test_fsdp_collectives_per_step_follow_the_trainers_resharding():
+    cfg = paper_model(16, 2048, 16, tie_embeddings=False, dropout=0.0)
+    flat = est.JobSpec(cfg, 2048, 1, 16, "fsdp", "none", grad_accum=4)
+    assert est.fsdp_collectives(flat) == (8, 4)  # each micro-batch gathers forward and backward, reduces once
+    assert est.fsdp_collectives(dataclasses.replace(flat, fsdp_reshard_after_forward=False)) == (4, 4)
+    piped = dataclasses.replace(flat, pp=2)
+    assert est.fsdp_collectives(piped) == (5, 1)  # m forwards + 1 backward, as bench_parallel measured
+    assert est.fsdp_collectives(dataclasses.replace(piped, fsdp_reshard_after_forward=False)) == (1, 1)
+    # what each GPU sends per step over its 8 data-parallel ranks: 7/8 of (5 gathers of 2-byte weights +
+    # 1 reduce-scatter of 2-byte gradients) of its stage, plus its pipeline sends
+    n = max(est.stage_parameters(cfg, 1, 2, stage) for stage in (0, 1))
+    comm = est.estimate(piped).comm
+    assert comm.sent_per_gpu == pytest.approx(7 / 8 * n * (5 * 2 + 1 * 2) + comm.pipeline)
