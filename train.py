@@ -117,13 +117,14 @@ def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_
 
 def describe_model(cfg: JobConfig, ctx: DistContext) -> list[str]:
     m, seq_len, p, d = cfg.model, cfg.seq_len, cfg.parallel, ctx.dims
-    layout = {"grad_accum": cfg.train.grad_accum_steps, "tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate}
+    layout = {"grad_accum": cfg.train.grad_accum_steps, "tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate,
+              "fsdp_reshard_after_forward": p.fsdp_reshard_after_forward}
     if d.tp > 1:
         layout["sequence_parallel"] = p.sequence_parallel
     if d.pp > 1:
         layout |= {"pp_schedule": p.pp_schedule, "pp_virtual_stages": p.pp_virtual_stages}
     verdict = fit_verdict(m, seq_len, cfg.train.micro_batch_size, ctx.world_size, p.strategy, m.recompute,
-                          cfg.precision.mode, _device_name(ctx.device), **layout)
+                          cfg.precision.mode, _device_name(ctx.device), config=cfg, **layout)
     return [
         f"model: {count_parameters(m) / 1e6:.2f}M parameters ({count_parameters(m, include_embeddings=False) / 1e6:.2f}M "
         f"without embedding lookups), {m.n_layer} layers, d_model {m.d_model}, "

@@ -158,6 +158,15 @@ class JobConfig:
             if hasattr(section, "validate"):
                 section.validate()
         self._validate_schedule()
+        self.validate_layout()
+
+    def validate_layout(self) -> None:
+        """The checks a parallel layout must pass against the model, batch and precision of this job:
+        the parallel section's own layout rules and every cross-section rule (tensor and pipeline
+        parallelism, FP8, Transformer Engine, sequence length). ``validate`` runs them, and so does the
+        layout planner (analysis/estimator.py) on every layout it proposes, so it proposes only what
+        the trainer accepts."""
+        self.parallel._validate_layout()
         self._validate_cross_sections()
 
     def _validate_schedule(self) -> None:
