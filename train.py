@@ -31,6 +31,7 @@ from training.loop import Throughput, TrainingLoop
 from training.metrics import RunLogger
 from training.model_io import with_initial_weights
 from training.signals import StopRequest, exit_code
+from training.task_eval import TaskEvaluator
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -111,23 +112,26 @@ def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_
     if cfg.train.eval_interval:
         key = "train.eval_sequences" if cfg.train.eval_sequences else "train.eval_steps x train.micro_batch_size"
         log.info(data.val.describe(cfg.train.validation_sequences, key))
+    # The harness tasks load before the first step (a bad name stops the run there).
+    tasks = TaskEvaluator(cfg, ctx, data.tokenizer, data.eot_id) if cfg.harness.tasks else None
 
     rate, rate_note = throughput(cfg, ctx)
     log.info(rate_note)
-    loop = TrainingLoop(cfg, ctx, built.engine, data, batches, run_dir, ckpt_root, log, stop_request, rate)
+    loop = TrainingLoop(cfg, ctx, built.engine, data, batches, run_dir, ckpt_root, log, stop_request, rate, tasks)
     loop.resume()
     return loop.run()
 
 
 def describe_model(cfg: JobConfig, ctx: DistContext) -> list[str]:
     m, seq_len, p, d = cfg.model, cfg.seq_len, cfg.parallel, ctx.dims
-    layout = {"grad_accum": cfg.train.grad_accum_steps, "tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate}
+    layout = {"grad_accum": cfg.train.grad_accum_steps, "tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate,
+              "fsdp_reshard_after_forward": p.fsdp_reshard_after_forward}
     if d.tp > 1:
         layout["sequence_parallel"] = p.sequence_parallel
     if d.pp > 1:
         layout |= {"pp_schedule": p.pp_schedule, "pp_virtual_stages": p.pp_virtual_stages}
     verdict = fit_verdict(m, seq_len, cfg.train.micro_batch_size, ctx.world_size, p.strategy, m.recompute,
-                          cfg.precision.mode, _device_name(ctx.device), **layout)
+                          cfg.precision.mode, _device_name(ctx.device), config=cfg, **layout)
     return [
         f"model: {count_parameters(m) / 1e6:.2f}M parameters ({count_parameters(m, include_embeddings=False) / 1e6:.2f}M "
         f"without embedding lookups), {m.n_layer} layers, d_model {m.d_model}, "

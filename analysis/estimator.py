@@ -2,141 +2,10 @@
 communication, time, MFU, and a planner that searches layouts.
 
 Everything here is arithmetic on a ``ModelConfig`` and a ``DeviceSpec``; nothing touches a GPU.
-Parameter counts and FLOPs come from ``model/flops.py`` (the same functions the trainer logs),
-so they equal ``GPT(cfg).num_parameters()`` exactly.
-
-Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", section 4.1). Per transformer layer, with s = sequence length, b = micro-batch, h =
-hidden size, a = heads, 16-bit activations, 1-byte dropout masks and a 4h GELU MLP:
-
-    none       s*b*h*(34 + 5*a*s/h) bytes
-               34*s*b*h = norms 4 + QKV input 2 + Q,K 4 + V 2 + projection input 2 + attention
-                          dropout mask 1 + MLP input 2 + GELU input 8 + GELU output 8 + MLP
-                          dropout mask 1;
-               5*a*s^2*b = softmax output 2 + its dropout mask 1 + dropout output 2
-    selective  34*s*b*h            (the attention core, QK^T..softmax..dropout..@V, is recomputed)
-    full       2*s*b*h             (only the layer input is kept; the layer is recomputed)
-
-``activation_bytes_per_layer`` generalizes the same accounting to any activation width p
-(``dtype_bytes``), mask width m, MLP width f and kind (SwiGLU keeps gate and up, silu(gate) and
-the product: 4f), with or without dropout, and with flash-style attention (the s^2 terms become
-a fp32 log-sum-exp of a*s*b values). With grouped-query attention K and V are n_kv_head*head_dim
-wide instead of h (the QKV output and the K, V inputs of the attention shrink; the scores do
-not). At p=2, m=1, f=4h with dropout it is the formula above exactly. The policies the paper does
-not cover are derived the same way:
-    op_selective  the block input, plus the outputs of the matmuls and of the attention kernel
-                  (what ``model.recompute``'s op-level policy keeps)
-    every_k       floor(L/k) layers at ``full``, the rest at ``none`` (averaged per layer)
-    offload       nothing stays on the GPU; the ``none`` bytes go to host memory over PCIe
-
-``saved_bytes_per_layer`` is the second variant: the tensors *our* ``model.gpt.Block`` saves
-with the reference kernels (fp32 norm statistics and fp32 copies of norm inputs, SDPA's CPU
-kernel, the reference attention's copies), counted by storage. It is what
-``tools/bench_memory.py`` measures on CPU, and it is checked against that in the tests.
-
-Model states (Rajbhandari et al. 2020, "ZeRO", section 3/5): with mixed-precision Adam a
-parameter costs 2 (16-bit weight) + 2 (16-bit gradient) + 12 (fp32 master, momentum, variance)
-= 16 bytes. Per GPU over N data-parallel ranks: DDP 16*Psi; ZeRO-1 (2+2)*Psi + 12*Psi/N;
-ZeRO-2 2*Psi + 14*Psi/N; ZeRO-3 and FSDP 16*Psi/N. Which bytes are 16-bit depends on the
-precision mode (``STATE_BYTES``): fp32 and autocast keep fp32 weights and gradients (4+4+8).
-
-Communication per GPU per optimizer step (ZeRO paper, section 7): DDP all-reduces the
-gradients, 2*Psi*(N-1)/N elements sent per GPU; ZeRO-1/2 reduce-scatter gradients and
-all-gather parameters, the same 2*Psi*(N-1)/N; ZeRO-3/FSDP all-gather parameters twice
-(forward and backward) and reduce-scatter gradients, 3*Psi*(N-1)/N.
-
-Time (stated assumptions, all in ``Assumptions``):
-- compute = FLOPs / (dense peak of the mode * achievable fraction); FLOPs are the model FLOPs of
-  ``model.flops.flops_per_token`` plus recomputation. The fraction defaults to 0.5 of peak (PaLM
-  reports 46% MFU, Chowdhery et al. 2022 table 3; Megatron-LM 52% at 1T parameters, Narayanan et
-  al. 2021) and 0.35 of the FP8 peak for FP8 GEMMs, which makes FP8 ~1.4x BF16 end to end, in line
-  with measured large-model FP8 gains (~1.3-1.4x); fp32 uses the TF32 peak.
-- communication = a bandwidth-optimal two-level collective (what NCCL reaches with one NIC per
-  GPU): (L-1)/L*M over NVLink one way per reduce-scatter or all-gather inside a node of L GPUs,
-  plus (n-1)/n*M/L over each GPU's NIC across n nodes; links run at 0.8 of their peak; latency
-  is ignored (large buckets).
-- overlap: gradient reduction overlaps the backward pass (2/3 of compute) for DDP/ZeRO-1/2;
-  ZeRO-3/FSDP prefetching can hide communication behind the whole step. Only the excess shows.
-  Under pp, FSDP's one all-gather per step hides behind the first micro-batch's forward and its
-  reduce-scatter, after the last backward, shows.
-- with tensor parallelism each GPU computes 1/t of its stage's FLOPs (the whole FLOPs of the
-  replicated norms are counted as split too: a rounding error).
-- offload copies saved activations to the host in forward and back in backward on the compute
-  stream (``torch.autograd.graph.save_on_cpu`` does not overlap), at 0.8 of PCIe one-way peak.
-- memory-bound work runs at 0.8 of HBM bandwidth: the optimizer step reads and writes every
-  model-state byte once per step (what makes larger micro-batches cheaper per token), and
-  ``op_selective`` re-writes the element-wise outputs it dropped (read + write).
-- memory also holds the logits (fp32 log-probabilities saved by the loss, their gradient and the
-  16-bit logits gradient), for ZeRO-3/FSDP two unsharded layers (current and prefetched) and
-  their gradients, and a fixed 2 GiB for the CUDA context, communicator buffers and allocator
-  fragmentation.
-
-Layout (the words of the config's ``parallel`` section): dp_replicate x dp_shard x tp x pp = GPUs,
-tensor parallelism innermost (inside a node), then dp_shard, dp_replicate, and pipeline stages
-outermost. ``parallel.strategy`` says what dp_shard shards (nothing for DDP, optimizer state and
-gradients for ZeRO-1/2, everything for ZeRO-3/FSDP); dp_replicate > 1 is HSDP (FSDP only). The
-pipeline runs m = ``train.grad_accum_steps`` micro-batches per step.
-
-Tensor and sequence parallelism (Korthikanti et al. 2022, section 4.2). Megatron's tensor
-parallelism splits the attention heads and the MLP's inner width over t GPUs; what lies between
-those regions (the two norms' inputs, the inputs of the QKV and first MLP matmuls, the two
-dropout masks: 10*s*b*h bytes in the paper's setting) is whole on every rank:
-    tp          s*b*h*(10 + 24/t + 5*a*s/(h*t))    (Q, K, V, projection input, GELU in/out and
-                                                    the scores are split: 24*s*b*h/t + 5*a*s^2*b/t)
-Sequence parallelism splits the norm and dropout regions along the sequence, so everything is
-divided by t:
-    tp + sp     s*b*h*(34 + 5*a*s/h)/t;    with selective recompute 34*s*b*h/t
-Full recompute keeps the layer input: 2*s*b*h, or 2*s*b*h/t when it is sequence-parallel (the
-paper's table lists 2*s*b*h, its tp-only case). ``activation_bytes_per_layer(..., tp=,
-sequence_parallel=)`` applies the same split to the generalized count: each saved tensor is either
-inside the tensor-parallel region (divided by t; K and V by t as well, so t must divide the KV
-heads) or outside it (divided by t only with sequence parallelism). At the paper's settings it
-equals the closed forms exactly (``korthikanti_bytes_per_layer``, tested).
-
-Pipeline parallelism (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-Clusters Using Megatron-LM", sections 2.2 and 3.3; Korthikanti section 4.2.3). p stages of L/p
-layers (pp_virtual_stages v: v chunks of L/(p*v) layers per GPU, so p*v must divide L); the first
-stage also holds the embedding output, the last the logits and the loss. What a stage holds at its
-peak, in micro-batches' worth of its own layers (``pipeline_in_flight``):
-    gpipe             m          (every forward runs before any backward)
-    1f1b              min(p - i, m) on stage i: the first stage holds p
-    interleaved_1f1b  (warm-up + 1) / v chunks, warm-up = (v-1)*r + 2*(p-1-i) with r = m // max(1,
-                      m // p) micro-batches per round (torch's ScheduleInterleaved1F1B): with m a
-                      multiple of p the first stage holds p*(1 + (p-1)/(p*v)), Narayanan's (and
-                      Korthikanti's) interleaved memory factor
-    zero_bubble       the same with warm-up (v-1)*r + (p-1-i) (torch's ScheduleInterleavedZeroBubble):
-                      p - i at v=1, the 1F1B peak (Qi et al. 2023, ZB-H1)
-Memory per GPU is the maximum over stages. Bubble: Narayanan's idle time relative to the ideal
-compute time is (p-1)/m for GPipe and 1F1B and (p-1)/(v*m) interleaved; zero_bubble assumes
-equal forward, input-gradient and weight-gradient times, which leaves a third of 1F1B's idle
-time, (p-1)/(3*v*m). As a fraction of the whole step that is (p-1)/(m+p-1) for GPipe/1F1B,
-(p-1)/(v*m+p-1) interleaved and (p-1)/(3*v*m+p-1) zero-bubble (``bubble_fraction``); the step
-takes m * (slowest stage's time per micro-batch) * (1 + idle/ideal) (``bubble_overhead``).
-
-Model states with tp and pp: every GPU holds L/p blocks whose matmul weights are split by t (norm
-gains and the row-parallel output biases are whole); the first stage also holds the token table
-(vocab-parallel: divided by t) and learned positions (whole), the last stage the final norm and
-the LM head (vocab-parallel; with tied embeddings and p > 1 the last stage keeps its own copy).
-These are then sharded by the strategy over dp_shard, as above. Under pp,
-``torch.distributed.pipelining`` keeps FSDP2's parameters and gradients unsharded until the last
-micro-batch's backward (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``
-in its stage code), so an FSDP stage also holds its whole (1/t) parameters and gradients, and
-gathers and reduce-scatters once per step, after the last backward (exposed).
-
-Communication with tp and pp (time on the critical path of every micro-batch):
-- tensor parallel, per layer and micro-batch: with sp, forward 2 all-gathers + 2 reduce-scatters of
-  the s*b*h activation, backward the same; without sp 2 all-reduces forward and 2 backward (the
-  same bytes: an all-reduce is a reduce-scatter plus an all-gather); full recompute repeats the
-  forward's. The embedding and the LM head add one collective each way. Inside a node at 0.8 of
-  NVLink, and not overlapped with compute (Megatron's sequence-parallel collectives sit between
-  dependent GEMMs; overlapping them needs userbuffer kernels this model does not assume). The
-  re-gather of the sequence-parallel input for the weight gradient is taken as overlapped.
-- pipeline, per micro-batch and stage: the activation forward and its gradient backward,
-  s*b*h (divided by t with sp) each, over NVLink when neighbouring stages share a node, else
-  over the NIC; not overlapped.
-- data parallel: as above, on each GPU's own (1/(t*p)) parameters, over dp ranks that sit tp apart
-  (so fewer of them share a node); HSDP reduce-scatters and all-gathers inside dp_shard and
-  all-reduces the shard across dp_replicate.
+Parameter counts and FLOPs come from ``model/flops.py`` (the same functions the trainer logs).
+docs/estimator.md is the one home of the derivation: every formula, assumption and fitted
+parameter, where each comes from, and how far the predictions are from published measurements
+(analysis/published.py, docs/results/published_vs_estimator.md).
 """
 
 from __future__ import annotations
@@ -146,16 +15,28 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from common.errors import ConfigError
+from common.fields import choices
 from common.hardware import DEVICES, DeviceSpec, lookup_device
 from common.report import gib
 from model.config import RECOMPUTE_POLICIES, ModelConfig
-from model.flops import block_parameters, count_parameters, flops_per_token, matmul_parameters
+from model.flops import (
+    block_parameters,
+    count_parameters,
+    flops_per_token,
+    matmul_parameters,  # noqa: F401 (callers read it from here: est.matmul_parameters)
+)
+from parallel.config import ParallelConfig
+from parallel.precision import PrecisionConfig
+from training.config import JobConfig
 
 GIB = 2**30
 
+# The choices the trainer's config sections accept, read from them (never a second copy).
 POLICIES = RECOMPUTE_POLICIES
-STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
-PRECISION_MODES = ("fp32", "bf16", "fp16", "bf16_master", "fp8")
+STRATEGIES = choices(ParallelConfig, "strategy")
+PRECISION_MODES = choices(PrecisionConfig, "mode")
+PP_SCHEDULES = choices(ParallelConfig, "pp_schedule")
 ATTENTION_KINDS = ("materialized", "flash")
 # Attention backends (model.attention) by what they store: only the reference keeps the scores.
 ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_attn": "flash", "auto": "flash"}
@@ -163,8 +44,6 @@ ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_a
 # zero3 is modelled exactly like fsdp (both shard parameters, gradients and optimizer state), so
 # the planner lists fsdp for both.
 PLANNER_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
-# parallel.pp_schedule: torch.distributed.pipelining's GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble.
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # Schedules that run several model chunks (virtual stages) per GPU.
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 
@@ -597,13 +476,36 @@ def torch_microbatch_rule(schedule: str, stages: int, microbatches: int) -> str 
 
 @dataclass(frozen=True)
 class Assumptions:
-    """The knobs of the time and memory model; the module docstring says where each comes from."""
+    """The parameters of the time and memory model (docs/estimator.md says where each comes from).
 
-    compute_fraction: float = 0.5  # of the dense peak, for BF16/FP16/TF32 math
-    fp8_compute_fraction: float = 0.35  # of the FP8 peak, for FP8 GEMMs
-    link_fraction: float = 0.8  # of NVLink / NIC / PCIe one-way peak
-    overhead_gib: float = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
+    The first six were fitted on the calibration half of the published measurements
+    (analysis/published.py; ``python -m tools.published --fit`` reproduces them); the rest are stated
+    in advance and were never fitted.
+    """
+
+    # fitted (docs/estimator.md, "Calibration")
+    gemm_fraction_ampere: float = 0.92  # A100: a GEMM's share of the dense peak as its output dims grow without bound
+    gemm_fraction_hopper: float = 0.61  # H100/H200: the same
+    gemm_knee: float = 448.0  # an output dimension x runs at x / (x + knee) of that rate
+    attention_fraction: float = 0.31  # a fused (flash) attention kernel's rate, relative to a large GEMM's
+    elementwise_scale: float = 1.68  # multiplier on the counted element-wise memory traffic
+    fp8_gemm_fraction: float = 0.99  # FP8 GEMMs: share of the dense FP8 peak as the output dims grow
+    # stated
+    overlap_efficiency: float = 0.5  # share of an overlappable collective that compute really hides
+    link_fraction: float = 0.8  # of NVLink / NIC / PCIe one-way peak that a large collective reaches
+    hbm_fraction: float = 0.8  # of HBM bandwidth that memory-bound kernels reach
+    cuda_context_gib: float = 0.5  # CUDA context and kernel images, outside PyTorch's allocator
+    comm_buffers_gib: float = 0.5  # NCCL channel buffers, outside PyTorch's allocator
+    fragmentation: float = 0.1  # the caching allocator's reserve above the bytes allocated at the peak
     unsharded_layers: int = 2  # ZeRO-3/FSDP: the layer in use and the prefetched one
+
+    def gemm_fraction(self, device: DeviceSpec) -> float:
+        return self.gemm_fraction_ampere if device.family == "ampere" else self.gemm_fraction_hopper
+
+
+# The parameters the calibration fits, in the order it searches them.
+FITTED_PARAMETERS = ("gemm_fraction_ampere", "gemm_fraction_hopper", "gemm_knee", "attention_fraction",
+                     "elementwise_scale", "fp8_gemm_fraction")
 
 
 @dataclass(frozen=True)
@@ -612,7 +514,9 @@ class JobSpec:
 
     The layout fields are the config's ``parallel`` words; dp_shard is what remains of
     ``world_size`` after tp, pp and dp_replicate. ``grad_accum`` is the number of micro-batches
-    per step (the pipeline's micro-batches under pp).
+    per step (the pipeline's micro-batches under pp). ``tp_overlap`` and ``dp_overlap`` say whether
+    the framework overlaps those collectives with compute: the trainer does not overlap tensor-parallel
+    collectives and overlaps data-parallel ones (other frameworks' published runs set them as they ran).
     """
 
     model: ModelConfig
@@ -631,6 +535,9 @@ class JobSpec:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     sequence_parallel: bool | None = None  # None: on whenever tp > 1 (the config's default)
+    tp_overlap: bool = False
+    dp_overlap: bool = True
+    fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -706,7 +613,12 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per GPU at the peak of a step (forward end / backward start), on the fullest stage."""
+    """Bytes per GPU at the peak of a step (forward end / backward start), on the fullest stage.
+
+    ``total`` is what the device holds (what nvidia-smi shows, and what must fit); ``reserved`` is
+    what PyTorch's caching allocator holds (``torch.cuda.max_memory_reserved``): the total less the
+    CUDA context and the communicators' buffers, which live outside it.
+    """
 
     params: float
     grads: float
@@ -714,38 +626,61 @@ class MemoryEstimate:
     activations: float  # saved for backward by all layers, plus one layer's recompute working set
     logits: float
     unsharded_params: float  # ZeRO-3/FSDP gathered layers and their unreduced gradients
-    overhead: float
+    overhead: float  # CUDA context and communicator buffers, outside the allocator
     host: float  # offloaded activations, in host memory (not part of total)
     stage: int = 0  # the pipeline stage these figures belong to (the one with the largest total)
+    fragmentation: float = 0.0  # the allocator's reserve above the allocated peak
 
     @property
     def states(self) -> float:
         return self.params + self.grads + self.optimizer
 
     @property
+    def allocated(self) -> float:
+        """Bytes of live tensors at the peak (``torch.cuda.max_memory_allocated``)."""
+        return self.states + self.activations + self.logits + self.unsharded_params
+
+    @property
+    def reserved(self) -> float:
+        return self.allocated + self.fragmentation
+
+    @property
     def total(self) -> float:
-        return self.states + self.activations + self.logits + self.unsharded_params + self.overhead
+        return self.reserved + self.overhead
 
 
 @dataclass(frozen=True)
 class TimeEstimate:
-    compute_s: float
-    comm_s: float
-    exposed_comm_s: float
+    """One optimizer step's time, by what it is spent on (seconds, on the slowest pipeline stage).
+
+    ``step_s`` is the sum of what is on the critical path: compute, memory-bound work, the exposed
+    part of each communication dimension, offload copies and the pipeline bubble. ``comm_s`` and
+    ``tp_comm_s`` are the data- and tensor-parallel collectives' whole time, overlapped or not.
+    """
+
+    compute_s: float  # GEMMs and the attention core, recomputation included
+    comm_s: float  # data-parallel collectives (all of them)
+    exposed_comm_s: float  # the part of comm_s that compute does not hide
     offload_s: float
-    memory_bound_s: float  # optimizer step and element-wise recompute
+    memory_bound_s: float  # element-wise work, attention-score traffic, the loss and the optimizer step
     tokens_per_step: int  # over all GPUs
     model_flops_per_step: float  # over all GPUs, recomputation excluded (MFU convention)
     peak_tflops: float | None  # per GPU; None for fp8, where no single peak applies
     world_size: int
-    tp_comm_s: float = 0.0  # tensor-parallel collectives, not overlapped
+    tp_comm_s: float = 0.0  # tensor-parallel collectives (all of them)
     pp_comm_s: float = 0.0  # pipeline sends between stages, not overlapped
     bubble_s: float = 0.0  # pipeline fill and drain
+    tp_exposed_s: float | None = None  # the part of tp_comm_s on the critical path (None: all of it)
+    microbatch_s: float = 0.0  # one micro-batch through the slowest stage (what the bubble is made of)
+
+    @property
+    def tp_exposed(self) -> float:
+        return self.tp_comm_s if self.tp_exposed_s is None else self.tp_exposed_s
 
     @property
     def step_s(self) -> float:
         return (self.compute_s + self.exposed_comm_s + self.offload_s + self.memory_bound_s
-                + self.tp_comm_s + self.pp_comm_s + self.bubble_s)
+                + self.tp_exposed + self.pp_comm_s + self.bubble_s)
 
     @property
     def seconds_per_token(self) -> float:
@@ -760,6 +695,10 @@ class TimeEstimate:
         if self.peak_tflops is None:
             return None
         return self.model_flops_per_step / (self.step_s * self.world_size * self.peak_tflops * 1e12)
+
+    def exposed(self) -> dict[str, float]:
+        """Seconds per step each communication dimension (and the bubble) adds to the critical path."""
+        return {"tp": self.tp_exposed, "pp": self.pp_comm_s, "dp": self.exposed_comm_s, "bubble": self.bubble_s}
 
 
 @dataclass(frozen=True)
@@ -854,16 +793,21 @@ def stage_memory(job: JobSpec, stage: int, layer: _LayerActivations | None = Non
     n_params = stage_parameters(job.model, job.tp, job.pp, stage)
     states = model_state_bytes(n_params, job.strategy, job.dp_shard, job.precision)
     device_acts, host_acts = activation_bytes_total(job, stage, layer)
+    a = job.assumptions
+    logits, unsharded = _logits_bytes(job, stage), _unsharded_bytes(job, stage)
     return MemoryEstimate(
         params=states.param,
         grads=states.grad,
         optimizer=states.optimizer,
         activations=device_acts,
-        logits=_logits_bytes(job, stage),
-        unsharded_params=_unsharded_bytes(job, stage),
-        overhead=job.assumptions.overhead_gib * GIB,
+        logits=logits,
+        unsharded_params=unsharded,
+        overhead=(a.cuda_context_gib + a.comm_buffers_gib) * GIB,
         host=host_acts,
         stage=stage,
+        # Model states are allocated once, in a few large blocks; what is freed and allocated again
+        # every micro-batch (activations, logits, gathered layers) is what fragments the cache.
+        fragmentation=a.fragmentation * (device_acts + logits + unsharded),
     )
 
 
@@ -904,28 +848,182 @@ def _peak_tflops(device: DeviceSpec, precision: str) -> float:
     return device.tf32_tflops if precision == "fp32" else device.bf16_tflops
 
 
-def _stage_compute_seconds(job: JobSpec, stage: int) -> float:
-    """One micro-batch through one GPU of ``stage``: its share (1/t) of the stage's FLOPs.
+def _shape_factor(dims: tuple[float, ...], knee: float) -> float:
+    """Share of the large-GEMM rate a GEMM reaches for its output dimensions: each costs x/(x+knee)
+    (edge tiles that do not fill, too few tiles to keep every multiprocessor busy)."""
+    factor = 1.0
+    for x in dims:
+        factor *= x / (x + knee)
+    return factor
 
-    The stage's model FLOPs are 6*N + 12*d*s per token for its L/p blocks, plus the final norm and
-    LM head on the last stage (summed over stages: ``flops_per_token``); recomputation adds the
-    stage's share of ``_recompute_flops_split``. Norms replicated under tp are counted as split
-    (a rounding error).
-    """
-    cfg, a = job.model, job.assumptions
-    L, layers = cfg.n_layer, cfg.n_layer // job.pp
-    head_and_norm = matmul_parameters(cfg) - L * block_parameters(cfg)
-    matmul = layers * block_parameters(cfg) + (head_and_norm if stage == job.pp - 1 else 0)
-    extra_gemm, extra_core = _recompute_flops_split(cfg, job.seq_len, job.policy)
-    gemm_flops = 6.0 * matmul + extra_gemm * layers / L
-    core_flops = 12.0 * layers * cfg.d_model * job.seq_len + extra_core * layers / L
-    core_rate = _peak_tflops(job.device, job.precision) * 1e12 * a.compute_fraction
-    if job.precision == "fp8":  # FP8 GEMMs; attention and the rest stay at the BF16 rate
-        gemm_rate = job.device.fp8_tflops * 1e12 * a.fp8_compute_fraction
+
+def gemm_seconds(job: JobSpec, m: float, k: float, n: float) -> float:
+    """One (m x k) @ (k x n) GEMM on one GPU, a roofline: 2*m*k*n FLOPs at the device's fitted large-GEMM
+    rate scaled by the output shape factor (FP8 GEMMs at the FP8 peak under precision=fp8), or the
+    operands and the result through HBM, whichever is longer (a short reduction dimension k makes a
+    GEMM memory-bound)."""
+    a = job.assumptions
+    if job.precision == "fp8":
+        rate = job.device.fp8_tflops * 1e12 * a.fp8_gemm_fraction
     else:
-        gemm_rate = core_rate
+        rate = _peak_tflops(job.device, job.precision) * 1e12 * a.gemm_fraction(job.device)
+    compute = 2.0 * m * k * n / (rate * _shape_factor((m, n), a.gemm_knee))
+    traffic = job.activation_dtype_bytes * (m * k + k * n + m * n) / (job.device.hbm_tb_s * 1e12 * a.hbm_fraction)
+    return max(compute, traffic)
+
+
+def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1) -> list[tuple[int, float, float]]:
+    """The forward GEMMs of one transformer layer on one of ``tp`` GPUs, as (m, k, n): the fused QKV
+    and the MLP's first matmul are column-parallel (n / tp), the output projection and the MLP's
+    second matmul row-parallel (k / tp). Their 2*m*k*n sum to 2*tokens*(the block's matmul weights)/tp."""
+    d, f = cfg.d_model, cfg.d_ff
+    f_in = 2 * f if cfg.mlp == "swiglu" else f
+    return [(tokens, d, (d + 2 * cfg.kv_dim) / tp), (tokens, d / tp, d), (tokens, d, f_in / tp), (tokens, f / tp, d)]
+
+
+def _recompute_shares(job: JobSpec) -> tuple[float, float, float]:
+    """Per layer, how much of its forward is run again in backward: (GEMMs and element-wise work of
+    the whole layer, the attention core alone, element-wise work alone)."""
+    cfg = job.model
+    if job.policy == "full":
+        return 1.0, 0.0, 0.0
+    if job.policy == "every_k":
+        return _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / cfg.n_layer, 0.0, 0.0
+    if job.policy == "selective":
+        return 0.0, 1.0, 0.0
+    if job.policy == "op_selective":
+        return 0.0, 0.0, 1.0
+    return 0.0, 0.0, 0.0
+
+
+def _attention_seconds(job: JobSpec, forwards: float) -> tuple[float, float]:
+    """(compute, memory-bound) seconds of one layer's attention core for one micro-batch on one GPU,
+    with its forward run ``forwards`` times (1, or 2 when recomputed) and its backward once.
+
+    The core's model FLOPs are 4*b*s^2*d forward (QK^T and @V, every query against every key), split
+    over tp by heads. A fused (flash) kernel skips the masked half of a causal square and its backward
+    recomputes the scores, 2.5x its forward; it runs at ``attention_fraction`` of the large-GEMM rate.
+    A materialized core (model.attention=reference; Megatron's fused softmax) runs both matmuls on the
+    whole square as batched GEMMs (the head dim is their reduction dimension) and moves the s x s
+    scores through memory: ``_score_traffic_bytes``.
+    """
+    cfg, a, t = job.model, job.assumptions, job.tp
+    b, s, d = job.micro_batch, job.seq_len, cfg.d_model
+    fwd_flops = 4.0 * b * s * s * d / t
+    if job.attention == "flash":
+        executed = 0.5 * fwd_flops * (forwards + 2.5)
+        rate = _gemm_rate(job) * a.attention_fraction
+        return executed / rate, 0.0
+    heads = cfg.n_head / t
+    sixteen = dataclasses.replace(job, precision="bf16_master") if job.precision == "fp8" else job
+    one = 2 * gemm_seconds(sixteen, s, cfg.head_dim, s) * b * heads  # QK^T and @V, each 2*s*s*head_dim per head
+    fwd_bytes, bwd_bytes = _score_traffic_bytes(job)
+    elements = b * heads * s * s
+    hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
+    traffic = elements * (forwards * fwd_bytes + bwd_bytes) * a.elementwise_scale / hbm
+    return one * (forwards + 2), traffic
+
+
+def _gemm_rate(job: JobSpec) -> float:
+    a = job.assumptions
+    if job.precision == "fp8":  # attention stays in 16 bits under FP8 training
+        return job.device.bf16_tflops * 1e12 * a.gemm_fraction(job.device)
+    return _peak_tflops(job.device, job.precision) * 1e12 * a.gemm_fraction(job.device)
+
+
+def _score_traffic_bytes(job: JobSpec) -> tuple[float, float]:
+    """Bytes moved per attention-score element by a materialized core, (forward, backward).
+
+    Forward: QK^T writes the scores, the fused scale-mask-softmax reads and writes them, @V reads the
+    probabilities (4 passes of p bytes); dropout reads and writes them and writes a mask. Backward:
+    @V's weight gradient reads the probabilities and its input gradient writes dP, the softmax backward
+    reads P and dP and writes dS, QK^T's backward reads dS (5 passes); dropout reads the mask and
+    passes the gradient through (2 passes)."""
+    p, m = job.activation_dtype_bytes, 1
+    if job.model.dropout > 0:
+        return 6 * p + m, 7 * p + m
+    return 4 * p, 5 * p
+
+
+def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
+    """Bytes one layer's element-wise work moves for one micro-batch on one GPU, (forward, backward).
+
+    Counted per token in d-wide reads and writes. Outside the tensor-parallel region (split over tp
+    only with sequence parallelism): forward two norms (read, write) and two residual adds (read two,
+    write one), 10 passes; backward 12 (each norm reads input and gradient and writes one, each
+    residual gradient is added, read two, write one). Dropout on the two residual branches adds a
+    read and a write each way and a 1-byte mask. Inside (split over tp): the MLP activation, GELU
+    forward 2*d_ff (read, write) and backward 3*d_ff; SwiGLU 3*d_ff and 5*d_ff; rotary embeddings
+    read and write q and k both ways, 2*(d + kv_dim) each way. FP8 adds the casts of the weights.
+    """
+    cfg, p, t = job.model, job.activation_dtype_bytes, job.tp
     tokens = job.seq_len * job.micro_batch
-    return tokens * (gemm_flops / gemm_rate + core_flops / core_rate) / job.tp
+    d = cfg.d_model
+    outside_fwd, outside_bwd = 10 * d * p, 12 * d * p
+    if cfg.dropout > 0:
+        outside_fwd += 2 * (2 * d * p + d)
+        outside_bwd += 2 * (2 * d * p + d)
+    act_fwd, act_bwd = (3, 5) if cfg.mlp == "swiglu" else (2, 3)
+    inside_fwd, inside_bwd = act_fwd * cfg.d_ff * p, act_bwd * cfg.d_ff * p
+    if cfg.position == "rope":
+        inside_fwd += 2 * (d + cfg.kv_dim) * p
+        inside_bwd += 2 * (d + cfg.kv_dim) * p
+    split = t if job.sp else 1
+    fwd = tokens * (outside_fwd / split + inside_fwd / t)
+    bwd = tokens * (outside_bwd / split + inside_bwd / t)
+    if job.precision == "fp8":
+        # FP8 GEMMs read their weights cast to FP8 (read 2 bytes, write 1, once each way per micro-batch);
+        # the activations' casts are fused into the kernels that produce them (norm, activation).
+        weights = sum(k * n for _, k, n in layer_gemms(cfg, tokens, t))
+        fwd += 3 * weights
+        bwd += 3 * weights
+    return fwd, bwd
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    """One micro-batch through one GPU of a pipeline stage (seconds)."""
+
+    compute: float  # GEMMs and the attention core, recomputation included
+    memory_bound: float  # element-wise work, score traffic, the loss
+    tp: float  # tensor-parallel collectives
+    tp_exposed: float
+    pp: float  # sends to the neighbouring stages
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.memory_bound + self.tp_exposed + self.pp
+
+
+def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
+    """One micro-batch through one GPU of ``stage``.
+
+    Its L/p layers each run their GEMMs forward once and backward twice (input and weight gradients),
+    plus the forward again for the recomputed share, the attention core (``_attention_seconds``) and
+    element-wise work at ``hbm_fraction`` of HBM bandwidth (``_elementwise_bytes``, times
+    ``elementwise_scale``). The last stage adds the LM head's GEMM (vocab-parallel) and the loss's
+    memory-bound pass over the logits (16-bit logits written and read, fp32 log-probabilities written
+    and read, 16-bit gradient written).
+    """
+    cfg, a, t = job.model, job.assumptions, job.tp
+    tokens = job.seq_len * job.micro_batch
+    layers = cfg.n_layer // job.pp
+    hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
+    redo_layer, redo_core, redo_elementwise = _recompute_shares(job)
+    gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t))
+    core, scores = _attention_seconds(job, 1 + redo_core + redo_layer)
+    fwd_bytes, bwd_bytes = _elementwise_bytes(job)
+    elementwise = (fwd_bytes * (1 + redo_layer + redo_elementwise) + bwd_bytes) * a.elementwise_scale / hbm
+    compute = layers * (gemm * (3 + redo_layer) + core)
+    memory_bound = layers * (elementwise + scores)
+    if stage == job.pp - 1:
+        compute += 3 * gemm_seconds(job, tokens, cfg.d_model, cfg.vocab_size / t)
+        p = job.activation_dtype_bytes
+        memory_bound += tokens * cfg.vocab_size / t * (3 * p + 8) * a.elementwise_scale / hbm
+    tp_s, _ = tp_comm_seconds(job, stage)
+    # Overlapped collectives (Megatron's userbuffers, async TP) hide behind the GEMMs they feed.
+    tp_exposed = _exposed(tp_s, compute, a) if job.tp_overlap else tp_s
+    return _MicroBatch(compute, memory_bound, tp_s, tp_exposed, pp_comm_seconds(job)[0])
 
 
 def collective_seconds(
@@ -972,15 +1070,33 @@ def tp_comm_seconds(job: JobSpec, stage: int = 0) -> tuple[float, float]:
 
 
 def pp_comm_seconds(job: JobSpec) -> tuple[float, float]:
-    """(seconds, bytes sent per GPU) of one micro-batch's activation and gradient between stages."""
+    """(seconds, bytes sent per GPU) of one micro-batch's activations and gradients between stages:
+    one of each per model chunk (``pp_virtual_stages`` of them on an interleaved GPU)."""
     if job.pp == 1:
         return 0.0, 0.0
     cfg, frac = job.model, job.assumptions.link_fraction
-    nbytes = _tp_split(job.activation_dtype_bytes * job.seq_len * job.micro_batch * cfg.d_model, 0,
-                       tp=job.tp, sequence_parallel=job.sp)
+    # Each tensor-parallel rank sends 1/t of the activation: its sequence shard under sequence
+    # parallelism, or its slice of the replicated tensor (Megatron's scatter/gather, which re-gathers it
+    # over NVLink on the receiving stage).
+    nbytes = job.activation_dtype_bytes * job.seq_len * job.micro_batch * cfg.d_model / job.tp
     same_node = job.world_size <= job.device.gpus_per_node  # stages are the outermost mesh dimension
     link = job.device.nvlink_one_way_gb_s if same_node else job.device.network_gb_s
-    return 2 * nbytes / (link * 1e9 * frac), 2 * nbytes
+    sent = 2 * job.pp_virtual_stages * nbytes
+    return sent / (link * 1e9 * frac), sent
+
+
+def fsdp_collectives(job: JobSpec) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of its parameters that a ZeRO-3/FSDP GPU runs per optimizer step.
+
+    Without pp every micro-batch gathers in forward and again in backward (once, when
+    ``fsdp_reshard_after_forward`` keeps the forward's copy) and reduce-scatters its gradients. Under pp,
+    torch.distributed.pipelining keeps gradients unreduced and parameters gathered after the first
+    backward until the step ends; with reshard_after_forward every micro-batch's forward gathers again
+    (m forwards + 1 backward gather), without it the first gather serves the whole step."""
+    m = job.grad_accum
+    if job.pp == 1:
+        return (2 if job.fsdp_reshard_after_forward else 1) * m, m
+    return (m + 1 if job.fsdp_reshard_after_forward else 1), 1
 
 
 def _dp_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, float]:
@@ -994,6 +1110,11 @@ def _dp_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, float]:
         grads = n_params * STATE_BYTES[job.precision].grad / job.dp_shard
         volume = dataclasses.replace(shard, replica_all_reduce=grads, replicas=job.dp_replicate)
         group = job.dp_shard
+    if job.strategy in ("zero3", "fsdp") and group > 1:
+        gathers, scatters = fsdp_collectives(job)
+        per = STATE_BYTES[job.precision]
+        volume = dataclasses.replace(volume, all_gather=gathers * n_params * per.param,
+                                     reduce_scatter=scatters * n_params * per.grad)
     link = dict(ranks_per_node=_per_node(job, job.tp, group))
     seconds = (
         2 * collective_seconds(volume.all_reduce, group, job.device, frac, **link)
@@ -1006,14 +1127,16 @@ def _dp_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, float]:
     return volume, seconds
 
 
-def _memory_bound_seconds(job: JobSpec, state_bytes: float) -> float:
-    hbm = job.device.hbm_tb_s * 1e12 * job.assumptions.link_fraction
-    optimizer = 2 * state_bytes / hbm
-    if job.policy != "op_selective":
-        return optimizer
-    dropped = _layer_bytes(job, "none") - _layer_bytes(job, "op_selective")
-    layers = job.model.n_layer // job.pp
-    return optimizer + job.grad_accum * layers * 2 * max(dropped, 0.0) / hbm
+def _exposed(comm: float, hideable: float, a: Assumptions) -> float:
+    """Seconds of a collective of ``comm`` seconds left on the critical path when ``hideable`` seconds of
+    compute can run beside it: only ``overlap_efficiency`` of the overlap is real (the collective's
+    kernels take multiprocessors and memory bandwidth from the compute they run beside)."""
+    return comm - a.overlap_efficiency * min(comm, hideable)
+
+
+def _optimizer_seconds(job: JobSpec, state_bytes: float) -> float:
+    """The optimizer step reads and writes every model-state byte of this GPU once (memory-bound)."""
+    return 2 * state_bytes / (job.device.hbm_tb_s * 1e12 * job.assumptions.hbm_fraction)
 
 
 def _largest_stage_parameters(job: JobSpec) -> float:
@@ -1024,43 +1147,47 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
     """Step time: m micro-batches through the slowest stage, the bubble, and what communication shows.
 
     ``state_bytes``: model-state bytes per GPU, which the optimizer step reads and writes.
+    Data-parallel collectives hide behind compute as the strategy allows (docs/estimator.md):
+    FSDP without pp gathers and reduce-scatters every micro-batch, behind that micro-batch's work;
+    FSDP under pp gathers once per step behind the first forward and reduce-scatters after the last
+    backward; DDP and ZeRO-1/2 reduce behind the last micro-batch's backward; ``dp_overlap=False``
+    hides nothing.
     """
     a, m = job.assumptions, job.grad_accum
-    per_stage = []
-    for stage in _edge_stages(job):
-        compute = _stage_compute_seconds(job, stage)
-        tp_s, _ = tp_comm_seconds(job, stage)
-        per_stage.append((compute + tp_s + pp_comm_seconds(job)[0], compute, tp_s))
-    slowest, compute_mb, tp_mb = max(per_stage)
-    compute = m * compute_mb
-    pp_s = m * pp_comm_seconds(job)[0]
+    slowest = max((_stage_microbatch(job, stage) for stage in _edge_stages(job)), key=lambda mb: mb.total)
+    work = m * (slowest.compute + slowest.memory_bound)
     _, dp_s = _dp_comm(job, _largest_stage_parameters(job))
     if job.strategy in ("zero3", "fsdp") and job.pp == 1:
-        dp_s *= m  # parameters are gathered again for every micro-batch
-        hideable = compute
+        hideable = work  # every micro-batch's collectives run beside its own work
     elif job.strategy in ("zero3", "fsdp"):
-        # one gather per step hides behind the first forward; the reduce-scatter after the last backward shows
-        hideable = compute / m / 3
+        # gathers prefetch behind forwards (every micro-batch's with reshard_after_forward); the
+        # reduce-scatter after the last backward shows
+        hideable = (m if job.fsdp_reshard_after_forward else 1) * slowest.compute / 3
     else:
-        hideable = compute / 3 * 2 / m  # only the last micro-batch's backward overlaps
+        hideable = 2 / 3 * slowest.compute  # the last micro-batch's backward
+    if not job.dp_overlap:
+        hideable = 0.0
+    exposed_dp = _exposed(dp_s, hideable, a)
     layers = job.model.n_layer // job.pp
     offloaded = layers * _layer_bytes(job, "none") if job.policy == "offload" else 0.0
     offload = m * 2 * offloaded / (job.device.pcie_gb_s * 1e9 * a.link_fraction)
     peak = None if job.precision == "fp8" else _peak_tflops(job.device, job.precision)
     tokens = job.seq_len * job.micro_batch * m * job.dp
     return TimeEstimate(
-        compute_s=compute,
+        compute_s=m * slowest.compute,
         comm_s=dp_s,
-        exposed_comm_s=max(0.0, dp_s - hideable),
+        exposed_comm_s=exposed_dp,
         offload_s=offload,
-        memory_bound_s=_memory_bound_seconds(job, state_bytes),
+        memory_bound_s=m * slowest.memory_bound + _optimizer_seconds(job, state_bytes),
         tokens_per_step=tokens,
         model_flops_per_step=flops_per_token(job.model, job.seq_len) * tokens,
         peak_tflops=peak,
         world_size=job.world_size,
-        tp_comm_s=m * tp_mb,
-        pp_comm_s=pp_s,
-        bubble_s=bubble_overhead(job.pp_schedule, job.pp, m, job.pp_virtual_stages) * m * slowest,
+        tp_comm_s=m * slowest.tp,
+        pp_comm_s=m * slowest.pp,
+        bubble_s=bubble_overhead(job.pp_schedule, job.pp, m, job.pp_virtual_stages) * m * slowest.total,
+        tp_exposed_s=m * slowest.tp_exposed,
+        microbatch_s=slowest.total,
     )
 
 
@@ -1095,6 +1222,48 @@ def memory_problems(job: JobSpec, memory: MemoryEstimate) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- planning
 
 
+def trainer_config(job: JobSpec, base: JobConfig | None = None) -> JobConfig:
+    """The trainer's configuration of ``job``: ``base`` (a loaded config; default: every section's
+    defaults) with the job's model, recompute policy, batch, precision and layout put in."""
+    base = base or JobConfig()
+    parallel = dataclasses.replace(
+        base.parallel, strategy=job.strategy, tp=job.tp, pp=job.pp, dp_replicate=job.dp_replicate,
+        dp_shard=job.dp_shard, pp_schedule=job.pp_schedule, pp_virtual_stages=job.pp_virtual_stages,
+        sequence_parallel=job.sp if job.tp > 1 else base.parallel.sequence_parallel,
+        fsdp_reshard_after_forward=job.fsdp_reshard_after_forward,
+        fsdp_hybrid=False,  # HSDP is written as dp_replicate here
+    )
+    return dataclasses.replace(
+        base,
+        model=dataclasses.replace(job.model, recompute=job.policy),
+        data=dataclasses.replace(base.data, seq_len=job.seq_len),
+        train=dataclasses.replace(base.train, micro_batch_size=job.micro_batch, grad_accum_steps=job.grad_accum),
+        precision=dataclasses.replace(base.precision, mode=job.precision),
+        parallel=parallel,
+    )
+
+
+def trainer_refusal(job: JobSpec, base: JobConfig | None = None) -> str | None:
+    """Why the trainer refuses ``job`` (its one-line ConfigError), or None: the same checks train.py
+    runs (``JobConfig.validate_layout``), on ``trainer_config(job, base)``."""
+    try:
+        trainer_config(job, base).validate_layout()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def layout_overrides(job: JobSpec) -> list[str]:
+    """The job's layout as the trainer's ``--section.key=value`` overrides (what ``layout_words`` says)."""
+    words = [f"--parallel.strategy={job.strategy}", f"--parallel.dp_replicate={job.dp_replicate}",
+             f"--parallel.dp_shard={job.dp_shard}", f"--parallel.tp={job.tp}", f"--parallel.pp={job.pp}",
+             f"--parallel.pp_schedule={job.pp_schedule}", f"--parallel.pp_virtual_stages={job.pp_virtual_stages}"]
+    if job.tp > 1:
+        words.append(f"--parallel.sequence_parallel={'true' if job.sp else 'false'}")
+    return words + [f"--model.recompute={job.policy}", f"--train.micro_batch_size={job.micro_batch}",
+                    f"--train.grad_accum_steps={job.grad_accum}", f"--precision.mode={job.precision}"]
+
+
 def plan_fits(
     model_cfg: ModelConfig,
     seq_len: int,
@@ -1107,10 +1276,12 @@ def plan_fits(
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
     top: int | None = 10,
     assumptions: Assumptions | None = None,
+    config: JobConfig | None = None,
 ) -> list[Estimate]:
     """Combinations of strategy x checkpointing policy x micro-batch that fit, cheapest first.
 
-    Cheapest = least predicted time per token (the cost of the run); ties go to less memory.
+    Cheapest = least predicted time per token (the cost of the run); ties go to less memory. Only
+    what the trainer accepts (``trainer_refusal``; ``config`` is the job's own configuration, if any).
     """
     if strategies is None:
         strategies = ("none",) if world_size == 1 else PLANNER_STRATEGIES
@@ -1122,6 +1293,8 @@ def plan_fits(
                     model_cfg, seq_len, micro_batch, world_size, strategy, policy, precision, device,
                     assumptions=assumptions or Assumptions(),
                 )
+                if trainer_refusal(job, config):
+                    continue
                 result = estimate(job)
                 if result.fits:
                     fitting.append(result)
@@ -1144,17 +1317,14 @@ def model_parallel_sizes(model_cfg: ModelConfig, world_size: int, gpus_per_node:
     return sizes
 
 
-def _data_parallel_options(dp: int, tp: int, pp: int, strategies: tuple[str, ...] | None) -> list[tuple[str, int]]:
-    """(strategy, dp_replicate) pairs for ``dp`` data-parallel ranks.
-
-    Tensor and pipeline layouts compose with FSDP2 on one device mesh (issue 11); DDP and ZeRO are
-    proposed only where they run today, without tp or pp. HSDP replicas are tried at every
-    divisor of dp that leaves at least two shards.
-    """
+def _data_parallel_options(dp: int, strategies: tuple[str, ...] | None) -> list[tuple[str, int]]:
+    """(strategy, dp_replicate) pairs for ``dp`` data-parallel ranks; HSDP replicas are tried at every
+    divisor of dp that leaves at least two shards. Which of them the trainer runs with tensor or
+    pipeline parallelism is its own rule (``trainer_refusal``), not repeated here."""
     if dp == 1:
         return [("none", 1)]
     if strategies is None:
-        strategies = PLANNER_STRATEGIES if tp == pp == 1 else ("fsdp",)
+        strategies = PLANNER_STRATEGIES
     options = []
     for strategy in strategies:
         options.append((strategy, 1))
@@ -1194,6 +1364,7 @@ def plan_layouts(
     virtual_stages: tuple[int, ...] = (1, 2, 4),
     top: int | None = 10,
     assumptions: Assumptions | None = None,
+    config: JobConfig | None = None,
 ) -> list[Estimate]:
     """Layouts that fit at a fixed global batch, cheapest per token first.
 
@@ -1201,7 +1372,9 @@ def plan_layouts(
     ``_data_parallel_options``), the pipeline schedule and virtual stages, the strategy, the
     recompute policy and the micro-batch; grad_accum follows from micro_batch x grad_accum x dp =
     ``global_batch`` (sequences per step). The GPUs per node come from ``device.gpus_per_node``.
-    Ties in time per token go to less memory, then to the simpler layout.
+    Every layout passes the trainer's own checks first (``trainer_refusal``, on ``config`` when the
+    job has one), so the planner proposes only what train.py runs. Ties in time per token go to
+    less memory, then to the simpler layout.
     """
     if global_batch < 1:
         raise EstimatorError(f"global_batch must be >= 1 (got {global_batch})")
@@ -1212,7 +1385,7 @@ def plan_layouts(
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
-        for strategy, dp_replicate in _data_parallel_options(dp, tp, pp, strategies):
+        for strategy, dp_replicate in _data_parallel_options(dp, strategies):
             for schedule, v in _pipeline_options(model_cfg, pp, schedules, virtual_stages):
                 for policy in policies:
                     # Memory never shrinks as the micro-batch grows at a fixed global batch (GPipe
@@ -1226,6 +1399,8 @@ def plan_layouts(
                             grad_accum, assumptions or Assumptions(), tp=tp, pp=pp, dp_replicate=dp_replicate,
                             pp_schedule=schedule, pp_virtual_stages=v,
                         )
+                        if trainer_refusal(job, config):
+                            continue
                         memory = estimate_memory(job)
                         if memory_problems(job, memory):
                             break
@@ -1318,13 +1493,15 @@ def fit_verdict(
     policy: str,
     precision_mode: str,
     device_name: str,
+    config: JobConfig | None = None,
     **layout,
 ) -> str:
     """One or two lines for the trainer's start-up log: does this job fit, and if not, what would.
 
     ``layout``: any of JobSpec's grad_accum, tp, pp, dp_replicate, pp_schedule, pp_virtual_stages,
     sequence_parallel. When the job does not fit, the cheapest layout that does at the same global
-    batch (``plan_layouts``) is named in the config's words.
+    batch (``plan_layouts``, among what the trainer accepts with ``config``) is named in the
+    config's words.
     """
     device = resolve_device(device_name)
     try:
@@ -1345,7 +1522,8 @@ def fit_verdict(
     if result.fits:
         return f"fit: yes, {describe_estimate(result)} ({head})"
     first = f"fit: NO, {result.problems[0]} ({head})"
-    plans = plan_layouts(model_cfg, seq_len, world_size, device, precision_mode, global_batch=job.global_batch, top=1)
+    plans = plan_layouts(model_cfg, seq_len, world_size, device, precision_mode, global_batch=job.global_batch, top=1,
+                         config=config)
     if plans:
         same = f"same global batch: {job.global_batch} sequences"
         return first + f"\n  cheapest that fits: {describe_plan(plans[0])} ({same})"
@@ -1408,9 +1586,12 @@ def _preset_70b() -> Preset:
 
 
 def _preset_gpt3() -> Preset:
-    # Brown et al. 2020 table 2.1: 96 layers, d=12288, 96 heads, context 2048; GPT-2's BPE vocab.
+    # Brown et al. 2020 table 2.1: 96 layers, d=12288, 96 heads, context 2048; GPT-2's BPE vocabulary of
+    # 50257 padded to 50304 (a multiple of 128), as Megatron-LM pads it (--make-vocab-size-divisible-by):
+    # tensor parallelism splits the vocabulary, so tp must divide it, and 50257 = 29 x 1733 admits no
+    # tp > 1. The 47 padding rows never see a token; they add 0.0003% to the parameters.
     cfg = ModelConfig(
-        vocab_size=50257, max_seq_len=2048, n_layer=96, n_head=96, d_model=12288, mlp="gelu",
+        vocab_size=50304, max_seq_len=2048, n_layer=96, n_head=96, d_model=12288, mlp="gelu",
         position="learned", bias=True, tie_embeddings=True, dropout=0.0,
     )
     cfg.validate()

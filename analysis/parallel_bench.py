@@ -43,6 +43,7 @@ tables (same stem), which tools/reproduce.py reads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -60,13 +61,16 @@ from analysis.estimator import (
     STATE_BYTES,
     JobSpec,
     comm_volume,
+    fsdp_collectives,
     model_state_bytes,
     stage_parameters,
     tp_comm_seconds,
 )
+from common.fields import choices
 from common.measure import provenance
 from common.report import markdown_table, new_figure, save_figure, text_table, write_results
 from model.flops import count_parameters
+from parallel.config import ParallelConfig
 from parallel.distributed import DistContext, init_distributed, shutdown_distributed
 from parallel.optim import lr_at
 from parallel.pp import PipelineEngine, stage_ids
@@ -77,7 +81,8 @@ from training.loop import train_step
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository, where subprocesses run
 
-STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+# Every data-parallel strategy the config accepts ("none" has no data parallelism to measure).
+STRATEGIES = tuple(s for s in choices(ParallelConfig, "strategy") if s != "none")
 DEFAULT_OVERRIDES = ["--train.eval_interval=0", "--checkpoint.interval=0", "--checkpoint.save_final=false",
                      "--logging.progress=plain", "--logging.jsonl=false", "--train.device=cpu"]
 STATE_KEYS = ("params", "grads", "optimizer")
@@ -277,8 +282,9 @@ def formula_comm(cfg: JobConfig, pp_rank: int, dp_size: int) -> dict[str, float]
     pp  one activation forward to the next stage and one gradient back to the previous, per
         micro-batch (s*b*h, divided by tp with sequence parallelism)
     dp  comm_volume on the rank's parameters (DDP: all-reduce; ZeRO-1/2: reduce-scatter + all-gather;
-        ZeRO-3/FSDP: + a second all-gather), except that a pipeline's FSDP stage gathers once per
-        step and reduce-scatters once (pipelining keeps it unsharded between micro-batches)
+        ZeRO-3/FSDP: + a second all-gather), except that a pipeline's FSDP stage runs
+        estimator.fsdp_collectives' gathers (each micro-batch's forward and one backward with
+        parallel.fsdp_reshard_after_forward, else one) and one reduce-scatter per step
     """
     p, m, precision = cfg.parallel, cfg.train.grad_accum_steps, cfg.precision.mode
     n_stages = p.pp * p.pp_virtual_stages
@@ -299,7 +305,9 @@ def formula_comm(cfg: JobConfig, pp_rank: int, dp_size: int) -> dict[str, float]
     if dp_size > 1:
         if p.pp > 1 and p.strategy in ("fsdp", "zero3"):
             per = STATE_BYTES[precision]
-            out["dp"] = (dp_size - 1) / dp_size * n_params * (per.param + per.grad)
+            gathers, scatters = fsdp_collectives(dataclasses.replace(
+                job, grad_accum=m, fsdp_reshard_after_forward=p.fsdp_reshard_after_forward))
+            out["dp"] = (dp_size - 1) / dp_size * n_params * (gathers * per.param + scatters * per.grad)
         else:
             out["dp"] = comm_volume(n_params, p.strategy, dp_size, precision).sent_per_gpu
     return out
@@ -550,13 +558,14 @@ NOTES = [
     "the loss and gradient-norm reductions over the pipeline (bytes).",
     "dp formula: analysis/estimator.comm_volume on the rank's parameters (DDP: 2(n-1)/n of the gradients; "
     "ZeRO-1/2: a reduce-scatter and an all-gather; ZeRO-3/FSDP: a second all-gather in backward); for a "
-    "pipeline's FSDP stage the estimator counts one all-gather and one reduce-scatter per step. Measured: FSDP2 "
+    "pipeline's FSDP stage the estimator counts an all-gather in each micro-batch's forward and one in backward "
+    "(m + 1 with parallel.fsdp_reshard_after_forward, one without) and one reduce-scatter per step. Measured: FSDP2 "
     "does not re-gather its root module (embeddings, final norm, LM head) for backward (reshard_after_forward="
     "False), so fsdp sends a little less. DeepSpeed ZeRO-1/2 all-reduce the whole gradient and then all-gather "
     "the updated partitions (1.5x the paper's figure); ZeRO-3 keeps gathered parameters for reuse between forward "
     "and backward in this small model (stage3_max_reuse_distance), so it gathers once. Under a pipeline FSDP2's "
     "blocks reshard after every micro-batch's forward (parallel.fsdp_reshard_after_forward) and are gathered "
-    "again in each forward and once in backward: m + 1 gathers per step, not the one the estimator assumes.",
+    "again in each forward and once in backward: m + 1 gathers per step, as the estimator counts.",
     "'run s': wall seconds of the row's launch on this machine, process start-up and model build included.",
 ]
 

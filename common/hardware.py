@@ -20,11 +20,16 @@ Figures the analytic estimator (``analysis/estimator.py``) also uses:
   x16 on A100 SXM4 (64 GB/s bidirectional, 32 GB/s each way) (same datasheets).
 - Host memory per GPU: DGX H100 and DGX H200 ship 2 TB of system memory for 8 GPUs (256 GiB per
   GPU); DGX A100 ships 1 TB for 8 (128 GiB per GPU) (DGX user guides). 8 GPUs per node on all.
+- ``family``: the tensor-core generation (ampere: A100; hopper: H100, H200); the estimator's fitted
+  GEMM efficiency is per family (docs/estimator.md).
+
+``SYSTEMS`` are whole machines: a device with the interconnect of the cluster it was measured on
+(each entry names its source). Published measurements (analysis/published/) name one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class DeviceSpec:
     pcie_gb_s: float  # host link, one direction
     host_mem_gib: float  # system memory per GPU, for activation offload
     gpus_per_node: int = 8
+    family: str = "hopper"  # tensor-core generation: ampere or hopper
 
     @property
     def fp16_tflops(self) -> float:
@@ -62,8 +68,47 @@ DEVICES: dict[str, DeviceSpec] = {
     ),
     "A100": DeviceSpec(
         "A100 SXM4 80GB", 312.0, None, 156.0, 80.0, 2.039, 600.0, 25.0,
-        fp32_tflops=19.5, pcie_gb_s=32.0, host_mem_gib=128.0,
+        fp32_tflops=19.5, pcie_gb_s=32.0, host_mem_gib=128.0, family="ampere",
     ),
+}
+
+
+@dataclass(frozen=True)
+class System:
+    """A cluster as a published measurement ran on it: the device, its interconnect, and the source."""
+
+    name: str
+    device: DeviceSpec
+    source: str
+
+
+def _with(key: str, **changes) -> DeviceSpec:
+    return replace(DEVICES[key], **changes)
+
+
+SYSTEMS: dict[str, System] = {
+    # 8 A100 80GB per DGX node on NVLink 3 + NVSwitch; 8 HDR 200 Gb/s InfiniBand HCAs per node for
+    # application traffic = 25 GB/s per GPU each way.
+    "selene": System("Selene (DGX A100 80GB, 8x HDR 200 Gb/s per node)", DEVICES["A100"],
+                     "Narayanan et al. 2021, section 5: 'eight NVIDIA Mellanox 200Gbps HDR Infiniband HCAs' per node"),
+    # 1600 Gb/s per 8-GPU node over RoCE = 200 GB/s per node = 25 GB/s per GPU.
+    "mosaicml-a100": System("MosaicML A100 80GB, 1600 Gb/s RoCE per node", DEVICES["A100"],
+                            "llm-foundry scripts/train/benchmarking/README.md, table heading 'A100 80GB with 1600 "
+                            "Gbps node-node interconnect (RoCE)'"),
+    # The H100 tables do not name the interconnect; taken as a DGX H100's 8 x 400 Gb/s NDR per node.
+    "mosaicml-h100": System("MosaicML H100 80GB (interconnect not stated: DGX H100 NDR assumed)", DEVICES["H100"],
+                            "llm-foundry scripts/train/benchmarking/README.md, tables 'H100 80GB BF16' and 'FP8'"),
+    # DGX H100: NVLink 4 (900 GB/s bidirectional per GPU), 8 ConnectX-7 400 Gb/s NDR per node = 50 GB/s per GPU.
+    "dgx-h100": System("DGX H100 (NVLink 4, 8x NDR 400 Gb/s per node)", DEVICES["H100"],
+                       "NeMo performance summary 'System: DGX-H100'; DGX H100 datasheet for its links"),
+    # Meta's Grand Teton: 8 H100 80GB HBM3 (700 W) per server on NVLink, RoCE at 400 Gb/s per GPU.
+    "grand-teton": System("Grand Teton H100 80GB, RoCE 400 Gb/s per GPU", DEVICES["H100"],
+                          "The Llama 3 Herd of Models, section 3.3.1"),
+    # torchtitan's benchmark machines: the same platform with H100 96GB HBM2e (2.4 TB/s) at a 500 W cap;
+    # the dense peak at 500 W is not published (between the SXM and NVL figures), so the SXM figure stands.
+    "grand-teton-96gb-500w": System("Grand Teton H100 96GB HBM2e at 500 W, RDMA 400 Gb/s per GPU",
+                                    _with("H100", name="H100 96GB HBM2e (500 W)", hbm_gib=96.0, hbm_tb_s=2.4),
+                                    "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, 'Hardware'"),
 }
 
 

@@ -15,6 +15,7 @@ re-runs the whole prefix, the slow reference the cache is tested against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -73,9 +74,13 @@ def generate(
     *,
     eos_id: int | None = None,
     use_cache: bool = True,
+    stop_when: Callable[[list[int]], bool] | None = None,
 ) -> list[list[int]]:
     """The tokens generated after each prompt: ``max_new_tokens`` of them, or fewer when the row
-    produced ``eos_id`` (which is included, last). The model is put in eval mode."""
+    produced ``eos_id`` (which is included, last). The model is put in eval mode.
+
+    ``stop_when(tokens)`` is asked about a row's generated tokens after each new one; True ends
+    that row there (a stop string found in its text: what comes later would be cut anyway)."""
     cfg = model.cfg
     sampling.check()
     if cfg.layers != "torch":
@@ -110,6 +115,7 @@ def generate(
     pos = min(lengths)
     logits = model(tokens[:, :pos], cache=cache)[:, -1]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    ends = [total] * len(prompts)  # where a row stopped by stop_when ends
     while True:
         sampled = next_token(logits, sampling, generator)
         in_prompt = pos < prompt_len
@@ -118,12 +124,17 @@ def generate(
         if eos_id is not None:
             done |= generated & (sampled == eos_id)
         done |= pos + 1 >= prompt_len + max_new_tokens
+        if stop_when is not None:
+            for row in (~done & generated).nonzero().flatten().tolist():
+                if stop_when(tokens[row, lengths[row]: pos + 1].tolist()):
+                    done[row], ends[row] = True, pos + 1
         pos += 1
         if bool(done.all()):
             break
         step_input = tokens[:, pos - 1 : pos] if use_cache else tokens[:, :pos]
         logits = model(step_input, cache=cache)[:, -1]
-    return [_row_output(tokens[row, n : n + max_new_tokens].tolist(), eos_id) for row, n in enumerate(lengths)]
+    return [_row_output(tokens[row, n : min(n + max_new_tokens, ends[row])].tolist(), eos_id)
+            for row, n in enumerate(lengths)]
 
 
 def _row_output(new_tokens: list[int], eos_id: int | None) -> list[int]:

@@ -47,12 +47,8 @@ class OptimConfig:
             require_finite(f"optim.{key}", getattr(self, key), ConfigError)
         if self.lr <= 0:
             raise ConfigError(f"optim.lr must be > 0 (got {self.lr})")
-        # AdamW moves each weight by up to lr per step (the update is m / sqrt(v), about 1 in size):
-        # past 1 a single step outweighs any initialized weight, and the decoupled decay
-        # p *= 1 - lr * weight_decay flips the sign of every weight once lr * weight_decay > 1.
-        if self.lr > 1:
-            raise ConfigError(f"optim.lr={self.lr:g} is too large for AdamW, whose steps move each weight by up to "
-                              "lr: use a value <= 1 (typical: 1e-4 to 3e-3)")
+        # AdamW's decoupled decay multiplies every weight by 1 - lr x weight_decay each step: at 1 or
+        # more it zeroes or flips every weight on the first step.
         if self.lr * self.weight_decay >= 1:
             raise ConfigError(f"optim.lr x optim.weight_decay = {self.lr * self.weight_decay:g} must be < 1: AdamW's "
                               "decoupled decay multiplies every weight by 1 - lr x weight_decay each step")

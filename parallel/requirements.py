@@ -36,6 +36,9 @@ NEEDS: tuple[ApiNeed, ...] = (
             "biases (older releases drop them)", "model/interop.py, tests/unit/model/test_interop.py"),
     ApiNeed("torchao", "0.9", "Float8LinearConfig.from_recipe_name (the tensorwise and rowwise float8 training "
             "recipes by name)", "parallel/float8.py"),
+    ApiNeed("lm-eval", "0.4.12", "TaskManager(include_defaults=...), TaskManager.task_index and "
+            "lm_eval.tasks._yaml_loader.load_yaml (the harness's task index as rewritten in 0.4.12)",
+            "training/harness.py"),
     ApiNeed("transformer-engine", "2.0", "transformer_engine.pytorch.checkpoint and TransformerLayer's "
             "attn_input_format", "model/te.py, model/recompute.py"),
 )

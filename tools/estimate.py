@@ -8,13 +8,22 @@ Examples:
   python -m tools.estimate --preset gpt3-175b --gpus 8           # does GPT-3 fit on 8x H100? (no)
   python -m tools.estimate --config configs/llama-7b.yaml --gpus 48 --device H100 --plan --global-batch 96
   python -m tools.estimate --config configs/tiny.yaml --model.n_layer=12 --gpus 1 --device A100
+  python -m tools.estimate --config configs/llama3-8b.yaml --scaling 8,16,32,64,128,256,512,1024 --plot /tmp/s.png
 Presets: 70b (h=8192, a=64, L=80, s=4096, b=4 on 64 GPUs), gpt3-175b (h=12288, a=96, L=96, s=2048),
 llama2-7b. Devices: H100, H200, A100 (common/hardware.py, with sources).
 
 --plan searches dp_replicate x dp_shard x tp x pp over any GPU count, the pipeline schedule and
 virtual stages, the strategy, the recompute policy and the micro-batch, at a fixed global batch
 (sequences per step; default: micro-batch x grad-accum x data-parallel ranks of the job as given),
-and prints the best --top layouts one per line in the config's own words.
+and prints the best --top layouts one per line in the config's own words. Only layouts train.py accepts
+are proposed, and a layout given with --tp, --pp, --strategy, ... that train.py would refuse is an error
+(the same checks: training/config.py JobConfig.validate_layout).
+
+--scaling N1,N2,... runs the planner at each GPU count, weak (the same sequences per GPU) and strong (one
+global batch), and prints predicted tokens/s, model TFLOP/s per GPU, scaling efficiency, the share of the
+step each communication dimension leaves exposed, and the count where each first shows.
+
+How far these predictions are from published runs: docs/results/published_vs_estimator.md.
 """
 
 from __future__ import annotations
@@ -25,13 +34,14 @@ import sys
 from pathlib import Path
 
 from analysis import estimator as est
+from analysis import scaling
 from common.errors import ConfigError
 from common.hardware import DEVICES
 from common.report import gib, human_bytes, markdown_table, text_table
 from model.flops import FLOPS_CONVENTION
-from training.config import load_config
+from training.config import JobConfig, load_config, parse_known_overrides
 
-# The config's parallel layout words (issue 11); a config written before they exist reads as tp=pp=1.
+# The config's parallel layout words, which the command line's layout flags override.
 LAYOUT_KEYS = ("tp", "pp", "dp_replicate", "pp_schedule", "pp_virtual_stages", "sequence_parallel")
 
 
@@ -60,10 +70,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--global-batch", type=int, help="--plan: sequences per optimizer step")
     parser.add_argument("--top", type=int, default=10, help="rows of --plan (default 10)")
     parser.add_argument("--markdown", type=Path, help="also write the tables as Markdown here")
-    args, rest = parser.parse_known_args(argv)
-    unknown = [r for r in rest if not (r.startswith("--") and "." in r.split("=", 1)[0] and "=" in r)]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides look like --model.n_layer=12)")
+    parser.add_argument("--scaling", type=_counts,
+                        help="GPU counts, e.g. 8,16,32,...,1024: the planner's best layout at each, its predicted "
+                        "tokens/s, TFLOP/s per GPU, weak and strong scaling efficiency, and where each "
+                        "communication dimension becomes exposed")
+    parser.add_argument("--plot", type=Path, help="--scaling: also plot the curves into this PNG")
+    args, rest = parse_known_overrides(parser, argv)
     if rest and not args.config:
         parser.error("--section.key=value overrides need --config")
     for key in ("gpus", "gpus_per_node", "micro_batch", "grad_accum", "global_batch", "top", "tp", "pp",
@@ -71,15 +83,35 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         value = getattr(args, key)
         if value is not None and value < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1 (got {value})")
+    if args.plot and not args.scaling:
+        parser.error("--plot draws the --scaling curves; give --scaling too")
     return args, rest
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(word) for word in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU counts look like 8,16,32") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every GPU count must be >= 1")
+    return tuple(sorted(set(counts)))
+
+
 def _config_layout(parallel: object) -> dict:
-    """The layout words a config's parallel section has (all of them once issue 11 lands)."""
-    return {key: getattr(parallel, key) for key in LAYOUT_KEYS if getattr(parallel, key, None) is not None}
+    """The layout words of a config's parallel section."""
+    return {key: getattr(parallel, key) for key in LAYOUT_KEYS}
 
 
-def build_job(args: argparse.Namespace, overrides: list[str]) -> est.JobSpec:
+def load_job_config(args: argparse.Namespace, overrides: list[str]) -> JobConfig | None:
+    """The job's trainer configuration (--config with its overrides), or None for a preset."""
+    return load_config(args.config, overrides) if args.config else None
+
+
+def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | None = None) -> est.JobSpec:
+    """The job the command line describes. Anything the command line changes in the layout (--tp, --pp,
+    --strategy, ...) goes through the trainer's own checks (estimator.trainer_refusal), so a layout the
+    trainer would refuse is an error here too."""
     device = DEVICES[args.device or "H100"]
     if args.preset:
         p = est.preset(args.preset)
@@ -87,7 +119,7 @@ def build_job(args: argparse.Namespace, overrides: list[str]) -> est.JobSpec:
         strategy, policy, precision, layout = "fsdp", "none", "bf16_master", {}
         device = DEVICES[args.device or p.device]
     else:
-        cfg = load_config(args.config, overrides)
+        cfg = cfg or load_config(args.config, overrides)
         model, seq_len, micro_batch, gpus = cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 1
         grad_accum = cfg.train.grad_accum_steps
         strategy, policy, precision = cfg.parallel.strategy, cfg.model.recompute, cfg.precision.mode
@@ -108,7 +140,7 @@ def build_job(args: argparse.Namespace, overrides: list[str]) -> est.JobSpec:
         strategy = "fsdp"  # a one-process config spread over --gpus: estimate the sharded version
     if seq_len > model.max_seq_len or (args.seq_len or 0) > model.max_seq_len:
         raise est.EstimatorError(f"--seq-len {args.seq_len or seq_len} exceeds model.max_seq_len={model.max_seq_len}")
-    return est.JobSpec(
+    job = est.JobSpec(
         model=model,
         seq_len=args.seq_len or seq_len,
         micro_batch=args.micro_batch or micro_batch,
@@ -120,6 +152,10 @@ def build_job(args: argparse.Namespace, overrides: list[str]) -> est.JobSpec:
         grad_accum=args.grad_accum or grad_accum,
         **layout,
     )
+    problem = est.trainer_refusal(job, cfg)
+    if problem:
+        raise est.EstimatorError(f"train.py refuses this layout: {problem}")
+    return job
 
 
 def model_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
@@ -159,7 +195,8 @@ def _activation_title(job: est.JobSpec) -> str:
             "Korthikanti et al. 2022)")
 
 
-def strategy_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
+def strategy_section(job: est.JobSpec, cfg: JobConfig | None = None) -> tuple[list[str], list[list[str]]]:
+    """The job under every strategy the trainer runs it with."""
     rows = []
     if job.dp == 1:
         strategies: tuple[str, ...] = ("none",)
@@ -168,7 +205,10 @@ def strategy_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
     else:
         strategies = est.STRATEGIES[1:]
     for strategy in strategies:
-        result = est.estimate(dataclasses.replace(job, strategy=strategy))
+        candidate = dataclasses.replace(job, strategy=strategy)
+        if est.trainer_refusal(candidate, cfg):
+            continue  # e.g. DDP or ZeRO around a tensor-parallel model
+        result = est.estimate(candidate)
         m, t = result.memory, result.time
         rows.append([
             strategy,
@@ -202,29 +242,66 @@ def _pipeline_title(job: est.JobSpec) -> str:
             f"{job.grad_accum} micro-batches: bubble {bubble:.1%} of the step")
 
 
-def plan_lines(job: est.JobSpec, global_batch: int, top: int) -> list[str]:
+def plan_lines(job: est.JobSpec, global_batch: int, top: int, cfg: JobConfig | None = None) -> list[str]:
     plans = est.plan_layouts(job.model, job.seq_len, job.world_size, job.device, job.precision,
-                             global_batch=global_batch, top=top)
+                             global_batch=global_batch, top=top, config=cfg)
     return [est.describe_plan(p) for p in plans]
+
+
+def scaling_main(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | None) -> int:
+    """--scaling: the job's model on each GPU count, weak and strong (analysis/scaling.py)."""
+    # the planner chooses the layout at every count: only the model, sequence, precision and batch are kept
+    unlaid = argparse.Namespace(**{**vars(args), **{key: None for key in (*LAYOUT_KEYS, "gpus", "strategy")}})
+    job = build_job(unlaid, overrides, cfg) if args.preset else None
+    if job is None:  # a config: its model, sequence, precision and sequences per GPU, on any layout
+        model, seq_len, precision = cfg.model, args.seq_len or cfg.seq_len, args.precision or cfg.precision.mode
+        per_gpu = (args.micro_batch or cfg.train.micro_batch_size) * (args.grad_accum or cfg.train.grad_accum_steps)
+        device = DEVICES[args.device or "H100"]
+    else:
+        model, seq_len, precision, device = job.model, job.seq_len, job.precision, job.device
+        per_gpu = job.micro_batch * job.grad_accum
+    if args.gpus_per_node:
+        device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
+    weak, strong = scaling.scaling_curves(model, seq_len, device, precision, args.scaling, per_gpu, config=cfg)
+    headers, rows = scaling.table(weak, strong)
+    name = args.config or f"preset {args.preset}"
+    title = (f"Scaling {name} on {device.name} ({device.gpus_per_node} per node), {precision}: weak = {per_gpu} "
+             f"sequences of {seq_len} tokens per GPU per step, strong = {per_gpu * max(args.scaling)} per step")
+    print(f"{title}\n" + text_table(headers, rows))
+    print("\n".join(scaling.exposure_lines(weak, strong)))
+    print("Predictions of analysis/estimator.py (held-out error against published runs: "
+          "docs/results/published_vs_estimator.md), the planner's cheapest layout at each count.")
+    if args.plot:
+        scaling.plot(weak, strong, args.plot, name)
+        print(f"wrote {args.plot}")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        body = "\n".join(scaling.exposure_lines(weak, strong))
+        args.markdown.write_text(f"# {title}\n\n{markdown_table(headers, rows)}\n\n{body}\n")
+        print(f"wrote {args.markdown}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
-        job = build_job(args, overrides)
+        cfg = load_job_config(args, overrides)
+        if args.scaling:
+            return scaling_main(args, overrides, cfg)
+        job = build_job(args, overrides, cfg)
         sections = [
             ("Model", *model_section(job)),
             (_activation_title(job), *activation_section(job)),
             (f"Per GPU on {job.world_size}x {job.device.name} (policy {job.policy}, micro-batch {job.micro_batch})",
-             *strategy_section(job)),
+             *strategy_section(job, cfg)),
         ]
         if job.pp > 1:
             sections.append((_pipeline_title(job), *stage_section(job)))
         global_batch = args.global_batch or job.global_batch
-        plan = plan_lines(job, global_batch, args.top) if args.plan else []
+        plan = plan_lines(job, global_batch, args.top, cfg) if args.plan else []
         layout = {key: getattr(job, key) for key in ("grad_accum", *LAYOUT_KEYS)}
         verdict = est.fit_verdict(job.model, job.seq_len, job.micro_batch, job.world_size, job.strategy, job.policy,
-                                  job.precision, job.device.name, **layout)
+                                  job.precision, job.device.name, config=cfg, **layout)
     except (est.EstimatorError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

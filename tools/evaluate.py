@@ -1,10 +1,13 @@
-"""Loss, perplexity and bits per byte of a trained model on a dataset split, on one or many ranks.
+"""Loss, perplexity and bits per byte of a trained model on a dataset split, on one or many ranks;
+or its scores on lm-evaluation-harness tasks (``--tasks``).
 
     python -m tools.evaluate runs/tiny                                  # the run's validation set
     python -m tools.evaluate runs/tiny --sequences 0                    # the whole val split
     python -m tools.evaluate runs/tiny --split train --sequences 400
     python -m tools.evaluate exported/tiny --config configs/tiny.yaml   # an export: name the data config
     torchrun --standalone --nproc_per_node=2 -m tools.evaluate runs/tiny  # each rank reads its share
+    python -m tools.evaluate runs/tiny --tasks perfgpt_python_mc,perfgpt_python_gen --task-dir tests/harness_tasks
+    python -m tools.evaluate runs/gpt2 --tasks hellaswag,arc_easy --num-fewshot 0 --device cuda   # needs the datasets
 
 SOURCE is anything tools/export.py reads. The data come from a config's data section (the run's
 own ``config.yaml`` next to its checkpoints, else ``--config``), with ``--data.key=value``
@@ -15,6 +18,12 @@ among the ranks exactly as train.py's validation shares them (``data.bundle.ValS
 sums are all-reduced: on a checkpoint, the loss is the ``val_loss`` train.py logged at its step,
 for any rank count on either side. Bits per byte divide the summed loss (in bits) by the UTF-8
 bytes of the predicted tokens' text (data.tokenizer.token_byte_lengths).
+
+With ``--tasks`` the harness (``pip install -e '.[eval]'``) scores the model through perfgpt's own
+backend (training/harness.py: the source's tokenizer, batched requests, the KV cache for
+generation) and prints its table; under torchrun each rank takes a share of the requests. Task
+names are the harness's (its datasets download on first use) or those of the task YAML files in
+``--task-dir``; a YAML path works too.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from data.loader import build_data
 from data.tokenizer import build_tokenizer, token_byte_lengths
 from training.config import load_config
 from training.model_io import load_source
+from training.task_eval import import_harness
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -48,6 +58,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--batch-size", type=int, help="sequences per batch and rank (default: train.micro_batch_size)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    tasks = parser.add_argument_group("lm-evaluation-harness (pip install -e '.[eval]')")
+    tasks.add_argument("--tasks", help="comma-separated harness task names or task YAML paths: score these instead")
+    tasks.add_argument("--task-dir", type=Path, help="a directory of task YAML files searched first")
+    tasks.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's own)")
+    tasks.add_argument("--limit", type=int, help="at most this many examples per task")
+    tasks.add_argument("--tokenizer", help="byte | tiktoken:<encoding> | hf:<tokenizer.json> (default: the source's)")
+    tasks.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    tasks.add_argument("--max-gen-toks", type=int, help="tokens generated at most where a task does not say")
     return parser.parse_known_args(argv)
 
 
@@ -98,6 +116,23 @@ def evaluate(args: argparse.Namespace, overrides: list[str]) -> dict:
             "bits_per_byte": nats / math.log(2) / max(n_bytes, 1)}
 
 
+def score_tasks(args: argparse.Namespace, overrides: list[str]) -> dict | None:
+    """The harness's results for ``--tasks`` (on rank 0; None on the others)."""
+    if overrides:
+        raise ConfigError(f"unknown argument {overrides[0]}; --data.key=value overrides do not apply to --tasks")
+    names = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    if not names:
+        raise ConfigError("--tasks needs at least one task name")
+    if args.limit is not None and args.limit < 1 or args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError("--limit must be >= 1 and --num-fewshot >= 0")
+    harness = import_harness("--tasks")
+    tasks = harness.load_tasks(names, args.task_dir)  # before the model loads: a bad name costs nothing
+    batch_size = 8 if args.batch_size is None else args.batch_size  # harness requests per batch
+    lm = harness.PerfGPTLM(str(args.source), tokenizer=args.tokenizer, batch_size=batch_size,
+                           device=args.device, dtype=args.dtype, max_gen_toks=args.max_gen_toks)
+    return harness.run_tasks(lm, tasks, limit=args.limit, num_fewshot=args.num_fewshot)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
@@ -109,24 +144,43 @@ def main(argv: list[str] | None = None) -> int:
     if distributed:
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     try:
-        result = evaluate(args, overrides)
+        result = score_tasks(args, overrides) if args.tasks is not None else evaluate(args, overrides)
     except USER_FACING_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
         if distributed:
             dist.destroy_process_group()
+    if args.tasks is not None:
+        return print_scores(args, result)
     if result["ranks"] == 1 or int(os.environ.get("RANK", "0")) == 0:
         print(f"{result['source']}\nsplit {result['split']} on {result['ranks']} rank(s): {result['sequences']:,} "
               f"sequences, {result['tokens']:,} tokens "
               f"({result['bytes']:,} bytes) | loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
               f"bits/byte {result['bits_per_byte']:.4f}")
         if args.json:
-            try:
-                args.json.write_text(json.dumps(result, indent=2) + "\n")
-            except OSError as exc:
-                print(f"error: cannot write --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
-                return 2
+            return write_json(args.json, result)
+    return 0
+
+
+def write_json(path: Path, body: dict) -> int:
+    try:
+        path.write_text(json.dumps(body, indent=2, default=str) + "\n")
+    except OSError as exc:
+        print(f"error: cannot write --json {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def print_scores(args: argparse.Namespace, results: dict | None) -> int:
+    if results is None:  # not rank 0: rank 0 prints
+        return 0
+    harness = import_harness("--tasks")  # imported already by score_tasks
+    print(f"{args.source}\n{harness.results_table(results)}")
+    if args.json:
+        return write_json(args.json, {"source": str(args.source), "ranks": max(1, int(os.environ.get("WORLD_SIZE", "1"))),
+                                      "scores": harness.scores(results), "n_samples": results.get("n-samples", {}),
+                                      "n_shot": results.get("n-shot", {}), "versions": results.get("versions", {})})
     return 0
 
 

@@ -34,6 +34,7 @@ from common.errors import USER_FACING_ERRORS
 from common.measure import hardware_name, resolve_device
 from common.report import read_results, rows_path
 from model.config import ModelConfig
+from training.config import RENAMED_KEYS
 
 GPU_RESULTS = "gpu_measurements.json"
 CPU_RESULTS = "cpu_measurements.json"
@@ -113,10 +114,21 @@ def read_measured_documents(out: Path) -> dict[str, dict]:
     return documents
 
 
+def saved_model_config(fields: dict) -> ModelConfig:
+    """The measured model's config as a measurement file saved it, with keys renamed since then
+    (training/config.py RENAMED_KEYS) read under their new names."""
+    fields = dict(fields)
+    for old, new in RENAMED_KEYS.items():
+        section, key = old.split(".", 1)
+        if section == "model" and key in fields:
+            fields[new.split(".", 1)[1]] = fields.pop(key)
+    return ModelConfig(**fields)
+
+
 def assemble(measurements: dict, device: torch.device, gpu_results: dict, out: Path) -> Measured:
     recompute = measurements.get("recompute")
     if recompute is not None:
-        recompute = {**recompute, "model_cfg": ModelConfig(**recompute["model"])}
+        recompute = {**recompute, "model_cfg": saved_model_config(recompute["model"])}
     gpu = measurements if device.type == "cuda" else gpu_results
     data_rows = rows_path(out / DATA_FORMATS_MEASURED_NAME)
     return Measured(
@@ -140,6 +152,10 @@ def write_index(tables, out: Path, device_line: str) -> Path:
         "",
         "Where the chapter is wrong, each correction the project relies on and the tests that establish it: "
         "[chapter_corrections.md](../chapter_corrections.md).",
+        "",
+        "How far the analytic columns' model is from published large-scale runs (Megatron-LM, Llama 3, MosaicML, "
+        "NeMo, torchtitan): [published_vs_estimator.md](published_vs_estimator.md), written by "
+        "`python -m tools.published`.",
         "",
     ]
     lines += [f"- [{t.title}]({t.name}.md)" for t in tables]

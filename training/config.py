@@ -128,6 +128,32 @@ class LoggingConfig:
 
 
 @dataclass
+class HarnessConfig:
+    """Benchmark tasks of lm-evaluation-harness run during training (training/task_eval.py)."""
+
+    tasks: list[str] = doc([], "lm-evaluation-harness tasks (names or task YAML paths) run every harness.interval "
+                           "steps and logged as harness/<task>/<metric>; empty: off (needs pip install -e '.[eval]')")
+    interval: int = doc(1000, "run harness.tasks every N steps and after the last one")
+    limit: int | None = doc(None, "at most this many examples per task (null: all of them)")
+    num_fewshot: int | None = doc(None, "few-shot examples per prompt (null: each task's own default, else 0)")
+    task_dir: str = doc("", "a directory of task YAML files searched before the harness's own (e.g. tests/harness_tasks)")
+    batch_size: int = doc(8, "harness requests per forward pass on each rank")
+
+    def validate(self) -> None:
+        for key in ("interval", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"harness.{key} must be >= 1 (got {getattr(self, key)})")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"harness.limit must be >= 1, or null for every example (got {self.limit})")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ConfigError(f"harness.num_fewshot must be >= 0, or null for the tasks' defaults (got {self.num_fewshot})")
+        if any(not name.strip() for name in self.tasks):
+            raise ConfigError(f"harness.tasks holds an empty name: {self.tasks}")
+        if self.task_dir and not Path(self.task_dir).is_dir():
+            raise ConfigError(f"harness.task_dir={self.task_dir!r} is not a directory")
+
+
+@dataclass
 class JobConfig:
     name: str = doc("run", "run name (default: the config file's stem)")
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -139,12 +165,22 @@ class JobConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        self.validate_layout()
+
+    def validate_layout(self) -> None:
+        """The checks a parallel layout must pass against the model, batch and precision of this job:
+        the parallel section's own layout rules and every cross-section rule (tensor and pipeline
+        parallelism, FP8, Transformer Engine, sequence length). ``validate`` runs them, and so does the
+        layout planner (analysis/estimator.py) on every layout it proposes, so it proposes only what
+        the trainer accepts."""
+        self.parallel._validate_layout()
         self._validate_cross_sections()
 
     def lr_schedule(self) -> dict[str, Any]:
@@ -244,6 +280,10 @@ class JobConfig:
                     f"precision.mode=fp8 needs train.micro_batch_size x {seq_key} divisible by 8 (Transformer "
                     f"Engine's FP8 GEMMs); {self.train.micro_batch_size} x {self.seq_len} is not"
                 )
+        if self.harness.tasks and self.model.layers != "torch":
+            raise ConfigError(f"harness.tasks evaluates a plain copy of the model, which model.layers={self.model.layers} "
+                              "cannot give; use model.layers=torch, or evaluate the checkpoints with "
+                              "python -m tools.evaluate --tasks")
         if self.model.layers == "te" and self.parallel.init_on_meta:
             raise ConfigError("parallel.init_on_meta=true cannot initialize Transformer Engine layers "
                               "(model.layers=te); set parallel.init_on_meta=false")
@@ -372,6 +412,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 errors.append(str(exc))
         raise ConfigError(errors[0])
     if origin is list:
+        if isinstance(value, str) and args[0] is str:  # --section.key=a,b on the command line
+            value = [part.strip() for part in value.split(",") if part.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} must be a list, got {value!r}")
         return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]

@@ -33,6 +33,7 @@ from training import checkpoint as ckpt
 from training.config import JobConfig, to_dict
 from training.metrics import LearningAlarms, RunLogger, peak_memory_gib
 from training.signals import StopAgreement, StopRequest, exit_code, signal_name
+from training.task_eval import TaskEvaluator
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
@@ -253,9 +254,11 @@ class TrainingLoop:
     """train.py's loop: resume, then step until ``train.max_steps``, a stop, or a signal."""
 
     def __init__(self, cfg: JobConfig, ctx: DistContext, engine: Engine, data, batches, run_dir: Path,
-                 ckpt_root: Path, log: RunLogger, stop_request: StopRequest, rate: Throughput):
+                 ckpt_root: Path, log: RunLogger, stop_request: StopRequest, rate: Throughput,
+                 tasks: TaskEvaluator | None = None):
         self.cfg, self.ctx, self.engine, self.data, self.batches = cfg, ctx, engine, data, batches
         self.run_dir, self.ckpt_root, self.log, self.stop_request, self.rate = run_dir, ckpt_root, log, stop_request, rate
+        self.tasks = tasks  # harness tasks every harness.interval steps, or None
         self.state = RunState()
 
     # ----------------------------------------------------------------- checkpoints
@@ -351,6 +354,9 @@ class TrainingLoop:
                     log.log(s.step, {"val_loss": s.last_val})
                     log.info(f"step {s.step}: val_loss {s.last_val:.4f}")
                     window.restart_clock()
+                if self.tasks is not None and self.tasks.due(s.step):
+                    self._run_tasks()
+                    window.restart_clock()
                 if self._interval_save_due(result):
                     self.save()
                     s.save_due = False
@@ -369,6 +375,14 @@ class TrainingLoop:
             summary += f", final val_loss {s.last_val:.4f} (uniform baseline {math.log(cfg.model.vocab_size):.3f})"
         log.info(summary)
         return 0
+
+    def _run_tasks(self) -> None:
+        t0, step = time.perf_counter(), self.state.step
+        scores = self.tasks.run(self.engine)
+        if scores:
+            self.log.log(step, scores)
+            shown = " | ".join(f"{k.removeprefix('harness/')} {v:.4f}" for k, v in scores.items())
+            self.log.info(f"step {step}: harness {shown} ({time.perf_counter() - t0:.1f}s)")
 
     def _settle_now(self, result: StepResult) -> bool:
         """Whether this step's skip flag must be read now rather than at the next log line: when

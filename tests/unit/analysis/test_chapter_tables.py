@@ -269,3 +269,11 @@ def test_every_chapter_correction_names_tests_that_exist():
             assert name in _test_functions(ROOT / file), f"{title!r}: {file}::{name} is not a test there"
     # the tables' module points at this list
     assert "docs/chapter_corrections.md" in (ROOT / "analysis" / "chapter_tables.py").read_text()
+
+
+def test_measurements_saved_before_a_key_was_renamed_still_load():
+    # cpu_measurements.json files written before model.checkpointing became model.recompute
+    from tools.reproduce import saved_model_config
+
+    cfg = saved_model_config({"n_layer": 2, "checkpointing": "full", "checkpoint_every_k": 3})
+    assert (cfg.n_layer, cfg.recompute, cfg.recompute_every_k) == (2, "full", 3)

@@ -52,3 +52,9 @@ def test_layout_rows_keep_the_global_batch_and_split_the_model_as_the_estimator_
     sent = parallel_bench.formula_comm(cfg, 0, 1)
     b, s, h = cfg.train.micro_batch_size, cfg.seq_len, cfg.model.d_model
     assert sent == {"tp": 0.0, "dp": 0.0, "pp": 2 * b * s * h * 4, "other": 0.0}
+    # Under the pipeline FSDP2 gathers a stage in each of the m=2 micro-batches' forwards and once in
+    # backward (as measured in docs/results/parallel_strategies_cpu.md), and reduce-scatters once: fp32.
+    fsdp = load_config("configs/tiny.yaml", [parallel_bench.UNTIED, "--parallel.pp=2", "--parallel.strategy=fsdp",
+                                             "--train.grad_accum_steps=2"])
+    n = parallel_bench.rank_parameters(fsdp, 0)
+    assert parallel_bench.formula_comm(fsdp, 0, 2)["dp"] == 1 / 2 * n * (3 * 4 + 1 * 4)

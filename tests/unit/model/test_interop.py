@@ -425,6 +425,24 @@ def test_cache_holds_only_the_kv_heads_and_stops_at_end_of_text(monkeypatch):
     assert stopped == free[: free.index(eos) + 1]
 
 
+def test_stop_when_ends_only_the_rows_it_says_and_keeps_their_prefix():
+    """A row stops right after the token that makes ``stop_when`` true; the others run on, unchanged."""
+    cfg = ModelConfig(vocab_size=VOCAB, max_seq_len=64, n_layer=2, n_head=4)
+    torch.manual_seed(1)
+    model = GPT(cfg)
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    free = generate(model, prompts, 16)
+    seen = []
+
+    def stop_at_sixth_token_of_row_1(tokens: list[int]) -> bool:
+        seen.append(tokens)
+        return tokens == free[1][:6]
+
+    stopped = generate(model, prompts, 16, stop_when=stop_at_sixth_token_of_row_1)
+    assert stopped == [free[0], free[1][:6], free[2]]
+    assert free[1][:1] in seen and free[1][:7] not in seen  # asked after each new token, never after the stop
+
+
 def test_sampling_is_seeded_and_top_k_one_is_greedy():
     cfg = ModelConfig(vocab_size=VOCAB, max_seq_len=64, n_layer=1, n_head=4)
     torch.manual_seed(0)

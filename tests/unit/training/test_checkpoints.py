@@ -178,7 +178,7 @@ def test_a_skip_streak_neither_saves_nor_prunes_the_checkpoint_from_before_it(tm
     run_dir = tmp_path / "run"
     root = run_dir / "checkpoints"
     proc = run_train(["--config", TINY, *tiny_overrides(run_dir, corpus_cache, **{
-        "optim.lr": 1e30, "optim.warmup_steps": 0, "optim.grad_clip": 0, "train.max_steps": 5,
+        "optim.lr": 1e30, "optim.weight_decay": 0.0, "optim.warmup_steps": 0, "optim.grad_clip": 0, "train.max_steps": 5,
         "precision.max_skipped_steps": 10, "checkpoint.interval": 1, "checkpoint.keep_last": 1})])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "optimizer step skipped" in proc.stdout + proc.stderr
