@@ -195,7 +195,7 @@ def test_precision_modes_train_on_cpu(mode, weight, output, tmp_path, corpus_cac
 def test_nonfinite_loss_skips_or_stops_naming_the_step(tmp_path, corpus_cache):
     # An absurd learning rate drives the weights to inf within a few steps.
     skip_dir, stop_dir = tmp_path / "skip", tmp_path / "stop"
-    bad = {"optim.lr": 1e30, "optim.warmup_steps": 0, "optim.grad_clip": 0, "train.max_steps": 8,
+    bad = {"optim.lr": 1e30, "optim.weight_decay": 0.0, "optim.warmup_steps": 0, "optim.grad_clip": 0, "train.max_steps": 8,
            "precision.max_skipped_steps": 2}
     proc = run_train(["--config", TINY, *tiny_overrides(skip_dir, corpus_cache, **bad)])
     assert "non-finite loss or gradient norm; optimizer step skipped" in proc.stdout + proc.stderr

@@ -173,7 +173,7 @@ def test_a_skip_streak_still_holds_back_interval_saves_when_flags_stay_on_the_de
     run_dir = tmp_path / "run"
     root = run_dir / "checkpoints"
     proc = run_train(["--config", TINY, *tiny_overrides(run_dir, corpus_cache, **{
-        "optim.fused": "on", "optim.lr": 1e30, "optim.warmup_steps": 0, "optim.grad_clip": 0,
+        "optim.fused": "on", "optim.lr": 1e30, "optim.weight_decay": 0.0, "optim.warmup_steps": 0, "optim.grad_clip": 0,
         "train.max_steps": 5, "train.log_interval": 100, "precision.max_skipped_steps": 10,
         "checkpoint.interval": 1, "checkpoint.keep_last": 1})])
     out = proc.stdout + proc.stderr
