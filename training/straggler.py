@@ -4,10 +4,11 @@ In synchronous data parallelism a slow rank slows every rank: the others wait fo
 step's collectives, so wall-clock step times are the same everywhere and name no one. What
 differs is the time each rank spends on its own work. The loop marks phases
 (training/watchdog.py ``Phases``); a rank's *own time* is the time per step in the phases where,
-under DDP and ZeRO-1/2, no rank waits for another: loading data, the forward, the optimizer
-step. (FSDP2's forward all-gathers, tensor parallelism and pipeline hand-offs wait inside the
-forward, so there a slow rank raises every rank's forward and shows less; so does DDP's second
-forward, which rebuilds the gradient buckets with a collective.) Every log interval
+under DDP, no rank waits for another: loading data, the forward, the optimizer step. (FSDP2's
+forward all-gathers, tensor parallelism and pipeline hand-offs wait inside the forward, and
+ZeRO's optimizer step all-gathers the updated partitions, so there a slow rank raises the
+others' times too and shows less; so does DDP's second forward, which rebuilds the gradient
+buckets with a collective.) Every log interval
 the ranks all-gather these times, one float each; the slowest is compared with the median.
 """
 
