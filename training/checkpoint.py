@@ -5,6 +5,7 @@ Layout under the checkpoint root::
     step_00000200/           a complete checkpoint (meta.json is written last, inside the temp dir)
         meta.json            step, world size, strategy, format version, LR schedule, whether the
                              save was healthy, and a manifest of every other file with its size
+                             and its SHA-256 (``checksums``)
         model_optim.pt       (or dcp/ for FSDP2, or DeepSpeed's own files for ZeRO)
         rank_00000.pt        per-rank trainer state: RNG states, data position
     latest                   text file naming the newest complete checkpoint (replaced atomically)
@@ -16,6 +17,15 @@ and deletes it only afterwards: at every instant one complete copy exists under 
 "Complete" means meta.json is there and every file its manifest lists has the listed size;
 resolving ``latest`` walks back to the newest complete checkpoint (warning about each one it
 passes over), so a torn directory is never loaded and never hides an older good one.
+
+Damage that keeps a file's size (a flipped block on disk, a bad copy) is caught by the content
+checksums: after every rank's write completed, each rank hashes the files it wrote (their names
+carry its rank; the rest are shared out), so no rank reads the whole checkpoint, and rank 0 puts
+the digests into meta.json. Whatever reads a checkpoint checks them first (``verify_contents``):
+resume and the tools that take a run directory pass over a damaged checkpoint as they pass over
+a torn one, and a checkpoint named explicitly is refused in one line naming the file.
+Checkpoints saved before checksums existed still load, with a note that their contents were not
+checked.
 
 A save is refused, with nothing written, when any rank's weights hold NaN or inf. Each save
 records whether the step before it was applied ("healthy") or skipped as non-finite, and
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import errno as errno_codes
+import hashlib
 import json
 import os
 import random
@@ -47,6 +58,8 @@ from common.errors import CheckpointError
 # meaning; they are refused instead. New meta keys stay optional within a version.
 FORMAT_VERSION = 2
 META = "meta.json"
+CHECKSUM = "sha256"
+DIGESTS_PREFIX = ".digests-rank_"  # each rank's digests of the files it hashed, merged into meta.json
 TMP_PREFIX = ".tmp-"
 ASIDE_PREFIX = ".old-"
 _STEP_RE = re.compile(r"^(?:\.old-)?step_(\d+)$")
@@ -273,6 +286,8 @@ def save_checkpoint(
     _agree(error, world_size, device, barrier, f"step {step}: preparing {tmp}")
     error = _attempt(lambda: (write_states(tmp), torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")), tmp, label)
     _agree(error, world_size, device, barrier, f"step {step}: writing {tmp}", cleanup=owned)
+    error = _attempt(lambda: write_digests(tmp, rank, world_size), tmp, label)
+    _agree(error, world_size, device, barrier, f"step {step}: checksumming {tmp}", cleanup=owned)
     if rank == 0:
         meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "strategy": strategy,
                 "healthy": healthy, **(extra_meta or {})}
@@ -322,18 +337,112 @@ def _recover_asides(root: Path) -> None:
 
 def _manifest(directory: Path) -> dict[str, int]:
     """Every file of the checkpoint with its size, so a torn or half-copied directory is recognized."""
-    files = {}
+    return {rel: (directory / rel).stat().st_size for rel in _checkpoint_files(directory)}
+
+
+def _checkpoint_files(directory: Path) -> list[str]:
+    """The checkpoint's own files (relative, sorted): not meta.json, not the digests on their way into it."""
+    files = []
     for dirpath, _, names in os.walk(directory):
         for name in names:
-            path = Path(dirpath) / name
-            rel = path.relative_to(directory).as_posix()
-            if rel != META:
-                files[rel] = path.stat().st_size
-    return dict(sorted(files.items()))
+            rel = (Path(dirpath) / name).relative_to(directory).as_posix()
+            if rel != META and not name.startswith(DIGESTS_PREFIX):
+                files.append(rel)
+    return sorted(files)
+
+
+# ----------------------------------------------------------------------- content checksums
+
+_RANK_IN_NAME = re.compile(r"(?:^__|rank_)(\d+)")  # DCP's __<rank>_0.distcp, rank_<rank>.pt, DeepSpeed's *_rank_<r>_*
+
+
+def file_digest(path: Path, chunk: int = 8 << 20) -> str:
+    """SHA-256 of a file, read in chunks (hashlib releases the GIL on each, so a background
+    thread hashing does not stall the training thread)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _hasher_of(rel: str, index: int, world_size: int) -> int:
+    """The rank that hashes ``rel``: the one whose number the file name carries, which wrote it
+    and may still hold it in its page cache; other files are dealt out in turn."""
+    found = _RANK_IN_NAME.search(Path(rel).name)
+    return (int(found.group(1)) if found else index) % world_size
+
+
+def _my_files(directory: Path, rank: int, world_size: int) -> list[str]:
+    return [rel for i, rel in enumerate(_checkpoint_files(directory)) if _hasher_of(rel, i, world_size) == rank]
+
+
+def write_digests(directory: Path, rank: int, world_size: int) -> None:
+    """Hash this rank's share of the finished checkpoint files into ``<directory>/.digests-rank_R.json``.
+
+    Called by every rank once every rank's write completed (the listing must be final)."""
+    digests = {rel: file_digest(directory / rel) for rel in _my_files(directory, rank, world_size)}
+    path = directory / f"{DIGESTS_PREFIX}{rank:05d}.json"
+    with open(path, "w") as f:
+        json.dump(digests, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _collect_digests(directory: Path, files: Iterable[str]) -> dict[str, str]:
+    """The digests every rank wrote, merged (the rank files are removed); every file must have one."""
+    merged: dict[str, str] = {}
+    for part in sorted(directory.glob(f"{DIGESTS_PREFIX}*.json")):
+        merged.update(json.loads(part.read_text()))
+        part.unlink()
+    missing = [rel for rel in files if rel not in merged]
+    if missing:  # a rank saw another listing than rank 0: the file system is not shared by all ranks
+        raise CheckpointError(f"no rank checksummed {directory / missing[0]}; is checkpoint.dir on a file system "
+                              "that every rank shares?")
+    return {rel: merged[rel] for rel in files}
+
+
+def verify_contents(path: Path, warn: Warn | None = None, *, rank: int = 0, world_size: int = 1) -> str | None:
+    """None when every file of checkpoint ``path`` has the content its meta.json recorded, else one
+    line naming the first damaged file. Each rank hashes its share (as at save time); collective
+    when world_size > 1 under a process group. A checkpoint that records no checksums (saved by an
+    older perfgpt) passes, and ``warn`` hears so."""
+    sums = _meta_of(path).get("checksums")
+    if not isinstance(sums, dict) or not isinstance(sums.get("files"), dict):
+        if warn:
+            warn(f"{path} records no content checksums (saved before perfgpt wrote them); loading it without "
+                 "checking its contents")
+        return None
+    recorded: dict[str, str] = sums["files"]
+    distributed = world_size > 1 and torch.distributed.is_initialized()
+    mine = [rel for i, rel in enumerate(sorted(recorded)) if _hasher_of(rel, i, world_size if distributed else 1)
+            == (rank if distributed else 0)]
+    reason = None
+    for rel in mine:
+        file = path / rel
+        try:
+            ok = file_digest(file) == recorded[rel]
+        except OSError as exc:
+            reason = f"cannot read checkpoint file {file}: {_os_error_text(exc, file)}"
+            break
+        if not ok:
+            reason = (f"checkpoint file {file} does not match its recorded {sums.get('algorithm', CHECKSUM)} "
+                      "checksum (damaged after it was written)")
+            break
+    if distributed:
+        reasons: list[str | None] = [None] * world_size
+        torch.distributed.all_gather_object(reasons, reason)
+        reason = next((r for r in reasons if r is not None), None)
+    return reason
+
+
+# ----------------------------------------------------------------------- publishing
 
 
 def _publish(root: Path, tmp: Path, final: Path, meta: dict[str, Any], keep_last: int) -> None:
-    _write_text_atomic(tmp / META, json.dumps({**meta, "files": _manifest(tmp)}, indent=2))
+    files = _manifest(tmp)
+    checksums = {"algorithm": CHECKSUM, "files": _collect_digests(tmp, files)}
+    _write_text_atomic(tmp / META, json.dumps({**meta, "files": files, "checksums": checksums}, indent=2))
     aside = root / f"{ASIDE_PREFIX}{final.name}"
     if final.exists():  # re-saving the same step (e.g. a resumed run that ends where it started)
         shutil.rmtree(aside, ignore_errors=True)
@@ -400,16 +509,23 @@ def incomplete_reason(path: Path) -> str | None:
     return None
 
 
-def find_latest(root: Path, warn: Warn | None = None) -> Path | None:
-    """Newest complete checkpoint under root; ``warn`` hears about every newer one passed over."""
-    return _scan(root, warn)[0]
+Verify = Callable[[Path], "str | None"]  # a checkpoint -> None if its contents are intact, else why not
 
 
-def _scan(root: Path, warn: Warn | None) -> tuple[Path | None, list[str]]:
+def find_latest(root: Path, warn: Warn | None = None, verify: Verify | None = None, *,
+                who: str = "resume") -> Path | None:
+    """Newest complete checkpoint under root (and intact, when ``verify`` checks contents);
+    ``warn`` hears about every newer one passed over, ``who`` names the reader in those lines."""
+    return scan_checkpoints(root, warn, verify, who)[0]
+
+
+def scan_checkpoints(root: Path, warn: Warn | None, verify: Verify | None = None, who: str = "resume"
+          ) -> tuple[Path | None, list[str]]:
     """(newest complete checkpoint, why each newer candidate was passed over).
 
     Candidates are ``step_*`` directories and the copies a crashed re-save left aside
-    (``.old-step_*``) when no complete ``step_*`` of that step exists.
+    (``.old-step_*``) when no complete ``step_*`` of that step exists. ``verify`` (a collective
+    when it checks on several ranks) runs only on checkpoints whose files are all there.
     """
     if not root.is_dir():
         return None, []
@@ -423,40 +539,48 @@ def _scan(root: Path, warn: Warn | None) -> tuple[Path | None, list[str]]:
     for step in sorted(candidates, reverse=True):
         path = candidates[step]
         reason = incomplete_reason(path)
+        if reason is None and verify is not None:
+            reason = verify(path)
         if reason is None:
             if path.name.startswith(ASIDE_PREFIX) and warn:
-                warn(f"resume: {path.name[len(ASIDE_PREFIX):]} was being replaced when a save was interrupted; "
+                warn(f"{who}: {path.name[len(ASIDE_PREFIX):]} was being replaced when a save was interrupted; "
                      f"using its complete previous copy {path}")
             if skipped and warn:
-                warn(f"resume: skipping incomplete checkpoint(s): {'; '.join(skipped)}; using {path.name}")
+                warn(f"{who}: skipping incomplete or damaged checkpoint(s): {'; '.join(skipped)}; using {path.name}")
             return path, skipped
         skipped.append(f"{path.name} ({reason})")
     return None, skipped
 
 
-def resolve_resume(spec: str, root: Path, warn: Warn | None = None) -> Path | None:
+def resolve_resume(spec: str, root: Path, warn: Warn | None = None, verify: Verify | None = None) -> Path | None:
     """'' -> None; 'latest' -> newest complete checkpoint (None if none was ever saved); else a path.
 
     The ``latest`` pointer is advisory: the directory scan decides, so a pointer that names a
     torn, missing or older checkpoint (a crash between rename and pointer update) is reported
     and passed over rather than followed. Checkpoints that all turned out incomplete are an
-    error, not a fresh start: training from step 0 would quietly discard the run.
+    error, not a fresh start: training from step 0 would quietly discard the run. ``verify``
+    checks contents (``verify_contents``): 'latest' passes over a damaged checkpoint, a named
+    one is refused.
     """
     if not spec:
         return None
-    if spec == "latest":
-        found, skipped = _scan(root, warn)
+    path = Path(spec)
+    if spec == "latest" or (path.is_dir() and not (path / META).is_file() and _step_dirs(path)):
+        root = root if spec == "latest" else path  # a checkpoint root may be given too
+        found, skipped = scan_checkpoints(root, warn, verify)
         if found is None and skipped:
-            raise CheckpointError(f"--resume latest: no complete checkpoint under {root}: {'; '.join(skipped)}; "
+            raise CheckpointError(f"--resume {spec}: no complete checkpoint under {root}: {'; '.join(skipped)}; "
                                   "resume from a copy you trust, or start without --resume")
         pointer = _read_pointer(root)
         if found is not None and pointer and warn and pointer != found.name.removeprefix(ASIDE_PREFIX):
             warn(f"resume: {root / 'latest'} names {pointer}, which is not the newest complete checkpoint; "
                  f"using {found}")
         return found
-    path = Path(spec)
-    if path.is_dir() and not (path / META).is_file() and find_latest(path) is not None:
-        return find_latest(path, warn)  # a checkpoint root was given
+    if verify is not None and path.is_dir() and incomplete_reason(path) is None:
+        reason = verify(path)
+        if reason is not None:
+            raise CheckpointError(f"--resume {path}: {reason}; resume from another checkpoint (--resume latest "
+                                  "passes over damaged ones)")
     return path
 
 

@@ -287,7 +287,14 @@ class TrainingLoop:
         """Restore everything a continued run needs and continue from its step."""
         cfg, ctx, log = self.cfg, self.ctx, self.log
         warn = log.warn if ctx.is_main else None
-        path = ckpt.resolve_resume(cfg.checkpoint.resume, self.ckpt_root, warn=warn)
+        notes: set[str] = set()  # a multi-checkpoint walk says "no checksums" once
+
+        def verify(p: Path) -> str | None:
+            return ckpt.verify_contents(p, lambda line: notes.add(line), rank=ctx.rank, world_size=ctx.world_size)
+
+        path = ckpt.resolve_resume(cfg.checkpoint.resume, self.ckpt_root, warn=warn, verify=verify)
+        for line in sorted(notes) if warn else ():
+            warn(f"resume: {line}")
         if path is None:
             if cfg.checkpoint.resume == "latest":
                 log.info(f"resume: no checkpoint under {self.ckpt_root} yet, starting from step 0")
