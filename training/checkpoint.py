@@ -19,9 +19,9 @@ resolving ``latest`` walks back to the newest complete checkpoint (warning about
 passes over), so a torn directory is never loaded and never hides an older good one.
 
 Damage that keeps a file's size (a flipped block on disk, a bad copy) is caught by the content
-checksums: after every rank's write completed, each rank hashes the files it wrote (their names
-carry its rank; the rest are shared out), so no rank reads the whole checkpoint, and rank 0 puts
-the digests into meta.json. Whatever reads a checkpoint checks them first (``verify_contents``):
+checksums: each rank hashes the files it wrote right after writing them (their names carry its
+rank; rank 0 writes the shared ones), so no rank reads the whole checkpoint, and rank 0 puts the
+digests into meta.json. Whatever reads a checkpoint checks them first (``verify_contents``):
 resume and the tools that take a run directory pass over a damaged checkpoint as they pass over
 a torn one, and a checkpoint named explicitly is refused in one line naming the file.
 Checkpoints saved before checksums existed still load, with a note that their contents were not
@@ -45,6 +45,9 @@ import os
 import random
 import re
 import shutil
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -52,6 +55,7 @@ import numpy as np
 import torch
 
 from common.errors import CheckpointError
+from parallel.checkpoint import host_copy
 
 # 2: the model stores qkv rows grouped per key/value head, a separate SwiGLU gate and the MLP bias
 # inside fc (model/gpt.py), so version-1 weights would load into the new shapes with the wrong
@@ -248,6 +252,70 @@ _TORCH_WRITE_ERRORS = ("inline_container", "PytorchStreamWriter", "Parent direct
 # ----------------------------------------------------------------------- saving
 
 
+@dataclass
+class SaveJob:
+    """One save of ``step``, as every rank sees it: where it goes and what meta.json will say."""
+
+    root: Path
+    step: int
+    rank: int
+    world_size: int
+    strategy: str
+    barrier: Callable[[], None]
+    keep_last: int
+    extra_meta: dict[str, Any] | None = None
+    healthy: bool = True
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def final(self) -> Path:
+        return self.root / step_dir_name(self.step)
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / f"{TMP_PREFIX}{self.final.name}"
+
+    @property
+    def label(self) -> str:
+        return f"step {self.step}: cannot save the checkpoint"
+
+    def begin(self, weights: Iterable[torch.Tensor] | None) -> None:
+        """The finite check, then rank 0 creates the temporary directory. Collective."""
+        if weights is not None and _weights_nonfinite(weights, self.world_size, self.device):
+            previous = find_latest(self.root) if self.root.is_dir() else None
+            kept = f"{previous.name} is kept" if previous else "no earlier checkpoint exists"
+            raise CheckpointError(
+                f"step {self.step}: the model's weights hold NaN or inf, refusing to save them as a checkpoint "
+                f"({kept}); the run diverged: lower optim.lr, or resume from an earlier checkpoint"
+            )
+        error = _attempt(lambda: _prepare(self.root, self.tmp), self.tmp, self.label) if self.rank == 0 else None
+        _agree(error, self.world_size, self.device, self.barrier, f"step {self.step}: preparing {self.tmp}")
+
+    def write(self, write_states: Callable[[Path], None], rank_state: dict[str, Any]) -> CheckpointError | None:
+        """This rank's files, then the checksums of those it wrote. Local: no collective, so a
+        background thread may run it; a file-system failure is returned as one line."""
+        def write() -> None:
+            write_states(self.tmp)
+            torch.save(rank_state, self.tmp / f"rank_{self.rank:05d}.pt")
+            write_digests(self.tmp, self.rank, self.world_size)
+
+        return _attempt(write, self.tmp, self.label)
+
+    def finish(self, error: CheckpointError | None) -> Path:
+        """Once every rank's write returned: agree on its outcome, then rank 0 publishes. Collective."""
+        owned = self.tmp if self.rank == 0 else None  # rank 0 publishes and on failure removes the temp dir
+        _agree(error, self.world_size, self.device, self.barrier, f"step {self.step}: writing {self.tmp}",
+               cleanup=owned)
+        if self.rank == 0:
+            meta = {"format_version": FORMAT_VERSION, "step": self.step, "world_size": self.world_size,
+                    "strategy": self.strategy, "healthy": self.healthy, **(self.extra_meta or {})}
+            error = _attempt(lambda: _publish(self.root, self.tmp, self.final, meta, self.keep_last), self.tmp,
+                             self.label)
+        _agree(error, self.world_size, self.device, self.barrier, f"step {self.step}: publishing {self.final}",
+               cleanup=owned)
+        return self.final
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -270,30 +338,86 @@ def save_checkpoint(
     always keeps the newest healthy checkpoint. ``weights``: this rank's parameter tensors
     (``local_weights``); if any rank's hold NaN or inf, nothing is written and every rank raises.
     """
-    final = root / step_dir_name(step)
-    tmp = root / f"{TMP_PREFIX}{final.name}"
-    if weights is not None and _weights_nonfinite(weights, world_size, device):
-        previous = find_latest(root) if root.is_dir() else None
-        kept = f"{previous.name} is kept" if previous else "no earlier checkpoint exists"
-        raise CheckpointError(
-            f"step {step}: the model's weights hold NaN or inf, refusing to save them as a checkpoint ({kept}); "
-            "the run diverged: lower optim.lr, or resume from an earlier checkpoint"
-        )
+    job = SaveJob(root, step, rank, world_size, strategy, barrier, keep_last, extra_meta, healthy, device)
+    job.begin(weights)
+    return job.finish(job.write(write_states, rank_state))
 
-    label = f"step {step}: cannot save the checkpoint"
-    owned = tmp if rank == 0 else None  # rank 0 creates, publishes and on failure removes the temp dir
-    error = _attempt(lambda: _prepare(root, tmp), tmp, label) if rank == 0 else None
-    _agree(error, world_size, device, barrier, f"step {step}: preparing {tmp}")
-    error = _attempt(lambda: (write_states(tmp), torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")), tmp, label)
-    _agree(error, world_size, device, barrier, f"step {step}: writing {tmp}", cleanup=owned)
-    error = _attempt(lambda: write_digests(tmp, rank, world_size), tmp, label)
-    _agree(error, world_size, device, barrier, f"step {step}: checksumming {tmp}", cleanup=owned)
-    if rank == 0:
-        meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "strategy": strategy,
-                "healthy": healthy, **(extra_meta or {})}
-        error = _attempt(lambda: _publish(root, tmp, final, meta, keep_last), tmp, label)
-    _agree(error, world_size, device, barrier, f"step {step}: publishing {final}", cleanup=owned)
-    return final
+
+class BackgroundSave:
+    """Checkpoints written on a background thread (checkpoint.async_save): the training loop pays
+    for the finite check and for copying the state into host memory; the files are written while
+    training goes on, and the checkpoint is published at a later step, once every rank's write
+    finished. At most one save is in flight.
+
+    Everything the synchronous save promises holds: the write goes into the temporary directory,
+    which rank 0 renames into place only when every rank's write (and its checksums) completed, so
+    a crash before that leaves the previous checkpoint complete and ``latest`` naming it; the
+    finite check runs before anything is staged; pruning runs only at publication, after the new
+    checkpoint is in place. A write error (a full disk) becomes the same one-line
+    CheckpointError, raised by the ``finish`` that publishes, on every rank.
+    """
+
+    def __init__(self) -> None:
+        self.job: SaveJob | None = None
+        self._thread: threading.Thread | None = None
+        self._outcome: BaseException | None = None  # the write's error; a CheckpointError when it is the disk's
+        self._group = None  # the process group DCP's writer thread runs its collectives on
+
+    @property
+    def in_flight(self) -> bool:
+        return self.job is not None
+
+    def start(self, job: SaveJob, stage: Callable[[Path, Any], Callable[[], None]], rank_state: dict[str, Any],
+              weights: Iterable[torch.Tensor] | None) -> None:
+        """Collective: the finite check, the temporary directory, then ``stage(tmp, group)`` copies
+        this rank's state into host memory and gives the function that writes it, which runs on a
+        thread. The caller finished the previous save first (``finish(wait=True)``)."""
+        if self.job is not None:
+            raise RuntimeError("a background checkpoint write is still in flight; finish it first")
+        job.begin(weights)
+        writers: list[Callable[[], None]] = []
+        error = _attempt(lambda: writers.append(stage(job.tmp, self._process_group(job.world_size))), job.tmp,
+                         job.label)
+        if error is not None:
+            job.finish(error)  # agrees with the other ranks, removes the temp dir, raises
+        staged_rank_state = host_copy(rank_state)
+        self.job, self._outcome = job, None
+
+        def write() -> None:
+            try:
+                self._outcome = job.write(lambda _: writers[0](), staged_rank_state)
+            except BaseException as exc:  # noqa: BLE001 -- a bug: re-raised with its traceback by finish
+                self._outcome = exc
+
+        self._thread = threading.Thread(target=write, name=f"checkpoint-step-{job.step}", daemon=True)
+        self._thread.start()
+
+    def finish(self, *, wait: bool) -> tuple[Path, float | None] | None:
+        """Collective: publish the save in flight once every rank's write completed. Without
+        ``wait``, only if they all have already (otherwise None: try again later); with it, after
+        waiting. Returns (the checkpoint, seconds this rank waited, or None when it did not)."""
+        job, thread = self.job, self._thread
+        if job is None or thread is None:
+            return None
+        if not wait and _any_rank(thread.is_alive(), job.world_size, job.device):
+            return None
+        waited = None
+        if thread.is_alive():
+            t0 = time.perf_counter()
+            thread.join()
+            waited = time.perf_counter() - t0
+        outcome, self.job, self._thread, self._outcome = self._outcome, None, None, None
+        if outcome is not None and not isinstance(outcome, CheckpointError):
+            raise outcome
+        return job.finish(outcome), waited
+
+    def _process_group(self, world_size: int):
+        """All ranks, on gloo, for DCP's writer thread alone: collectives from two threads on one
+        group would pair up wrongly. Created once, at the first save (a collective, which every
+        rank reaches at the same step)."""
+        if world_size > 1 and torch.distributed.is_initialized() and self._group is None:
+            self._group = torch.distributed.new_group(backend="gloo")
+        return self._group
 
 
 def _attempt(action: Callable[[], Any], directory: Path, label: str) -> CheckpointError | None:
@@ -366,22 +490,20 @@ def file_digest(path: Path, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def _hasher_of(rel: str, index: int, world_size: int) -> int:
-    """The rank that hashes ``rel``: the one whose number the file name carries, which wrote it
-    and may still hold it in its page cache; other files are dealt out in turn."""
+def _writer_of(rel: str, world_size: int) -> int:
+    """The rank that wrote ``rel`` and so hashes it (at save time it may still be in that rank's
+    page cache): the one whose number the file name carries (DCP's ``__<rank>_0.distcp``,
+    ``rank_<rank>.pt``, DeepSpeed's ``*_rank_<rank>_*``), else rank 0, which writes the shared files
+    (``model_optim.pt``, DCP's index)."""
     found = _RANK_IN_NAME.search(Path(rel).name)
-    return (int(found.group(1)) if found else index) % world_size
-
-
-def _my_files(directory: Path, rank: int, world_size: int) -> list[str]:
-    return [rel for i, rel in enumerate(_checkpoint_files(directory)) if _hasher_of(rel, i, world_size) == rank]
+    return int(found.group(1)) % world_size if found else 0
 
 
 def write_digests(directory: Path, rank: int, world_size: int) -> None:
-    """Hash this rank's share of the finished checkpoint files into ``<directory>/.digests-rank_R.json``.
-
-    Called by every rank once every rank's write completed (the listing must be final)."""
-    digests = {rel: file_digest(directory / rel) for rel in _my_files(directory, rank, world_size)}
+    """Hash the checkpoint files this rank wrote into ``<directory>/.digests-rank_R.json``, right
+    after writing them: no other rank has to finish first, as no rank hashes another's files."""
+    digests = {rel: file_digest(directory / rel) for rel in _checkpoint_files(directory)
+               if _writer_of(rel, world_size) == rank}
     path = directory / f"{DIGESTS_PREFIX}{rank:05d}.json"
     with open(path, "w") as f:
         json.dump(digests, f)
@@ -415,8 +537,7 @@ def verify_contents(path: Path, warn: Warn | None = None, *, rank: int = 0, worl
         return None
     recorded: dict[str, str] = sums["files"]
     distributed = world_size > 1 and torch.distributed.is_initialized()
-    mine = [rel for i, rel in enumerate(sorted(recorded)) if _hasher_of(rel, i, world_size if distributed else 1)
-            == (rank if distributed else 0)]
+    mine = sorted(rel for rel in recorded if not distributed or _writer_of(rel, world_size) == rank)
     reason = None
     for rel in mine:
         file = path / rel

@@ -260,28 +260,46 @@ class TrainingLoop:
         self.run_dir, self.ckpt_root, self.log, self.stop_request, self.rate = run_dir, ckpt_root, log, stop_request, rate
         self.tasks = tasks  # harness tasks every harness.interval steps, or None
         self.state = RunState()
+        self.background = ckpt.BackgroundSave()  # checkpoint.async_save: the write in flight, if any
 
     # ----------------------------------------------------------------- checkpoints
 
-    def save(self) -> None:
+    def save(self, background: bool = False) -> None:
         """Raises CheckpointError, writing nothing, if the weights are non-finite or the disk fails.
 
         ``healthy``: the last step was applied, not skipped; keep_last pruning never removes the
-        newest healthy checkpoint, whatever is saved after it.
+        newest healthy checkpoint, whatever is saved after it. ``background``: stage the state and
+        write it on a thread (checkpoint.async_save); a save in flight is finished first, either way.
         """
         cfg, ctx, step = self.cfg, self.ctx, self.state.step
+        self.finish_background_save(wait=True)
         t0 = time.perf_counter()
         rank_state = {"step": step, "rng": ckpt.capture_rng_state(), "data": self.batches.state_dict()}
-        path = ckpt.save_checkpoint(
-            self.ckpt_root, step, lambda d: self.engine.save(d, ctx.rank), rank_state, rank=ctx.rank,
-            world_size=ctx.world_size, strategy=cfg.parallel.strategy, barrier=ctx.barrier,
-            keep_last=cfg.checkpoint.keep_last, healthy=self.state.healthy, weights=self.engine.local_weights(),
-            device=ctx.device, extra_meta={"model": to_dict(cfg.model), "schedule": cfg.lr_schedule(),
-                                           "layout": self.layout(), "tokenizer": self.data.tokenizer,
-                                           "eot_id": self.data.eot_id},
-        )
+        job = ckpt.SaveJob(self.ckpt_root, step, ctx.rank, ctx.world_size, cfg.parallel.strategy, ctx.barrier,
+                           cfg.checkpoint.keep_last, healthy=self.state.healthy, device=ctx.device,
+                           extra_meta={"model": to_dict(cfg.model), "schedule": cfg.lr_schedule(),
+                                       "layout": self.layout(), "tokenizer": self.data.tokenizer,
+                                       "eot_id": self.data.eot_id})
+        if background:
+            self.background.start(job, lambda d, group: self.engine.stage_save(d, ctx.rank, group), rank_state,
+                                  self.engine.local_weights())
+            self.log.info(f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f}s, writing in the "
+                          "background")
+        else:
+            job.begin(self.engine.local_weights())
+            path = job.finish(job.write(lambda d: self.engine.save(d, ctx.rank), rank_state))
+            self.log.info(f"checkpoint: saved {path} in {time.perf_counter() - t0:.1f}s")
         self.state.last_saved = step
-        self.log.info(f"checkpoint: saved {path} in {time.perf_counter() - t0:.1f}s")
+
+    def finish_background_save(self, wait: bool) -> None:
+        """Publish the background save in flight once every rank wrote it (collective); ``wait``:
+        block until then (logged). Its write error is raised here, as the synchronous save's."""
+        done = self.background.finish(wait=wait)
+        if done is not None:
+            path, waited = done
+            if waited is not None:
+                self.log.info(f"checkpoint: waited {waited:.2f}s for the background write of {path.name}")
+            self.log.info(f"checkpoint: saved {path} (written in the background)")
 
     def resume(self) -> None:
         """Restore everything a continued run needs and continue from its step."""
@@ -351,11 +369,13 @@ class TrainingLoop:
                 result = outcome.result
                 log_due = s.step % t.log_interval == 0 or s.step == t.max_steps
                 if (log_due or self._settle_now(result)) and self._settle(alarms):
+                    self.finish_background_save(wait=True)  # it holds the state from before the streak
                     return 3
                 log.advance()
 
                 if log_due:
                     window = self._log_window(window, result, lr, alarms)
+                    self.finish_background_save(wait=False)
                 if t.eval_interval and (s.step % t.eval_interval == 0 or s.step == t.max_steps):
                     s.last_val = evaluate(self.engine, self.data.val, t.validation_sequences, ctx)
                     log.log(s.step, {"val_loss": s.last_val})
@@ -365,16 +385,18 @@ class TrainingLoop:
                     self._run_tasks()
                     window.restart_clock()
                 if self._interval_save_due(result):
-                    self.save()
+                    self.save(background=cfg.checkpoint.async_save)
                     s.save_due = False
                     window.restart_clock()
                 signum = agreement.poll(self.stop_request.requested)
                 if signum:
                     if self._settle(alarms):
+                        self.finish_background_save(wait=True)
                         return 3
                     return self._stop_on_signal(signum)
             agreement.finish()
 
+        self.finish_background_save(wait=True)
         if cfg.checkpoint.save_final:
             self.save()
         summary = f"done: {s.step} steps in {time.perf_counter() - t_start:.1f}s"
@@ -457,6 +479,7 @@ class TrainingLoop:
     def _stop_on_signal(self, signum: int) -> int:
         """Save the step just finished and return the shell's exit code for the signal (143, 130)."""
         step = self.state.step
+        self.finish_background_save(wait=True)  # a save of this step in flight counts once it is written
         if self.state.last_saved != step:
             self.save()
         latest = ckpt.find_latest(self.ckpt_root)

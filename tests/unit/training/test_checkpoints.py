@@ -128,8 +128,9 @@ def test_a_diverged_model_is_never_saved_and_the_last_good_checkpoint_stays(base
     state["model"]["tok_emb.weight"][0, 0] = float("nan")
     torch.save(state, step_dir / "model_optim.pt")
     meta = json.loads((step_dir / "meta.json").read_text())
-    if "files" in meta:  # the manifest must keep describing the file
-        meta["files"]["model_optim.pt"] = (step_dir / "model_optim.pt").stat().st_size
+    # the manifest must keep describing the file (its size and content checksum)
+    meta["files"]["model_optim.pt"] = (step_dir / "model_optim.pt").stat().st_size
+    meta["checksums"]["files"]["model_optim.pt"] = ckpt.file_digest(step_dir / "model_optim.pt")
     (step_dir / "meta.json").write_text(json.dumps(meta))
     proc = run_train(["--config", TINY, "--resume", *tiny_overrides(run_dir, corpus_cache, **{
         "train.max_steps": 4, "optim.decay_steps": 2, "checkpoint.interval": 1})])
