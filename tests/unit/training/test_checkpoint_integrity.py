@@ -5,7 +5,7 @@ bytes, so the file's size and zip structure stay as they were: only the checksum
 Resume, tools/export.py, tools/sample.py, tools/evaluate.py and ``model.init_from`` must name the
 file; resume and the tools given the run directory fall back to the intact previous checkpoint
 and say so. train.py runs in this process (a few seconds); the sharded (DCP) twin of these checks
-runs under torchrun in tests/integration/test_damaged_checkpoints.py.
+runs under torchrun in tests/integration/test_sharded_checkpoints.py.
 """
 
 from __future__ import annotations
