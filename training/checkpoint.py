@@ -266,6 +266,11 @@ class SaveJob:
     extra_meta: dict[str, Any] | None = None
     healthy: bool = True
     device: torch.device = torch.device("cpu")
+    # Filled by ``write`` for the benchmark (analysis/checkpoint_bench.py): seconds this rank spent
+    # writing, of which hashing, and the bytes it hashed.
+    write_s: float = 0.0
+    checksum_s: float = 0.0
+    checksum_bytes: int = 0
 
     @property
     def final(self) -> Path:
@@ -295,9 +300,12 @@ class SaveJob:
         """This rank's files, then the checksums of those it wrote. Local: no collective, so a
         background thread may run it; a file-system failure is returned as one line."""
         def write() -> None:
+            t0 = time.perf_counter()
             write_states(self.tmp)
             torch.save(rank_state, self.tmp / f"rank_{self.rank:05d}.pt")
-            write_digests(self.tmp, self.rank, self.world_size)
+            t1 = time.perf_counter()
+            self.checksum_bytes = write_digests(self.tmp, self.rank, self.world_size)
+            self.write_s, self.checksum_s = time.perf_counter() - t0, time.perf_counter() - t1
 
         return _attempt(write, self.tmp, self.label)
 
@@ -407,7 +415,9 @@ class BackgroundSave:
             thread.join()
             waited = time.perf_counter() - t0
         outcome, self.job, self._thread, self._outcome = self._outcome, None, None, None
-        if outcome is not None and not isinstance(outcome, CheckpointError):
+        if outcome is not None and not isinstance(outcome, CheckpointError):  # a bug: keep its traceback,
+            with contextlib.suppress(CheckpointError):  # after the other ranks heard the save failed
+                job.finish(CheckpointError(f"step {job.step}: the background checkpoint write failed"))
             raise outcome
         return job.finish(outcome), waited
 
@@ -499,16 +509,18 @@ def _writer_of(rel: str, world_size: int) -> int:
     return int(found.group(1)) % world_size if found else 0
 
 
-def write_digests(directory: Path, rank: int, world_size: int) -> None:
+def write_digests(directory: Path, rank: int, world_size: int) -> int:
     """Hash the checkpoint files this rank wrote into ``<directory>/.digests-rank_R.json``, right
-    after writing them: no other rank has to finish first, as no rank hashes another's files."""
-    digests = {rel: file_digest(directory / rel) for rel in _checkpoint_files(directory)
-               if _writer_of(rel, world_size) == rank}
+    after writing them: no other rank has to finish first, as no rank hashes another's files.
+    Returns the bytes hashed."""
+    mine = [rel for rel in _checkpoint_files(directory) if _writer_of(rel, world_size) == rank]
+    digests = {rel: file_digest(directory / rel) for rel in mine}
     path = directory / f"{DIGESTS_PREFIX}{rank:05d}.json"
     with open(path, "w") as f:
         json.dump(digests, f)
         f.flush()
         os.fsync(f.fileno())
+    return sum((directory / rel).stat().st_size for rel in mine)
 
 
 def _collect_digests(directory: Path, files: Iterable[str]) -> dict[str, str]:

@@ -149,3 +149,12 @@ def test_sigterm_during_a_background_write_waits_for_it_then_saves_the_current_s
 def test_background_saves_are_refused_for_deepspeed_in_one_line():
     with pytest.raises(ConfigError, match="checkpoint.async_save=true cannot write parallel.strategy=zero3"):
         load_config(Path(TINY), ["--checkpoint.async_save=true", "--parallel.strategy=zero3"])
+
+
+def test_a_background_save_checks_the_weights_before_staging_anything(tmp_path):
+    job = ckpt.SaveJob(tmp_path / "ckpt", 3, 0, 1, "none", lambda: None, keep_last=0)
+    staged: list[Path] = []
+    background = ckpt.BackgroundSave()
+    with pytest.raises(ckpt.CheckpointError, match="step 3: the model's weights hold NaN or inf"):
+        background.start(job, lambda d, group: staged.append(d), {}, [torch.ones(3), torch.tensor([1.0, float("nan")])])
+    assert staged == [] and not background.in_flight and not (tmp_path / "ckpt").exists()
