@@ -33,7 +33,7 @@ import json
 import os
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -117,6 +117,84 @@ def save_model_optimizer(parts: Parts, path: Path, extra: dict[str, torch.Tensor
     _write_metadata_digest(Path(path))
 
 
+Writer = Callable[[], None]  # writes a staged state; runs on a background thread
+
+
+def stage_model_optimizer(parts: Parts, path: Path, process_group, extra: dict[str, torch.Tensor] | None = None,
+                          aliases: dict[str, str] | None = None) -> Writer:
+    """Collective: copy this rank's shards into host memory now (DCP's ``async_save`` stages them
+    before it returns) and return the function that waits for DCP's background write.
+
+    ``process_group`` must be a group of all ranks with a CPU backend used for nothing else: DCP's
+    writer thread runs its collectives on it while training runs its own on the default group,
+    and two threads issuing collectives on one group would pair them up wrongly.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    _, state = _states(parts, aliases)
+    if extra:
+        state["extra"] = extra
+    future = dcp.async_save(state, checkpoint_id=str(path), process_group=process_group)
+
+    def finish() -> None:
+        future.result()  # re-raises the writer's error; every rank's files and the index are written
+        _write_metadata_digest(Path(path), rank=torch.distributed.get_rank(process_group), barrier=False)
+
+    return finish
+
+
+def host_copy(state: Any) -> Any:
+    """A copy of a nested state (dicts, lists, tuples of tensors and plain values) in host memory,
+    taken now, whatever the live tensors do next. Tensors that share storage share it in the copy
+    too (a tied embedding stays one tensor, so ``torch.save`` writes the same file as from the
+    live state). On a GPU the copies go to pinned memory and the device is synchronized once."""
+    import copy
+
+    storages: dict[tuple, torch.UntypedStorage] = {}
+    cuda = False
+
+    def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+        nonlocal cuda
+        live = t.untyped_storage()
+        key = (live.device, live.data_ptr(), live.nbytes())
+        if key not in storages:
+            if live.device.type == "cuda":
+                cuda = True
+                staged = torch.empty(live.nbytes(), dtype=torch.uint8, pin_memory=True).untyped_storage()
+                staged.copy_(live, non_blocking=True)
+            else:
+                staged = live.clone()
+            storages[key] = staged
+        return storages[key]
+
+    memo: dict[int, Any] = {}  # an object met twice (the betas tuple all param groups share) is copied once
+
+    def walk(value: Any) -> Any:
+        if id(value) not in memo:
+            memo[id(value)] = copy_of(value)
+        return memo[id(value)]
+
+    def copy_of(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if is_dtensor(value):
+                raise TypeError("host_copy takes plain tensors; DCP stages DTensors itself")
+            out = torch.empty(0, dtype=value.dtype)
+            return out.set_(storage_of(value), value.storage_offset(), value.size(), value.stride())
+        if isinstance(value, dict):
+            out = copy.copy(value)  # keeps the mapping's type and attributes (a state dict's _metadata)
+            for k, v in value.items():
+                out[k] = walk(v)
+            return out
+        if type(value) in (list, tuple):
+            return type(value)(walk(v) for v in value)
+        return copy.deepcopy(value, memo)
+
+    staged = walk(state)
+    if cuda:
+        torch.cuda.synchronize()
+    return staged
+
+
 def load_model_optimizer(parts: Parts, path: Path, extra: dict[str, torch.Tensor] | None = None,
                          aliases: dict[str, str] | None = None) -> None:
     """Load in place into the model parts and their optimizers, whatever their current layout.
@@ -151,19 +229,20 @@ def _require_checkpoint(path: Path) -> None:
 # --------------------------------------------------------------------------- loading without running code
 
 
-def _write_metadata_digest(path: Path) -> None:
-    """Record the index's SHA-256 next to it (coordinator only; the others wait so the checkpoint
-    is complete when every rank returns)."""
+def _write_metadata_digest(path: Path, rank: int | None = None, barrier: bool = True) -> None:
+    """Record the index's SHA-256 next to it (coordinator only; with ``barrier`` the others wait so
+    the checkpoint is complete when every rank returns)."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
-    if not distributed or dist.get_rank() == 0:
+    rank = (dist.get_rank() if distributed else 0) if rank is None else rank
+    if rank == 0:
         data = (path / METADATA).read_bytes()
         record = {"file": METADATA, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
         tmp = path / f".{DIGEST}.tmp"
         tmp.write_text(json.dumps(record, indent=2))
         os.replace(tmp, path / DIGEST)
-    if distributed:
+    if distributed and barrier:
         dist.barrier()
 
 
@@ -305,6 +384,13 @@ def save_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: P
                  aliases: dict[str, str] | None = None) -> None:
     """Model parts with their optimizers (+ fp16 loss scale) into ``directory/dcp``."""
     save_model_optimizer(parts, Path(directory) / DCP_SUBDIR, _scaler_tensors(scaler), aliases)
+
+
+def stage_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: Path, process_group,
+                  aliases: dict[str, str] | None = None) -> Writer:
+    """``save_sharded`` in two halves: the state is staged in host memory now, and the returned
+    function (run on a background thread) waits for its write (``stage_model_optimizer``)."""
+    return stage_model_optimizer(parts, Path(directory) / DCP_SUBDIR, process_group, _scaler_tensors(scaler), aliases)
 
 
 def load_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: Path,

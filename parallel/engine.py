@@ -29,7 +29,15 @@ import torch
 import torch.nn as nn
 
 from common.errors import CheckpointError
-from parallel.checkpoint import FULL_STATE_FILE, has_sharded_state, load_sharded, safe_torch_load, save_sharded
+from parallel.checkpoint import (
+    FULL_STATE_FILE,
+    has_sharded_state,
+    host_copy,
+    load_sharded,
+    safe_torch_load,
+    save_sharded,
+    stage_sharded,
+)
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
 from parallel.step import Optimized, OptimizerStep, StepResult
@@ -79,6 +87,13 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def load(self, directory: Path) -> None: ...
+
+    def stage_save(self, directory: Path, rank: int, group: Any) -> Callable[[], None]:
+        """Collective: copy this rank's part of the model and optimizer state into host memory now,
+        and return the function that writes it into ``directory`` (on a background thread, while
+        training goes on). ``group``: a CPU process group of all ranks reserved for that write's
+        own collectives (DCP), or None in one process."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write checkpoints in the background")
 
     @abc.abstractmethod
     def comm_stats(self) -> dict[str, float]:
@@ -188,6 +203,12 @@ class TorchEngine(Engine):
         if rank == 0:  # every rank holds the same full state
             torch.save(self.state_dict(), directory / FULL_STATE_FILE)
 
+    def stage_save(self, directory: Path, rank: int, group: Any) -> Callable[[], None]:
+        if rank != 0:
+            return lambda: None
+        staged = host_copy(self.state_dict())  # the same file torch.save writes from the live state
+        return lambda: torch.save(staged, directory / FULL_STATE_FILE)
+
     def load(self, directory: Path) -> None:
         if has_sharded_state(directory):  # saved by a sharded layout: DCP reshards it into this one
             load_sharded([(self.module(), self.optimizer)], self.scaler, directory)
@@ -227,6 +248,9 @@ class ShardedEngine(TorchEngine):
 
     def save(self, directory: Path, rank: int) -> None:
         save_sharded([(self.model, self.optimizer)], self.scaler, directory)
+
+    def stage_save(self, directory: Path, rank: int, group: Any) -> Callable[[], None]:
+        return stage_sharded([(self.model, self.optimizer)], self.scaler, directory, group)
 
     def load(self, directory: Path) -> None:
         load_sharded([(self.model, self.optimizer)], self.scaler, directory)

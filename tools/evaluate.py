@@ -82,6 +82,9 @@ def evaluate(args: argparse.Namespace, overrides: list[str]) -> dict:
     if bad:
         raise ConfigError(f"unknown argument {bad[0]}; only --data.key=value overrides are read here")
     source = load_source(args.source)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in source.warnings:
+            print(f"warning: {line}", file=sys.stderr)
     config = args.config or run_config(args.source)
     if config is None:
         raise ConfigError(f"{args.source} is not inside a run directory; pass --config with the dataset's data section")

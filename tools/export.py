@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         source = load_source(args.source)
+        for line in source.warnings:
+            print(f"warning: {line}", file=sys.stderr)
         written = write_export(source, args.out, args.format, DTYPES.get(args.dtype), overwrite=args.overwrite)
     except USER_FACING_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def sample(args: argparse.Namespace) -> list[tuple[str, str]]:
     source = load_source(args.source)
+    for line in source.warnings:
+        print(f"warning: {line}", file=sys.stderr)
     spec = args.tokenizer or source.tokenizer
     if not spec:
         raise ConfigError(f"{args.source} does not record its tokenizer; pass --tokenizer (byte, tiktoken:<encoding> "

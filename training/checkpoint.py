@@ -5,6 +5,7 @@ Layout under the checkpoint root::
     step_00000200/           a complete checkpoint (meta.json is written last, inside the temp dir)
         meta.json            step, world size, strategy, format version, LR schedule, whether the
                              save was healthy, and a manifest of every other file with its size
+                             and its SHA-256 (``checksums``)
         model_optim.pt       (or dcp/ for FSDP2, or DeepSpeed's own files for ZeRO)
         rank_00000.pt        per-rank trainer state: RNG states, data position
     latest                   text file naming the newest complete checkpoint (replaced atomically)
@@ -16,6 +17,15 @@ and deletes it only afterwards: at every instant one complete copy exists under 
 "Complete" means meta.json is there and every file its manifest lists has the listed size;
 resolving ``latest`` walks back to the newest complete checkpoint (warning about each one it
 passes over), so a torn directory is never loaded and never hides an older good one.
+
+Damage that keeps a file's size (a flipped block on disk, a bad copy) is caught by the content
+checksums: each rank hashes the files it wrote right after writing them (their names carry its
+rank; rank 0 writes the shared ones), so no rank reads the whole checkpoint, and rank 0 puts the
+digests into meta.json. Whatever reads a checkpoint checks them first (``verify_contents``):
+resume and the tools that take a run directory pass over a damaged checkpoint as they pass over
+a torn one, and a checkpoint named explicitly is refused in one line naming the file.
+Checkpoints saved before checksums existed still load, with a note that their contents were not
+checked.
 
 A save is refused, with nothing written, when any rank's weights hold NaN or inf. Each save
 records whether the step before it was applied ("healthy") or skipped as non-finite, and
@@ -29,11 +39,15 @@ from __future__ import annotations
 
 import contextlib
 import errno as errno_codes
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -41,12 +55,15 @@ import numpy as np
 import torch
 
 from common.errors import CheckpointError
+from parallel.checkpoint import host_copy
 
 # 2: the model stores qkv rows grouped per key/value head, a separate SwiGLU gate and the MLP bias
 # inside fc (model/gpt.py), so version-1 weights would load into the new shapes with the wrong
 # meaning; they are refused instead. New meta keys stay optional within a version.
 FORMAT_VERSION = 2
 META = "meta.json"
+CHECKSUM = "sha256"
+DIGESTS_PREFIX = ".digests-rank_"  # each rank's digests of the files it hashed, merged into meta.json
 TMP_PREFIX = ".tmp-"
 ASIDE_PREFIX = ".old-"
 _STEP_RE = re.compile(r"^(?:\.old-)?step_(\d+)$")
@@ -235,6 +252,78 @@ _TORCH_WRITE_ERRORS = ("inline_container", "PytorchStreamWriter", "Parent direct
 # ----------------------------------------------------------------------- saving
 
 
+@dataclass
+class SaveJob:
+    """One save of ``step``, as every rank sees it: where it goes and what meta.json will say."""
+
+    root: Path
+    step: int
+    rank: int
+    world_size: int
+    strategy: str
+    barrier: Callable[[], None]
+    keep_last: int
+    extra_meta: dict[str, Any] | None = None
+    healthy: bool = True
+    device: torch.device = torch.device("cpu")
+    # Filled by ``write`` for the benchmark (analysis/checkpoint_bench.py): seconds this rank spent
+    # writing, of which hashing, and the bytes it hashed.
+    write_s: float = 0.0
+    checksum_s: float = 0.0
+    checksum_bytes: int = 0
+
+    @property
+    def final(self) -> Path:
+        return self.root / step_dir_name(self.step)
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / f"{TMP_PREFIX}{self.final.name}"
+
+    @property
+    def label(self) -> str:
+        return f"step {self.step}: cannot save the checkpoint"
+
+    def begin(self, weights: Iterable[torch.Tensor] | None) -> None:
+        """The finite check, then rank 0 creates the temporary directory. Collective."""
+        if weights is not None and _weights_nonfinite(weights, self.world_size, self.device):
+            previous = find_latest(self.root) if self.root.is_dir() else None
+            kept = f"{previous.name} is kept" if previous else "no earlier checkpoint exists"
+            raise CheckpointError(
+                f"step {self.step}: the model's weights hold NaN or inf, refusing to save them as a checkpoint "
+                f"({kept}); the run diverged: lower optim.lr, or resume from an earlier checkpoint"
+            )
+        error = _attempt(lambda: _prepare(self.root, self.tmp), self.tmp, self.label) if self.rank == 0 else None
+        _agree(error, self.world_size, self.device, self.barrier, f"step {self.step}: preparing {self.tmp}")
+
+    def write(self, write_states: Callable[[Path], None], rank_state: dict[str, Any]) -> CheckpointError | None:
+        """This rank's files, then the checksums of those it wrote. Local: no collective, so a
+        background thread may run it; a file-system failure is returned as one line."""
+        def write() -> None:
+            t0 = time.perf_counter()
+            write_states(self.tmp)
+            torch.save(rank_state, self.tmp / f"rank_{self.rank:05d}.pt")
+            t1 = time.perf_counter()
+            self.checksum_bytes = write_digests(self.tmp, self.rank, self.world_size)
+            self.write_s, self.checksum_s = time.perf_counter() - t0, time.perf_counter() - t1
+
+        return _attempt(write, self.tmp, self.label)
+
+    def finish(self, error: CheckpointError | None) -> Path:
+        """Once every rank's write returned: agree on its outcome, then rank 0 publishes. Collective."""
+        owned = self.tmp if self.rank == 0 else None  # rank 0 publishes and on failure removes the temp dir
+        _agree(error, self.world_size, self.device, self.barrier, f"step {self.step}: writing {self.tmp}",
+               cleanup=owned)
+        if self.rank == 0:
+            meta = {"format_version": FORMAT_VERSION, "step": self.step, "world_size": self.world_size,
+                    "strategy": self.strategy, "healthy": self.healthy, **(self.extra_meta or {})}
+            error = _attempt(lambda: _publish(self.root, self.tmp, self.final, meta, self.keep_last), self.tmp,
+                             self.label)
+        _agree(error, self.world_size, self.device, self.barrier, f"step {self.step}: publishing {self.final}",
+               cleanup=owned)
+        return self.final
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -257,28 +346,88 @@ def save_checkpoint(
     always keeps the newest healthy checkpoint. ``weights``: this rank's parameter tensors
     (``local_weights``); if any rank's hold NaN or inf, nothing is written and every rank raises.
     """
-    final = root / step_dir_name(step)
-    tmp = root / f"{TMP_PREFIX}{final.name}"
-    if weights is not None and _weights_nonfinite(weights, world_size, device):
-        previous = find_latest(root) if root.is_dir() else None
-        kept = f"{previous.name} is kept" if previous else "no earlier checkpoint exists"
-        raise CheckpointError(
-            f"step {step}: the model's weights hold NaN or inf, refusing to save them as a checkpoint ({kept}); "
-            "the run diverged: lower optim.lr, or resume from an earlier checkpoint"
-        )
+    job = SaveJob(root, step, rank, world_size, strategy, barrier, keep_last, extra_meta, healthy, device)
+    job.begin(weights)
+    return job.finish(job.write(write_states, rank_state))
 
-    label = f"step {step}: cannot save the checkpoint"
-    owned = tmp if rank == 0 else None  # rank 0 creates, publishes and on failure removes the temp dir
-    error = _attempt(lambda: _prepare(root, tmp), tmp, label) if rank == 0 else None
-    _agree(error, world_size, device, barrier, f"step {step}: preparing {tmp}")
-    error = _attempt(lambda: (write_states(tmp), torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")), tmp, label)
-    _agree(error, world_size, device, barrier, f"step {step}: writing {tmp}", cleanup=owned)
-    if rank == 0:
-        meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, "strategy": strategy,
-                "healthy": healthy, **(extra_meta or {})}
-        error = _attempt(lambda: _publish(root, tmp, final, meta, keep_last), tmp, label)
-    _agree(error, world_size, device, barrier, f"step {step}: publishing {final}", cleanup=owned)
-    return final
+
+class BackgroundSave:
+    """Checkpoints written on a background thread (checkpoint.async_save): the training loop pays
+    for the finite check and for copying the state into host memory; the files are written while
+    training goes on, and the checkpoint is published at a later step, once every rank's write
+    finished. At most one save is in flight.
+
+    Everything the synchronous save promises holds: the write goes into the temporary directory,
+    which rank 0 renames into place only when every rank's write (and its checksums) completed, so
+    a crash before that leaves the previous checkpoint complete and ``latest`` naming it; the
+    finite check runs before anything is staged; pruning runs only at publication, after the new
+    checkpoint is in place. A write error (a full disk) becomes the same one-line
+    CheckpointError, raised by the ``finish`` that publishes, on every rank.
+    """
+
+    def __init__(self) -> None:
+        self.job: SaveJob | None = None
+        self._thread: threading.Thread | None = None
+        self._outcome: BaseException | None = None  # the write's error; a CheckpointError when it is the disk's
+        self._group = None  # the process group DCP's writer thread runs its collectives on
+
+    @property
+    def in_flight(self) -> bool:
+        return self.job is not None
+
+    def start(self, job: SaveJob, stage: Callable[[Path, Any], Callable[[], None]], rank_state: dict[str, Any],
+              weights: Iterable[torch.Tensor] | None) -> None:
+        """Collective: the finite check, the temporary directory, then ``stage(tmp, group)`` copies
+        this rank's state into host memory and gives the function that writes it, which runs on a
+        thread. The caller finished the previous save first (``finish(wait=True)``)."""
+        if self.job is not None:
+            raise RuntimeError("a background checkpoint write is still in flight; finish it first")
+        job.begin(weights)
+        writers: list[Callable[[], None]] = []
+        error = _attempt(lambda: writers.append(stage(job.tmp, self._process_group(job.world_size))), job.tmp,
+                         job.label)
+        if error is not None:
+            job.finish(error)  # agrees with the other ranks, removes the temp dir, raises
+        staged_rank_state = host_copy(rank_state)
+        self.job, self._outcome = job, None
+
+        def write() -> None:
+            try:
+                self._outcome = job.write(lambda _: writers[0](), staged_rank_state)
+            except BaseException as exc:  # noqa: BLE001 -- a bug: re-raised with its traceback by finish
+                self._outcome = exc
+
+        self._thread = threading.Thread(target=write, name=f"checkpoint-step-{job.step}", daemon=True)
+        self._thread.start()
+
+    def finish(self, *, wait: bool) -> tuple[Path, float | None] | None:
+        """Collective: publish the save in flight once every rank's write completed. Without
+        ``wait``, only if they all have already (otherwise None: try again later); with it, after
+        waiting. Returns (the checkpoint, seconds this rank waited, or None when it did not)."""
+        job, thread = self.job, self._thread
+        if job is None or thread is None:
+            return None
+        if not wait and _any_rank(thread.is_alive(), job.world_size, job.device):
+            return None
+        waited = None
+        if thread.is_alive():
+            t0 = time.perf_counter()
+            thread.join()
+            waited = time.perf_counter() - t0
+        outcome, self.job, self._thread, self._outcome = self._outcome, None, None, None
+        if outcome is not None and not isinstance(outcome, CheckpointError):  # a bug: keep its traceback,
+            with contextlib.suppress(CheckpointError):  # after the other ranks heard the save failed
+                job.finish(CheckpointError(f"step {job.step}: the background checkpoint write failed"))
+            raise outcome
+        return job.finish(outcome), waited
+
+    def _process_group(self, world_size: int):
+        """All ranks, on gloo, for DCP's writer thread alone: collectives from two threads on one
+        group would pair up wrongly. Created once, at the first save (a collective, which every
+        rank reaches at the same step)."""
+        if world_size > 1 and torch.distributed.is_initialized() and self._group is None:
+            self._group = torch.distributed.new_group(backend="gloo")
+        return self._group
 
 
 def _attempt(action: Callable[[], Any], directory: Path, label: str) -> CheckpointError | None:
@@ -322,18 +471,111 @@ def _recover_asides(root: Path) -> None:
 
 def _manifest(directory: Path) -> dict[str, int]:
     """Every file of the checkpoint with its size, so a torn or half-copied directory is recognized."""
-    files = {}
+    return {rel: (directory / rel).stat().st_size for rel in _checkpoint_files(directory)}
+
+
+def _checkpoint_files(directory: Path) -> list[str]:
+    """The checkpoint's own files (relative, sorted): not meta.json, not the digests on their way into it."""
+    files = []
     for dirpath, _, names in os.walk(directory):
         for name in names:
-            path = Path(dirpath) / name
-            rel = path.relative_to(directory).as_posix()
-            if rel != META:
-                files[rel] = path.stat().st_size
-    return dict(sorted(files.items()))
+            rel = (Path(dirpath) / name).relative_to(directory).as_posix()
+            if rel != META and not name.startswith(DIGESTS_PREFIX):
+                files.append(rel)
+    return sorted(files)
+
+
+# ----------------------------------------------------------------------- content checksums
+
+_RANK_IN_NAME = re.compile(r"(?:^__|rank_)(\d+)")  # DCP's __<rank>_0.distcp, rank_<rank>.pt, DeepSpeed's *_rank_<r>_*
+
+
+def file_digest(path: Path, chunk: int = 8 << 20) -> str:
+    """SHA-256 of a file, read in chunks (hashlib releases the GIL on each, so a background
+    thread hashing does not stall the training thread)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _writer_of(rel: str, world_size: int) -> int:
+    """The rank that wrote ``rel`` and so hashes it (at save time it may still be in that rank's
+    page cache): the one whose number the file name carries (DCP's ``__<rank>_0.distcp``,
+    ``rank_<rank>.pt``, DeepSpeed's ``*_rank_<rank>_*``), else rank 0, which writes the shared files
+    (``model_optim.pt``, DCP's index)."""
+    found = _RANK_IN_NAME.search(Path(rel).name)
+    return int(found.group(1)) % world_size if found else 0
+
+
+def write_digests(directory: Path, rank: int, world_size: int) -> int:
+    """Hash the checkpoint files this rank wrote into ``<directory>/.digests-rank_R.json``, right
+    after writing them: no other rank has to finish first, as no rank hashes another's files.
+    Returns the bytes hashed."""
+    mine = [rel for rel in _checkpoint_files(directory) if _writer_of(rel, world_size) == rank]
+    digests = {rel: file_digest(directory / rel) for rel in mine}
+    path = directory / f"{DIGESTS_PREFIX}{rank:05d}.json"
+    with open(path, "w") as f:
+        json.dump(digests, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return sum((directory / rel).stat().st_size for rel in mine)
+
+
+def _collect_digests(directory: Path, files: Iterable[str]) -> dict[str, str]:
+    """The digests every rank wrote, merged (the rank files are removed); every file must have one."""
+    merged: dict[str, str] = {}
+    for part in sorted(directory.glob(f"{DIGESTS_PREFIX}*.json")):
+        merged.update(json.loads(part.read_text()))
+        part.unlink()
+    missing = [rel for rel in files if rel not in merged]
+    if missing:  # a rank saw another listing than rank 0: the file system is not shared by all ranks
+        raise CheckpointError(f"no rank checksummed {directory / missing[0]}; is checkpoint.dir on a file system "
+                              "that every rank shares?")
+    return {rel: merged[rel] for rel in files}
+
+
+def verify_contents(path: Path, warn: Warn | None = None, *, rank: int = 0, world_size: int = 1) -> str | None:
+    """None when every file of checkpoint ``path`` has the content its meta.json recorded, else one
+    line naming the first damaged file. Each rank hashes its share (as at save time); collective
+    when world_size > 1 under a process group. A checkpoint that records no checksums (saved by an
+    older perfgpt) passes, and ``warn`` hears so."""
+    sums = _meta_of(path).get("checksums")
+    if not isinstance(sums, dict) or not isinstance(sums.get("files"), dict):
+        if warn:
+            warn(f"{path} records no content checksums (saved before perfgpt wrote them); loading it without "
+                 "checking its contents")
+        return None
+    recorded: dict[str, str] = sums["files"]
+    distributed = world_size > 1 and torch.distributed.is_initialized()
+    mine = sorted(rel for rel in recorded if not distributed or _writer_of(rel, world_size) == rank)
+    reason = None
+    for rel in mine:
+        file = path / rel
+        try:
+            ok = file_digest(file) == recorded[rel]
+        except OSError as exc:
+            reason = f"cannot read checkpoint file {file}: {_os_error_text(exc, file)}"
+            break
+        if not ok:
+            reason = (f"checkpoint file {file} does not match its recorded {sums.get('algorithm', CHECKSUM)} "
+                      "checksum (damaged after it was written)")
+            break
+    if distributed:
+        reasons: list[str | None] = [None] * world_size
+        torch.distributed.all_gather_object(reasons, reason)
+        reason = next((r for r in reasons if r is not None), None)
+    return reason
+
+
+# ----------------------------------------------------------------------- publishing
 
 
 def _publish(root: Path, tmp: Path, final: Path, meta: dict[str, Any], keep_last: int) -> None:
-    _write_text_atomic(tmp / META, json.dumps({**meta, "files": _manifest(tmp)}, indent=2))
+    files = _manifest(tmp)
+    checksums = {"algorithm": CHECKSUM, "files": _collect_digests(tmp, files)}
+    _write_text_atomic(tmp / META, json.dumps({**meta, "files": files, "checksums": checksums}, indent=2))
     aside = root / f"{ASIDE_PREFIX}{final.name}"
     if final.exists():  # re-saving the same step (e.g. a resumed run that ends where it started)
         shutil.rmtree(aside, ignore_errors=True)
@@ -400,16 +642,23 @@ def incomplete_reason(path: Path) -> str | None:
     return None
 
 
-def find_latest(root: Path, warn: Warn | None = None) -> Path | None:
-    """Newest complete checkpoint under root; ``warn`` hears about every newer one passed over."""
-    return _scan(root, warn)[0]
+Verify = Callable[[Path], "str | None"]  # a checkpoint -> None if its contents are intact, else why not
 
 
-def _scan(root: Path, warn: Warn | None) -> tuple[Path | None, list[str]]:
+def find_latest(root: Path, warn: Warn | None = None, verify: Verify | None = None, *,
+                who: str = "resume") -> Path | None:
+    """Newest complete checkpoint under root (and intact, when ``verify`` checks contents);
+    ``warn`` hears about every newer one passed over, ``who`` names the reader in those lines."""
+    return scan_checkpoints(root, warn, verify, who)[0]
+
+
+def scan_checkpoints(root: Path, warn: Warn | None, verify: Verify | None = None, who: str = "resume"
+          ) -> tuple[Path | None, list[str]]:
     """(newest complete checkpoint, why each newer candidate was passed over).
 
     Candidates are ``step_*`` directories and the copies a crashed re-save left aside
-    (``.old-step_*``) when no complete ``step_*`` of that step exists.
+    (``.old-step_*``) when no complete ``step_*`` of that step exists. ``verify`` (a collective
+    when it checks on several ranks) runs only on checkpoints whose files are all there.
     """
     if not root.is_dir():
         return None, []
@@ -423,40 +672,48 @@ def _scan(root: Path, warn: Warn | None) -> tuple[Path | None, list[str]]:
     for step in sorted(candidates, reverse=True):
         path = candidates[step]
         reason = incomplete_reason(path)
+        if reason is None and verify is not None:
+            reason = verify(path)
         if reason is None:
             if path.name.startswith(ASIDE_PREFIX) and warn:
-                warn(f"resume: {path.name[len(ASIDE_PREFIX):]} was being replaced when a save was interrupted; "
+                warn(f"{who}: {path.name[len(ASIDE_PREFIX):]} was being replaced when a save was interrupted; "
                      f"using its complete previous copy {path}")
             if skipped and warn:
-                warn(f"resume: skipping incomplete checkpoint(s): {'; '.join(skipped)}; using {path.name}")
+                warn(f"{who}: skipping incomplete or damaged checkpoint(s): {'; '.join(skipped)}; using {path.name}")
             return path, skipped
         skipped.append(f"{path.name} ({reason})")
     return None, skipped
 
 
-def resolve_resume(spec: str, root: Path, warn: Warn | None = None) -> Path | None:
+def resolve_resume(spec: str, root: Path, warn: Warn | None = None, verify: Verify | None = None) -> Path | None:
     """'' -> None; 'latest' -> newest complete checkpoint (None if none was ever saved); else a path.
 
     The ``latest`` pointer is advisory: the directory scan decides, so a pointer that names a
     torn, missing or older checkpoint (a crash between rename and pointer update) is reported
     and passed over rather than followed. Checkpoints that all turned out incomplete are an
-    error, not a fresh start: training from step 0 would quietly discard the run.
+    error, not a fresh start: training from step 0 would quietly discard the run. ``verify``
+    checks contents (``verify_contents``): 'latest' passes over a damaged checkpoint, a named
+    one is refused.
     """
     if not spec:
         return None
-    if spec == "latest":
-        found, skipped = _scan(root, warn)
+    path = Path(spec)
+    if spec == "latest" or (path.is_dir() and not (path / META).is_file() and _step_dirs(path)):
+        root = root if spec == "latest" else path  # a checkpoint root may be given too
+        found, skipped = scan_checkpoints(root, warn, verify)
         if found is None and skipped:
-            raise CheckpointError(f"--resume latest: no complete checkpoint under {root}: {'; '.join(skipped)}; "
+            raise CheckpointError(f"--resume {spec}: no complete checkpoint under {root}: {'; '.join(skipped)}; "
                                   "resume from a copy you trust, or start without --resume")
         pointer = _read_pointer(root)
         if found is not None and pointer and warn and pointer != found.name.removeprefix(ASIDE_PREFIX):
             warn(f"resume: {root / 'latest'} names {pointer}, which is not the newest complete checkpoint; "
                  f"using {found}")
         return found
-    path = Path(spec)
-    if path.is_dir() and not (path / META).is_file() and find_latest(path) is not None:
-        return find_latest(path, warn)  # a checkpoint root was given
+    if verify is not None and path.is_dir() and incomplete_reason(path) is None:
+        reason = verify(path)
+        if reason is not None:
+            raise CheckpointError(f"--resume {path}: {reason}; resume from another checkpoint (--resume latest "
+                                  "passes over damaged ones)")
     return path
 
 

@@ -122,6 +122,11 @@ class CheckpointConfig:
         "state are resharded (sharded/DCP checkpoints), the LR schedule continues at the saved step, and the data "
         "stream restarts at its first batch (its position is per data-parallel rank and cannot be mapped)"
     )
+    async_save: bool = doc(
+        False, "write interval checkpoints in the background: the step pays only for copying the state to "
+        "host memory, the checkpoint is published at a later log line once every rank's write is done; at most one "
+        "in flight (the next save waits for it); the final save and a save on SIGTERM/Ctrl-C stay synchronous"
+    )
     allow_schedule_change: bool = doc(
         False, "resume even if the LR schedule (optim.lr, min_lr, warmup_steps, resolved decay_steps) differs "
         "from the checkpoint's; default: refuse, naming the keys"
@@ -305,6 +310,10 @@ class JobConfig:
             raise ConfigError(f"harness.tasks evaluates a plain copy of the model, which model.layers={self.model.layers} "
                               "cannot give; use model.layers=torch, or evaluate the checkpoints with "
                               "python -m tools.evaluate --tasks")
+        if self.checkpoint.async_save and self.parallel.strategy.startswith("zero"):
+            raise ConfigError(f"checkpoint.async_save=true cannot write parallel.strategy={self.parallel.strategy} "
+                              "checkpoints in the background (DeepSpeed writes them itself); set "
+                              "checkpoint.async_save=false, or use parallel.strategy=fsdp")
         if self.model.layers == "te" and self.parallel.init_on_meta:
             raise ConfigError("parallel.init_on_meta=true cannot initialize Transformer Engine layers "
                               "(model.layers=te); set parallel.init_on_meta=false")

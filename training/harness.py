@@ -73,6 +73,8 @@ class PerfGPTLM(TemplateLM):
             if not checkpoint:
                 raise ConfigError("the perfgpt harness model needs checkpoint=<run, checkpoint or export directory>")
             source = load_source(checkpoint)
+            for line in source.warnings:  # e.g. a damaged newest checkpoint passed over
+                logging.getLogger("perfgpt").warning(line)
             tokenizer = tokenizer or source.tokenizer
             if not tokenizer:
                 raise ConfigError(f"{checkpoint} does not record its tokenizer; pass tokenizer=byte, "

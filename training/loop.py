@@ -271,39 +271,64 @@ class TrainingLoop:
         self.phases = Phases(ctx.device, timed=self.stragglers, on_mark=FaultInjector.from_env(ctx.rank))
         engine.mark_phase = self.phases.mark
         self.hosts: list[str] = []
+        self.background = ckpt.BackgroundSave()  # checkpoint.async_save: the write in flight, if any
 
     # ----------------------------------------------------------------- checkpoints
 
-    def save(self) -> None:
+    def save(self, background: bool = False) -> None:
         """Raises CheckpointError, writing nothing, if the weights are non-finite or the disk fails.
 
         ``healthy``: the last step was applied, not skipped; keep_last pruning never removes the
-        newest healthy checkpoint, whatever is saved after it.
+        newest healthy checkpoint, whatever is saved after it. ``background``: stage the state and
+        write it on a thread (checkpoint.async_save); a save in flight is finished first, either way.
         """
         with self.phases.slow("save"):
-            self._save()
+            self._save(background)
 
-    def _save(self) -> None:
+    def _save(self, background: bool) -> None:
         cfg, ctx, step = self.cfg, self.ctx, self.state.step
+        self.finish_background_save(wait=True)
         t0 = time.perf_counter()
         rank_state = {"step": step, "rng": ckpt.capture_rng_state(), "data": self.batches.state_dict()}
-        path = ckpt.save_checkpoint(
-            self.ckpt_root, step, lambda d: self.engine.save(d, ctx.rank), rank_state, rank=ctx.rank,
-            world_size=ctx.world_size, strategy=cfg.parallel.strategy, barrier=ctx.barrier,
-            keep_last=cfg.checkpoint.keep_last, healthy=self.state.healthy, weights=self.engine.local_weights(),
-            device=ctx.device, extra_meta={"model": to_dict(cfg.model), "schedule": cfg.lr_schedule(),
-                                           "layout": self.layout(), "tokenizer": self.data.tokenizer,
-                                           "eot_id": self.data.eot_id},
-        )
+        job = ckpt.SaveJob(self.ckpt_root, step, ctx.rank, ctx.world_size, cfg.parallel.strategy, ctx.barrier,
+                           cfg.checkpoint.keep_last, healthy=self.state.healthy, device=ctx.device,
+                           extra_meta={"model": to_dict(cfg.model), "schedule": cfg.lr_schedule(),
+                                       "layout": self.layout(), "tokenizer": self.data.tokenizer,
+                                       "eot_id": self.data.eot_id})
+        if background:
+            self.background.start(job, lambda d, group: self.engine.stage_save(d, ctx.rank, group), rank_state,
+                                  self.engine.local_weights())
+            self.log.info(f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f}s, writing in the "
+                          "background")
+        else:
+            job.begin(self.engine.local_weights())
+            path = job.finish(job.write(lambda d: self.engine.save(d, ctx.rank), rank_state))
+            self.log.info(f"checkpoint: saved {path} in {time.perf_counter() - t0:.1f}s")
         self.state.last_saved = step
-        self.log.info(f"checkpoint: saved {path} in {time.perf_counter() - t0:.1f}s")
+
+    def finish_background_save(self, wait: bool) -> None:
+        """Publish the background save in flight once every rank wrote it (collective); ``wait``:
+        block until then (logged). Its write error is raised here, as the synchronous save's."""
+        done = self.background.finish(wait=wait)
+        if done is not None:
+            path, waited = done
+            if waited is not None:
+                self.log.info(f"checkpoint: waited {waited:.2f}s for the background write of {path.name}")
+            self.log.info(f"checkpoint: saved {path} (written in the background)")
 
     def resume(self) -> None:
         """Restore everything a continued run needs and continue from its step."""
         cfg, ctx, log = self.cfg, self.ctx, self.log
         warn = log.warn if ctx.is_main else None
+        notes: set[str] = set()  # a multi-checkpoint walk says "no checksums" once
+
+        def verify(p: Path) -> str | None:
+            return ckpt.verify_contents(p, lambda line: notes.add(line), rank=ctx.rank, world_size=ctx.world_size)
+
         spec = cfg.checkpoint.resume
-        path = ckpt.resolve_resume("latest" if spec == "auto" else spec, self.ckpt_root, warn=warn)
+        path = ckpt.resolve_resume("latest" if spec == "auto" else spec, self.ckpt_root, warn=warn, verify=verify)
+        for line in sorted(notes) if warn else ():
+            warn(f"resume: {line}")
         if path is None:
             if spec in ("latest", "auto"):
                 log.info(f"resume{' auto' if spec == 'auto' else ''}: no checkpoint under {self.ckpt_root} yet, "
@@ -366,12 +391,14 @@ class TrainingLoop:
                 result = outcome.result
                 log_due = s.step % t.log_interval == 0 or s.step == t.max_steps
                 if (log_due or self._settle_now(result)) and self._settle(alarms):
+                    self.finish_background_save(wait=True)  # it holds the state from before the streak
                     return 3
                 log.advance()
 
                 if log_due:
                     self.phases.mark("collective")
                     window = self._log_window(window, result, lr, alarms)
+                    self.finish_background_save(wait=False)
                 if t.eval_interval and (s.step % t.eval_interval == 0 or s.step == t.max_steps):
                     with self.phases.slow("evaluation"):
                         s.last_val = evaluate(self.engine, self.data.val, t.validation_sequences, ctx)
@@ -383,16 +410,19 @@ class TrainingLoop:
                         self._run_tasks()
                     window.restart_clock()
                 if self._interval_save_due(result):
-                    self.save()
+                    self.save(background=cfg.checkpoint.async_save)
                     s.save_due = False
                     window.restart_clock()
                 self.phases.mark("collective")
                 signum = agreement.poll(self.stop_request.requested)
                 if signum:
                     if self._settle(alarms):
+                        self.finish_background_save(wait=True)
                         return 3
                     return self._stop_on_signal(signum)
             agreement.finish()
+            with self.phases.slow("save"):  # the write in flight, then the final one
+                self.finish_background_save(wait=True)
             if cfg.checkpoint.save_final:
                 self.save()
         summary = f"done: {s.step} steps in {time.perf_counter() - t_start:.1f}s"
@@ -490,6 +520,7 @@ class TrainingLoop:
     def _stop_on_signal(self, signum: int) -> int:
         """Save the step just finished and return the shell's exit code for the signal (143, 130)."""
         step = self.state.step
+        self.finish_background_save(wait=True)  # a save of this step in flight counts once it is written
         if self.state.last_saved != step:
             self.save()
         latest = ckpt.find_latest(self.ckpt_root)

@@ -17,7 +17,7 @@ Weights leave as that safetensors file or as a Hugging Face directory (``write_e
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -51,6 +51,7 @@ class ModelSource:
     tokenizer: str | None  # data.tokenizer.build_tokenizer spec; None: unknown (pass --tokenizer)
     eot_id: int | None
     origin: str  # one line for the log: what was read
+    warnings: list[str] = field(default_factory=list)  # what the reader should hear (e.g. a damaged checkpoint passed over)
 
     def build(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> GPT:
         """The GPT with these weights, in eval mode."""
@@ -76,7 +77,10 @@ def load_source(path: str | Path) -> ModelSource:
     elif (path / SAFETENSORS_NAME).is_file():
         source = _read_safetensors(path / SAFETENSORS_NAME)
     else:
-        source = read_checkpoint(_step_dir(path))
+        warnings: list[str] = []
+        step_dir, verified = _step_dir(path, warnings.append)
+        source = read_checkpoint(step_dir, warnings.append, verify=not verified)
+        source.warnings = list(dict.fromkeys(warnings))  # the "no checksums" note once
     check_state_dict(source.cfg, source.state)
     return source
 
@@ -91,12 +95,18 @@ def with_initial_weights(cfg: JobConfig) -> tuple[JobConfig, ModelSource, str]:
     cfg.validate()  # e.g. tensor parallelism must still divide the heads of the imported model
     note = (f"model.init_from: {source.origin}; architecture from it"
             + (f" ({', '.join(changed)})" if changed else " (the same as configured)"))
+    note = "\n".join([f"model.init_from: warning: {w}" for w in source.warnings] + [note])
     return cfg, source, note
 
 
-def read_checkpoint(step_dir: Path) -> ModelSource:
-    """The model of one perfgpt checkpoint directory, whichever layout saved it."""
+def read_checkpoint(step_dir: Path, warn: ckpt.Warn | None = None, *, verify: bool = True) -> ModelSource:
+    """The model of one perfgpt checkpoint directory, whichever layout saved it, once its files'
+    contents match their checksums (a damaged one is a one-line CheckpointError naming the file;
+    ``verify=False``: the caller has just checked them)."""
     meta = ckpt.read_checkpoint_meta(step_dir, 1, "", reshard=True)
+    damage = ckpt.verify_contents(step_dir, warn) if verify else None
+    if damage is not None:
+        raise CheckpointError(f"{damage}; use another checkpoint (a run directory gives its newest intact one)")
     if "model" not in meta:
         raise CheckpointError(f"{step_dir / ckpt.META} records no model config; it was written by an older perfgpt")
     cfg = model_config(meta["model"], f"{step_dir / ckpt.META}")
@@ -125,16 +135,20 @@ def model_config(raw: Mapping[str, Any], where: str) -> ModelConfig:
         raise CheckpointError(f"{where}: its model config does not build here: {exc}") from None
 
 
-def _step_dir(path: Path) -> Path:
-    """A checkpoint directory from a step, checkpoint-root or run directory."""
+def _step_dir(path: Path, warn: ckpt.Warn) -> tuple[Path, bool]:
+    """A checkpoint directory from a step, checkpoint-root or run directory, and whether its
+    contents were verified: of a root or run, the newest complete and intact checkpoint, and
+    ``warn`` hears about each newer one passed over."""
     if (path / ckpt.META).is_file():
-        return path
+        return path, False
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    found = ckpt.find_latest(root)
+    found, skipped = ckpt.scan_checkpoints(root, warn, lambda p: ckpt.verify_contents(p, warn), who=f"reading {path}")
+    if found is None and skipped:
+        raise CheckpointError(f"{path} holds no complete and intact checkpoint: {'; '.join(skipped)}")
     if found is None:
         raise CheckpointError(f"{path} holds no complete perfgpt checkpoint, Hugging Face config.json or "
                               f"{SAFETENSORS_NAME}")
-    return found
+    return found, True
 
 
 def _plain_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -128,8 +128,9 @@ def test_a_diverged_model_is_never_saved_and_the_last_good_checkpoint_stays(base
     state["model"]["tok_emb.weight"][0, 0] = float("nan")
     torch.save(state, step_dir / "model_optim.pt")
     meta = json.loads((step_dir / "meta.json").read_text())
-    if "files" in meta:  # the manifest must keep describing the file
-        meta["files"]["model_optim.pt"] = (step_dir / "model_optim.pt").stat().st_size
+    # the manifest must keep describing the file (its size and content checksum)
+    meta["files"]["model_optim.pt"] = (step_dir / "model_optim.pt").stat().st_size
+    meta["checksums"]["files"]["model_optim.pt"] = ckpt.file_digest(step_dir / "model_optim.pt")
     (step_dir / "meta.json").write_text(json.dumps(meta))
     proc = run_train(["--config", TINY, "--resume", *tiny_overrides(run_dir, corpus_cache, **{
         "train.max_steps": 4, "optim.decay_steps": 2, "checkpoint.interval": 1})])
@@ -301,13 +302,16 @@ def _can_mount_tmpfs() -> bool:
 
 
 @pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare -rm and tmpfs mounts (user namespaces)")
-def test_a_really_full_disk_mid_run_is_named_and_the_previous_checkpoint_survives(tmp_path, corpus_cache):
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_a_really_full_disk_mid_run_is_named_and_the_previous_checkpoint_survives(async_save, tmp_path, corpus_cache):
     # A private 2 MiB tmpfs (mount namespace of this one command): one 1.5 MB checkpoint fits, a
-    # second does not, so the save at step 4 runs out of space inside torch.save.
+    # second does not, so the save at step 4 runs out of space inside torch.save (with
+    # checkpoint.async_save on the writer thread, and the error comes at a later step, the same line).
     ckpt_dir = tmp_path / "small_disk"
     ckpt_dir.mkdir()
     args = ["--config", TINY, *tiny_overrides(tmp_path / "run", corpus_cache, **{
-        "train.max_steps": 6, "checkpoint.interval": 2, "checkpoint.keep_last": 1, "checkpoint.dir": str(ckpt_dir)})]
+        "train.max_steps": 6, "checkpoint.interval": 2, "checkpoint.keep_last": 1, "checkpoint.dir": str(ckpt_dir),
+        "checkpoint.async_save": async_save})]
     proc = subprocess.run(
         ["unshare", "-rm", "sh", "-c",
          f'mount -t tmpfs -o size=2m tmpfs "$0" || exit 99; "$@"; rc=$?; cp -r "$0" "{tmp_path}/after"; exit $rc',
