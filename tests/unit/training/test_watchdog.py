@@ -119,6 +119,43 @@ def test_the_straggler_is_the_slowest_rank_past_the_threshold_over_the_median():
     assert line.startswith("step 20: straggler rank 1 on b: 50% slower than the median rank (300.0 vs 100.0 ms")
 
 
+class HostClockEvent:
+    """torch.cuda.Event's timing interface on the host clock, to check on a CPU how the CUDA path
+    attributes the time between events to phases."""
+
+    def __init__(self, enable_timing: bool = False):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3  # milliseconds, as CUDA events report
+
+
+def test_on_cuda_each_phase_gets_the_time_between_its_mark_and_the_next(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "Event", HostClockEvent)
+    phases = Phases(torch.device("cuda"))
+    phases.start(0)
+    phases.mark("data")
+    phases.mark("forward")
+    time.sleep(0.2)
+    phases.mark("backward")
+    time.sleep(0.1)
+    phases.mark("optimizer")
+    phases.step_done(1)
+    first = phases.take_window()
+    # Each sleep counts in the phase it ran in (shifted by one mark, forward would get 0.1 s, backward none).
+    assert first["forward"] >= 0.2 and first["backward"] >= 0.1 and set(first) >= {"data", "optimizer"}
+    time.sleep(0.05)  # the phase current at take_window is counted up to it, then in the next window
+    assert phases.take_window()["between steps"] >= 0.05
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_phase_times_on_cuda_are_the_device_time_between_marks():
     import torch
