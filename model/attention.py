@@ -151,6 +151,17 @@ def document_mask(documents: torch.Tensor, q_len: int) -> torch.Tensor:
     return (same & causal_mask(q_len, k_len, documents.device)).unsqueeze(1)
 
 
+def document_mask_note(backend: str, batch: int, seq_len: int, cp: int = 1) -> str:
+    """One log line: how the document mask runs on ``backend``, and what its mask costs."""
+    if backend == "flash_attn":
+        return "attention mask: document, through flash-attn's varlen kernel (no mask materialized)"
+    q_len = seq_len // cp  # a context-parallel rank's queries; keys are the whole sequence
+    size = batch * q_len * seq_len  # bool: one byte per (query, key)
+    return (f"attention mask: document, as an explicit bool mask for {backend}: up to {batch} x {q_len} x {seq_len} = "
+            f"{size / 2**20:.2f} MiB in each layer, kept for backward (SDPA then runs a kernel that takes a mask, not "
+            "flash; flash-attn's varlen path has none)")
+
+
 def document_spans(documents: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """flash-attn's varlen description of a document mask, flattened over the batch: cumulative
     query and key lengths per (row, document) span (int32, n + 1 entries), the flat index (into

@@ -28,7 +28,7 @@ import torch.nn as nn
 from common.errors import ConfigError, LayoutError
 from kernels.config import KernelsConfig
 from kernels.registry import resolve_kernel_ops
-from model.attention import select_attention
+from model.attention import document_mask_note, select_attention
 from model.config import ModelConfig
 from model.gpt import GPT, indexed_blocks
 from model.interop import check_state_dict
@@ -75,6 +75,8 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     # 2. Kernels and attention for this device.
     ops, kernel_note = resolve_kernel_ops(kernels_cfg.backend, ctx.device)
     backend, attention_note = choose_attention(model_cfg, ctx.device, policy)
+    if model_cfg.attention_mask == "document":
+        attention_note += "; " + document_mask_note(backend, micro_batch_size, model_cfg.max_seq_len, dims.cp)
     # 3. The model. Every rank builds the same weights from the same seed (DDP broadcasts rank 0's
     # anyway; FSDP2 and TP keep each rank's slice); on meta nothing is allocated until FSDP2 shards it.
     torch.manual_seed(seed)

@@ -4,8 +4,8 @@ The layouts' numbers are checked against a model that runs whole sequences in on
 from the same seed inside each worker: logits and loss of one forward (fp32, within 1e-5) for
 multi-head and grouped-query attention, the causal and the document mask; the gradients (a cp
 rank's gradients summed over its cp group are cp times the whole-sequence gradient, which is what
-FSDP2's average over dp x cp turns into the mean); and the build path's FSDP2 engine over cp and
-cp x dp_shard trained for 10 steps (losses, gradient norms, validation loss), resumed bit for bit
+FSDP2's average over dp x cp turns into the mean); and the build path's FSDP2 engine over cp, cp x
+dp_shard and cp x tp trained for 10 steps (losses, gradient norms, validation loss), resumed bit for bit
 from its DCP checkpoint, and loaded into another cp size. One 4-rank launch runs all of it.
 """
 
@@ -41,7 +41,7 @@ MODELS = {
 MICRO, STEPS, SAVE_AFTER, VAL = 2, 10, 6, 5
 TRAIN_MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "n_kv_head": 2,
                "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False}
-LAYOUTS = {"cp4": {"cp": 4}, "cp2_x_dp2": {"cp": 2, "dp_shard": 2}}
+LAYOUTS = {"cp4": {"cp": 4}, "cp2_x_dp2": {"cp": 2, "dp_shard": 2}, "cp2_x_tp2": {"cp": 2, "tp": 2}}
 
 
 def model_cfg(name: str) -> ModelConfig:
