@@ -245,3 +245,16 @@ def test_a_cp4_checkpoint_loads_into_cp2_x_dp2(four_ranks):
     ref = one_process([1] * SAVE_AFTER + [2] * (STEPS - SAVE_AFTER))
     for rank_result in four_ranks:
         assert rank_result["cp4_into_cp2_x_dp2"] == pytest.approx(ref["losses"][SAVE_AFTER:], abs=1e-5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--parallel.cp=4", "--model.max_seq_len=100"], "parallel.cp=4 splits each sequence into 2 x cp = 8 equal chunks"),
+    (["--parallel.cp=2", "--parallel.strategy=zero1"], "parallel.cp=2 with parallel.strategy=zero1 is not supported"),
+])
+def test_train_py_refuses_bad_cp_layouts_in_one_line(capsys, args, message):
+    import train
+
+    assert train.main(["--config", "configs/tiny.yaml", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
