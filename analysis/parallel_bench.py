@@ -620,7 +620,8 @@ CP_NOTES = [
     "Measured activations exceed the estimator's 1/cp + gathered K/V by about one whole-sequence K/V per layer: "
     "a query chunk that sees more keys than it has queries needs the causal mask aligned bottom-right, an explicit "
     "mask, and CPU SDPA then runs its math path, which stores the chunk's scores (c x keys per head). On CUDA "
-    "SDPA's memory-efficient kernel takes the mask and stores no scores, as the estimator assumes.",
+    "SDPA's memory-efficient kernel accepts a mask and stores no scores, as the estimator assumes (not "
+    "measured here: no GPU).",
 ]
 
 NOTES = [
