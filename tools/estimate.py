@@ -135,10 +135,11 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
     dp = gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
     if args.strategy:
         strategy = args.strategy
-    elif dp <= 1:
+    elif dp <= 1 and layout.get("cp", 1) == 1:
         strategy = "none"  # no data-parallel ranks: nothing to shard whatever the config says
     elif strategy == "none":
-        strategy = "fsdp"  # a one-process config spread over --gpus: estimate the sharded version
+        # a one-process config spread over --gpus: estimate the sharded version (cp ranks shard too)
+        strategy = "fsdp"
     if seq_len > model.max_seq_len or (args.seq_len or 0) > model.max_seq_len:
         raise est.EstimatorError(f"--seq-len {args.seq_len or seq_len} exceeds model.max_seq_len={model.max_seq_len}")
     job = est.JobSpec(

@@ -99,3 +99,14 @@ def test_bad_cp_layouts_are_one_line_errors():
         job(cp=4, seq_len=65532)
     with pytest.raises(est.EstimatorError, match="not divisible by tp\\*pp\\*cp\\*dp_replicate=16"):
         job(cp=8, tp=2)
+
+
+def test_the_estimate_tool_takes_cp_and_shards_over_it(capsys):
+    from tools import estimate
+
+    args = ["--config", "configs/llama3-8b.yaml", "--model.max_seq_len=131072", "--data.path=unused", "--gpus", "8",
+            "--cp", "8", "--policy", "full"]
+    assert estimate.main(args) == 0
+    out = capsys.readouterr().out
+    assert "cp=8 (16,384 tokens per GPU)" in out
+    assert "fit: yes" in out and "fsdp, recompute=full" in out  # one data-parallel rank, sharded over the 8 cp ranks
