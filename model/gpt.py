@@ -222,16 +222,20 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {start + t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         if documents is None and cache is None:
             documents = self.document_ids(idx)
-        if positions is None:
-            positions = (torch.arange(start, start + t, device=idx.device)
-                         if documents is None or not self.cfg.document_positions else document_positions(documents))
+        if positions is None and documents is not None and self.cfg.document_positions:
+            positions = document_positions(documents)
         x = idx
         if self.tok_emb is not None:
             x = self.tok_emb(idx)
             if self.pos_emb is not None:
-                x = x + self.pos_emb(positions)
+                x = x + self.pos_emb(torch.arange(start, start + t, device=idx.device) if positions is None else positions)
             x = self.drop(x)
-        rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.cfg.position == "rope" else None
+        rope = None
+        if self.cfg.position == "rope":
+            # Without positions, the tables from ``start`` on: a later pipeline stage's input may be a
+            # sequence-parallel shard of the T positions that attention sees whole.
+            rope = ((self.rope_cos[start:], self.rope_sin[start:]) if positions is None
+                    else (self.rope_cos[positions], self.rope_sin[positions]))
         for name, block in self.blocks.items():
             layer_cache = None if cache is None else cache.layer(int(name))
             x = block(x, rope, layer_cache, documents)
