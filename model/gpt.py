@@ -29,6 +29,15 @@ from model.config import ModelConfig
 from model.te import TEBlock
 
 
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) each token's position inside its document, from the (B, T) document numbers."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values  # where each document begins
+    return index - first
+
+
 class Norm(nn.Module):
     """LayerNorm or RMSNorm whose statistics are computed in fp32 whatever the input dtype."""
 
@@ -83,7 +92,8 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerKV | None = None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerKV | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         # Per key/value head: its query heads, its key, its value. Head counts are read from the
@@ -97,7 +107,7 @@ class Attention(nn.Module):
             q, k = self.ops.apply_rope(q, *rope), self.ops.apply_rope(k, *rope)
         if cache is not None:  # generation: attend to every earlier position too
             k, v = cache.update(k, v)
-        y = self.core(q, k, v).flatten(2)  # (B, T, H * D)
+        y = self.core(q, k, v, documents).flatten(2)  # (B, T, H * D)
         return self.resid_drop(self.proj(y))
 
 
@@ -133,9 +143,10 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, ops)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: LayerKV | None = None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: LayerKV | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, cache)
+        x = x + self.attn(self.norm1(x), rope, cache, documents)
         return x + self.mlp(self.norm2(x))
 
 
@@ -191,7 +202,8 @@ class GPT(nn.Module):
                                                        device)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None, *,
+        positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """idx (B, T) token ids -> mean next-token loss if targets are given, else logits (B, T, V).
 
@@ -199,19 +211,34 @@ class GPT(nn.Module):
         ones: they take positions [cache.length, cache.length + T) and the cache grows by T.
         A pipeline stage without the embedding takes hidden states (B, T, C) instead of ids; one
         without the head returns hidden states.
+
+        ``positions`` (T,) or (B, T): the position of each token, when idx is not a whole sequence
+        from 0 (a context-parallel rank's chunks, parallel/cp.py) or positions restart per document.
+        ``documents`` (B, S): the document number of each key position attention sees (a packed
+        sequence, ``model.attention_mask=document``; computed from idx when not given).
         """
         start, t = (cache.length if cache is not None else 0), idx.shape[1]
         if start + t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {start + t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if documents is None and cache is None:
+            documents = self.document_ids(idx)
+        if positions is None and documents is not None and self.cfg.document_positions:
+            positions = document_positions(documents)
         x = idx
         if self.tok_emb is not None:
             x = self.tok_emb(idx)
             if self.pos_emb is not None:
-                x = x + self.pos_emb(torch.arange(start, start + t, device=idx.device))
+                x = x + self.pos_emb(torch.arange(start, start + t, device=idx.device) if positions is None else positions)
             x = self.drop(x)
-        rope = (self.rope_cos[start:], self.rope_sin[start:]) if self.cfg.position == "rope" else None
+        rope = None
+        if self.cfg.position == "rope":
+            # Without positions, the tables from ``start`` on: a later pipeline stage's input may be a
+            # sequence-parallel shard of the T positions that attention sees whole.
+            rope = ((self.rope_cos[start:], self.rope_sin[start:]) if positions is None
+                    else (self.rope_cos[positions], self.rope_sin[positions]))
         for name, block in self.blocks.items():
-            x = block(x, rope) if cache is None else block(x, rope, cache.layer(int(name)))
+            layer_cache = None if cache is None else cache.layer(int(name))
+            x = block(x, rope, layer_cache, documents)
         if cache is not None:
             cache.advance(t)
         if self.lm_head is None:
@@ -220,6 +247,16 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def document_ids(self, idx: torch.Tensor) -> torch.Tensor | None:
+        """(B, T) the document number of each token under model.attention_mask=document, else None.
+        A document ends with (and includes) its end-of-text token; the next token starts another."""
+        if self.cfg.attention_mask != "document" or self.tok_emb is None:
+            return None
+        if self.cfg.eot_id is None:
+            raise ValueError("model.attention_mask=document needs model.eot_id (the end-of-text id)")
+        ends = (idx == self.cfg.eot_id).int()
+        return ends.cumsum(1) - ends  # end-of-text tokens before this one
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Unique parameters (a tied head counts once); optionally without the embedding tables."""
