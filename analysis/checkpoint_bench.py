@@ -93,7 +93,7 @@ def run_rank(config: str, overrides: list[str], rounds: int, max_steps_during: i
             ctx.barrier()
             t0 = time.perf_counter()
             j = job()
-            background.start(j, lambda d, group: engine.stage_save(d, ctx.rank, group), rank_state(),
+            background.start(j, lambda d, staging: engine.stage_save(d, ctx.rank, staging), rank_state(),
                              engine.local_weights())
             stage_s, during, publish_s, waited = time.perf_counter() - t0, [], 0.0, 0.0
             while True:

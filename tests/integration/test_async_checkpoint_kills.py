@@ -44,8 +44,8 @@ def hold():
     time.sleep(600)
 
 
-def stage_save(self, directory, rank, group):
-    writer = real_stage(self, directory, rank, group)
+def stage_save(self, directory, rank, staging):
+    writer = real_stage(self, directory, rank, staging)
     if not directory.name.endswith("step_00000004"):
         return writer
 
