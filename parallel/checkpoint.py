@@ -162,9 +162,10 @@ class Staging:
         if self._dcp_stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            cuda = torch.cuda.is_available()
-            self._dcp_stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                            use_async_staging=False, use_non_blocking_copy=cuda))
+            # Blocking copies: the writer thread starts reading as soon as async_save returns.
+            self._dcp_stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                            use_shared_memory=False, use_async_staging=False,
+                                                            use_non_blocking_copy=False))
         return self._dcp_stager
 
     def close(self) -> None:
