@@ -24,6 +24,7 @@ from common.errors import USER_FACING_ERRORS, ConfigError, describe_peer_failure
 from common.hardware import peak_tflops_for
 from model.flops import FLOPS_CONVENTION, count_parameters, flops_per_token
 from parallel.distributed import DistContext, env_rank_tag, init_distributed, shutdown_distributed
+from parallel.nccl import apply_flight_recorder_env
 from training import checkpoint as ckpt
 from training.build import build_batches, build_from_config
 from training.config import JobConfig, describe_fields, dump_yaml, load_config, parse_known_overrides, to_dict
@@ -40,7 +41,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "(e.g. --train.max_steps=100 --precision.mode=bf16); --help-config lists them all.",
     )
     parser.add_argument("--config", help="YAML file under configs/ (e.g. configs/tiny.yaml)")
-    parser.add_argument("--resume", nargs="?", const="latest", help="'latest' (default) or a checkpoint directory")
+    parser.add_argument("--resume", nargs="?", const="latest",
+                        help="'latest' (default), 'auto' (the newest complete checkpoint if one exists, else a fresh "
+                        "start: for torchrun --max-restarts) or a checkpoint directory")
     parser.add_argument("--profile", action="store_true", help="write a PyTorch profiler trace to <run_dir>/profile")
     parser.add_argument("--help-config", action="store_true", help="list every config key with its default")
     return parse_known_overrides(parser, argv)
@@ -63,13 +66,16 @@ def run(cfg: JobConfig, stop_request: StopRequest) -> int:
         cfg, source, source_note = with_initial_weights(cfg)
     # The warm-up this run uses goes into config.yaml and the checkpoints' schedule record.
     cfg.optim, warmup_note = cfg.optim.for_run(cfg.train.max_steps)
+    recorder_note = None
+    if cfg.parallel.flight_recorder:  # read by the process group when it starts
+        recorder_note = apply_flight_recorder_env(str(run_dir_of(cfg) / "flight_recorder" / "rank_"))
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
         cfg.parallel, note = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
         run_dir = prepare_run_dir(cfg, ctx)
         with RunLogger(run_dir, cfg.logging, is_main=ctx.is_main, tag=ctx.tag, max_steps=cfg.train.max_steps,
                        config_dict=to_dict(cfg)) as log:
-            for line in (note, source_note):
+            for line in (note, source_note, recorder_note):
                 if line:
                     log.info(line)
             if warmup_note and ctx.is_main:
@@ -79,8 +85,12 @@ def run(cfg: JobConfig, stop_request: StopRequest) -> int:
         shutdown_distributed(ctx)
 
 
+def run_dir_of(cfg: JobConfig) -> Path:
+    return Path(cfg.logging.run_dir.format(name=cfg.name))
+
+
 def prepare_run_dir(cfg: JobConfig, ctx: DistContext) -> Path:
-    run_dir = Path(cfg.logging.run_dir.format(name=cfg.name))
+    run_dir = run_dir_of(cfg)
     if ctx.is_main:
         ckpt.ensure_writable_dir(run_dir, "logging.run_dir")
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))

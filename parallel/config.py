@@ -82,6 +82,11 @@ class ParallelConfig:
     nccl: dict[str, str] = doc(
         {}, "NCCL environment variables set before the process group is created; documented names only"
     )
+    flight_recorder: bool = doc(
+        False, "NCCL: PyTorch's Flight Recorder keeps the last collectives of every rank in a ring buffer and "
+        "dumps it on a collective timeout to <run_dir>/flight_recorder/rank_<R> (TORCH_FR_* / TORCH_NCCL_* "
+        "variables, set before the process group starts)"
+    )
 
     def _validate_communication(self) -> None:
         if self.ddp_comm_hook != "none" and self.strategy != "ddp":

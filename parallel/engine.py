@@ -49,6 +49,9 @@ class Engine(abc.ABC):
     """What the training loop, evaluation and checkpointing need from a parallel layout."""
 
     model: nn.Module  # the module as wrapped for training (DDP, FSDP2, DeepSpeed)
+    # Called with "data", "forward", "backward" as the step's work starts each; the training loop
+    # points it at its phase marks (hang watchdog, straggler report). Must stay cheap.
+    mark_phase: Callable[[str], None] = staticmethod(lambda name: None)
 
     @abc.abstractmethod
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, is_last_micro: bool, n_micro: int) -> torch.Tensor:
@@ -61,6 +64,7 @@ class Engine(abc.ABC):
         seconds spent waiting for data."""
         loss, wait = None, 0.0
         for micro in range(n_micro):
+            self.mark_phase("data")
             t0 = time.perf_counter()
             x, y = next(batches)
             wait += time.perf_counter() - t0
@@ -138,8 +142,10 @@ class TorchEngine(Engine):
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, is_last_micro: bool, n_micro: int) -> torch.Tensor:
         with self._grad_sync(is_last_micro), self._loss_context():
+            self.mark_phase("forward")
             with self.policy.forward_context(self.device):
                 loss = self.model(x, y)
+            self.mark_phase("backward")
             scaled = loss / n_micro
             if self.scaler is not None:
                 scaled = self.scaler.scale(scaled)

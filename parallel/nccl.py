@@ -17,6 +17,7 @@ import difflib
 import os
 import re
 from collections.abc import Callable, Mapping, MutableMapping
+from pathlib import Path
 
 from common.errors import ConfigError
 from common.log import get_logger
@@ -247,3 +248,38 @@ def _process_group_exists() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+# PyTorch's Flight Recorder (ProcessGroupNCCL): a ring buffer of each rank's recent collectives,
+# dumped per rank on a watchdog timeout. torch 2.6-2.8 read the TORCH_NCCL_* names, newer
+# releases the TORCH_FR_* ones (and still the old ones as fallbacks): both are set.
+FLIGHT_RECORDER_ENTRIES = 2000
+
+
+def flight_recorder_env(dump_prefix: str, entries: int = FLIGHT_RECORDER_ENTRIES) -> dict[str, str]:
+    """The environment that turns the Flight Recorder on; dumps go to ``<dump_prefix><rank>``."""
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(entries),
+        "TORCH_FR_BUFFER_SIZE": str(entries),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump_prefix,
+        "TORCH_FR_DUMP_TEMP_FILE": dump_prefix,
+    }
+
+
+def apply_flight_recorder_env(dump_prefix: str, environ: MutableMapping[str, str] | None = None) -> str:
+    """Export ``flight_recorder_env`` (a variable already set wins, as in ``apply_nccl_env``); returns
+    a log line saying where the dumps go and how to read them. Creates the dumps' directory."""
+    environ = os.environ if environ is None else environ
+    Path(dump_prefix).parent.mkdir(parents=True, exist_ok=True)
+    if _process_group_exists():
+        log.warning("Flight Recorder settings applied after the process group was created; they may not take effect")
+    kept = []
+    for name, value in flight_recorder_env(dump_prefix).items():
+        if environ.setdefault(name, value) != value:
+            kept.append(f"{name}={environ[name]}")
+    where = environ["TORCH_FR_DUMP_TEMP_FILE"]
+    line = (f"flight recorder: on (NCCL); on a collective timeout each rank dumps its last "
+            f"{environ['TORCH_FR_BUFFER_SIZE']} collectives to {where}<rank>; read them with "
+            f"`python -m torch.distributed.flight_recorder.fr_trace {Path(where).parent} -p {Path(where).name}`")
+    return line + (f" (kept from the environment: {', '.join(kept)})" if kept else "")

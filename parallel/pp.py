@@ -237,10 +237,12 @@ class PipelineEngine(Engine):
     def forward_backward_step(self, batches, n_micro: int) -> tuple[torch.Tensor, float]:
         """The schedule needs every micro-batch of the step at once: they are concatenated and the
         schedule cuts them apart again, so each stage sees exactly the un-pipelined micro-batches."""
+        self.mark_phase("data")
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(n_micro)]
         wait = time.perf_counter() - t0
         x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
+        self.mark_phase("pipeline schedule")  # forward and backward interleaved with stage hand-offs
         with self._loss_context(), self.policy.forward_context(self.device):
             loss = run_step(self.pipeline, x, y, train=True)
         if self.tied is not None:  # the step's gradients are complete: the tied copies' are joined

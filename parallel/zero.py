@@ -182,7 +182,9 @@ class ZeroEngine(Engine):
         if n_micro != self.engine.gradient_accumulation_steps():
             raise ValueError(f"{n_micro} micro-batches per step, but DeepSpeed was configured with "
                              f"{self.engine.gradient_accumulation_steps()} (train.grad_accum_steps)")
+        self.mark_phase("forward")
         loss = self.engine(x, y)
+        self.mark_phase("backward")
         self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
         if not is_last_micro:
             self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step

@@ -13,6 +13,7 @@ with a line saying so (``_launch_guard``).
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -108,6 +109,19 @@ def _launch_guard(request, monkeypatch):
         original(self, args, *a, **kw)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _run_logging_reset():
+    """train.main or a tool run in-process (also by a module-scoped fixture) configures the project's
+    loggers for that run: a rank-tagged handler and no propagation to Python's root logger. Each test
+    starts from the unconfigured state, so caplog sees the project's records whatever ran before."""
+    for name in ("perfgpt", "perfgpt.every_rank"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.setLevel(logging.NOTSET)
+        logger.propagate = True
     yield
 
 

@@ -59,6 +59,18 @@ class TrainConfig:
         None, "per-device dense peak TFLOP/s for MFU; default: the device table in common/hardware.py"
     )
     data_wait_warn: float = doc(0.2, "warn when the fraction of step time spent waiting for data exceeds this")
+    hang_timeout_s: float = doc(
+        0.0, "hang watchdog: when no step finishes for this many seconds, write every thread's stack to "
+        "<run_dir>/hang/rank<R>.txt and exit with code 4 (torchrun --max-restarts then restarts); 0: off"
+    )
+    hang_grace_s: float = doc(
+        1800.0, "hang watchdog: the deadline instead of train.hang_timeout_s for the first step (compile, "
+        "warm-up), checkpoint saves, evaluation and harness tasks"
+    )
+    straggler_threshold: float = doc(
+        0.2, "every log interval, name the rank whose data+forward+optimizer time per step exceeds the median "
+        "rank's by more than this fraction (0.2: 20%); 0: off"
+    )
 
     @property
     def validation_sequences(self) -> int:
@@ -84,6 +96,13 @@ class TrainConfig:
         require_finite("train.data_wait_warn", self.data_wait_warn, ConfigError)
         if self.data_wait_warn < 0:
             raise ConfigError(f"train.data_wait_warn must be >= 0 (got {self.data_wait_warn})")
+        for key in ("hang_timeout_s", "hang_grace_s", "straggler_threshold"):
+            require_finite(f"train.{key}", getattr(self, key), ConfigError)
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key} must be >= 0 (got {getattr(self, key)})")
+        if self.hang_timeout_s and self.hang_grace_s < self.hang_timeout_s:
+            raise ConfigError(f"train.hang_grace_s={self.hang_grace_s:g} is shorter than train.hang_timeout_s="
+                              f"{self.hang_timeout_s:g}; the grace deadline is for the phases slower than a step")
         require_finite("train.peak_tflops", self.peak_tflops, ConfigError)
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"train.peak_tflops must be > 0, or null for the device table (got {self.peak_tflops})")
@@ -94,7 +113,9 @@ class CheckpointConfig:
     interval: int = doc(0, "save every N steps (0: only at the end)")
     save_final: bool = doc(True, "save when training finishes")
     keep_last: int = doc(2, "keep this many most recent checkpoints (0 keeps all)")
-    resume: str = doc("", "'' (fresh start), 'latest' (newest in the run's checkpoint dir) or a path")
+    resume: str = doc("", "'' (fresh start), 'latest' (newest in the run's checkpoint dir), 'auto' (the newest "
+                      "complete checkpoint if there is one, else a fresh start: for torchrun --max-restarts) "
+                      "or a path")
     dir: str = doc("", "checkpoint directory; default: <run_dir>/checkpoints")
     reshard: bool = doc(
         False, "resume a checkpoint saved with another parallel layout or rank count: model and optimizer "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +32,12 @@ from parallel.optim import lr_at
 from parallel.step import StepResult
 from training import checkpoint as ckpt
 from training.config import JobConfig, to_dict
+from training.faults import FaultInjector
 from training.metrics import LearningAlarms, RunLogger, peak_memory_gib
 from training.signals import StopAgreement, StopRequest, exit_code, signal_name
+from training.straggler import describe_straggler, find_straggler, gather_floats, gather_hosts, own_time_per_step
 from training.task_eval import TaskEvaluator
+from training.watchdog import HangWatchdog, Phases
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
@@ -57,6 +61,7 @@ def train_step(engine: Engine, batches: Batches, grad_accum_steps: int, lr: floa
     loss, wait = engine.forward_backward_step(batches, grad_accum_steps)
     if before_optimizer_step is not None:
         before_optimizer_step()
+    engine.mark_phase("optimizer")
     return StepOutcome(loss, engine.optimizer_step(lr, loss), wait)
 
 
@@ -260,6 +265,12 @@ class TrainingLoop:
         self.run_dir, self.ckpt_root, self.log, self.stop_request, self.rate = run_dir, ckpt_root, log, stop_request, rate
         self.tasks = tasks  # harness tasks every harness.interval steps, or None
         self.state = RunState()
+        t = cfg.train
+        self.stragglers = t.straggler_threshold > 0 and ctx.world_size > 1
+        # Phase marks for the hang watchdog and the straggler report (and the tests' fault injection).
+        self.phases = Phases(ctx.device, timed=self.stragglers, on_mark=FaultInjector.from_env(ctx.rank))
+        engine.mark_phase = self.phases.mark
+        self.hosts: list[str] = []
         self.background = ckpt.BackgroundSave()  # checkpoint.async_save: the write in flight, if any
 
     # ----------------------------------------------------------------- checkpoints
@@ -271,6 +282,10 @@ class TrainingLoop:
         newest healthy checkpoint, whatever is saved after it. ``background``: stage the state and
         write it on a thread (checkpoint.async_save); a save in flight is finished first, either way.
         """
+        with self.phases.slow("save"):
+            self._save(background)
+
+    def _save(self, background: bool) -> None:
         cfg, ctx, step = self.cfg, self.ctx, self.state.step
         self.finish_background_save(wait=True)
         t0 = time.perf_counter()
@@ -310,12 +325,14 @@ class TrainingLoop:
         def verify(p: Path) -> str | None:
             return ckpt.verify_contents(p, lambda line: notes.add(line), rank=ctx.rank, world_size=ctx.world_size)
 
-        path = ckpt.resolve_resume(cfg.checkpoint.resume, self.ckpt_root, warn=warn, verify=verify)
+        spec = cfg.checkpoint.resume
+        path = ckpt.resolve_resume("latest" if spec == "auto" else spec, self.ckpt_root, warn=warn, verify=verify)
         for line in sorted(notes) if warn else ():
             warn(f"resume: {line}")
         if path is None:
-            if cfg.checkpoint.resume == "latest":
-                log.info(f"resume: no checkpoint under {self.ckpt_root} yet, starting from step 0")
+            if spec in ("latest", "auto"):
+                log.info(f"resume{' auto' if spec == 'auto' else ''}: no checkpoint under {self.ckpt_root} yet, "
+                         f"starting from step 0{restart_note()}")
                 log.keep_rows_up_to(0)  # rows of a run that crashed before its first save
             return
         reshard = cfg.checkpoint.reshard
@@ -336,7 +353,8 @@ class TrainingLoop:
             self.batches.load_state_dict(state["data"])
             ckpt.restore_rng_state(state["rng"])
             self.state.step = int(state["step"])
-        log.info(f"resume: continuing from {path} at step {self.state.step}")
+        log.info(f"resume{' auto' if cfg.checkpoint.resume == 'auto' else ''}: continuing from {path} at step "
+                 f"{self.state.step}{restart_note()}")
         log.keep_rows_up_to(self.state.step)
 
     def layout(self) -> dict[str, int]:
@@ -357,12 +375,16 @@ class TrainingLoop:
         window = Window()
         self.stop_request.arm()  # from here on SIGTERM / Ctrl-C finish the step and save
         self.engine.train(True)
-        with profiler_context(cfg, self.run_dir, ctx, log) as prof:
+        if self.stragglers:
+            self.hosts = gather_hosts(ctx)
+        self.phases.start(s.step)
+        with self._watchdog(), profiler_context(cfg, self.run_dir, ctx, log) as prof:
             while s.step < t.max_steps:
                 lr = lr_at(s.step, **schedule)
                 outcome = train_step(self.engine, self.batches, t.grad_accum_steps, lr)
                 window.add(outcome, self.engine.comm_stats())
                 s.step += 1
+                self.phases.step_done(s.step)
                 s.unsettled.append((s.step, outcome.result))
                 if prof is not None:
                     prof.step()
@@ -374,20 +396,24 @@ class TrainingLoop:
                 log.advance()
 
                 if log_due:
+                    self.phases.mark("collective")
                     window = self._log_window(window, result, lr, alarms)
                     self.finish_background_save(wait=False)
                 if t.eval_interval and (s.step % t.eval_interval == 0 or s.step == t.max_steps):
-                    s.last_val = evaluate(self.engine, self.data.val, t.validation_sequences, ctx)
+                    with self.phases.slow("evaluation"):
+                        s.last_val = evaluate(self.engine, self.data.val, t.validation_sequences, ctx)
                     log.log(s.step, {"val_loss": s.last_val})
                     log.info(f"step {s.step}: val_loss {s.last_val:.4f}")
                     window.restart_clock()
                 if self.tasks is not None and self.tasks.due(s.step):
-                    self._run_tasks()
+                    with self.phases.slow("harness tasks"):
+                        self._run_tasks()
                     window.restart_clock()
                 if self._interval_save_due(result):
                     self.save(background=cfg.checkpoint.async_save)
                     s.save_due = False
                     window.restart_clock()
+                self.phases.mark("collective")
                 signum = agreement.poll(self.stop_request.requested)
                 if signum:
                     if self._settle(alarms):
@@ -395,15 +421,22 @@ class TrainingLoop:
                         return 3
                     return self._stop_on_signal(signum)
             agreement.finish()
-
-        self.finish_background_save(wait=True)
-        if cfg.checkpoint.save_final:
-            self.save()
+            with self.phases.slow("save"):  # the write in flight, then the final one
+                self.finish_background_save(wait=True)
+            if cfg.checkpoint.save_final:
+                self.save()
         summary = f"done: {s.step} steps in {time.perf_counter() - t_start:.1f}s"
         if s.last_val is not None:
             summary += f", final val_loss {s.last_val:.4f} (uniform baseline {math.log(cfg.model.vocab_size):.3f})"
         log.info(summary)
         return 0
+
+    def _watchdog(self) -> contextlib.AbstractContextManager:
+        t = self.cfg.train
+        if not t.hang_timeout_s:
+            return contextlib.nullcontext()
+        return HangWatchdog(self.phases, timeout_s=t.hang_timeout_s, grace_s=t.hang_grace_s,
+                            dump_dir=self.run_dir / "hang", rank=self.ctx.rank, tag=self.ctx.tag)
 
     def _run_tasks(self) -> None:
         t0, step = time.perf_counter(), self.state.step
@@ -442,7 +475,15 @@ class TrainingLoop:
     def _log_window(self, window: Window, result: StepResult, lr: float, alarms: LearningAlarms) -> Window:
         t, s = self.cfg.train, self.state
         metrics = window_metrics(window, result, lr, self.ctx, self.rate, s.skipped_total)
+        straggler = None
+        if self.stragglers:  # one all-gather of a float per log interval
+            times = gather_floats(self.ctx, own_time_per_step(self.phases.take_window(), window.steps))
+            metrics["rank_own_time_s"] = times
+            straggler = find_straggler(times, t.straggler_threshold)
         self.log.log(s.step, metrics, format_line(s.step, t.max_steps, metrics, window.steps))
+        if straggler is not None and self.ctx.is_main:
+            self.log.warn(describe_straggler(s.step, *straggler, metrics["rank_own_time_s"], self.hosts,
+                                             t.straggler_threshold))
         alarms.on_log(s.step, metrics["grad_norm"], result.loss_scale)
         if metrics["data_wait_frac"] > t.data_wait_warn:
             self.log.warn(f"step {s.step}: {metrics['data_wait_frac']:.0%} of step time spent waiting for data "
@@ -489,3 +530,9 @@ class TrainingLoop:
             self.log.info(f"stopped by {signal_name(signum)} at step {step}: not saved; --resume continues from "
                           f"{latest if latest is not None else 'step 0 (no checkpoint)'}")
         return exit_code(signum)
+
+
+def restart_note() -> str:
+    """Which attempt of a torchrun job this is, when torchrun restarted it (--max-restarts)."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f" (torchrun restart {count})" if count not in ("", "0") else ""

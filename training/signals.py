@@ -61,6 +61,7 @@ class StopRequest:
         self._previous: dict[int, object] = {}
         self._previous_fd = -1
         self._write_fd: int | None = None
+        self._leaving = threading.Lock()
 
     def install(self) -> None:
         """Take the signals over (set-up phase). Signal handlers can only be set from the main
@@ -122,6 +123,11 @@ class StopRequest:
         os._exit(exit_code(signum))
 
     def _leave_set_up(self, signum: int) -> None:
+        # The watcher and the Python-level handler both see a set-up signal and may both get here.
+        # Not blocking: a second caller on the main thread (a handler interrupting the first) would
+        # otherwise wait forever on a lock its own thread holds; the first caller is about to exit.
+        if not self._leaving.acquire(blocking=False):
+            return
         os.write(2, f"{self.tag}interrupted ({signal_name(signum)}) before the first step; nothing to save\n".encode())
         os._exit(exit_code(signum))
 

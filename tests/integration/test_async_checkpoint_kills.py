@@ -39,8 +39,9 @@ where = sys.argv[1]
 real_stage, real_write = TorchEngine.stage_save, ckpt.SaveJob.write
 
 
-def hold():
-    print(f"HELD {where}", flush=True)
+def hold():  # one write: the loop's thread prints at the same time, a print's newline could come apart
+    sys.stdout.write(f"\nHELD {where}\n")
+    sys.stdout.flush()
     time.sleep(600)
 
 
@@ -78,7 +79,7 @@ def _killed_run(run_dir: Path, corpus_cache: str, where: str) -> subprocess.Pope
     seen = []
     for line in proc.stdout:
         seen.append(line)
-        if line.startswith(f"HELD {where}"):
+        if line.strip() == f"HELD {where}":
             os.kill(proc.pid, signal.SIGKILL)
             break
     proc.wait(timeout=60)

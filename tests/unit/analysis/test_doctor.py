@@ -62,8 +62,8 @@ def test_no_finding_means_compute_bound():
 def test_a_slowed_loader_is_named_with_its_switch(capsys, monkeypatch, corpus_cache):
     original = DevicePrefetcher.__next__
 
-    def slow(self):
-        time.sleep(0.3)
+    def slow(self):  # long enough to stay the largest share when a loaded machine slows the compute too
+        time.sleep(1.0)
         return original(self)
 
     monkeypatch.setattr(DevicePrefetcher, "__next__", slow)

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from common.errors import ConfigError
-from parallel.nccl import apply_nccl_env, validate_nccl_env
+from parallel.nccl import apply_flight_recorder_env, apply_nccl_env, validate_nccl_env
 
 
 @pytest.mark.parametrize("name", ["NCCL_INTER_NODE_CONNECTIVITY", "NCCL_INTRA_NODE_CONNECTIVITY", "NCCL_PROFILE"])
@@ -105,3 +105,37 @@ def test_the_loader_coerces_numbers_to_strings():
 
     cfg = load_config(None, ["--parallel.nccl={NCCL_MIN_NCHANNELS: 4}"])
     assert cfg.parallel.nccl == {"NCCL_MIN_NCHANNELS": "4"}
+
+
+def test_the_flight_recorder_switch_sets_the_documented_variables_before_the_group_starts(tmp_path):
+    environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "100"}  # what the shell set wins
+    prefix = str(tmp_path / "run" / "flight_recorder" / "rank_")
+    line = apply_flight_recorder_env(prefix, environ)
+    assert environ == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "100", "TORCH_FR_BUFFER_SIZE": "2000",
+                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+                       "TORCH_FR_DUMP_TEMP_FILE": prefix}
+    assert (tmp_path / "run" / "flight_recorder").is_dir()  # the dumps' directory exists before any dump
+    assert f"to {prefix}<rank>" in line and "kept from the environment: TORCH_NCCL_TRACE_BUFFER_SIZE=100" in line
+
+
+def test_train_py_turns_the_flight_recorder_on_from_the_config(tmp_path, monkeypatch):
+    import os
+
+    import train
+    from training.config import load_config
+
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                 "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+
+    def stop_at_the_process_group(device, parallel_cfg):
+        seen.update(os.environ)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(train, "init_distributed", stop_at_the_process_group)
+    cfg = load_config(None, [f"--logging.run_dir={tmp_path}/{{name}}", "--parallel.flight_recorder=true"])
+    with pytest.raises(ConfigError, match="stop here"):
+        train.run(cfg, None)
+    assert seen["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / cfg.name / "flight_recorder" / "rank_")
+    assert seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(seen["TORCH_FR_BUFFER_SIZE"]) > 0

@@ -140,6 +140,10 @@ def test_a_renamed_key_names_its_new_name(tmp_path, old, new):
      "parallel.pp_schedule=interleaved_1f1b has no effect with parallel.pp=1"),
     (["--train.compile_loss=true"], "train.compile_loss=True has no effect without train.compile=true"),
     (["--train.compile_mode=max-autotune"], "train.compile_mode=max-autotune has no effect without train.compile"),
+    (["--train.hang_timeout_s=-1"], "train.hang_timeout_s must be >= 0 (got -1.0)"),
+    (["--train.straggler_threshold=nan"], "train.straggler_threshold must be a finite number"),
+    (["--train.hang_timeout_s=600", "--train.hang_grace_s=60"],
+     "train.hang_grace_s=60 is shorter than train.hang_timeout_s=600"),
 ])
 def test_values_that_cannot_work_or_would_be_ignored_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
