@@ -34,7 +34,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.measure import machine_load, ratio_summary, summarize
+import torch
+
+from common.measure import machine_load, provenance, ratio_summary, summarize
 from common.report import human_bytes, markdown_table, new_figure, save_figure, text_table, write_results
 from parallel.distributed import init_distributed, shutdown_distributed
 from training import checkpoint as ckpt
@@ -93,7 +95,7 @@ def run_rank(config: str, overrides: list[str], rounds: int, max_steps_during: i
             ctx.barrier()
             t0 = time.perf_counter()
             j = job()
-            background.start(j, lambda d, group: engine.stage_save(d, ctx.rank, group), rank_state(),
+            background.start(j, lambda d, staging: engine.stage_save(d, ctx.rank, staging), rank_state(),
                              engine.local_weights())
             stage_s, during, publish_s, waited = time.perf_counter() - t0, [], 0.0, 0.0
             while True:
@@ -201,8 +203,10 @@ def plot(rows: list[Row], path: Path) -> None:
     save_figure(fig, path)
 
 
-def write_markdown(rows: list[Row], command: str, rounds: int, path: Path) -> list[Path]:
-    title = f"Checkpoint save: time the training loop is blocked, synchronous vs background ({machine_load()})"
+def write_markdown(rows: list[Row], command: str, rounds: int, path: Path, load: str | None = None) -> list[Path]:
+    where = provenance(torch.device("cpu"))
+    title = (f"Checkpoint save: time the training loop is blocked, synchronous vs background ({where['date']}, "
+             f"torch {where['torch']}, {load or machine_load()})")
     lines = [f"# {title}", "", f"Command: `{command}`", "",
              f"{rounds} interleaved rounds per row; median (min-max); ratios per round. CPU, torch float32 "
              "AdamW, one training step before the first save; files go to the page cache first.", "",
@@ -211,7 +215,11 @@ def write_markdown(rows: list[Row], command: str, rounds: int, path: Path) -> li
              "finite check and the temporary directory) + the publication at a later log line.",
              "- **step s during write / without**: mean step time while the write runs on its thread against "
              "the same number of steps with none in flight (above 1: the write slows the steps).",
-             "- **checksum**: SHA-256 of the files a rank wrote, inside every save (synchronous or not).", "",
+             "- **checksum**: SHA-256 of the files a rank wrote, inside every save (synchronous or not).",
+             "- On a shared machine (its load is in the title) a round's timings can vary several-fold; the ratios, "
+             "taken round by round, are the figures to read. A background save pays where writing the checkpoint "
+             "costs more than copying it into memory and handing it to a thread: not for a 10 MB checkpoint in one "
+             "process, where both are a few memory copies.", "",
              f"![blocked per save]({path.with_suffix('.png').name})", ""]
     written = write_results(path, "\n".join(lines), title, rows, command=command)
     plot(rows, path.with_suffix(".png"))

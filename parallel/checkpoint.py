@@ -120,12 +120,12 @@ def save_model_optimizer(parts: Parts, path: Path, extra: dict[str, torch.Tensor
 Writer = Callable[[], None]  # writes a staged state; runs on a background thread
 
 
-def stage_model_optimizer(parts: Parts, path: Path, process_group, extra: dict[str, torch.Tensor] | None = None,
+def stage_model_optimizer(parts: Parts, path: Path, staging: Staging, extra: dict[str, torch.Tensor] | None = None,
                           aliases: dict[str, str] | None = None) -> Writer:
     """Collective: copy this rank's shards into host memory now (DCP's ``async_save`` stages them
     before it returns) and return the function that waits for DCP's background write.
 
-    ``process_group`` must be a group of all ranks with a CPU backend used for nothing else: DCP's
+    ``staging.group`` must be a group of all ranks with a CPU backend used for nothing else: DCP's
     writer thread runs its collectives on it while training runs its own on the default group,
     and two threads issuing collectives on one group would pair them up wrongly.
     """
@@ -134,23 +134,58 @@ def stage_model_optimizer(parts: Parts, path: Path, process_group, extra: dict[s
     _, state = _states(parts, aliases)
     if extra:
         state["extra"] = extra
-    future = dcp.async_save(state, checkpoint_id=str(path), process_group=process_group)
+    future = dcp.async_save(state, checkpoint_id=str(path), process_group=staging.group,
+                            async_stager=staging.dcp_stager())
 
     def finish() -> None:
         future.result()  # re-raises the writer's error; every rank's files and the index are written
-        _write_metadata_digest(Path(path), rank=torch.distributed.get_rank(process_group), barrier=False)
+        _write_metadata_digest(Path(path), rank=torch.distributed.get_rank(staging.group), barrier=False)
 
     return finish
 
 
-def host_copy(state: Any) -> Any:
+class Staging:
+    """What background saves keep from one save to the next (``Engine.stage_save``): the host
+    memory the state is copied into, so the second and later copies land in pages already
+    allocated (and, on a GPU, pinned) instead of paying for fresh ones each time (about one
+    checkpoint of host memory, held until ``close``), and the process group DCP's writer thread
+    runs its collectives on (None in one process). Reusing the memory is safe because at most
+    one save is in flight: the next copy starts only after the previous write finished."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.storages: dict[tuple, torch.UntypedStorage] = {}  # live storage -> its copy, for host_copy
+        self._dcp_stager = None
+
+    def dcp_stager(self):
+        """DCP's stager, kept across saves: it caches each live storage's host copy the same way."""
+        if self._dcp_stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # Blocking copies: the writer thread starts reading as soon as async_save returns.
+            self._dcp_stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                            use_shared_memory=False, use_async_staging=False,
+                                                            use_non_blocking_copy=False))
+        return self._dcp_stager
+
+    def close(self) -> None:
+        self.storages.clear()
+        if self._dcp_stager is not None:
+            self._dcp_stager.close()
+            self._dcp_stager = None
+
+
+def host_copy(state: Any, reuse: dict[tuple, torch.UntypedStorage] | None = None) -> Any:
     """A copy of a nested state (dicts, lists, tuples of tensors and plain values) in host memory,
     taken now, whatever the live tensors do next. Tensors that share storage share it in the copy
     too (a tied embedding stays one tensor, so ``torch.save`` writes the same file as from the
-    live state). On a GPU the copies go to pinned memory and the device is synchronized once."""
+    live state). On a GPU the copies go to pinned memory and the device is synchronized once.
+    ``reuse`` (``Staging.storages``) maps live storages to the copies of the previous call, which
+    are overwritten in place; the copy must no longer be in use (its write finished)."""
     import copy
 
     storages: dict[tuple, torch.UntypedStorage] = {}
+    previous = reuse if reuse is not None else {}
     cuda = False
 
     def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
@@ -158,12 +193,12 @@ def host_copy(state: Any) -> Any:
         live = t.untyped_storage()
         key = (live.device, live.data_ptr(), live.nbytes())
         if key not in storages:
-            if live.device.type == "cuda":
-                cuda = True
-                staged = torch.empty(live.nbytes(), dtype=torch.uint8, pin_memory=True).untyped_storage()
-                staged.copy_(live, non_blocking=True)
-            else:
-                staged = live.clone()
+            cuda = cuda or live.device.type == "cuda"
+            staged = previous.get(key)
+            if staged is None:
+                staged = torch.empty(live.nbytes(), dtype=torch.uint8, pin_memory=live.device.type == "cuda")
+                staged = staged.untyped_storage()
+            staged.copy_(live, non_blocking=live.device.type == "cuda")
             storages[key] = staged
         return storages[key]
 
@@ -192,6 +227,9 @@ def host_copy(state: Any) -> Any:
     staged = walk(state)
     if cuda:
         torch.cuda.synchronize()
+    if reuse is not None:  # keep this call's copies only: storages that are gone free their memory
+        reuse.clear()
+        reuse.update(storages)
     return staged
 
 
@@ -386,11 +424,11 @@ def save_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: P
     save_model_optimizer(parts, Path(directory) / DCP_SUBDIR, _scaler_tensors(scaler), aliases)
 
 
-def stage_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: Path, process_group,
+def stage_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: Path, staging: Staging,
                   aliases: dict[str, str] | None = None) -> Writer:
     """``save_sharded`` in two halves: the state is staged in host memory now, and the returned
     function (run on a background thread) waits for its write (``stage_model_optimizer``)."""
-    return stage_model_optimizer(parts, Path(directory) / DCP_SUBDIR, process_group, _scaler_tensors(scaler), aliases)
+    return stage_model_optimizer(parts, Path(directory) / DCP_SUBDIR, staging, _scaler_tensors(scaler), aliases)
 
 
 def load_sharded(parts: Parts, scaler: torch.amp.GradScaler | None, directory: Path,

@@ -31,6 +31,7 @@ import torch.nn as nn
 from common.errors import CheckpointError
 from parallel.checkpoint import (
     FULL_STATE_FILE,
+    Staging,
     has_sharded_state,
     host_copy,
     load_sharded,
@@ -88,11 +89,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load(self, directory: Path) -> None: ...
 
-    def stage_save(self, directory: Path, rank: int, group: Any) -> Callable[[], None]:
-        """Collective: copy this rank's part of the model and optimizer state into host memory now,
-        and return the function that writes it into ``directory`` (on a background thread, while
-        training goes on). ``group``: a CPU process group of all ranks reserved for that write's
-        own collectives (DCP), or None in one process."""
+    def stage_save(self, directory: Path, rank: int, staging: Staging) -> Callable[[], None]:
+        """Collective: copy this rank's part of the model and optimizer state into host memory now
+        (``staging``'s, reused from save to save), and return the function that writes it into
+        ``directory`` (on a background thread, while training goes on)."""
         raise NotImplementedError(f"{type(self).__name__} cannot write checkpoints in the background")
 
     @abc.abstractmethod
@@ -203,10 +203,10 @@ class TorchEngine(Engine):
         if rank == 0:  # every rank holds the same full state
             torch.save(self.state_dict(), directory / FULL_STATE_FILE)
 
-    def stage_save(self, directory: Path, rank: int, group: Any) -> Callable[[], None]:
+    def stage_save(self, directory: Path, rank: int, staging: Staging) -> Callable[[], None]:
         if rank != 0:
             return lambda: None
-        staged = host_copy(self.state_dict())  # the same file torch.save writes from the live state
+        staged = host_copy(self.state_dict(), staging.storages)  # torch.save writes the same file from it
         return lambda: torch.save(staged, directory / FULL_STATE_FILE)
 
     def load(self, directory: Path) -> None:
@@ -249,8 +249,8 @@ class ShardedEngine(TorchEngine):
     def save(self, directory: Path, rank: int) -> None:
         save_sharded([(self.model, self.optimizer)], self.scaler, directory)
 
-    def stage_save(self, directory: Path, rank: int, group: Any) -> Callable[[], None]:
-        return stage_sharded([(self.model, self.optimizer)], self.scaler, directory, group)
+    def stage_save(self, directory: Path, rank: int, staging: Staging) -> Callable[[], None]:
+        return stage_sharded([(self.model, self.optimizer)], self.scaler, directory, staging)
 
     def load(self, directory: Path) -> None:
         load_sharded([(self.model, self.optimizer)], self.scaler, directory)

@@ -55,7 +55,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from model.gpt import GPT
-from parallel.checkpoint import load_sharded, save_sharded, stage_sharded
+from parallel.checkpoint import Staging, load_sharded, save_sharded, stage_sharded
 from parallel.engine import Engine
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
@@ -272,8 +272,8 @@ class PipelineEngine(Engine):
     def save(self, directory: Path, rank: int) -> None:
         save_sharded([(s.model, s.optimizer) for s in self.steppers], None, directory, aliases=self._aliases)
 
-    def stage_save(self, directory: Path, rank: int, group) -> Callable[[], None]:
-        return stage_sharded([(s.model, s.optimizer) for s in self.steppers], None, directory, group,
+    def stage_save(self, directory: Path, rank: int, staging: Staging) -> Callable[[], None]:
+        return stage_sharded([(s.model, s.optimizer) for s in self.steppers], None, directory, staging,
                              aliases=self._aliases)
 
     def load(self, directory: Path) -> None:

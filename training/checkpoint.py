@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from common.errors import CheckpointError
-from parallel.checkpoint import host_copy
+from parallel.checkpoint import Staging, host_copy
 
 # 2: the model stores qkv rows grouped per key/value head, a separate SwiGLU gate and the MLP bias
 # inside fc (model/gpt.py), so version-1 weights would load into the new shapes with the wrong
@@ -369,22 +369,22 @@ class BackgroundSave:
         self.job: SaveJob | None = None
         self._thread: threading.Thread | None = None
         self._outcome: BaseException | None = None  # the write's error; a CheckpointError when it is the disk's
-        self._group = None  # the process group DCP's writer thread runs its collectives on
+        self._staging: Staging | None = None  # host memory and process group kept from save to save
 
     @property
     def in_flight(self) -> bool:
         return self.job is not None
 
-    def start(self, job: SaveJob, stage: Callable[[Path, Any], Callable[[], None]], rank_state: dict[str, Any],
+    def start(self, job: SaveJob, stage: Callable[[Path, Staging], Callable[[], None]], rank_state: dict[str, Any],
               weights: Iterable[torch.Tensor] | None) -> None:
-        """Collective: the finite check, the temporary directory, then ``stage(tmp, group)`` copies
-        this rank's state into host memory and gives the function that writes it, which runs on a
-        thread. The caller finished the previous save first (``finish(wait=True)``)."""
+        """Collective: the finite check, the temporary directory, then ``stage(tmp, staging)``
+        copies this rank's state into host memory and gives the function that writes it, which
+        runs on a thread. The caller finished the previous save first (``finish(wait=True)``)."""
         if self.job is not None:
             raise RuntimeError("a background checkpoint write is still in flight; finish it first")
         job.begin(weights)
         writers: list[Callable[[], None]] = []
-        error = _attempt(lambda: writers.append(stage(job.tmp, self._process_group(job.world_size))), job.tmp,
+        error = _attempt(lambda: writers.append(stage(job.tmp, self._staging_for(job.world_size))), job.tmp,
                          job.label)
         if error is not None:
             job.finish(error)  # agrees with the other ranks, removes the temp dir, raises
@@ -421,13 +421,14 @@ class BackgroundSave:
             raise outcome
         return job.finish(outcome), waited
 
-    def _process_group(self, world_size: int):
-        """All ranks, on gloo, for DCP's writer thread alone: collectives from two threads on one
-        group would pair up wrongly. Created once, at the first save (a collective, which every
-        rank reaches at the same step)."""
-        if world_size > 1 and torch.distributed.is_initialized() and self._group is None:
-            self._group = torch.distributed.new_group(backend="gloo")
-        return self._group
+    def _staging_for(self, world_size: int) -> Staging:
+        """Created at the first save, with a gloo group of all ranks for DCP's writer thread alone
+        (collectives from two threads on one group would pair up wrongly): ``new_group`` is a
+        collective, which every rank reaches at the same step."""
+        if self._staging is None:
+            distributed = world_size > 1 and torch.distributed.is_initialized()
+            self._staging = Staging(torch.distributed.new_group(backend="gloo") if distributed else None)
+        return self._staging
 
 
 def _attempt(action: Callable[[], Any], directory: Path, label: str) -> CheckpointError | None:

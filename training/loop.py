@@ -296,7 +296,7 @@ class TrainingLoop:
                                        "layout": self.layout(), "tokenizer": self.data.tokenizer,
                                        "eot_id": self.data.eot_id})
         if background:
-            self.background.start(job, lambda d, group: self.engine.stage_save(d, ctx.rank, group), rank_state,
+            self.background.start(job, lambda d, staging: self.engine.stage_save(d, ctx.rank, staging), rank_state,
                                   self.engine.local_weights())
             self.log.info(f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f}s, writing in the "
                           "background")

@@ -45,8 +45,8 @@ def hold():  # one write: the loop's thread prints at the same time, a print's n
     time.sleep(600)
 
 
-def stage_save(self, directory, rank, group):
-    writer = real_stage(self, directory, rank, group)
+def stage_save(self, directory, rank, staging):
+    writer = real_stage(self, directory, rank, staging)
     if not directory.name.endswith("step_00000004"):
         return writer
 

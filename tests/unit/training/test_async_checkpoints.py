@@ -22,6 +22,7 @@ import torch
 
 import train
 from common.errors import ConfigError
+from parallel.checkpoint import host_copy
 from parallel.engine import TorchEngine
 from tests.conftest import step_losses, tiny_overrides
 from training import checkpoint as ckpt
@@ -73,8 +74,8 @@ def _writer_at(step: int, make_writer):
     """TorchEngine.stage_save whose writer for ``step``'s checkpoint is ``make_writer(real_writer)``."""
     real = TorchEngine.stage_save
 
-    def stage_save(self, directory: Path, rank: int, group):
-        writer = real(self, directory, rank, group)
+    def stage_save(self, directory: Path, rank: int, staging):
+        writer = real(self, directory, rank, staging)
         return make_writer(writer) if directory.name.endswith(ckpt.step_dir_name(step)) else writer
 
     return stage_save
@@ -156,5 +157,20 @@ def test_a_background_save_checks_the_weights_before_staging_anything(tmp_path):
     staged: list[Path] = []
     background = ckpt.BackgroundSave()
     with pytest.raises(ckpt.CheckpointError, match="step 3: the model's weights hold NaN or inf"):
-        background.start(job, lambda d, group: staged.append(d), {}, [torch.ones(3), torch.tensor([1.0, float("nan")])])
+        background.start(job, lambda d, staging: staged.append(d), {}, [torch.ones(3), torch.tensor([1.0, float("nan")])])
     assert staged == [] and not background.in_flight and not (tmp_path / "ckpt").exists()
+
+
+def test_host_copies_reuse_their_memory_from_save_to_save_and_are_copies_of_the_moment():
+    weight = torch.arange(6.0)
+    state = {"a": weight, "tied": weight, "b": torch.ones(2)}
+    reuse: dict = {}
+    first = host_copy(state, reuse)
+    assert first["a"].data_ptr() == first["tied"].data_ptr() != weight.data_ptr()  # tying kept, memory its own
+    weight.add_(1)
+    assert torch.equal(first["a"], torch.arange(6.0))  # what the weights were at the copy
+    again = host_copy(state, reuse)
+    assert again["a"].data_ptr() == first["a"].data_ptr() and torch.equal(again["a"], weight)  # same memory, new values
+    del state["b"]
+    host_copy(state, reuse)
+    assert len(reuse) == 1  # the copy of a storage no longer in the state is let go
