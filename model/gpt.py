@@ -17,6 +17,7 @@ head (``None``) takes hidden states in or gives them out.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -26,6 +27,7 @@ from kernels.reference import rope_tables
 from kernels.registry import REFERENCE_OPS, KernelOps
 from model.attention import AttentionCore, KVCache, LayerKV
 from model.config import ModelConfig
+from model.moe import MoE, take_aux_loss, with_aux_gradient
 from model.te import TEBlock
 
 
@@ -124,13 +126,23 @@ class MLP(nn.Module):
         return self.drop(self.out(h))
 
 
+def make_mlp(cfg: ModelConfig, ops: KernelOps, expert_backend: str, layer_idx: int) -> nn.Module:
+    """A block's MLP: dense, or routed experts (model/moe.py) in the layers the moe_* keys pick."""
+    if not cfg.is_moe_layer(layer_idx):
+        return MLP(cfg, ops)
+    width = cfg.moe_shared_experts * cfg.expert_d_ff
+    shared = MLP(dataclasses.replace(cfg, d_ff=width), ops) if width else None
+    return MoE(cfg, ops, expert_backend, shared=shared, layer_idx=layer_idx)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, attention_backend: str):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, attention_backend: str, expert_backend: str = "loop",
+                 layer_idx: int = 0):
         super().__init__()
         self.norm1 = Norm(cfg, ops)
         self.attn = Attention(cfg, ops, attention_backend)
         self.norm2 = Norm(cfg, ops)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = make_mlp(cfg, ops, expert_backend, layer_idx)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: LayerKV | None = None
@@ -140,13 +152,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps = REFERENCE_OPS, attention_backend: str = "sdpa"):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps = REFERENCE_OPS, attention_backend: str = "sdpa",
+                 expert_backend: str = "loop"):
         super().__init__()
         self.cfg, self.ops = cfg, ops
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): self._make_block(cfg, ops, attention_backend, i) for i in range(cfg.n_layer)})
+        self.blocks = nn.ModuleDict({str(i): self._make_block(cfg, ops, attention_backend, expert_backend, i)
+                                     for i in range(cfg.n_layer)})
         self.norm_f = Norm(cfg, ops)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -158,10 +172,11 @@ class GPT(nn.Module):
             self.init_weights()
 
     @staticmethod
-    def _make_block(cfg: ModelConfig, ops: KernelOps, attention_backend: str, layer_idx: int) -> nn.Module:
+    def _make_block(cfg: ModelConfig, ops: KernelOps, attention_backend: str, expert_backend: str,
+                    layer_idx: int) -> nn.Module:
         if cfg.layers == "te":
             return TEBlock(cfg, layer_idx)
-        return Block(cfg, ops, attention_backend)
+        return Block(cfg, ops, attention_backend, expert_backend, layer_idx)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -181,6 +196,8 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, MoE):  # its router is an nn.Linear, drawn above
+                module.init_weights(std, out_std)
             elif isinstance(module, Norm):
                 nn.init.ones_(module.weight)
                 if module.bias is not None:
@@ -214,12 +231,17 @@ class GPT(nn.Module):
             x = block(x, rope) if cache is None else block(x, rope, cache.layer(int(name)))
         if cache is not None:
             cache.advance(t)
+        # MoE load-balancing losses of this forward's blocks (training only). With targets they join
+        # the loss's gradient but not its value, so the loss logged stays the language-model loss;
+        # without (a pipeline stage's output) the output carries their gradient back.
+        aux = take_aux_loss(self.blocks.modules())
         if self.lm_head is None:
-            return x
+            return x if aux is None else with_aux_gradient(x, aux)
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
-            return logits
-        return self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+            return logits if aux is None else with_aux_gradient(logits, aux)
+        loss = self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss if aux is None else loss + (aux - aux.detach())
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Unique parameters (a tied head counts once); optionally without the embedding tables."""

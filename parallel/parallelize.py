@@ -31,6 +31,7 @@ from model.attention import select_attention
 from model.config import ModelConfig
 from model.gpt import GPT, indexed_blocks
 from model.interop import check_state_dict
+from model.moe import select_expert_backend
 from model.recompute import apply_recompute, describe_recompute, no_gain_note
 from parallel.config import ParallelConfig
 from parallel.ddp import apply_ddp
@@ -73,11 +74,12 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     # 2. Kernels and attention for this device.
     ops, kernel_note = resolve_kernel_ops(kernels_cfg.backend, ctx.device)
     backend, attention_note = choose_attention(model_cfg, ctx.device, policy)
+    expert_backend, expert_note = choose_expert_backend(model_cfg, ctx.device, policy)
     # 3. The model. Every rank builds the same weights from the same seed (DDP broadcasts rank 0's
     # anyway; FSDP2 and TP keep each rank's slice); on meta nothing is allocated until FSDP2 shards it.
     torch.manual_seed(seed)
     with torch.device("meta" if parallel_cfg.init_on_meta else ctx.device):
-        model = GPT(model_cfg, ops=ops, attention_backend=backend)
+        model = GPT(model_cfg, ops=ops, attention_backend=backend, expert_backend=expert_backend)
     if initial_state is not None:
         if parallel_cfg.init_on_meta or model_cfg.layers != "torch":
             raise ConfigError("model.init_from loads whole torch-layer weights before sharding: set "
@@ -121,7 +123,7 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     if policy.fp8_torchao:
         for stepper in getattr(engine, "steppers", [engine]):  # a pipeline steps each stage part on its own
             precompute_scales_after_step(stepper.optimizer, stepper.model)
-    notes = [kernel_note, attention_note, policy.describe(parallel_cfg.strategy), describe_recompute(parts[0]),
+    notes = [kernel_note, attention_note] + ([expert_note] if expert_note else []) + [policy.describe(parallel_cfg.strategy), describe_recompute(parts[0]),
              describe_layout(dims, parallel_cfg, stages)] + [note for note in fp8_notes[:1] if note]
     return Built(engine=engine, model=model if dims.pp == 1 else parts[0], policy=policy, notes=notes,
                  warnings=no_gain_warnings(model_cfg, backend))
@@ -151,6 +153,14 @@ def choose_attention(model_cfg: ModelConfig, device: torch.device, policy: Preci
     if model_cfg.layers == "te":
         return "sdpa", "attention: Transformer Engine's own (model.layers=te)"
     return select_attention(model_cfg.attention, device, policy.compute_dtype, model_cfg.head_dim)
+
+
+def choose_expert_backend(model_cfg: ModelConfig, device: torch.device, policy: PrecisionPolicy
+                          ) -> tuple[str, str | None]:
+    """How MoE layers run their expert GEMMs here, and one line saying why (None for a dense model)."""
+    if model_cfg.moe_experts is None:
+        return "loop", None
+    return select_expert_backend(model_cfg.moe_backend, device, policy.compute_dtype, model_cfg)
 
 
 def apply_compile(model: nn.Module, enabled: bool, mode: str, compile_loss: bool) -> None:

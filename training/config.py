@@ -191,6 +191,9 @@ class JobConfig:
     def _validate_model_parallel(self) -> None:
         """What tensor and pipeline parallelism need from the model, the batch and the precision."""
         m, p, t = self.model, self.parallel, self.train
+        if p.tp > 1 and m.moe_experts is not None:
+            raise ConfigError(f"model.moe_experts with parallel.tp={p.tp}: the tensor-parallel plan splits dense MLPs "
+                              "only; train MoE models with parallel.tp=1")
         if p.tp > 1:
             for key, value in (("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("d_ff", m.d_ff),
                                ("vocab_size", m.vocab_size)):
