@@ -98,16 +98,40 @@ def _checkpointed_layers(n_layer: int, every_k: int) -> int:
     return n_layer // every_k
 
 
-def _mlp_activation_elements(cfg: ModelConfig) -> int:
-    """Elements per token saved inside the MLP between its two matmuls."""
-    f = cfg.d_ff
+def _dense_mlp_activation_elements(cfg: ModelConfig, f: int) -> int:
     if cfg.mlp == "swiglu":
         return 4 * f  # gate and up (2f), silu(gate) (f), silu(gate)*up (f)
     return 2 * f  # GELU input and GELU output
 
 
-def _mlp_matmul_output_elements(cfg: ModelConfig) -> int:
-    return (2 if cfg.mlp == "swiglu" else 1) * cfg.d_ff
+def _moe_activation_elements(cfg: ModelConfig) -> float:
+    """Per token in a MoE layer: each of its top-k copies keeps its permuted input row, its expert's
+    hidden activations and its output row; the router keeps fp32 logits and scores (E each), the
+    dispatch int64 slot and expert indices (k each); the shared experts keep a dense MLP's."""
+    k, f, e = cfg.moe_top_k, cfg.expert_d_ff, cfg.moe_experts
+    copies = k * (2 * cfg.d_model + _dense_mlp_activation_elements(cfg, f))
+    router_and_dispatch = 2 * e * 2 + 2 * k * 4  # in 2-byte elements: fp32 logits and scores, int64 indices
+    shared = cfg.moe_shared_experts * f
+    return copies + router_and_dispatch + (_dense_mlp_activation_elements(cfg, shared) if shared else 0)
+
+
+def _mlp_activation_elements(cfg: ModelConfig) -> float:
+    """Elements per token saved inside the MLP between its two matmuls (a MoE model: the mean over layers)."""
+    dense = _dense_mlp_activation_elements(cfg, cfg.d_ff)
+    if cfg.moe_experts is None:
+        return dense
+    moe = cfg.n_moe_layers
+    return (moe * _moe_activation_elements(cfg) + (cfg.n_layer - moe) * dense) / cfg.n_layer
+
+
+def _mlp_matmul_output_elements(cfg: ModelConfig) -> float:
+    dense = (2 if cfg.mlp == "swiglu" else 1) * cfg.d_ff
+    if cfg.moe_experts is None:
+        return dense
+    routed = cfg.moe_top_k * (2 if cfg.mlp == "swiglu" else 1) * cfg.expert_d_ff
+    shared = cfg.moe_shared_experts * (2 if cfg.mlp == "swiglu" else 1) * cfg.expert_d_ff
+    moe = cfg.n_moe_layers
+    return (moe * (routed + shared) + (cfg.n_layer - moe) * dense) / cfg.n_layer
 
 
 def activation_bytes_per_layer(
@@ -379,8 +403,9 @@ def comm_volume(n_params: float, strategy: str, world_size: int, precision: str)
 
 def block_parameters_per_gpu(cfg: ModelConfig, tp: int = 1) -> float:
     """One block's parameters on one of ``tp`` GPUs: the matmul weights (and column-parallel
-    biases) are split; norm gains and the two row-parallel output biases are whole (Megatron-LM)."""
-    block = block_parameters(cfg)
+    biases) are split; norm gains and the two row-parallel output biases are whole (Megatron-LM).
+    A MoE model's blocks differ (dense and MoE layers): their mean, every expert included."""
+    block = sum(block_parameters(cfg, i) for i in range(cfg.n_layer)) / cfg.n_layer
     if tp == 1:
         return block
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
@@ -833,7 +858,7 @@ def _recompute_flops_split(model_cfg: ModelConfig, seq_len: int, policy: str, ev
     _check_choice("policy", policy, POLICIES)
     L, d = model_cfg.n_layer, model_cfg.d_model
     core = 4.0 * d * seq_len  # QK^T and @V forward, per layer per token (no causal halving)
-    gemms = 2.0 * block_parameters(model_cfg)
+    gemms = 2.0 * sum(block_parameters(model_cfg, i, active=True) for i in range(L)) / L  # a token's experts only
     if policy == "selective":
         return 0.0, L * core
     if policy == "full":
