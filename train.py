@@ -25,7 +25,7 @@ from common.hardware import peak_tflops_for
 from model.flops import FLOPS_CONVENTION, count_parameters, flops_per_token
 from parallel.distributed import DistContext, env_rank_tag, init_distributed, shutdown_distributed
 from training import checkpoint as ckpt
-from training.build import build_batches, build_from_config
+from training.build import build_batches, build_from_config, with_document_eot
 from training.config import JobConfig, describe_fields, dump_yaml, load_config, parse_known_overrides, to_dict
 from training.loop import Throughput, TrainingLoop
 from training.metrics import RunLogger
@@ -102,12 +102,14 @@ def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_
         ckpt.ensure_writable_dir(ckpt_root, "checkpoint.dir", rank=ctx.rank, world_size=ctx.world_size,
                                  device=ctx.device)
 
+    # The data first: a document mask takes the dataset's end-of-text id into the model.
+    data, batches = build_batches(cfg, ctx)
+    cfg.model = with_document_eot(cfg.model, data.eot_id)
     built = build_from_config(cfg, ctx, initial_state)
     for line in built.notes + describe_model(cfg, ctx):
         log.info(line)
     for line in built.warnings:
         log.warn(line)
-    data, batches = build_batches(cfg, ctx)
     log.info(data.description)
     if cfg.train.eval_interval:
         key = "train.eval_sequences" if cfg.train.eval_sequences else "train.eval_steps x train.micro_batch_size"

@@ -94,11 +94,15 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """Rotate x (B, T, H, D) by position; the two halves of the head dim form the (re, im) pairs.
 
-    cos and sin are (T' >= T, D/2); inplace=True writes the result into x and returns x.
+    cos and sin are (T' >= T, D/2), or (B, T, D/2) when each row has its own positions (documents
+    that restart them); inplace=True writes the result into x and returns x.
     """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
-    c = cos[: x.shape[1]].unsqueeze(1)  # (T, 1, D/2), broadcast over heads
-    s = sin[: x.shape[1]].unsqueeze(1)
+    if cos.dim() == 3:
+        c, s = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, T, 1, D/2)
+    else:
+        c = cos[: x.shape[1]].unsqueeze(1)  # (T, 1, D/2), broadcast over heads
+        s = sin[: x.shape[1]].unsqueeze(1)
     out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).to(x.dtype)
     return x.copy_(out) if inplace else out

@@ -74,24 +74,30 @@ class AttentionCore(nn.Module):
         self.backend = backend
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, T, H, D), k and v (B, S, H_kv, D) with H_kv dividing H -> (B, T, H, D).
 
-        S > T when k/v come from a KV cache: the queries are the last T of S positions, and
-        query i sees keys up to position S - T + i (the causal mask aligned bottom-right).
+        S > T when k/v come from a KV cache or cover a longer prefix than the queries (a context-
+        parallel chunk, parallel/cp.py): the queries are the last T of S positions, and query i sees
+        keys up to position S - T + i (the causal mask aligned bottom-right). ``documents`` (B, S),
+        the document number of each key position, restricts each query to keys of its own document.
         """
         p = self.dropout if self.training else 0.0
         if self.backend == "flash_attn":
+            if documents is not None:
+                return flash_varlen_attention(q, k, v, documents, p)
             from flash_attn import flash_attn_func
 
             # (B, T, H, D) and GQA natively; causal aligns bottom-right when S > T (flash-attn >= 2.1)
             return flash_attn_func(q, k, v, dropout_p=p, causal=True)
+        mask = None if documents is None else document_mask(documents, q.shape[1])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if self.backend == "sdpa":
-            out = sdpa_attention(q, k, v, p)
+            out = sdpa_attention(q, k, v, p, mask)
         else:
             groups = q.shape[1] // k.shape[1]
-            out = reference_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), p)
+            out = reference_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), p, mask)
         return out.transpose(1, 2)
 
     def extra_repr(self) -> str:
@@ -103,8 +109,10 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal SDPA on (B, H, T, D) with k/v of H_kv heads.
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal SDPA on (B, H, T, D) with k/v of H_kv heads; ``mask`` (B, 1, T, S) bool replaces the
+    causal mask when given (``document_mask``).
 
     ``enable_gqa`` only helps where a fused kernel takes unequal head counts: the CPU flash kernel,
     and on CUDA the flash kernel (sm80+, fp16/bf16, head_dim <= 256). Elsewhere (fp32 on CUDA, older
@@ -112,7 +120,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     the (T, T) scores; repeating k/v first keeps the memory-efficient kernel.
     """
     groups = q.shape[1] // k.shape[1]
-    causal = _sdpa_causal(q.shape[-2], k.shape[-2], q.device)
+    causal = _sdpa_causal(q.shape[-2], k.shape[-2], q.device) if mask is None else {"attn_mask": mask}
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **causal)
     if _sdpa_takes_gqa(q):
@@ -134,6 +142,65 @@ def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
 
 
+def document_mask(documents: torch.Tensor, q_len: int) -> torch.Tensor:
+    """(B, 1, T, S) bool: causal (bottom-right) and within one document. ``documents`` (B, S) numbers
+    the document of each key position; the T queries are the last T positions. Each query sees at
+    least itself, so no row is empty (an empty row would make softmax NaN)."""
+    k_len = documents.shape[1]
+    same = documents[:, -q_len:, None] == documents[:, None, :]  # (B, T, S)
+    return (same & causal_mask(q_len, k_len, documents.device)).unsqueeze(1)
+
+
+def document_mask_note(backend: str, batch: int, seq_len: int, cp: int = 1) -> str:
+    """One log line: how the document mask runs on ``backend``, and what its mask costs."""
+    if backend == "flash_attn":
+        return "attention mask: document, through flash-attn's varlen kernel (no mask materialized)"
+    q_len = seq_len // cp  # a context-parallel rank's queries; keys are the whole sequence
+    size = batch * q_len * seq_len  # bool: one byte per (query, key)
+    return (f"attention mask: document, as an explicit bool mask for {backend}: up to {batch} x {q_len} x {seq_len} = "
+            f"{size / 2**20:.2f} MiB in each layer, kept for backward (SDPA then runs a kernel that takes a mask, not "
+            "flash; flash-attn's varlen path has none)")
+
+
+def document_spans(documents: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """flash-attn's varlen description of a document mask, flattened over the batch: cumulative
+    query and key lengths per (row, document) span (int32, n + 1 entries), the flat index (into
+    B * S) of the keys those spans cover, and the longest query and key span.
+
+    Queries are the last ``q_len`` positions and keys run to the end, so a document's queries are
+    the last of its keys: flash-attn's bottom-right causal alignment within each span is exact.
+    Documents that end before the first query hold no query and are left out, keys included."""
+    k_len = documents.shape[1]
+    first = k_len - q_len
+    q_counts, k_counts, key_index = [], [], []
+    for r, row in enumerate(documents.tolist()):  # one host sync per call: the spans are the kernel's shapes
+        start = 0
+        for end in [i for i in range(1, k_len) if row[i] != row[i - 1]] + [k_len]:
+            if end > first:
+                q_counts.append(end - max(start, first))
+                k_counts.append(end - start)
+                key_index.extend(range(r * k_len + start, r * k_len + end))
+            start = end
+    device = documents.device
+    cu_q = torch.tensor([0] + q_counts, device=device).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + k_counts, device=device).cumsum(0).to(torch.int32)
+    return cu_q, cu_k, torch.tensor(key_index, device=device), max(q_counts), max(k_counts)
+
+
+def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
+                           dropout_p: float) -> torch.Tensor:
+    """The document mask through flash-attn's varlen kernel: every document a sequence of its own,
+    nothing (T, S)-sized materialized. q (B, T, H, D), k and v (B, S, H_kv, D)."""
+    from flash_attn import flash_attn_varlen_func
+
+    b, t, h, d = q.shape
+    cu_q, cu_k, keys, max_q, max_k = document_spans(documents, t)
+    k, v = (z.reshape(-1, z.shape[2], d).index_select(0, keys) for z in (k, v))
+    out = flash_attn_varlen_func(q.reshape(b * t, h, d), k, v, cu_q, cu_k, max_q, max_k,
+                                 dropout_p=dropout_p, causal=True)
+    return out.view(b, t, h, d)
+
+
 def _sdpa_takes_gqa(q: torch.Tensor) -> bool:
     """Whether SDPA gets the narrow k/v (enable_gqa): on CPU, and on CUDA where its flash kernel
     runs (16-bit, head dim <= 256, Ampere or later); other CUDA kernels get k/v repeated per group."""
@@ -144,11 +211,13 @@ def _sdpa_takes_gqa(q: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(q.device) >= FLASH_MIN_CAPABILITY
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    """softmax(QK^T / sqrt(d) + causal mask) V on q (B, H, T, D), k and v (B, H, S >= T, D); softmax in fp32."""
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(QK^T / sqrt(d) + causal mask) V on q (B, H, T, D), k and v (B, H, S >= T, D); softmax in fp32.
+    ``mask`` (B, 1, T, S) bool replaces the causal mask when given (``document_mask``)."""
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    causal = causal_mask(q.shape[-2], k.shape[-2], q.device)
-    scores = scores.masked_fill(~causal, float("-inf"))
+    allowed = causal_mask(q.shape[-2], k.shape[-2], q.device) if mask is None else mask
+    scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)

@@ -38,6 +38,18 @@ class ModelConfig:
     attention: Literal["auto", "flash_attn", "sdpa", "reference"] = doc(
         "auto", "attention backend; auto picks flash_attn on CUDA when installed, else sdpa"
     )
+    attention_mask: Literal["causal", "document"] = doc(
+        "causal", "causal: every earlier token of the packed sequence; document: only earlier tokens of the same "
+        "document (documents end with the end-of-text id, model.eot_id)"
+    )
+    document_positions: bool = doc(
+        False, "with attention_mask=document: positions restart at 0 with each document (else they count "
+        "through the packed sequence)"
+    )
+    eot_id: int | None = doc(
+        None, "end-of-text id that ends each document, for attention_mask=document; null: the dataset's, "
+        "from its meta.json"
+    )
     layers: Literal["torch", "te"] = doc("torch", "torch layers, or Transformer Engine layers (needs TE)")
     recompute: Literal["none", "selective", "op_selective", "full", "every_k", "offload"] = doc(
         "none", "activation recompute policy (model/recompute.py): which activations are dropped in "
@@ -136,6 +148,11 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.document_positions and self.attention_mask != "document":
+            raise ConfigError("model.document_positions=true restarts positions per document: it needs "
+                              "model.attention_mask=document")
+        if self.eot_id is not None and not 0 <= self.eot_id < self.vocab_size:
+            raise ConfigError(f"model.eot_id={self.eot_id} is outside the vocabulary 0..{self.vocab_size - 1}")
         if self.recompute_every_k < 1:
             raise ConfigError("model.recompute_every_k must be >= 1")
         if self.moe_experts is not None:

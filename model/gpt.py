@@ -31,6 +31,15 @@ from model.moe import MoE, take_aux_loss, with_aux_gradient
 from model.te import TEBlock
 
 
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) each token's position inside its document, from the (B, T) document numbers."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values  # where each document begins
+    return index - first
+
+
 class Norm(nn.Module):
     """LayerNorm or RMSNorm whose statistics are computed in fp32 whatever the input dtype."""
 
@@ -85,7 +94,8 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerKV | None = None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerKV | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         # Per key/value head: its query heads, its key, its value. Head counts are read from the
@@ -99,7 +109,7 @@ class Attention(nn.Module):
             q, k = self.ops.apply_rope(q, *rope), self.ops.apply_rope(k, *rope)
         if cache is not None:  # generation: attend to every earlier position too
             k, v = cache.update(k, v)
-        y = self.core(q, k, v).flatten(2)  # (B, T, H * D)
+        y = self.core(q, k, v, documents).flatten(2)  # (B, T, H * D)
         return self.resid_drop(self.proj(y))
 
 
@@ -145,9 +155,10 @@ class Block(nn.Module):
         self.mlp = make_mlp(cfg, ops, expert_backend, layer_idx)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: LayerKV | None = None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: LayerKV | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, cache)
+        x = x + self.attn(self.norm1(x), rope, cache, documents)
         return x + self.mlp(self.norm2(x))
 
 
@@ -208,7 +219,8 @@ class GPT(nn.Module):
                                                        device)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None, *,
+        positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """idx (B, T) token ids -> mean next-token loss if targets are given, else logits (B, T, V).
 
@@ -216,19 +228,29 @@ class GPT(nn.Module):
         ones: they take positions [cache.length, cache.length + T) and the cache grows by T.
         A pipeline stage without the embedding takes hidden states (B, T, C) instead of ids; one
         without the head returns hidden states.
+
+        ``positions`` (T,): the position of each token when idx is not a whole sequence from 0 (a
+        context-parallel rank's chunks, parallel/cp.py). ``documents`` (B, S): the document number
+        of each key position attention sees (a packed sequence; see ``AttentionCore``).
         """
         start, t = (cache.length if cache is not None else 0), idx.shape[1]
         if start + t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {start + t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if documents is None and cache is None:
+            documents = self.document_ids(idx)
+        if positions is None:
+            positions = (torch.arange(start, start + t, device=idx.device)
+                         if documents is None or not self.cfg.document_positions else document_positions(documents))
         x = idx
         if self.tok_emb is not None:
             x = self.tok_emb(idx)
             if self.pos_emb is not None:
-                x = x + self.pos_emb(torch.arange(start, start + t, device=idx.device))
+                x = x + self.pos_emb(positions)
             x = self.drop(x)
-        rope = (self.rope_cos[start:], self.rope_sin[start:]) if self.cfg.position == "rope" else None
+        rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.cfg.position == "rope" else None
         for name, block in self.blocks.items():
-            x = block(x, rope) if cache is None else block(x, rope, cache.layer(int(name)))
+            layer_cache = None if cache is None else cache.layer(int(name))
+            x = block(x, rope, layer_cache, documents)
         if cache is not None:
             cache.advance(t)
         # MoE load-balancing losses of this forward's blocks (training only). With targets they join
@@ -242,6 +264,16 @@ class GPT(nn.Module):
             return logits if aux is None else with_aux_gradient(logits, aux)
         loss = self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
         return loss if aux is None else loss + (aux - aux.detach())
+
+    def document_ids(self, idx: torch.Tensor) -> torch.Tensor | None:
+        """(B, T) the document number of each token under model.attention_mask=document, else None.
+        A document ends with (and includes) its end-of-text token; the next token starts another."""
+        if self.cfg.attention_mask != "document" or self.tok_emb is None:
+            return None
+        if self.cfg.eot_id is None:
+            raise ValueError("model.attention_mask=document needs model.eot_id (the end-of-text id)")
+        ends = (idx == self.cfg.eot_id).int()
+        return ends.cumsum(1) - ends  # end-of-text tokens before this one
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Unique parameters (a tied head counts once); optionally without the embedding tables."""

@@ -63,7 +63,9 @@ class TEBlock(nn.Module):
         )
         self.rotary = _te_rotary(cfg) if cfg.position == "rope" else None
 
-    def forward(self, x: torch.Tensor, rope: object = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: object = None, cache: object = None, documents: object = None) -> torch.Tensor:
+        if cache is not None or documents is not None:  # the GPT's block interface, which TE's layer lacks
+            raise NotImplementedError("Transformer Engine blocks take neither a KV cache nor document masks")
         # TE builds its own rotary table (same halves-split convention); the GPT's is unused here.
         te_rope = self.rotary(x.shape[1]) if self.rotary is not None else None
         return self.layer(x, rotary_pos_emb=te_rope)

@@ -15,10 +15,12 @@ class ParallelConfig:
     strategy: Literal["none", "ddp", "fsdp", "zero1", "zero2", "zero3"] = doc(
         "none", "data-parallel strategy applied to the built model"
     )
-    # --- layout (dims.py): ranks = pp x dp_replicate x dp_shard x tp, tp innermost (inside a node)
+    # --- layout (dims.py): ranks = pp x dp_replicate x dp_shard x cp x tp, tp innermost (inside a node)
     tp: int = doc(1, "tensor-parallel degree: each layer's matmuls split over this many ranks of a node "
                   "(Megatron-LM); must divide the heads, KV heads, d_ff and vocabulary")
     pp: int = doc(1, "pipeline-parallel stages: the layers split over this many ranks")
+    cp: int = doc(1, "context-parallel degree: every sequence split over this many ranks (2*cp load-balanced "
+                  "chunks, keys and values all-gathered per layer; parallel/cp.py); needs strategy=fsdp or none")
     dp_replicate: int = doc(1, "data-parallel replicas; with strategy=fsdp the replicate dimension of HSDP "
                             "(across nodes)")
     dp_shard: int = doc(-1, "data-parallel ranks that shard the model (fsdp) or hold replicas (ddp, zero); "
@@ -33,7 +35,7 @@ class ParallelConfig:
                                  "the bubble by this factor)")
 
     def _validate_layout(self) -> None:
-        for key in ("tp", "pp", "dp_replicate", "pp_virtual_stages"):
+        for key in ("tp", "pp", "cp", "dp_replicate", "pp_virtual_stages"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"parallel.{key} must be >= 1 (got {getattr(self, key)})")
         if self.dp_shard != -1 and self.dp_shard < 1:
@@ -55,7 +57,13 @@ class ParallelConfig:
         if model_parallel and self.strategy in ("ddp", "zero1", "zero2", "zero3"):
             raise ConfigError(f"parallel.strategy={self.strategy} cannot wrap tensor- or pipeline-parallel models "
                               "(DTensor parameters, stages); use parallel.strategy=fsdp for their data parallelism")
-        if self.fsdp_hybrid and (model_parallel or self.dp_replicate != 1):
+        if self.cp > 1 and self.strategy not in ("none", "fsdp"):
+            raise ConfigError(f"parallel.cp={self.cp} with parallel.strategy={self.strategy} is not supported: context-"
+                              "parallel ranks reduce gradients through FSDP2's mesh; use parallel.strategy=fsdp")
+        if self.cp > 1 and self.pp > 1:
+            raise ConfigError(f"parallel.cp={self.cp} with parallel.pp={self.pp} is not supported (pipeline stages "
+                              "do not pass token positions on); use one of them")
+        if self.fsdp_hybrid and (model_parallel or self.cp > 1 or self.dp_replicate != 1):
             raise ConfigError("parallel.fsdp_hybrid is the shorthand for dp_replicate=<nodes> without tp or pp; "
                               "set parallel.dp_replicate (and dp_shard) instead")
         if self.dp_replicate > 1 and self.strategy != "fsdp":
@@ -178,16 +186,22 @@ class ParallelConfig:
         self._validate_strategies()
 
     def layout(self, nodes: int, ranks_per_node: int) -> dict[str, int]:
-        """The mesh degrees (ParallelDims' pp, dp_replicate, dp_shard, tp) for this section; HSDP's
+        """The mesh degrees (ParallelDims' pp, dp_replicate, dp_shard, cp, tp) for this section; HSDP's
         shorthand ``fsdp_hybrid`` becomes one replica per node, sharded inside it."""
         if self.fsdp_hybrid:
             return {"pp": 1, "dp_replicate": nodes, "dp_shard": ranks_per_node, "tp": 1}
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                "tp": self.tp}
 
     def for_data_parallel(self, dp_size: int) -> tuple[ParallelConfig, str | None]:
         """This section as it applies to ``dp_size`` data-parallel ranks, and a log line if that
         changed it: strategy none on several data-parallel ranks would train unsynchronized
-        replicas, so they get DDP (FSDP2 for tensor- or pipeline-parallel models, which DDP cannot wrap)."""
+        replicas, so they get DDP (FSDP2 for tensor- or pipeline-parallel models, which DDP cannot wrap,
+        and for context parallelism, whose ranks average gradients over FSDP2's mesh)."""
+        if self.cp > 1 and self.strategy == "none":
+            note = (f"parallel: strategy none with parallel.cp={self.cp} -> fsdp (context-parallel ranks average "
+                    "gradients as data-parallel ones do)")
+            return replace(self, strategy="fsdp"), note
         if dp_size > 1 and self.strategy == "none":
             strategy = "ddp" if self.tp == 1 and self.pp == 1 else "fsdp"
             note = f"parallel: strategy none with {dp_size} data-parallel ranks -> {strategy} (gradients averaged)"

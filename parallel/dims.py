@@ -5,11 +5,16 @@ without a process group.
 WORLD_SIZE, RANK, LOCAL_WORLD_SIZE, LOCAL_RANK) and the layout keys of the ``parallel`` section,
 so every check runs in a unit test on any machine. The layout is a 4-D grid of ranks,
 
-    pp x dp_replicate x dp_shard x tp      (row-major: tp varies fastest)
+    pp x dp_replicate x dp_shard x cp x tp      (row-major: tp varies fastest)
 
 so a tensor-parallel group is tp consecutive ranks, inside one node, where the bandwidth its
-per-layer collectives need is; data parallelism and pipeline stages span nodes. ``build_mesh``
-turns it into the one ``DeviceMesh`` of the run, with those dimension names. ``build_node_groups`` turns it into the two process groups a hierarchical collective
+per-layer collectives need is; a context-parallel group (each rank holds a slice of every
+sequence, parallel/cp.py) comes next, then data parallelism and pipeline stages, which span nodes.
+The ranks of one cp group read the same batches (they share ``dp_rank``) but hold different tokens,
+so for gradients they are data-parallel ranks: ``build_mesh`` folds dp_shard x cp into one
+``dp_shard_cp`` dimension for FSDP2, as torchtitan does. ``build_mesh`` turns the grid into the one
+``DeviceMesh`` of the run, with those dimension names. ``build_node_groups`` turns it into the two
+process groups a hierarchical collective
 needs: the ranks of this node (intra) and the ranks holding the same local index on every node
 (inter). Ranks are assumed node-major, as torchrun assigns them when every node runs the same
 number of processes: global rank = node_rank * local_world_size + local_rank.
@@ -28,7 +33,8 @@ if TYPE_CHECKING:  # torch.distributed is only needed once groups are built
     from torch.distributed import ProcessGroup
 
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost to innermost
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost to innermost
+FSDP_SHARD_CP = "dp_shard_cp"  # dp_shard and cp flattened into one mesh dimension (build_mesh)
 
 
 @dataclass(frozen=True)
@@ -40,11 +46,12 @@ class ParallelDims:
     # The launcher's LOCAL_RANK, which names this process's GPU; differs from local_rank only
     # when parallel.local_world_size regroups the ranks into pretend nodes (-1: same as local_rank).
     device_index: int = -1
-    # The layout (parallel.pp, dp_replicate, dp_shard, tp); dp_shard -1 takes the ranks left over.
+    # The layout (parallel.pp, dp_replicate, dp_shard, cp, tp); dp_shard -1 takes the ranks left over.
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         if self.device_index < 0:
@@ -53,22 +60,23 @@ class ParallelDims:
         self._resolve_layout()
 
     def _resolve_layout(self) -> None:
-        for key in ("pp", "dp_replicate", "tp"):
+        for key in ("pp", "dp_replicate", "cp", "tp"):
             if getattr(self, key) < 1:
                 raise LayoutError(f"parallel.{key}={getattr(self, key)} must be >= 1")
-        fixed = self.pp * self.dp_replicate * self.tp
+        fixed = self.pp * self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if self.world_size % fixed:
                 raise LayoutError(
-                    f"parallel.pp={self.pp} x parallel.dp_replicate={self.dp_replicate} x parallel.tp={self.tp} = "
-                    f"{fixed} does not divide the {self.world_size} ranks; choose degrees whose product divides it"
+                    f"parallel.pp={self.pp} x parallel.dp_replicate={self.dp_replicate} x parallel.cp={self.cp} x "
+                    f"parallel.tp={self.tp} = {fixed} does not divide the {self.world_size} ranks; choose degrees "
+                    "whose product divides it"
                 )
             object.__setattr__(self, "dp_shard", self.world_size // fixed)
         if self.dp_shard < 1 or fixed * self.dp_shard != self.world_size:
             raise LayoutError(
                 f"parallel.pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
-                f"tp={self.tp} = {fixed * max(self.dp_shard, 0)} ranks, but {self.world_size} were launched; "
-                "make the product equal the world size (dp_shard=-1 takes the ranks left over)"
+                f"cp={self.cp} x tp={self.tp} = {fixed * max(self.dp_shard, 0)} ranks, but {self.world_size} were "
+                "launched; make the product equal the world size (dp_shard=-1 takes the ranks left over)"
             )
         if self.tp > 1 and self.local_world_size % self.tp:
             raise LayoutError(
@@ -108,7 +116,7 @@ class ParallelDims:
         ``local_world_size`` overrides LOCAL_WORLD_SIZE, e.g. to treat 4 processes on one
         machine as 2 nodes x 2 when testing hierarchical collectives; the local rank is then
         derived as rank % local_world_size (LOCAL_RANK still names this process's device).
-        ``layout`` holds pp, dp_replicate, dp_shard and tp.
+        ``layout`` holds pp, dp_replicate, dp_shard, cp and tp.
         """
         env = os.environ if env is None else env
         world_size = _env_int(env, "WORLD_SIZE", 1)
@@ -142,8 +150,8 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel index: the ranks of one tensor-parallel group and of one
-        pipeline share it (and their batches)."""
+        """This rank's data-parallel index: the ranks of one tensor-parallel group, of one
+        context-parallel group and of one pipeline share it (and their batches)."""
         return self.coordinate("dp_replicate") * self.dp_shard + self.coordinate("dp_shard")
 
     def mesh_shape(self) -> dict[str, int]:
@@ -161,7 +169,18 @@ class ParallelDims:
         shape = self.mesh_shape()
         if self.world_size == 1 or not shape:
             return None
-        return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+        mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+        if self.dp_shard > 1 and self.cp > 1:  # FSDP2 shards over both (see fsdp_dims): one flat dimension
+            mesh["dp_shard", "cp"]._flatten(FSDP_SHARD_CP)
+        return mesh
+
+    def fsdp_dims(self) -> tuple[str, ...]:
+        """The mesh dimensions FSDP2 shards (and averages gradients) over, replicate first: the
+        data-parallel ones, with cp folded into the shard dimension, since cp ranks hold the same
+        weights and see different tokens. Only those with more than one rank."""
+        shard = [name for name in ("dp_shard", "cp") if getattr(self, name) > 1]
+        names = ["dp_replicate"] if self.dp_replicate > 1 else []
+        return tuple(names + ([FSDP_SHARD_CP] if len(shard) == 2 else shard))
 
     @property
     def nodes(self) -> int:
@@ -192,7 +211,7 @@ class ParallelDims:
         return f"[rank {self.rank} local {self.local_rank} node {self.node_rank}] "
 
     def describe(self) -> str:
-        layout = " ".join(f"{name}={getattr(self, name)}" for name in MESH_DIMS)
+        layout = " ".join(f"{name}={getattr(self, name)}" for name in MESH_DIMS if name != "cp" or self.cp > 1)
         return (
             f"rank {self.rank}/{self.world_size} node {self.node_rank}/{self.nodes} "
             f"local {self.local_rank}/{self.local_world_size}, {layout}"

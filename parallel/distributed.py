@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,6 +40,18 @@ class DistContext:
         if not present:
             return None
         return self.mesh[present[0]] if len(present) == 1 else self.mesh[present]
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over: the data-parallel dimensions, with context parallelism folded
+        into the shard dimension (``ParallelDims.fsdp_dims``); None when that is one rank."""
+        names = self.dims.fsdp_dims()
+        if self.mesh is None or not names:
+            return None
+        with warnings.catch_warnings():
+            # torch asks callers to keep the flattened mesh themselves; slicing it from the root is
+            # the documented way until then, and keeping it here would be a second mesh to pass around.
+            warnings.filterwarnings("ignore", message=".*flattened dim from root mesh.*")
+            return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
 
     @property
     def rank(self) -> int:

@@ -5,6 +5,7 @@
     3. the GPT                built from the seed (on the meta device with ``init_on_meta``)
     4. pipeline split         each rank keeps its stages (parallel/pp.py)
     5. tensor parallelism     DTensor shards over the tp mesh dimension (parallel/tp.py)
+       context parallelism    each rank its chunks of every sequence, K/V gathered per layer (parallel/cp.py)
        FP8 linears            torchao's Float8Linear swapped in (fp8_backend=torchao, parallel/float8.py)
     6. activation recompute   wrappers must exist before compile traces the blocks
     7. torch.compile          per block, so compiled regions stay inside FSDP units
@@ -27,13 +28,14 @@ import torch.nn as nn
 from common.errors import ConfigError, LayoutError
 from kernels.config import KernelsConfig
 from kernels.registry import resolve_kernel_ops
-from model.attention import select_attention
+from model.attention import document_mask_note, select_attention
 from model.config import ModelConfig
 from model.gpt import GPT, indexed_blocks
 from model.interop import check_state_dict
 from model.moe import select_expert_backend
 from model.recompute import apply_recompute, describe_recompute, no_gain_note
 from parallel.config import ParallelConfig
+from parallel.cp import apply_context_parallel, chunk_ids
 from parallel.ddp import apply_ddp
 from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
@@ -75,6 +77,8 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     ops, kernel_note = resolve_kernel_ops(kernels_cfg.backend, ctx.device)
     backend, attention_note = choose_attention(model_cfg, ctx.device, policy)
     expert_backend, expert_note = choose_expert_backend(model_cfg, ctx.device, policy)
+    if model_cfg.attention_mask == "document":
+        attention_note += "; " + document_mask_note(backend, micro_batch_size, model_cfg.max_seq_len, dims.cp)
     # 3. The model. Every rank builds the same weights from the same seed (DDP broadcasts rank 0's
     # anyway; FSDP2 and TP keep each rank's slice); on meta nothing is allocated until FSDP2 shards it.
     torch.manual_seed(seed)
@@ -104,6 +108,9 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
 
             apply_tensor_parallel(part, ctx.submesh("tp"), sequence_parallel=parallel_cfg.sequence_parallel,
                                   loss_parallel=loss_parallel)
+        # Context parallelism: each rank runs its chunks of every sequence, with K/V gathered per layer;
+        # before recompute, so selective recompute re-gathers K/V in backward instead of keeping them.
+        apply_context_parallel(part, ctx.submesh("cp").get_group() if dims.cp > 1 else None)
         # FP8 linears swap module classes, so they go in before the recompute and compile wrappers.
         fp8_notes.append(apply_float8(part, mode=policy.mode, backend=precision_cfg.fp8_backend,
                                       recipe=precision_cfg.fp8_recipe, device=ctx.device,
@@ -143,6 +150,8 @@ def describe_layout(dims: ParallelDims, parallel_cfg: ParallelConfig, stages: li
     line = f"layout: {shape} ({dims.world_size} ranks); data-parallel rank {dims.dp_rank} of {dims.dp_size}"
     if dims.tp > 1:
         line += f"; tp {'with' if parallel_cfg.sequence_parallel else 'without'} sequence parallelism"
+    if dims.cp > 1:
+        line += f"; cp rank {dims.coordinate('cp')} of {dims.cp} holds sequence chunks {chunk_ids(dims.cp, dims.coordinate('cp'))}"
     if dims.pp > 1:
         line += f"; pipeline {parallel_cfg.pp_schedule}, stages {stages} of {dims.pp * parallel_cfg.pp_virtual_stages}"
     return line
@@ -203,7 +212,7 @@ def apply_sharded_data_parallel(model: nn.Module, parallel_cfg: ParallelConfig, 
                                 policy: PrecisionPolicy, optim_cfg: OptimConfig, loss_parallel: bool) -> ShardedEngine:
     """FSDP2 over the data-parallel dimensions of the mesh (2-D for HSDP), when there are any, and
     the engine of a model with DTensor parameters."""
-    dp_mesh = ctx.submesh("dp_replicate", "dp_shard")
+    dp_mesh = ctx.fsdp_mesh()
     fsdp = parallel_cfg.strategy == "fsdp"
     if fsdp and dp_mesh is None:
         raise LayoutError(f"parallel.strategy=fsdp, but the layout leaves one data-parallel rank "
@@ -220,7 +229,7 @@ def apply_pipeline(parts: list[GPT], stages: list[int], n_stages: int, parallel_
     dimension; a tied embedding's two copies joined across the first and last stage."""
     from parallel.pp import PipelineEngine, build_pipeline, tie_embedding_copies
 
-    dp_mesh = ctx.submesh("dp_replicate", "dp_shard")
+    dp_mesh = ctx.fsdp_mesh()
     if parallel_cfg.strategy == "fsdp":
         if dp_mesh is None:
             raise LayoutError(f"parallel.strategy=fsdp, but the layout leaves one data-parallel rank "

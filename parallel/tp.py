@@ -69,8 +69,9 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
             parallelize_module(block, tp_mesh, {"mlp.gate": ColwiseParallel()})
         parallelize_module(block, tp_mesh, {
             "norm1": _norm_style(sequence_parallel),
-            # attn(x, rope, cache): only the hidden states are laid out; rope tables and cache stay as they are
-            "attn": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+            # attn(x, rope, cache, documents): only the hidden states are laid out; the rest stay as they are
+            "attn": PrepareModuleInput(input_layouts=(seq, None, None, None),
+                                       desired_input_layouts=(Replicate(), None, None, None)),
             "attn.qkv": ColwiseParallel(),
             "attn.proj": RowwiseParallel(output_layouts=seq),
             "norm2": _norm_style(sequence_parallel),

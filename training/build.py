@@ -6,12 +6,15 @@ runs. Each section goes only to the code that owns it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping
 
 import torch
 
+from common.errors import ConfigError
 from data.loader import DataBundle, build_data
 from data.prefetch import DevicePrefetcher
+from model.config import ModelConfig
 from parallel.distributed import DistContext
 from parallel.parallelize import Built, build_training
 from training.config import JobConfig
@@ -38,3 +41,16 @@ def build_batches(cfg: JobConfig, ctx: DistContext) -> tuple[DataBundle, DeviceP
     data = build_data(cfg.data, seq_len=cfg.seq_len, micro_batch_size=t.micro_batch_size, seed=t.seed,
                       rank=ctx.dims.dp_rank, world_size=ctx.dims.dp_size, vocab_size=cfg.model.vocab_size)
     return data, DevicePrefetcher(data.train, ctx.device)
+
+
+def with_document_eot(model_cfg: ModelConfig, data_eot_id: int | None) -> ModelConfig:
+    """The model section with the dataset's end-of-text id, where a document mask needs it and
+    model.eot_id does not set it; a document mask with neither is a one-line error."""
+    if model_cfg.attention_mask != "document" or model_cfg.eot_id is not None:
+        return model_cfg
+    if data_eot_id is None:
+        raise ConfigError("model.attention_mask=document needs the end-of-text id that ends each document, and "
+                          "the dataset records none: set model.eot_id")
+    resolved = replace(model_cfg, eot_id=int(data_eot_id))
+    resolved.validate()  # the id must lie inside the model's vocabulary
+    return resolved

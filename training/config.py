@@ -226,6 +226,8 @@ class JobConfig:
             if p.pp_schedule == "zero_bubble" and t.compile:
                 raise ConfigError("parallel.pp_schedule=zero_bubble splits each backward in two, which "
                                   "torch.compile'd blocks do not support; set train.compile=false or another schedule")
+        if p.cp > 1:
+            self._validate_context_parallel()
         if p.tp > 1 or p.pp > 1:
             if m.layers == "te":
                 raise ConfigError("model.layers=te with parallel.tp or parallel.pp: Transformer Engine layers "
@@ -239,6 +241,19 @@ class JobConfig:
             if self.precision.mode == "bf16_master" and p.strategy != "fsdp":
                 raise ConfigError("precision.mode=bf16_master with parallel.tp or parallel.pp needs "
                                   "parallel.strategy=fsdp (its fp32 shards are the masters); or use precision.mode=bf16")
+
+    def _validate_context_parallel(self) -> None:
+        """What context parallelism (parallel/cp.py) needs from the sequence and the model."""
+        p, seq_key = self.parallel, ("data.seq_len" if self.data.seq_len else "model.max_seq_len")
+        if self.seq_len % (2 * p.cp):
+            raise ConfigError(f"parallel.cp={p.cp} splits each sequence into 2 x cp = {2 * p.cp} equal chunks: "
+                              f"{seq_key}={self.seq_len} must divide by {2 * p.cp}")
+        if p.tp > 1 and p.sequence_parallel and (self.seq_len // p.cp) % p.tp:
+            raise ConfigError(f"parallel.sequence_parallel splits each cp rank's {self.seq_len // p.cp} tokens over "
+                              f"parallel.tp={p.tp}: {seq_key} / parallel.cp must divide by parallel.tp")
+        if self.model.layers == "te":
+            raise ConfigError("parallel.cp > 1 with model.layers=te: Transformer Engine's attention does not take the "
+                              "gathered keys; use model.layers=torch")
 
     def _validate_fp8_torchao(self) -> None:
         """torchao converts the GPT's nn.Linear layers (those whose dims are not multiples of 16 stay

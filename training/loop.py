@@ -343,8 +343,9 @@ class TrainingLoop:
     def layout(self) -> dict[str, int]:
         """The parallel layout a checkpoint records (its shards and per-rank states depend on it)."""
         d = self.ctx.dims
-        return {"tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
-                "pp_virtual_stages": self.cfg.parallel.pp_virtual_stages if d.pp > 1 else 1}
+        layout = {"tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
+                  "pp_virtual_stages": self.cfg.parallel.pp_virtual_stages if d.pp > 1 else 1}
+        return layout | ({"cp": d.cp} if d.cp > 1 else {})  # absent at 1: checkpoints from before cp match
 
     # ----------------------------------------------------------------- the loop
 

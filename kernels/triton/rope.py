@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from kernels import reference
 from kernels.triton._common import interpreter_active, kernel_op, unsupported_tensor_reason
 
 INTERPRETED = interpreter_active()
@@ -109,8 +110,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: b
 
     An op that mutates its input cannot have an autograd formula, so where autograd records x,
     inplace=True rotates into a new tensor and copies it back (autograd sees the copy); without
-    autograd (inference, a KV cache) it rotates x where it lies.
+    autograd (inference, a KV cache) it rotates x where it lies. Per-row tables (B, T, D/2), from
+    positions that restart per document, take the PyTorch reference.
     """
+    if cos.dim() == 3:
+        return reference.apply_rope(x, cos, sin, inplace)
     if not inplace:
         return rope(x, cos, sin, False)
     if torch.is_grad_enabled() and x.requires_grad:

@@ -1,0 +1,148 @@
+"""Context parallelism: every sequence split over the cp ranks, attention still exact over all of it.
+
+Applied in place to a built GPT over the ``cp`` mesh dimension (``apply_context_parallel``); the
+model code has no cp in it. With cp ranks and sequences of T tokens:
+
+    split      the sequence is cut into 2*cp chunks of c = T / (2 cp) tokens; rank i keeps chunks
+               i and 2cp-1-i. Under a causal mask chunk g attends to (g + 1) c keys, so every rank
+               does (i + 1) + (2cp - i) = 2cp + 1 chunk-lengths of key work: the same on all ranks
+               (a plain split into cp pieces would leave the last rank cp times the first's work).
+    positions  each token keeps its position in the whole sequence (RoPE, learned positions).
+    attention  per layer, the keys and values (only the KV heads, under GQA) are all-gathered over
+               the cp group and put back in sequence order; each local query chunk g attends to the
+               prefix of (g + 1) c keys, with the causal mask aligned bottom-right, which every
+               backend does (flash-attn, SDPA, the reference). Backward reduce-scatters (sums) the
+               gradients of the gathered keys and values back to the ranks that computed them.
+               This is the all-gather form Llama 3 used in production: exact, backend-independent,
+               and its traffic is 2 (cp - 1) / cp of one layer's K/V per rank.
+    loss       each rank returns cp * (its summed token losses) / (tokens of the whole sequence), so
+               the mean over the cp ranks is the mean over every token, and the gradients the cp
+               ranks average (as data-parallel ranks: ``ParallelDims.fsdp_dims`` folds cp into the
+               FSDP2 shard dimension, as torchtitan does) are those of that mean.
+
+Every cp rank of one data-parallel rank reads the same batch (they share ``dp_rank``) and keeps its
+chunks; with a document mask the document numbers are taken from the whole sequence before the
+split, so a chunk knows which document its first token continues.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from data.bundle import IGNORE_INDEX
+from model.attention import AttentionCore
+from model.gpt import GPT, document_positions
+
+
+def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
+    """The two of the 2*cp sequence chunks this cp rank holds, in the order it holds them."""
+    return rank, 2 * cp - 1 - rank
+
+
+def local_token_index(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(seq_len / cp,) the positions in the whole sequence of the tokens this cp rank holds."""
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(g * c, (g + 1) * c, device=device) for g in chunk_ids(cp, rank)])
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along a new leading dimension (cp, *x.shape); backward reduce-scatters (sums)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))  # ranks along dim 0
+        dist.all_gather_single(out, x, group=group)
+        return out.unflatten(0, (-1, x.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.flatten(0, 1).contiguous()
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        dist.reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(B, T/cp, ...) the chunks of every cp rank -> (B, T, ...) in sequence order."""
+    parts = _GatherSequence.apply(local, group)  # (cp, B, 2c, ...)
+    parts = parts.unflatten(2, (2, -1))  # (cp, B, 2, c, ...): each rank's two chunks
+    # Chunks 0..cp-1 are the ranks' first chunks in rank order; chunks cp..2cp-1 their second ones,
+    # in reverse rank order.
+    chunks = torch.cat([parts[:, :, 0], parts.flip(0)[:, :, 1]])  # (2cp, B, c, ...)
+    return chunks.movedim(0, 1).flatten(1, 2)
+
+
+class ContextParallelCore(nn.Module):
+    """An attention core over a cp rank's two chunks: gathers the keys and values of the whole
+    sequence, then runs the wrapped core once per chunk against the keys it may see."""
+
+    def __init__(self, inner: AttentionCore, group: dist.ProcessGroup, cp: int, rank: int):
+        super().__init__()
+        self.inner, self.group, self.chunks = inner, group, chunk_ids(cp, rank)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """q, k, v: this rank's chunks (B, 2c, heads, D); ``documents`` (B, T): of the whole sequence."""
+        kv = gather_sequence(torch.stack((k, v), dim=2), self.group)  # one collective: (B, T, 2, H_kv, D)
+        k_all, v_all = kv.unbind(2)
+        c = q.shape[1] // 2
+        out = []
+        for j, g in enumerate(self.chunks):
+            end = (g + 1) * c  # keys up to the end of this chunk; the queries are its last c of them
+            docs = None if documents is None else documents[:, :end]
+            out.append(self.inner(q[:, j * c:(j + 1) * c], k_all[:, :end], v_all[:, :end], docs))
+        return torch.cat(out, dim=1)
+
+    def extra_repr(self) -> str:
+        return f"chunks={self.chunks}"
+
+
+class ContextParallelGPT(GPT):
+    """A GPT whose ``forward`` takes whole sequences and runs this cp rank's chunks of them.
+
+    Installed by swapping the class of a built GPT (as FSDP2 and model/recompute.py do), so module
+    names and state_dict keys stay those of the plain model. Logits come back for the local tokens
+    only (``local_token_index`` says which); the loss as described in the module docstring.
+    """
+
+    cp_group: dist.ProcessGroup
+    cp: int
+    cp_rank: int
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None, *,
+                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("a context-parallel model does not generate with a KV cache; generate with the plain model")
+        t = idx.shape[1]
+        index = local_token_index(t, self.cp, self.cp_rank, idx.device)
+        if documents is None:
+            documents = self.document_ids(idx)  # of the whole sequence: keys span all of it
+        if positions is None:
+            restart = documents is not None and self.cfg.document_positions
+            positions = document_positions(documents) if restart else torch.arange(t, device=idx.device)
+        positions = positions[..., index]
+        local_targets = None if targets is None else targets[:, index]
+        out = super().forward(idx[:, index], local_targets, positions=positions, documents=documents)
+        if targets is None:
+            return out
+        # out is the mean over this rank's real targets; rescale so the cp ranks' mean is the mean
+        # over the whole sequence's real targets (the counts are known here: every rank has all targets).
+        local = (local_targets != IGNORE_INDEX).sum()
+        total = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        return torch.where(local > 0, out * (local * self.cp / total), out.new_zeros(()))
+
+
+def apply_context_parallel(model: GPT, cp_group: dist.ProcessGroup | None) -> None:
+    """Split ``model``'s sequences over ``cp_group`` (a no-op without one), in place: the GPT's
+    class becomes ``ContextParallelGPT`` and each block's attention core a ``ContextParallelCore``."""
+    if cp_group is None:
+        return
+    cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    for block in model.blocks.values():
+        block.attn.core = ContextParallelCore(block.attn.core, cp_group, cp, rank)
+    model.cp_group, model.cp, model.cp_rank = cp_group, cp, rank
+    model.__class__ = type(f"ContextParallel{type(model).__name__}", (ContextParallelGPT, type(model)), {})

@@ -1,0 +1,245 @@
+"""Context parallelism (parallel/cp.py) against one process.
+
+The layouts' numbers are checked against a model that runs whole sequences in one process, built
+from the same seed inside each worker: logits and loss of one forward (fp32, within 1e-5) for
+multi-head and grouped-query attention, the causal and the document mask; the gradients (a cp
+rank's gradients summed over its cp group are cp times the whole-sequence gradient, which is what
+FSDP2's average over dp x cp turns into the mean); and the build path's FSDP2 engine over cp, cp x
+dp_shard and cp x tp trained for 10 steps (losses, gradient norms, validation loss), resumed bit for bit
+from its DCP checkpoint, and loaded into another cp size. One 4-rank launch runs all of it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.errors import ConfigError, LayoutError
+from data.bundle import ValSource
+from model.attention import causal_mask
+from model.config import ModelConfig
+from model.gpt import GPT
+from parallel.config import ParallelConfig
+from parallel.cp import chunk_ids, local_token_index
+from parallel.dims import ParallelDims
+from parallel.distributed import DistContext
+from tests.gloo import gloo_context, run_workers
+from training.build import build_from_config
+from training.config import load_config
+from training.loop import evaluate
+
+SEQ, VOCAB, EOT = 16, 64, 3
+MODELS = {
+    "mha": {"n_kv_head": None},
+    "gqa": {"n_kv_head": 2, "position": "rope", "norm": "rmsnorm", "mlp": "swiglu"},
+    "gqa_document": {"n_kv_head": 2, "position": "rope", "attention_mask": "document", "eot_id": EOT},
+    "mha_document_positions": {"attention_mask": "document", "eot_id": EOT, "document_positions": True},
+}
+MICRO, STEPS, SAVE_AFTER, VAL = 2, 10, 6, 5
+TRAIN_MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "n_kv_head": 2,
+               "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False}
+LAYOUTS = {"cp4": {"cp": 4}, "cp2_x_dp2": {"cp": 2, "dp_shard": 2}, "cp2_x_tp2": {"cp": 2, "tp": 2}}
+
+
+def model_cfg(name: str) -> ModelConfig:
+    return ModelConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=2, n_head=4, d_model=32, **MODELS[name])
+
+
+def tokens(seed: int, batch: int = 2) -> torch.Tensor:
+    """(batch, SEQ + 1) ids with end-of-text ids planted, so packed documents cross chunk borders."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(EOT + 1, VOCAB, (batch, SEQ + 1), generator=g)
+    ids[0, [2, 9]] = EOT
+    ids[-1, [6]] = EOT
+    return ids
+
+
+# --------------------------------------------------------------------------- in one process
+
+
+def test_every_cp_rank_does_the_same_attention_work():
+    """Counted from the masks the ranks' chunks run under: (query, key) pairs per rank are equal,
+    and the ranks' tokens are the whole sequence, each once."""
+    for cp in (2, 4):
+        seq = 8 * cp
+        c = seq // (2 * cp)
+        pairs = [sum(int(causal_mask(c, (g + 1) * c, "cpu").sum()) for g in chunk_ids(cp, r)) for r in range(cp)]
+        assert len(set(pairs)) == 1, pairs
+        # A plain split into cp pieces would not balance: its last rank sees the most keys.
+        plain = [int(causal_mask(2 * c, (r + 1) * 2 * c, "cpu").sum()) for r in range(cp)]
+        assert plain[-1] > plain[0]
+        held = torch.cat([local_token_index(seq, cp, r) for r in range(cp)])
+        assert sorted(held.tolist()) == list(range(seq))
+
+
+def test_layouts_with_cp_are_validated_before_any_work():
+    dims = ParallelDims(8, 8, 5, 5, cp=2, tp=2)
+    assert (dims.dp_shard, dims.coordinate("cp"), dims.coordinate("tp"), dims.dp_rank) == (2, 0, 1, 1)
+    assert dims.fsdp_dims() == ("dp_shard_cp",)
+    assert ParallelDims(4, 4, 0, 0, cp=4).fsdp_dims() == ("cp",)
+    with pytest.raises(LayoutError, match="parallel.cp=3"):
+        ParallelDims(4, 4, 0, 0, cp=3)
+    with pytest.raises(ConfigError, match=r"model.max_seq_len=20 must divide by 8"):
+        load_config(None, ["--parallel.cp=4", "--model.max_seq_len=20", "--parallel.strategy=fsdp"])
+    for strategy in ("ddp", "zero2"):
+        with pytest.raises(ConfigError, match=f"parallel.cp=2 with parallel.strategy={strategy}"):
+            load_config(None, ["--parallel.cp=2", f"--parallel.strategy={strategy}"])
+    with pytest.raises(ConfigError, match="parallel.cp=2 with parallel.pp=2"):
+        load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--parallel.strategy=fsdp"])
+    resolved, note = ParallelConfig(cp=2).for_data_parallel(1)
+    assert resolved.strategy == "fsdp" and "parallel.cp=2" in note
+
+
+# --------------------------------------------------------------------------- on 4 gloo ranks
+
+
+def forward_and_grads(cp_rank_group, cp: int, name: str) -> dict:
+    """This rank's logits, loss and summed-over-cp gradients under cp, and the one-process ones."""
+    from parallel.cp import apply_context_parallel
+
+    torch.manual_seed(0)
+    whole = GPT(model_cfg(name))
+    torch.manual_seed(0)
+    split = GPT(model_cfg(name))
+    apply_context_parallel(split, cp_rank_group)
+    ids = tokens(7)
+    x, y = ids[:, :-1], ids[:, 1:]
+    ref_loss = whole(x, y)
+    ref_loss.backward()
+    loss = split(x, y)
+    loss.backward()
+    rank = torch.distributed.get_rank(cp_rank_group)
+    mean_loss = loss.detach().clone()
+    torch.distributed.all_reduce(mean_loss, group=cp_rank_group)
+    grads = {}
+    for (key, p), q in zip(split.named_parameters(), whole.parameters()):
+        g = p.grad.clone()
+        torch.distributed.all_reduce(g, group=cp_rank_group)
+        grads[key] = float((g / cp - q.grad).abs().max())
+    with torch.no_grad():
+        index = local_token_index(SEQ, cp, rank)
+        logits_err = float((split(x) - whole(x)[:, index]).abs().max())
+    return {"loss": float(mean_loss / cp), "ref_loss": float(ref_loss), "logits_err": logits_err, "grad_err": grads}
+
+
+def job(**parallel):
+    overrides = [f"--model.{k}={v}" for k, v in TRAIN_MODEL.items()]
+    overrides += [f"--train.micro_batch_size={MICRO}", "--train.grad_accum_steps=1", "--optim.warmup_steps=1",
+                  "--optim.lr=1e-2", f"--train.max_steps={STEPS}"]
+    return load_config(None, overrides + [f"--parallel.{k}={v}" for k, v in parallel.items()])
+
+
+def batches(step: int, dp_rank: int):
+    ids = tokens(100 * step + dp_rank, MICRO)
+    return iter([(ids[:, :-1], ids[:, 1:])])
+
+
+def val_source(dp_rank: int, dp_size: int) -> ValSource:
+    windows = torch.cat([tokens(50 + i, 1) for i in range(VAL)]).numpy()
+    return ValSource(lambda: iter(windows), available=VAL, seq_len=SEQ, batch_size=MICRO, rank=dp_rank,
+                     world_size=dp_size)
+
+
+def train(engine, ctx, cfg, steps: range) -> tuple[list[float], list[float]]:
+    losses, norms = [], []
+    for step in steps:
+        loss, _ = engine.forward_backward_step(batches(step, ctx.dims.dp_rank), 1)
+        norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
+        losses.append(float(ctx.all_reduce_mean(loss.detach().clone())))
+    return losses, norms
+
+
+def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
+    cfg = job(**layout)
+    ctx = gloo_context(rank, world, **layout)
+    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    engine = build_from_config(cfg, ctx).engine
+    losses, norms = train(engine, ctx, cfg, range(SAVE_AFTER))
+    path = Path(root) / name
+    if rank == 0:
+        path.mkdir(parents=True)
+    torch.distributed.barrier()
+    engine.save(path, rank)
+    torch.distributed.barrier()
+    rest, rest_norms = train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))
+    val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.dims.dp_size), VAL, ctx)
+    fresh = build_from_config(cfg, ctx).engine
+    fresh.load(path)
+    resumed, _ = train(fresh, ctx, cfg, range(SAVE_AFTER, STEPS))
+    return {"losses": losses + rest, "norms": norms + rest_norms, "resumed": resumed, "val": val,
+            "dp_size": ctx.dims.dp_size}
+
+
+def cross_load(rank: int, world: int, root: str) -> list[float]:
+    """cp=4's checkpoint loaded into cp=2 x dp_shard=2: the steps after it train as cp=2 x dp=2's do."""
+    layout = LAYOUTS["cp2_x_dp2"]
+    cfg = job(**layout)
+    ctx = gloo_context(rank, world, **layout)
+    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    engine = build_from_config(cfg, ctx).engine
+    engine.load(Path(root) / "cp4")
+    return train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))[0]
+
+
+def four_rank_worker(rank: int, world: int, root: str) -> dict:
+    out = {}
+    for cp in (2, 4):
+        mesh = gloo_context(rank, world, cp=cp).mesh
+        group = mesh["cp"].get_group()
+        out[f"cp{cp}"] = {name: forward_and_grads(group, cp, name) for name in MODELS}
+    out["train"] = {name: train_layout(rank, world, name, layout, root) for name, layout in LAYOUTS.items()}
+    out["cp4_into_cp2_x_dp2"] = cross_load(rank, world, root)
+    return out
+
+
+def one_process(dp_sizes: list[int]) -> dict:
+    """Step i on the global batch of dp_sizes[i] data-parallel ranks, in one process."""
+    cfg = job()
+    ctx = DistContext.single()
+    engine = build_from_config(cfg, ctx).engine
+    losses, norms = [], []
+    for step, dp_size in enumerate(dp_sizes):
+        both = iter([b for r in range(dp_size) for b in batches(step, r)])
+        loss, _ = engine.forward_backward_step(both, dp_size)
+        norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms, "val": evaluate(engine, val_source(0, 1), VAL, ctx)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    with tempfile.TemporaryDirectory() as root:
+        yield run_workers(four_rank_worker, 4, root)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cp_forward_and_gradients_equal_one_process(four_ranks, cp, name):
+    for rank_result in four_ranks:
+        got = rank_result[f"cp{cp}"][name]
+        assert got["logits_err"] < 1e-5, got["logits_err"]
+        assert got["loss"] == pytest.approx(got["ref_loss"], abs=1e-5)
+        worst = max(got["grad_err"].items(), key=lambda kv: kv[1])
+        assert worst[1] < 1e-5, worst
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_cp_training_equals_one_process(four_ranks, name):
+    ref = one_process([four_ranks[0]["train"][name]["dp_size"]] * STEPS)
+    for rank_result in four_ranks:
+        got = rank_result["train"][name]
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        assert got["val"] == pytest.approx(ref["val"], abs=1e-5)
+        assert got["resumed"] == got["losses"][SAVE_AFTER:], "resume under cp is not bit-exact"
+
+
+def test_a_cp4_checkpoint_loads_into_cp2_x_dp2(four_ranks):
+    """cp=4 (one data-parallel rank) saved after SAVE_AFTER steps; cp=2 x dp_shard=2 loads it and
+    trains on two ranks' batches: one process doing the same (one batch per step, then two) agrees."""
+    ref = one_process([1] * SAVE_AFTER + [2] * (STEPS - SAVE_AFTER))
+    for rank_result in four_ranks:
+        assert rank_result["cp4_into_cp2_x_dp2"] == pytest.approx(ref["losses"][SAVE_AFTER:], abs=1e-5)
