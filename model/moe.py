@@ -279,8 +279,7 @@ class MoE(nn.Module):
                         self.expert_bias)
         capacity = expert_capacity(x.shape[0], self.top_k, self.n_experts, self.capacity_factor)
         rows, dispatch = permute(x, routing.experts, self.n_experts, capacity)
-        rows = expert_mlp(rows, dispatch.counts, self.w_up, self.w_down, self.w_gate, self.ops,
-                          self.gelu_approximate, self.backend)
+        rows = self.run_experts(rows, dispatch.counts)
         y = self.drop(unpermute(rows, dispatch, routing.weights))
         if self.shared is not None:
             y = y + self.shared(x)
@@ -288,6 +287,12 @@ class MoE(nn.Module):
             self.aux_loss = self._aux_loss(routing)
             self.stats.add(dispatch, self.aux_loss)
         return y.view(shape)
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Token rows sorted by expert (A, C), ``counts`` (E,) per expert -> their outputs (A, C).
+        The seam expert parallelism replaces (parallel/ep.py: dispatch, local experts, combine)."""
+        return expert_mlp(rows, counts, self.w_up, self.w_down, self.w_gate, self.ops, self.gelu_approximate,
+                          self.backend)
 
     def _aux_loss(self, routing: Routing) -> torch.Tensor | None:
         aux = None

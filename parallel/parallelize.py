@@ -6,6 +6,7 @@
     4. pipeline split         each rank keeps its stages (parallel/pp.py)
     5. tensor parallelism     DTensor shards over the tp mesh dimension (parallel/tp.py)
        context parallelism    each rank its chunks of every sequence, K/V gathered per layer (parallel/cp.py)
+       expert parallelism     each rank its experts of every MoE layer, tokens exchanged by all-to-all (parallel/ep.py)
        FP8 linears            torchao's Float8Linear swapped in (fp8_backend=torchao, parallel/float8.py)
     6. activation recompute   wrappers must exist before compile traces the blocks
     7. torch.compile          per block, so compiled regions stay inside FSDP units
@@ -40,6 +41,7 @@ from parallel.ddp import apply_ddp
 from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
 from parallel.engine import DDPEngine, Engine, ShardedEngine, TorchEngine
+from parallel.ep import apply_expert_parallel
 from parallel.float8 import apply_float8, precompute_scales_after_step
 from parallel.fsdp import apply_fsdp
 from parallel.optim import OptimConfig
@@ -111,6 +113,8 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
         # Context parallelism: each rank runs its chunks of every sequence, with K/V gathered per layer;
         # before recompute, so selective recompute re-gathers K/V in backward instead of keeping them.
         apply_context_parallel(part, ctx.submesh("cp").get_group() if dims.cp > 1 else None)
+        # Expert parallelism: each rank keeps its experts of every MoE layer, tokens exchanged by all-to-all.
+        apply_expert_parallel(part, ctx.submesh("ep") if dims.ep > 1 else None)
         # FP8 linears swap module classes, so they go in before the recompute and compile wrappers.
         fp8_notes.append(apply_float8(part, mode=policy.mode, backend=precision_cfg.fp8_backend,
                                       recipe=precision_cfg.fp8_recipe, device=ctx.device,
@@ -150,6 +154,8 @@ def describe_layout(dims: ParallelDims, parallel_cfg: ParallelConfig, stages: li
     line = f"layout: {shape} ({dims.world_size} ranks); data-parallel rank {dims.dp_rank} of {dims.dp_size}"
     if dims.tp > 1:
         line += f"; tp {'with' if parallel_cfg.sequence_parallel else 'without'} sequence parallelism"
+    if dims.ep > 1:
+        line += f"; ep rank {dims.coordinate('dp_shard') % dims.ep} of {dims.ep} holds 1/{dims.ep} of each MoE layer's experts"
     if dims.cp > 1:
         line += f"; cp rank {dims.coordinate('cp')} of {dims.cp} holds sequence chunks {chunk_ids(dims.cp, dims.coordinate('cp'))}"
     if dims.pp > 1:
@@ -218,7 +224,7 @@ def apply_sharded_data_parallel(model: nn.Module, parallel_cfg: ParallelConfig, 
         raise LayoutError(f"parallel.strategy=fsdp, but the layout leaves one data-parallel rank "
                           f"({ctx.dims.describe()}): nothing to shard over; use parallel.strategy=none")
     if fsdp:
-        apply_fsdp(model, dp_mesh, parallel_cfg, policy, ctx.device)
+        apply_fsdp(model, dp_mesh, parallel_cfg, policy, ctx.device, ctx.expert_fsdp_mesh())
     return ShardedEngine(model, policy, optim_cfg, ctx.device, fsdp=fsdp, loss_parallel=loss_parallel)
 
 
@@ -235,7 +241,7 @@ def apply_pipeline(parts: list[GPT], stages: list[int], n_stages: int, parallel_
             raise LayoutError(f"parallel.strategy=fsdp, but the layout leaves one data-parallel rank "
                               f"({ctx.dims.describe()}): nothing to shard over; use parallel.strategy=none")
         for part in parts:
-            apply_fsdp(part, dp_mesh, parallel_cfg, policy, ctx.device)
+            apply_fsdp(part, dp_mesh, parallel_cfg, policy, ctx.device, ctx.expert_fsdp_mesh())
     pp_group = ctx.submesh("pp").get_group()
     pipeline, eval_pipeline = build_pipeline(parts, stages, n_stages, parallel_cfg.pp_schedule, grad_accum_steps,
                                              pp_group, ctx.device)

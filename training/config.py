@@ -191,6 +191,15 @@ class JobConfig:
     def _validate_model_parallel(self) -> None:
         """What tensor and pipeline parallelism need from the model, the batch and the precision."""
         m, p, t = self.model, self.parallel, self.train
+        if p.ep > 1 and m.moe_experts is None:
+            raise ConfigError(f"parallel.ep={p.ep} shards routed experts, but the model has none: set model.moe_experts "
+                              "or parallel.ep=1")
+        if p.ep > 1 and m.moe_experts % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (each ep rank holds "
+                              "moe_experts / ep of them)")
+        if p.ep > 1 and p.init_on_meta:
+            raise ConfigError(f"parallel.init_on_meta=true with parallel.ep={p.ep} is not supported: build the model "
+                              "whole (parallel.init_on_meta=false)")
         if p.tp > 1 and m.moe_experts is not None:
             raise ConfigError(f"model.moe_experts with parallel.tp={p.tp}: the tensor-parallel plan splits dense MLPs "
                               "only; train MoE models with parallel.tp=1")

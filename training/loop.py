@@ -345,7 +345,8 @@ class TrainingLoop:
         d = self.ctx.dims
         layout = {"tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
                   "pp_virtual_stages": self.cfg.parallel.pp_virtual_stages if d.pp > 1 else 1}
-        return layout | ({"cp": d.cp} if d.cp > 1 else {})  # absent at 1: checkpoints from before cp match
+        # cp and ep absent at 1: checkpoints from before they existed match
+        return layout | ({"cp": d.cp} if d.cp > 1 else {}) | ({"ep": d.ep} if d.ep > 1 else {})
 
     # ----------------------------------------------------------------- the loop
 
