@@ -132,6 +132,8 @@ def describe_model(cfg: JobConfig, ctx: DistContext) -> list[str]:
         layout["sequence_parallel"] = p.sequence_parallel
     if d.pp > 1:
         layout |= {"pp_schedule": p.pp_schedule, "pp_virtual_stages": p.pp_virtual_stages}
+    if d.ep > 1:
+        layout["ep"] = d.ep
     verdict = fit_verdict(m, seq_len, cfg.train.micro_batch_size, ctx.world_size, p.strategy, m.recompute,
                           cfg.precision.mode, _device_name(ctx.device), config=cfg, **layout)
     lines = [

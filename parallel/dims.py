@@ -18,6 +18,9 @@ process groups a hierarchical collective
 needs: the ranks of this node (intra) and the ranks holding the same local index on every node
 (inter). Ranks are assumed node-major, as torchrun assigns them when every node runs the same
 number of processes: global rank = node_rank * local_world_size + local_rank.
+
+Expert parallelism (parallel/ep.py) splits dp_shard into (edp, ep), ep inner: ``mesh_shape`` builds
+those two dimensions and ``build_mesh`` flattens them back into dp_shard for the dense weights.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ Scaling it by 1 / ep in backward makes that (1 / ep) * (ep / R) * sum over all R
 Expert weights become DTensors sharded on dim 0 over the ep mesh, with their global shape, so DCP
 checkpoints of any ep size load into any other (and into one process). FSDP2 shards them further
 over the expert-data-parallel ranks; with none left they stay whole on their ep rank.
+
+Composition: pipeline stages apply it to their own layers (each stage's MoE layers exchange tokens
+within the stage's ep group). Experts are never tensor-split: MoE models refuse tensor parallelism,
+so ep x tp is refused with them; ep x cp and init_on_meta are refused too (training/config.py).
 """
 
 from __future__ import annotations
@@ -128,20 +132,22 @@ class ExpertParallelMoE(MoE):
         return super().forward(x).clone()
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w_up, w_down, w_gate = (self._local(w) for w in (self.w_up, self.w_down, self.w_gate))
+        w_up, w_down, w_gate = (self._local(w, rows.dtype) for w in (self.w_up, self.w_down, self.w_gate))
 
         def local_experts(x: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
             return expert_mlp(x, local_counts, w_up, w_down, w_gate, self.ops, self.gelu_approximate, self.backend)
 
         return dispatch_and_combine(rows, counts, self.ep_group, local_experts)
 
-    def _local(self, w: torch.Tensor | None) -> torch.Tensor | None:
-        """This rank's experts of ``w`` (E / ep, ...), with the 1 / ep gradient scale (module docstring)."""
+    def _local(self, w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """This rank's experts of ``w`` (E / ep, ...) in the compute dtype, with the 1 / ep gradient
+        scale (module docstring). The cast matters where no FSDP2 unit holds the experts (no ranks
+        left after ep): nothing else turns their fp32 weights into a bf16 run's compute dtype."""
         if w is None:
             return None
         if is_dtensor(w):
             w = w.to_local()
-        return _ScaleGradient.apply(w, 1.0 / self.ep)
+        return _ScaleGradient.apply(w.to(dtype), 1.0 / self.ep)
 
     def extra_repr(self) -> str:
         return f"ep={self.ep}, local experts={self.n_experts // self.ep} of {self.n_experts}"

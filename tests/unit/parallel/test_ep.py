@@ -1,9 +1,10 @@
 """Expert parallelism (parallel/ep.py) against one process.
 
 A dropless MoE GPT (with the Switch auxiliary loss and the z-loss on) trained for 10 steps by the
-build path under ep=2 on 2 ranks, ep=2 x dp_shard=2 on 4 ranks, and dp_shard=4 without ep: losses and
-gradient norms equal one process stepping on the same global batches (within 1e-5), and the first
-step's gradients, gathered whole, equal the one-process gradients parameter by parameter. Each layout
+build path under ep=2 on 2 ranks, ep=2 x dp_shard=2, ep=2 x pp=2 and dp_shard=4 without ep on 4 ranks:
+losses and gradient norms equal one process stepping on the same micro-batches (within 1e-5), and the
+first step's gradients, gathered whole, equal the one-process gradients parameter by parameter (but
+under pp, where a rank holds one stage and the norm over both stages is checked). Each layout
 resumes bit for bit from its DCP checkpoint; ep=2's checkpoint loads into one process (ep=1) and
 dp_shard=4's (ep=1) into ep=2 x dp_shard=2, each then training as the one-process reference does.
 One 2-rank and one 4-rank launch run all of it.
@@ -32,20 +33,25 @@ MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_
          "moe_experts": 4, "moe_top_k": 2, "moe_d_ff": 16, "moe_aux_loss": 0.01, "moe_z_loss": 0.001,
          "tie_embeddings": False}
 LAYOUTS = {2: {"ep2": {"ep": 2}},
-           4: {"ep2_x_dp2": {"ep": 2, "dp_shard": 2}, "dp4": {"dp_shard": 4, "strategy": "fsdp"}}}
+           4: {"ep2_x_dp2": {"ep": 2, "dp_shard": 2}, "dp4": {"dp_shard": 4, "strategy": "fsdp"},
+               "ep2_x_pp2": {"ep": 2, "pp": 2}}}
+ACCUM = 2  # micro-batches per step: a pipeline needs at least pp of them
 
 
 def job(**parallel):
     overrides = [f"--model.{k}={v}" for k, v in MODEL.items()]
-    overrides += [f"--train.micro_batch_size={MICRO}", "--train.grad_accum_steps=1", "--optim.warmup_steps=1",
-                  "--optim.lr=1e-2", f"--train.max_steps={STEPS}"]
+    overrides += [f"--train.micro_batch_size={MICRO}", f"--train.grad_accum_steps={ACCUM}",
+                  "--optim.warmup_steps=1", "--optim.lr=1e-2", f"--train.max_steps={STEPS}"]
     return load_config(None, overrides + [f"--parallel.{k}={v}" for k, v in parallel.items()])
 
 
-def batches(step: int, dp_rank: int):
-    g = torch.Generator().manual_seed(100 * step + dp_rank)
-    ids = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g)
-    return iter([(ids[:, :-1], ids[:, 1:])])
+def micro_batches(step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for m in range(ACCUM):
+        g = torch.Generator().manual_seed(1000 * step + 10 * dp_rank + m)
+        ids = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g)
+        out.append((ids[:, :-1], ids[:, 1:]))
+    return out
 
 
 # --------------------------------------------------------------------------- in one process
@@ -102,7 +108,7 @@ def whole_grads(engine) -> dict[str, torch.Tensor]:
 def train(engine, ctx, cfg, steps: range, grads: dict | None = None) -> tuple[list[float], list[float]]:
     losses, norms = [], []
     for step in steps:
-        loss, _ = engine.forward_backward_step(batches(step, ctx.dims.dp_rank), 1)
+        loss, _ = engine.forward_backward_step(iter(micro_batches(step, ctx.dims.dp_rank)), ACCUM)
         if grads is not None and not grads:
             grads.update(whole_grads(engine))
         norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
@@ -121,7 +127,8 @@ def one_process(dp_sizes: list[int], steps: range | None = None, load: Path | No
     losses, norms = [], []
     for step in steps or range(len(dp_sizes)):
         dp_size = dp_sizes[step]
-        loss, _ = engine.forward_backward_step(iter([b for r in range(dp_size) for b in batches(step, r)]), dp_size)
+        both = [b for r in range(dp_size) for b in micro_batches(step, r)]
+        loss, _ = engine.forward_backward_step(iter(both), dp_size * ACCUM)
         if grads is not None and not grads:
             grads.update(whole_grads(engine))
         norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
@@ -134,11 +141,13 @@ def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> d
     ctx = context(rank, world, cfg)
     cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
     engine = build_from_config(cfg, ctx).engine
-    grads: dict = {}
+    grads: dict | None = {} if ctx.dims.pp == 1 else None  # a pipeline rank holds one stage: its norm is checked
     losses, norms = train(engine, ctx, cfg, range(SAVE_AFTER), grads)
-    ref_grads: dict = {}
-    one_process([ctx.dims.dp_size], grads=ref_grads)
-    grad_err = {k: float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads}
+    grad_err = {}
+    if grads is not None:
+        ref_grads: dict = {}
+        one_process([ctx.dims.dp_size], grads=ref_grads)
+        grad_err = {k: float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads}
     path = Path(root) / name
     if rank == 0:
         path.mkdir(parents=True)
@@ -183,7 +192,7 @@ def reference(dp_size: int) -> dict:
     return one_process([dp_size] * STEPS)
 
 
-@pytest.mark.parametrize("world,name", [(2, "ep2"), (4, "ep2_x_dp2"), (4, "dp4")])
+@pytest.mark.parametrize("world,name", [(2, "ep2"), (4, "ep2_x_dp2"), (4, "dp4"), (4, "ep2_x_pp2")])
 def test_ep_training_equals_one_process(launches, world, name):
     ranks = launches["ranks"][world]
     ref = reference(ranks[0][name]["dp_size"])
@@ -191,8 +200,9 @@ def test_ep_training_equals_one_process(launches, world, name):
         got = rank_result[name]
         assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
         assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-        worst = max(got["grad_err"].items(), key=lambda kv: kv[1])
-        assert worst[1] < 1e-6, worst
+        if name != "ep2_x_pp2":
+            worst = max(got["grad_err"].items(), key=lambda kv: kv[1])
+            assert worst[1] < 1e-6, worst
         assert got["resumed"] == got["losses"][SAVE_AFTER:], f"resume under {name} is not bit-exact"
 
 
