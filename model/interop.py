@@ -111,7 +111,7 @@ def _gpt2_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
 
 def _llama_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], tuple[int, ...]]]:
     """(perfgpt name, Llama names, row sizes of the split) for every tensor; one name = a copy."""
-    d, kv = cfg.d_model, cfg.kv_dim
+    d, kv = cfg.q_dim, cfg.kv_dim
     yield "tok_emb.weight", ("model.embed_tokens.weight",), ()
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
@@ -192,7 +192,7 @@ def _to_gpt2_names(cfg: ModelConfig, state: Mapping[str, torch.Tensor], transpos
 
 def _bias_size(cfg: ModelConfig, name: str) -> int:
     if name.endswith("attn.qkv.bias"):
-        return cfg.d_model + 2 * cfg.kv_dim
+        return cfg.q_dim + 2 * cfg.kv_dim
     return cfg.d_ff if name.endswith("fc.bias") else cfg.d_model
 
 
@@ -211,7 +211,7 @@ def _canonical(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> State:
 def _stored(cfg: ModelConfig, state: State) -> State:
     """The inverse of ``_canonical``: qkv rows grouped by key/value head, as the model stores them."""
     for name in _qkv_names(state):
-        q, k, v = state[name].split((cfg.d_model, cfg.kv_dim, cfg.kv_dim))
+        q, k, v = state[name].split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
         state[name] = group_qkv(q, k, v, cfg.kv_heads)
     return state
 

@@ -191,6 +191,8 @@ class JobConfig:
     def _validate_model_parallel(self) -> None:
         """What tensor and pipeline parallelism need from the model, the batch and the precision."""
         m, p, t = self.model, self.parallel, self.train
+        if p.tp > 1 and m.qk_norm:
+            raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
         if p.tp > 1 and m.moe_experts is not None:
             raise ConfigError(f"model.moe_experts with parallel.tp={p.tp}: the tensor-parallel plan splits dense MLPs "
                               "only; train MoE models with parallel.tp=1")
