@@ -214,6 +214,11 @@ class JobConfig:
                 raise ConfigError(f"train.compile=true with model.recompute={m.recompute} under parallel.tp > 1 "
                                   "fails in torch's compiler; use model.recompute=op_selective (or offload), "
                                   "or train.compile=false")
+        if p.pp > 1 and m.moe_experts is not None and m.moe_bias_update_rate:
+            # torch's pipeline stages run an extra forward on their first step to infer shapes, whose
+            # routing would count in the load the bias moves by (and differ from one process).
+            raise ConfigError(f"model.moe_bias_update_rate={m.moe_bias_update_rate} with parallel.pp={p.pp} is not "
+                              "supported; balance with model.moe_aux_loss under pipeline parallelism")
         if p.pp > 1:
             stages = p.pp * p.pp_virtual_stages
             if m.n_layer % stages:
