@@ -20,6 +20,10 @@ class ModelConfig:
         None, "key/value heads (grouped-query attention; 1 = multi-query); default: n_head (plain multi-head)"
     )
     d_model: int = doc(128, "residual stream width")
+    attention_head_dim: int | None = doc(
+        None, "width of one attention head; default d_model / n_head (Qwen3 sets it apart: 128 with d_model 2048)"
+    )
+    qk_norm: bool = doc(False, "RMSNorm on each head's queries and keys before rotary embeddings (Qwen3)")
     d_ff: int | None = doc(
         None, "MLP hidden width; default 4*d_model for gelu, 8/3*d_model rounded up to 64 for swiglu"
     )
@@ -112,7 +116,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.d_model // self.n_head if self.attention_head_dim is None else self.attention_head_dim
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection (and of the attention output): n_head * head_dim."""
+        return self.n_head * self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -129,7 +138,9 @@ class ModelConfig:
         for key in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model", "d_ff"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.{key} must be >= 1 (got {getattr(self, key)})")
-        if self.d_model % self.n_head:
+        if self.attention_head_dim is not None and self.attention_head_dim < 1:
+            raise ConfigError(f"model.attention_head_dim must be >= 1 (got {self.attention_head_dim})")
+        if self.attention_head_dim is None and self.d_model % self.n_head:
             raise ConfigError(
                 f"model.n_head={self.n_head} must divide model.d_model={self.d_model} "
                 f"(e.g. n_head in {[h for h in range(1, 65) if self.d_model % h == 0][-6:]})"
@@ -141,6 +152,8 @@ class ModelConfig:
             )
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(f"model.position=rope needs an even head dim; d_model/n_head={self.head_dim}")
+        if self.layers == "te" and (self.attention_head_dim is not None or self.qk_norm):
+            raise ConfigError("model.attention_head_dim and model.qk_norm need model.layers=torch")
         if self.layers == "te" and self.mlp == "gelu" and self.gelu == "exact":
             raise ConfigError(
                 "model.gelu=exact has no Transformer Engine activation (TE's gelu is the tanh form); "
@@ -187,8 +200,8 @@ class ModelConfig:
         dims = {"model.d_model": self.d_model, "model.d_ff": self.d_ff}
         if self.moe_experts is not None:
             dims["model.moe_d_ff (expert width)"] = self.expert_d_ff
-        if self.kv_heads != self.n_head:  # the fused QKV GEMM's output width
-            dims["(n_head + 2*n_kv_head) * head_dim"] = self.d_model + 2 * self.kv_dim
+        if self.kv_heads != self.n_head or self.q_dim != self.d_model:  # the fused QKV GEMM's output width
+            dims["(n_head + 2*n_kv_head) * head_dim"] = self.q_dim + 2 * self.kv_dim
         return dims
 
 

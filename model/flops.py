@@ -40,8 +40,8 @@ def block_parameters(cfg: ModelConfig, layer_idx: int = 0, active: bool = False)
     """Block ``layer_idx``'s parameters (a MoE block's: all, or those ``active`` for one token)."""
     d = cfg.d_model
     norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-    qkv_out = d + 2 * cfg.kv_dim  # query heads, then the (possibly fewer) key and value heads
-    attn = d * qkv_out + d * d + ((qkv_out + d) if cfg.bias else 0)
+    qkv_out = cfg.q_dim + 2 * cfg.kv_dim  # query heads, then the (possibly fewer) key and value heads
+    attn = d * qkv_out + cfg.q_dim * d + ((qkv_out + d) if cfg.bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
     mlp = moe_parameters(cfg, active) if cfg.is_moe_layer(layer_idx) else mlp_parameters(cfg, cfg.d_ff, cfg.bias)
     return 2 * norm + attn + mlp
 

@@ -41,14 +41,17 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
 
 
 class Norm(nn.Module):
-    """LayerNorm or RMSNorm whose statistics are computed in fp32 whatever the input dtype."""
+    """LayerNorm or RMSNorm whose statistics are computed in fp32 whatever the input dtype.
 
-    def __init__(self, cfg: ModelConfig, ops: KernelOps):
+    ``width``/``kind`` default to the residual stream's; a head's query/key norm is an RMSNorm
+    of head_dim."""
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, width: int | None = None, kind: str | None = None):
         super().__init__()
-        self.kind, self.eps, self.ops = cfg.norm, cfg.norm_eps, ops
-        self.weight = nn.Parameter(torch.ones(cfg.d_model))
-        with_bias = cfg.bias and cfg.norm == "layernorm"
-        self.bias = nn.Parameter(torch.zeros(cfg.d_model)) if with_bias else None
+        self.kind, self.eps, self.ops = kind or cfg.norm, cfg.norm_eps, ops
+        self.weight = nn.Parameter(torch.ones(width or cfg.d_model))
+        with_bias = cfg.bias and self.kind == "layernorm"
+        self.bias = nn.Parameter(torch.zeros(width or cfg.d_model)) if with_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "rmsnorm":
@@ -86,10 +89,13 @@ class Attention(nn.Module):
         super().__init__()
         self.group, self.head_dim, self.ops = cfg.n_head // cfg.kv_heads, cfg.head_dim, ops
         self.use_rope = cfg.position == "rope"
-        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.bias)  # rows: see group_qkv
-        self.qkv.init_rows = lambda q_k_v: group_qkv(*q_k_v.split((cfg.d_model, cfg.kv_dim, cfg.kv_dim)), cfg.kv_heads)
+        self.qkv = nn.Linear(cfg.d_model, cfg.q_dim + 2 * cfg.kv_dim, bias=cfg.bias)  # rows: see group_qkv
+        self.qkv.init_rows = lambda q_k_v: group_qkv(*q_k_v.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim)), cfg.kv_heads)
+        # Qwen3's query/key norms: one RMSNorm of head_dim shared by the heads, before the rotation.
+        self.q_norm = Norm(cfg, ops, cfg.head_dim, "rmsnorm") if cfg.qk_norm else None
+        self.k_norm = Norm(cfg, ops, cfg.head_dim, "rmsnorm") if cfg.qk_norm else None
         self.core = AttentionCore(attention_backend, cfg.dropout)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.bias)
         self.proj.residual_projection = True  # scaled init, see GPT.init_weights
         self.resid_drop = nn.Dropout(cfg.dropout)
 
@@ -105,6 +111,8 @@ class Attention(nn.Module):
         # where each index's backward would zero-fill and add a whole (B, T, H_kv, group + 2, D) copy.
         q, k, v = h.split((self.group, 1, 1), dim=3)
         q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3)  # (B, T, H, D), (B, T, H_kv, D) twice
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.ops.apply_rope(q, *rope), self.ops.apply_rope(k, *rope)
         if cache is not None:  # generation: attend to every earlier position too

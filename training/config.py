@@ -200,6 +200,8 @@ class JobConfig:
         if p.ep > 1 and p.init_on_meta:
             raise ConfigError(f"parallel.init_on_meta=true with parallel.ep={p.ep} is not supported: build the model "
                               "whole (parallel.init_on_meta=false)")
+        if p.tp > 1 and m.qk_norm:
+            raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
         if p.tp > 1 and m.moe_experts is not None:
             raise ConfigError(f"model.moe_experts with parallel.tp={p.tp}: the tensor-parallel plan splits dense MLPs "
                               "only; train MoE models with parallel.tp=1")
@@ -221,6 +223,11 @@ class JobConfig:
                 raise ConfigError(f"train.compile=true with model.recompute={m.recompute} under parallel.tp > 1 "
                                   "fails in torch's compiler; use model.recompute=op_selective (or offload), "
                                   "or train.compile=false")
+        if p.pp > 1 and m.moe_experts is not None and m.moe_bias_update_rate:
+            # torch's pipeline stages run an extra forward on their first step to infer shapes, whose
+            # routing would count in the load the bias moves by (and differ from one process).
+            raise ConfigError(f"model.moe_bias_update_rate={m.moe_bias_update_rate} with parallel.pp={p.pp} is not "
+                              "supported; balance with model.moe_aux_loss under pipeline parallelism")
         if p.pp > 1:
             stages = p.pp * p.pp_virtual_stages
             if m.n_layer % stages:

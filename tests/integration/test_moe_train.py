@@ -7,11 +7,12 @@ import torch
 
 from parallel.checkpoint import safe_torch_load
 from tests.conftest import read_metrics, run_train, step_losses, tiny_overrides
+from tools import sample as sample_tool
 
 TINY_MOE = "configs/tiny-moe.yaml"
 
 
-def test_tiny_moe_trains_logs_its_router_and_resumes_exactly(tmp_path, corpus_cache):
+def test_tiny_moe_trains_logs_its_router_resumes_exactly_and_samples(tmp_path, corpus_cache, capsys):
     common = {"train.max_steps": 6, "optim.decay_steps": 6, "checkpoint.interval": 3,
               "model.moe_d_ff": 32, "model.moe_capacity": 1.0, "model.moe_bias_update_rate": 0.01,
               "model.moe_z_loss": 0.001}
@@ -38,3 +39,9 @@ def test_tiny_moe_trains_logs_its_router_and_resumes_exactly(tmp_path, corpus_ca
     assert step_losses(split) == expected
     assert torch.equal(safe_torch_load(split / "checkpoints" / "step_00000006" / "model_optim.pt")["model"][
         "blocks.0.mlp.expert_bias"], bias)
+
+    # generation from the MoE checkpoint, with its routing bias
+    capsys.readouterr()
+    assert sample_tool.main([str(full / "checkpoints" / "step_00000006"), "--prompt", "def ", "--greedy",
+                             "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith("--- 'def '\ndef ")
