@@ -22,12 +22,15 @@ what a measurement leaves out can be seen.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from parallel.dims import FSDP_SHARD_CP
 
 # Namespaces of torch's communication ops, and those of their ops that send nothing themselves.
 NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
@@ -215,6 +218,11 @@ def dimension_of_groups(mesh) -> dict[str, str]:
     if mesh is not None:
         for dim in mesh.mesh_dim_names or ():
             names.setdefault(mesh.get_group(dim).group_name, "dp" if dim.startswith("dp_") else dim)
+        if {"dp_shard", "cp"} <= set(mesh.mesh_dim_names or ()):
+            # build_mesh flattens dp_shard x cp into FSDP2's shard dimension: data parallel too
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*flattened dim from root mesh.*")
+                names.setdefault(mesh[FSDP_SHARD_CP].get_group().group_name, "dp")
     return names
 
 

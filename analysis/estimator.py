@@ -44,6 +44,8 @@ ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_a
 # zero3 is modelled exactly like fsdp (both shard parameters, gradients and optimizer state), so
 # the planner lists fsdp for both.
 PLANNER_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+# Sequences from this length on make the planner try context parallelism (context_parallel_sizes).
+CP_SEARCH_FROM = 16384
 # Schedules that run several model chunks (virtual stages) per GPU.
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 
@@ -562,6 +564,7 @@ class JobSpec:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     sequence_parallel: bool | None = None  # None: on whenever tp > 1 (the config's default)
+    cp: int = 1  # context parallelism: each sequence split over cp GPUs (parallel/cp.py)
     tp_overlap: bool = False
     dp_overlap: bool = True
     fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
@@ -572,7 +575,8 @@ class JobSpec:
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("precision", self.precision, PRECISION_MODES)
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
-        counts = ("seq_len", "micro_batch", "world_size", "grad_accum", "tp", "pp", "dp_replicate", "pp_virtual_stages")
+        counts = ("seq_len", "micro_batch", "world_size", "grad_accum", "tp", "pp", "dp_replicate", "pp_virtual_stages",
+                  "cp")
         for key in counts:
             if getattr(self, key) < 1:
                 raise EstimatorError(f"{key} must be >= 1 (got {getattr(self, key)})")
@@ -587,10 +591,13 @@ class JobSpec:
 
     def _check_layout(self) -> None:
         cfg, t, p, v = self.model, self.tp, self.pp, self.pp_virtual_stages
-        if self.world_size % (t * p * self.dp_replicate):
-            raise EstimatorError(
-                f"world_size={self.world_size} is not divisible by tp*pp*dp_replicate={t * p * self.dp_replicate}"
-            )
+        if self.world_size % (t * p * self.cp * self.dp_replicate):
+            names = "tp*pp*cp*dp_replicate" if self.cp > 1 else "tp*pp*dp_replicate"
+            raise EstimatorError(f"world_size={self.world_size} is not divisible by {names}="
+                                 f"{t * p * self.cp * self.dp_replicate}")
+        if self.seq_len % (2 * self.cp):
+            raise EstimatorError(f"cp={self.cp} splits each sequence into 2*cp chunks: seq_len={self.seq_len} must "
+                                 f"divide by {2 * self.cp}")
         if cfg.n_head % t or cfg.kv_heads % t:
             raise EstimatorError(f"tp={t} must divide model.n_head={cfg.n_head} and the KV heads ({cfg.kv_heads})")
         if cfg.n_layer % (p * v):
@@ -620,11 +627,22 @@ class JobSpec:
     @property
     def dp(self) -> int:
         """Data-parallel ranks (dp_replicate x dp_shard): how many micro-batches run side by side."""
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
     def dp_shard(self) -> int:
         return self.dp // self.dp_replicate
+
+    @property
+    def shard_group(self) -> int:
+        """GPUs that shard the model states and average gradients together: dp_shard, with the cp
+        ranks folded in (they hold the same weights and see different tokens, parallel/dims.py)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence on one GPU (seq_len / cp): what activations scale with."""
+        return self.seq_len // self.cp
 
     @property
     def sp(self) -> bool:
@@ -708,6 +726,7 @@ class TimeEstimate:
     tp_exposed_s: float | None = None  # the part of tp_comm_s on the critical path (None: all of it)
     microbatch_s: float = 0.0  # one micro-batch through the slowest stage (what the bubble is made of)
     ep_comm_s: float = 0.0  # expert-parallel all-to-alls, not overlapped
+    cp_comm_s: float = 0.0  # context-parallel K/V collectives (all of them, none overlapped)
 
     @property
     def tp_exposed(self) -> float:
@@ -716,7 +735,7 @@ class TimeEstimate:
     @property
     def step_s(self) -> float:
         return (self.compute_s + self.exposed_comm_s + self.offload_s + self.memory_bound_s
-                + self.tp_exposed + self.pp_comm_s + self.bubble_s + self.ep_comm_s)
+                + self.tp_exposed + self.pp_comm_s + self.bubble_s + self.cp_comm_s + self.ep_comm_s)
 
     @property
     def seconds_per_token(self) -> float:
@@ -734,7 +753,8 @@ class TimeEstimate:
 
     def exposed(self) -> dict[str, float]:
         """Seconds per step each communication dimension (and the bubble) adds to the critical path."""
-        return {"tp": self.tp_exposed, "pp": self.pp_comm_s, "dp": self.exposed_comm_s, "bubble": self.bubble_s}
+        return {"tp": self.tp_exposed, "pp": self.pp_comm_s, "cp": self.cp_comm_s, "dp": self.exposed_comm_s,
+                "bubble": self.bubble_s}
 
 
 @dataclass(frozen=True)
@@ -754,9 +774,33 @@ class Estimate:
 
 def _layer_bytes(job: JobSpec, policy: str) -> float:
     return activation_bytes_per_layer(
-        job.model, job.seq_len, job.micro_batch, policy, job.activation_dtype_bytes,
+        job.model, job.local_seq_len, job.micro_batch, policy, job.activation_dtype_bytes,
         attention=job.attention, tp=job.tp, sequence_parallel=job.sp,
-    )
+    ) + cp_attention_bytes_per_layer(job, policy)
+
+
+def cp_attention_bytes_per_layer(job: JobSpec, policy: str) -> float:
+    """What a cp GPU's attention keeps beyond a layer of seq_len / cp tokens: the keys and values
+    gathered from the other cp ranks (saved by the attention kernel), and with a materialized core
+    the scores of its queries against those keys. Rank i's chunks i and 2cp-1-i (c = s / 2cp tokens
+    each) see (i + 1) c and (2cp - i) c keys: c^2 (2cp + 1) scores per head, where a layer of s / cp
+    tokens counts (s / cp)^2. Selective and full recompute rebuild the core, gather included, in
+    backward; every_k keeps it in the layers it does not recompute."""
+    cp, cfg = job.cp, job.model
+    if cp == 1 or policy in ("selective", "full", "offload"):
+        return 0.0
+    s, b, p = job.seq_len, job.micro_batch, job.activation_dtype_bytes
+    kv = p * b * 2 * cfg.kv_dim * (s - s // cp)  # inside the tensor-parallel region: KV heads split over tp
+    scores = 0.0
+    if job.attention == "materialized":
+        c = s // (2 * cp)
+        per_score = 2 * p + 1 if cfg.dropout > 0 else p
+        scores = per_score * cfg.n_head * b * (c * c * (2 * cp + 1) - (s // cp) ** 2)
+    extra = (kv + scores) / job.tp
+    if policy == "every_k":
+        kept = _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k)
+        return extra * (cfg.n_layer - kept) / cfg.n_layer
+    return extra
 
 
 def _in_flight(job: JobSpec, stage: int) -> float:
@@ -775,7 +819,7 @@ class _LayerActivations:
 def _layer_activations(job: JobSpec) -> _LayerActivations:
     cfg = job.model
     none = _layer_bytes(job, "none")
-    embeddings = _tp_split(job.activation_dtype_bytes * job.seq_len * job.micro_batch * cfg.d_model, 0,
+    embeddings = _tp_split(job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model, 0,
                            tp=job.tp, sequence_parallel=job.sp)
     if job.policy == "offload":
         return _LayerActivations(none, none, embeddings)
@@ -810,12 +854,12 @@ def _logits_bytes(job: JobSpec, stage: int | None = None) -> float:
     last = job.pp - 1
     if stage is not None and stage != last:
         return 0.0
-    tokens_vocab = job.seq_len * job.micro_batch * job.model.vocab_size / job.tp
+    tokens_vocab = job.local_seq_len * job.micro_batch * job.model.vocab_size / job.tp
     return tokens_vocab * (4 * _in_flight(job, last) + 4 + job.activation_dtype_bytes)
 
 
 def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
-    if job.strategy not in ("zero3", "fsdp") or job.dp_shard == 1:
+    if job.strategy not in ("zero3", "fsdp") or job.shard_group == 1:
         return 0.0
     per = STATE_BYTES[job.precision]
     if job.pp > 1:  # pipelining keeps the stage gathered, and its gradients unreduced, until the last backward
@@ -946,16 +990,17 @@ def _attention_seconds(job: JobSpec, forwards: float) -> tuple[float, float]:
     """
     cfg, a, t = job.model, job.assumptions, job.tp
     b, s, d = job.micro_batch, job.seq_len, cfg.d_model
-    fwd_flops = 4.0 * b * s * s * d / t
+    q = job.local_seq_len  # a cp GPU's queries, against every key: 1/cp of the square, balanced (parallel/cp.py)
+    fwd_flops = 4.0 * b * q * s * d / t
     if job.attention == "flash":
         executed = 0.5 * fwd_flops * (forwards + 2.5)
         rate = _gemm_rate(job) * a.attention_fraction
         return executed / rate, 0.0
     heads = cfg.n_head / t
     sixteen = dataclasses.replace(job, precision="bf16_master") if job.precision == "fp8" else job
-    one = 2 * gemm_seconds(sixteen, s, cfg.head_dim, s) * b * heads  # QK^T and @V, each 2*s*s*head_dim per head
+    one = 2 * gemm_seconds(sixteen, q, cfg.head_dim, s) * b * heads  # QK^T and @V, each 2*q*s*head_dim per head
     fwd_bytes, bwd_bytes = _score_traffic_bytes(job)
-    elements = b * heads * s * s
+    elements = b * heads * q * s
     hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
     traffic = elements * (forwards * fwd_bytes + bwd_bytes) * a.elementwise_scale / hbm
     return one * (forwards + 2), traffic
@@ -994,7 +1039,7 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
     read and write q and k both ways, 2*(d + kv_dim) each way. FP8 adds the casts of the weights.
     """
     cfg, p, t = job.model, job.activation_dtype_bytes, job.tp
-    tokens = job.seq_len * job.micro_batch
+    tokens = job.local_seq_len * job.micro_batch
     d = cfg.d_model
     outside_fwd, outside_bwd = 10 * d * p, 12 * d * p
     if cfg.dropout > 0:
@@ -1026,10 +1071,11 @@ class _MicroBatch:
     tp: float  # tensor-parallel collectives
     tp_exposed: float
     pp: float  # sends to the neighbouring stages
+    cp: float = 0.0  # context-parallel K/V all-gathers and reduce-scatters (not overlapped)
 
     @property
     def total(self) -> float:
-        return self.compute + self.memory_bound + self.tp_exposed + self.pp
+        return self.compute + self.memory_bound + self.tp_exposed + self.pp + self.cp
 
 
 def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
@@ -1043,7 +1089,7 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     and read, 16-bit gradient written).
     """
     cfg, a, t = job.model, job.assumptions, job.tp
-    tokens = job.seq_len * job.micro_batch
+    tokens = job.local_seq_len * job.micro_batch
     layers = cfg.n_layer // job.pp
     hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
     redo_layer, redo_core, redo_elementwise = _recompute_shares(job)
@@ -1060,7 +1106,7 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     tp_s, _ = tp_comm_seconds(job, stage)
     # Overlapped collectives (Megatron's userbuffers, async TP) hide behind the GEMMs they feed.
     tp_exposed = _exposed(tp_s, compute, a) if job.tp_overlap else tp_s
-    return _MicroBatch(compute, memory_bound, tp_s, tp_exposed, pp_comm_seconds(job)[0])
+    return _MicroBatch(compute, memory_bound, tp_s, tp_exposed, pp_comm_seconds(job)[0], cp_comm_seconds(job)[0])
 
 
 def collective_seconds(
@@ -1096,7 +1142,7 @@ def tp_comm_seconds(job: JobSpec, stage: int = 0) -> tuple[float, float]:
     if t == 1:
         return 0.0, 0.0
     cfg = job.model
-    activation = job.activation_dtype_bytes * job.seq_len * job.micro_batch * cfg.d_model
+    activation = job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model
     one = collective_seconds(activation, t, job.device, job.assumptions.link_fraction,
                              ranks_per_node=_per_node(job, 1, t))
     layers = cfg.n_layer // job.pp
@@ -1104,6 +1150,32 @@ def tp_comm_seconds(job: JobSpec, stage: int = 0) -> tuple[float, float]:
     count = 8 * layers + 4 * recomputed.get(job.policy, 0)
     count += 2 * (stage == 0) + 2 * (stage == job.pp - 1)
     return count * one, count * (t - 1) / t * activation
+
+
+def kv_gather_bytes(model_cfg: ModelConfig, seq_len: int, micro_batch: int, dtype_bytes: int, tp: int = 1) -> float:
+    """Bytes of one layer's gathered keys and values on one cp GPU: the whole sequence's K and V of
+    the KV heads it holds (kv_dim / tp wide). The all-gather brings in (cp - 1) / cp of them, and
+    each GPU sends its own share to the cp - 1 others: (cp - 1) / cp of this, per layer and direction."""
+    return dtype_bytes * micro_batch * seq_len * 2 * model_cfg.kv_dim / tp
+
+
+def cp_comm_seconds(job: JobSpec) -> tuple[float, float]:
+    """(seconds, bytes sent per GPU) of context-parallel collectives for one micro-batch: per layer
+    one all-gather of K and V forward and one reduce-scatter of their gradients backward, and one
+    more all-gather for a layer whose core is recomputed (selective, full, every_k's layers). Counted
+    as not overlapped with compute (the trainer issues them in line)."""
+    cp, cfg = job.cp, job.model
+    if cp == 1:
+        return 0.0, 0.0
+    nbytes = kv_gather_bytes(cfg, job.seq_len, job.micro_batch, job.activation_dtype_bytes, job.tp)
+    layers = cfg.n_layer // job.pp
+    recomputed = {"selective": layers, "full": layers,
+                  "every_k": _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.pp}
+    count = 2 * layers + recomputed.get(job.policy, 0)
+    # cp groups sit inside tp on the mesh (dims.py): members tp ranks apart
+    one = collective_seconds(nbytes, cp, job.device, job.assumptions.link_fraction,
+                             ranks_per_node=_per_node(job, job.tp, cp))
+    return count * one, count * (cp - 1) / cp * nbytes
 
 
 def pp_comm_seconds(job: JobSpec) -> tuple[float, float]:
@@ -1139,14 +1211,15 @@ def fsdp_collectives(job: JobSpec) -> tuple[int, int]:
 def _dp_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, float]:
     """Data-parallel traffic of one GPU holding ``n_params`` per step, and its time (before overlap)."""
     frac = job.assumptions.link_fraction
+    # cp ranks average gradients with the data-parallel ones (folded into the shard group)
     if job.dp_replicate == 1:
-        volume = comm_volume(n_params, job.strategy, job.dp, job.precision)
-        group = job.dp
+        volume = comm_volume(n_params, job.strategy, job.dp * job.cp, job.precision)
+        group = job.dp * job.cp
     else:  # HSDP: FSDP inside dp_shard, then the reduced shard is all-reduced across replicas
-        shard = comm_volume(n_params, job.strategy, job.dp_shard, job.precision)
-        grads = n_params * STATE_BYTES[job.precision].grad / job.dp_shard
+        shard = comm_volume(n_params, job.strategy, job.shard_group, job.precision)
+        grads = n_params * STATE_BYTES[job.precision].grad / job.shard_group
         volume = dataclasses.replace(shard, replica_all_reduce=grads, replicas=job.dp_replicate)
-        group = job.dp_shard
+        group = job.shard_group
     if job.strategy in ("zero3", "fsdp") and group > 1:
         gathers, scatters = fsdp_collectives(job)
         per = STATE_BYTES[job.precision]
@@ -1159,7 +1232,7 @@ def _dp_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, float]:
         + collective_seconds(volume.all_gather, group, job.device, frac, **link)
     )
     if volume.replicas > 1:
-        outer = dict(ranks_per_node=_per_node(job, job.tp * job.dp_shard, volume.replicas))
+        outer = dict(ranks_per_node=_per_node(job, job.tp * job.shard_group, volume.replicas))
         seconds += 2 * collective_seconds(volume.replica_all_reduce, volume.replicas, job.device, frac, **outer)
     return volume, seconds
 
@@ -1225,6 +1298,7 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
         bubble_s=bubble_overhead(job.pp_schedule, job.pp, m, job.pp_virtual_stages) * m * slowest.total,
         tp_exposed_s=m * slowest.tp_exposed,
         microbatch_s=slowest.total,
+        cp_comm_s=m * slowest.cp,
         ep_comm_s=m * expert_all_to_all(job)[0],
     )
 
@@ -1278,12 +1352,12 @@ def stage_routed_parameters(job: JobSpec) -> float:
 def stage_state_bytes(job: JobSpec, n_params: float) -> StateBytes:
     """Model-state bytes per GPU of a stage holding ``n_params``: with ep > 1 the routed experts
     are split over ep GPUs and each split sharded over the dp_shard / ep GPUs holding it; the rest
-    is sharded over dp_shard as without ep."""
+    is sharded over the shard group as without ep (ep and cp never combine: the trainer refuses it)."""
     if job.ep == 1:
-        return model_state_bytes(n_params, job.strategy, job.dp_shard, job.precision)
+        return model_state_bytes(n_params, job.strategy, job.shard_group, job.precision)
     routed = stage_routed_parameters(job)
-    dense = model_state_bytes(n_params - routed, job.strategy, job.dp_shard, job.precision)
-    experts = model_state_bytes(routed / job.ep, job.strategy, job.dp_shard // job.ep, job.precision)
+    dense = model_state_bytes(n_params - routed, job.strategy, job.shard_group, job.precision)
+    experts = model_state_bytes(routed / job.ep, job.strategy, job.shard_group // job.ep, job.precision)
     return StateBytes(dense.param + experts.param, dense.grad + experts.grad, dense.optimizer + experts.optimizer)
 
 
@@ -1336,7 +1410,7 @@ def trainer_config(job: JobSpec, base: JobConfig | None = None) -> JobConfig:
     defaults) with the job's model, recompute policy, batch, precision and layout put in."""
     base = base or JobConfig()
     parallel = dataclasses.replace(
-        base.parallel, strategy=job.strategy, tp=job.tp, pp=job.pp, dp_replicate=job.dp_replicate,
+        base.parallel, strategy=job.strategy, tp=job.tp, pp=job.pp, cp=job.cp, dp_replicate=job.dp_replicate,
         pp_schedule=job.pp_schedule, pp_virtual_stages=job.pp_virtual_stages,
         sequence_parallel=job.sp if job.tp > 1 else base.parallel.sequence_parallel,
         fsdp_reshard_after_forward=job.fsdp_reshard_after_forward,
@@ -1370,6 +1444,8 @@ def layout_overrides(job: JobSpec) -> list[str]:
              f"--parallel.pp_schedule={job.pp_schedule}", f"--parallel.pp_virtual_stages={job.pp_virtual_stages}"]
     if job.tp > 1:
         words.append(f"--parallel.sequence_parallel={'true' if job.sp else 'false'}")
+    if job.cp > 1:
+        words.append(f"--parallel.cp={job.cp}")
     if job.ep > 1:
         words.append(f"--parallel.ep={job.ep}")
     return words + [f"--model.recompute={job.policy}", f"--train.micro_batch_size={job.micro_batch}",
@@ -1429,10 +1505,14 @@ def model_parallel_sizes(model_cfg: ModelConfig, world_size: int, gpus_per_node:
     return sizes
 
 
-def _data_parallel_options(dp: int, strategies: tuple[str, ...] | None) -> list[tuple[str, int]]:
+def _data_parallel_options(dp: int, strategies: tuple[str, ...] | None, cp: int = 1) -> list[tuple[str, int]]:
     """(strategy, dp_replicate) pairs for ``dp`` data-parallel ranks; HSDP replicas are tried at every
     divisor of dp that leaves at least two shards. Which of them the trainer runs with tensor or
-    pipeline parallelism is its own rule (``trainer_refusal``), not repeated here."""
+    pipeline parallelism is its own rule (``trainer_refusal``), not repeated here. Under context
+    parallelism the cp ranks join the shard group, so FSDP2 runs even with one data-parallel rank
+    (the trainer turns strategy none into fsdp there)."""
+    if cp > 1:
+        return [("fsdp", r) for r in _divisors(dp)]
     if dp == 1:
         return [("none", 1)]
     if strategies is None:
@@ -1480,8 +1560,9 @@ def plan_layouts(
 ) -> list[Estimate]:
     """Layouts that fit at a fixed global batch, cheapest per token first.
 
-    Searches dp_replicate x dp_shard x tp x pp over ``world_size`` GPUs (``model_parallel_sizes``,
-    ``_data_parallel_options``), ep for an MoE model (``expert_parallel_sizes``), the pipeline schedule and virtual stages, the strategy, the
+    Searches dp_replicate x dp_shard x cp x tp x pp over ``world_size`` GPUs (``model_parallel_sizes``,
+    ``context_parallel_sizes``, ``_data_parallel_options``), ep for an MoE model (``expert_parallel_sizes``),
+    the pipeline schedule and virtual stages, the strategy, the
     recompute policy and the micro-batch; grad_accum follows from micro_batch x grad_accum x dp =
     ``global_batch`` (sequences per step). The GPUs per node come from ``device.gpus_per_node``.
     Every layout passes the trainer's own checks first (``trainer_refusal``, on ``config`` when the
@@ -1492,12 +1573,13 @@ def plan_layouts(
         raise EstimatorError(f"global_batch must be >= 1 (got {global_batch})")
     _check_choice("precision", precision, PRECISION_MODES)
     fitting = []
-    for tp, pp in model_parallel_sizes(model_cfg, world_size, device.gpus_per_node):
-        dp = world_size // (tp * pp)
+    for tp, pp, cp in [(tp, pp, cp) for tp, pp in model_parallel_sizes(model_cfg, world_size, device.gpus_per_node)
+                       for cp in context_parallel_sizes(seq_len, world_size // (tp * pp))]:
+        dp = world_size // (tp * pp * cp)
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
-        for strategy, dp_replicate, ep in [(s_, r, e) for s_, r in _data_parallel_options(dp, strategies)
+        for strategy, dp_replicate, ep in [(s_, r, e) for s_, r in _data_parallel_options(dp, strategies, cp)
                                            for e in expert_parallel_sizes(model_cfg, dp // r, s_)]:
             for schedule, v in _pipeline_options(model_cfg, pp, schedules, virtual_stages):
                 for policy in policies:
@@ -1510,7 +1592,7 @@ def plan_layouts(
                         job = JobSpec(
                             model_cfg, seq_len, micro_batch, world_size, strategy, policy, precision, device,
                             grad_accum, assumptions or Assumptions(), tp=tp, pp=pp, dp_replicate=dp_replicate,
-                            pp_schedule=schedule, pp_virtual_stages=v, ep=ep,
+                            pp_schedule=schedule, pp_virtual_stages=v, cp=cp, ep=ep,
                         )
                         if trainer_refusal(job, config):
                             continue
@@ -1519,8 +1601,18 @@ def plan_layouts(
                             break
                         fitting.append(_estimate_with(job, memory))
     fitting.sort(key=lambda e: (e.time.seconds_per_token, e.memory.total, e.job.dp_replicate, e.job.pp, e.job.tp,
-                                e.job.ep))
+                                e.job.cp, e.job.ep))
     return fitting if top is None else fitting[:top]
+
+
+def context_parallel_sizes(seq_len: int, gpus: int) -> list[int]:
+    """The cp degrees the planner tries on ``gpus`` GPUs (what tp and pp leave): 1, and from
+    ``CP_SEARCH_FROM`` tokens on every divisor that splits the sequence into 2*cp equal chunks.
+    Below that length a sequence's activations are small next to the model states, and cp's
+    per-layer K/V traffic buys nothing that data parallelism does not."""
+    if seq_len < CP_SEARCH_FROM:
+        return [1]
+    return [cp for cp in _divisors(gpus) if seq_len % (2 * cp) == 0]
 
 
 def layout_words(job: JobSpec) -> str:
@@ -1543,6 +1635,8 @@ def layout_words(job: JobSpec) -> str:
             words.append(f"pp_virtual_stages={job.pp_virtual_stages}")
     if job.tp > 1:
         words.append(f"sequence_parallel={'true' if job.sp else 'false'}")
+    if job.cp > 1:
+        words.append(f"cp={job.cp}")
     words += [f"recompute={job.policy}", f"micro_batch={job.micro_batch}", f"grad_accum={job.grad_accum}"]
     return " ".join(words)
 

@@ -55,12 +55,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from analysis.collective_bytes import CommBytes, bytes_by_dimension
 from analysis.estimator import (
     STATE_BYTES,
     JobSpec,
     comm_volume,
+    cp_comm_seconds,
+    estimate_memory,
     fsdp_collectives,
     model_state_bytes,
     stage_parameters,
@@ -98,15 +101,16 @@ class Layout:
     pp: int = 1
     dp_shard: int = 1
     pp_schedule: str = "1f1b"
+    cp: int = 1
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.pp * self.dp_shard
+        return self.tp * self.pp * self.dp_shard * self.cp
 
     @property
     def strategy(self) -> str:
-        # What train.py promotes strategy none to on several data-parallel ranks of a tp/pp model.
-        return "fsdp" if self.dp_shard > 1 else "none"
+        # What train.py promotes strategy none to on several data-parallel (or context-parallel) ranks.
+        return "fsdp" if self.dp_shard > 1 or self.cp > 1 else "none"
 
     @property
     def microbatches(self) -> int:
@@ -116,7 +120,7 @@ class Layout:
     @property
     def label(self) -> str:
         """e.g. ``pp x fsdp: pp=2 dp_shard=2 (1f1b)``: the composition, then the config's words."""
-        sizes = (("pp", self.pp), ("dp_shard", self.dp_shard), ("tp", self.tp))
+        sizes = (("pp", self.pp), ("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp))
         words = " ".join(f"{k}={v}" for k, v in sizes if v > 1) + (f" ({self.pp_schedule})" if self.pp > 1 else "")
         dims = [("fsdp" if k == "dp_shard" else k) for k, v in sizes if v > 1]
         return f"{' x '.join(dims)}: {words}" if len(dims) > 1 else words
@@ -125,6 +129,7 @@ class Layout:
         micro = global_batch // (self.dp_shard * self.microbatches)
         return [f"--parallel.strategy={self.strategy}", f"--parallel.tp={self.tp}", f"--parallel.pp={self.pp}",
                 f"--parallel.dp_shard={self.dp_shard}", f"--parallel.pp_schedule={self.pp_schedule}",
+                f"--parallel.cp={self.cp}",
                 f"--train.micro_batch_size={micro}", f"--train.grad_accum_steps={self.microbatches}"]
 
 
@@ -134,6 +139,10 @@ LAYOUTS = {
     "fsdp_tp": Layout("fsdp_tp", dp_shard=2, tp=2),
     "pp_fsdp": Layout("pp_fsdp", pp=2, dp_shard=2),
     "pp_tp_fsdp": Layout("pp_tp_fsdp", pp=2, dp_shard=2, tp=2),
+    # Context parallelism beside dp_shard=2, so that FSDP2 shards over the flattened dp_shard x cp
+    # group and the cp group carries only the K/V all-gathers and reduce-scatters that the rows report.
+    "cp2": Layout("cp2", dp_shard=2, cp=2),
+    "cp4": Layout("cp4", dp_shard=2, cp=4),
 }
 DEFAULT_LAYOUTS = ("tp", "pp", "fsdp_tp", "pp_fsdp")  # pp_tp_fsdp (8 ranks) with --with-3d
 UNTIED = "--model.tie_embeddings=false"
@@ -291,10 +300,7 @@ def formula_comm(cfg: JobConfig, pp_rank: int, dp_size: int) -> dict[str, float]
     stages = stage_ids(pp_rank, p.pp, p.pp_virtual_stages) if p.pp > 1 else [0]
     # Per micro-batch figures only: the stage count stands in for pp (virtual stages are stages
     # here) and the micro-batch count is raised to what the estimator's schedule checks accept.
-    job = JobSpec(model=cfg.model, seq_len=cfg.seq_len, micro_batch=cfg.train.micro_batch_size,
-                  world_size=dp_size * p.tp * n_stages,
-                  strategy=p.strategy, policy=cfg.model.recompute, precision=precision,
-                  grad_accum=max(m, n_stages), tp=p.tp, pp=n_stages, sequence_parallel=p.sequence_parallel)
+    job = _formula_job(cfg, dp_size)
     out = {dim: 0.0 for dim in COMM_DIMS}
     out["tp"] = m * sum(tp_comm_seconds(job, s)[1] for s in stages)
     if p.pp > 1:
@@ -302,6 +308,7 @@ def formula_comm(cfg: JobConfig, pp_rank: int, dp_size: int) -> dict[str, float]
         activation /= p.tp if job.sp else 1
         out["pp"] = m * activation * sum((s < n_stages - 1) + (s > 0) for s in stages)
     n_params = rank_parameters(cfg, pp_rank)
+    dp_size *= p.cp  # cp ranks average gradients with the data-parallel ones (FSDP2 over dp_shard x cp)
     if dp_size > 1:
         if p.pp > 1 and p.strategy in ("fsdp", "zero3"):
             per = STATE_BYTES[precision]
@@ -311,6 +318,60 @@ def formula_comm(cfg: JobConfig, pp_rank: int, dp_size: int) -> dict[str, float]
         else:
             out["dp"] = comm_volume(n_params, p.strategy, dp_size, precision).sent_per_gpu
     return out
+
+
+def _formula_job(cfg: JobConfig, dp_size: int) -> JobSpec:
+    """The estimator's job of this layout, per micro-batch: the stage count stands in for pp (virtual
+    stages are stages here) and the micro-batch count is raised to what its schedule checks accept."""
+    p = cfg.parallel
+    n_stages = p.pp * p.pp_virtual_stages
+    return JobSpec(model=cfg.model, seq_len=cfg.seq_len, micro_batch=cfg.train.micro_batch_size,
+                   world_size=dp_size * p.tp * n_stages * p.cp, strategy=p.strategy, policy=cfg.model.recompute,
+                   precision=cfg.precision.mode, grad_accum=max(cfg.train.grad_accum_steps, n_stages), tp=p.tp,
+                   pp=n_stages, sequence_parallel=p.sequence_parallel, cp=p.cp)
+
+
+def formula_kv_bytes(cfg: JobConfig, dp_size: int) -> float:
+    """K/V bytes a cp rank sends per step: estimator.cp_comm_seconds per micro-batch (a forward
+    all-gather and a backward reduce-scatter of the whole sequence's K and V per layer, (cp-1)/cp sent)."""
+    return cfg.train.grad_accum_steps * cp_comm_seconds(_formula_job(cfg, dp_size))[1]
+
+
+def formula_activation_bytes(cfg: JobConfig, dp_size: int) -> float:
+    """The estimator's activations and logits per GPU (estimate_memory) for this layout."""
+    memory = estimate_memory(_formula_job(cfg, dp_size))
+    return memory.activations + memory.logits
+
+
+class SavedActivations:
+    """Bytes of the distinct storages autograd saves for backward while active (parameters excluded):
+    what a rank holds for backward at the end of a micro-batch's forward."""
+
+    def __init__(self):
+        self.seen: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+            return t
+        local = t._local_tensor if isinstance(t, DTensor) else t  # a tensor-parallel shard: its local storage
+        try:
+            storage = local.untyped_storage()
+            self.seen[storage.data_ptr()] = storage.nbytes()
+        except RuntimeError:  # a wrapper subclass with no storage of its own (counted through its inner tensors)
+            pass
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.seen.values())
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
 
 
 def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) -> None:
@@ -324,13 +385,13 @@ def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) ->
         engine = built.engine
         _, batches = build_batches(cfg, ctx)
         engine.train(True)
-        losses, ledger, comm = [], StorageLedger(), CommBytes()
+        losses, ledger, comm, saved = [], StorageLedger(), CommBytes(), SavedActivations()
         schedule = cfg.optim.schedule(steps)
         for step in range(steps):
             last = step == steps - 1
             # Gradients exist between the last backward and the optimizer step that frees them.
             record = (lambda: record_params_and_grads(engine, ledger)) if last else None
-            with comm if last else contextlib.nullcontext():
+            with comm if last else contextlib.nullcontext(), saved if last else contextlib.nullcontext():
                 outcome = train_step(engine, batches, cfg.train.grad_accum_steps, lr_at(step, **schedule),
                                      before_optimizer_step=record)
             losses.append(float(ctx.all_reduce_mean(outcome.loss.detach().clone())))
@@ -341,8 +402,11 @@ def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) ->
                   "n_params": n_params, "n_params_config": count_parameters(cfg.model),
                   "strategy": cfg.parallel.strategy, "pp_rank": pp_rank,
                   "comm": sent, "comm_detail": sent_detail,
-                  "formula": formula_states(cfg, pp_rank, ctx.dims.dp_shard),
-                  "formula_comm": formula_comm(cfg, pp_rank, ctx.dims.dp_size)}
+                  "formula": formula_states(cfg, pp_rank, ctx.dims.dp_shard * ctx.dims.cp),
+                  "formula_comm": formula_comm(cfg, pp_rank, ctx.dims.dp_size),
+                  "activations": saved.bytes, "activations_formula": formula_activation_bytes(cfg, ctx.dims.dp_size),
+                  "kv": sent.get("cp", 0.0), "kv_formula": formula_kv_bytes(cfg, ctx.dims.dp_size),
+                  "micro_batch": cfg.train.micro_batch_size}
         (out / f"rank{ctx.rank}.json").write_text(json.dumps(result))
     finally:
         shutdown_distributed(ctx)
@@ -366,6 +430,11 @@ class Row:
     seconds: float = 0.0  # wall time of the launch (start-up included)
     n_params: int = 0  # parameters of the whole model (unique tensors: a tied table once)
     comm_by_rank: list[dict] = field(default_factory=list)  # per rank: {"<dim> <collective>": [calls, bytes]}
+    activations: float = 0.0  # bytes saved for backward in the last step, max over ranks
+    activations_formula: float = 0.0  # the estimator's activations + logits per GPU
+    kv: float = 0.0  # context parallelism: K/V bytes sent in the last step, max over ranks
+    kv_formula: float = 0.0
+    micro_batch: int = 0  # sequences per micro-batch on a rank
 
 
 @dataclass(frozen=True)
@@ -438,6 +507,9 @@ def measure_row(run: Launch, plan: Plan, work: Path, reference: Row | None) -> R
         ranks=run.ranks, reference=reference.strategy if reference else run.name,
         comm=_max_over_ranks(ranks, "comm", COMM_DIMS), comm_formula=_max_over_ranks(ranks, "formula_comm", COMM_DIMS),
         seconds=seconds, n_params=ranks[0]["n_params_config"], comm_by_rank=[r["comm_detail"] for r in ranks],
+        activations=max(r["activations"] for r in ranks), activations_formula=max(r["activations_formula"] for r in ranks),
+        kv=max(r["kv"] for r in ranks), kv_formula=max(r["kv_formula"] for r in ranks),
+        micro_batch=ranks[0]["micro_batch"],
     )
 
 
@@ -512,6 +584,45 @@ def comm_table(rows: list[Row], markdown: bool) -> str:
         body.append(cells)
     return markdown_table(head, body) if markdown else text_table(head, body)
 
+
+def cp_table(rows: list[Row], markdown: bool) -> str | None:
+    """Context-parallel rows next to their single process: loss, activations per rank (measured and the
+    estimator's, each against the single process) and K/V bytes sent (measured and formula); None
+    without cp rows."""
+    cp_rows = [r for r in rows if r.status == "ok" and " cp=" in f" {r.strategy}"]
+    single = next((r for r in rows if r.status == "ok" and cp_rows and r.strategy == cp_rows[0].reference), None)
+    if not cp_rows or single is None:
+        return None
+    head = ["layout", "ranks", "Δ loss vs 1 proc", "activations KiB/seq", "vs 1 proc", "estimator KiB/seq",
+            "vs 1 proc", "K/V sent KiB", "(formula)"]
+
+    def per_sequence(r: Row) -> tuple[float, float]:
+        return r.activations / r.micro_batch, r.activations_formula / r.micro_batch
+
+    one, one_formula = per_sequence(single)
+    body = [[single.strategy, "1", "", _kib(one), "1", _kib(one_formula), "1", "", ""]]
+    for r in cp_rows:
+        measured, formula = per_sequence(r)
+        body.append([r.strategy, str(r.ranks), f"{r.delta:+.1e}", _kib(measured), f"{measured / one:.3f}",
+                     _kib(formula), f"{formula / one_formula:.3f}", _kib(r.kv), _kib(r.kv_formula)])
+    return markdown_table(head, body) if markdown else text_table(head, body)
+
+
+CP_NOTES = [
+    "Context parallelism: activations are the bytes of the distinct storages autograd saved during the last "
+    "step's forward (parameters excluded), max over ranks, per sequence of the rank's micro-batch (the single "
+    "process runs the whole global batch at once); each cp rank holds 1/cp of every sequence, plus the keys and "
+    "values gathered from the others. The estimator's figure (analysis/estimator.estimate_memory: "
+    "activations + logits) models a GPU's kernels, not these CPU reference ones, so compare the ratios to the "
+    "single process. K/V: bytes the rank sent over the cp mesh dimension (the forward all-gathers and backward "
+    "reduce-scatters of every layer), formula analysis/estimator.cp_comm_seconds; FSDP2 runs over the flattened "
+    "dp_shard x cp group, counted under dp.",
+    "Measured activations exceed the estimator's 1/cp + gathered K/V by about one whole-sequence K/V per layer: "
+    "a query chunk that sees more keys than it has queries needs the causal mask aligned bottom-right, an explicit "
+    "mask, and CPU SDPA then runs its math path, which stores the chunk's scores (c x keys per head). On CUDA "
+    "SDPA's memory-efficient kernel accepts a mask and stores no scores, as the estimator assumes (not "
+    "measured here: no GPU).",
+]
 
 NOTES = [
     "Measured: max over ranks of the bytes of distinct local storages (DTensor shards, DeepSpeed partitions); "
@@ -595,6 +706,15 @@ def write_markdown(rows: list[Row], setting: str, nproc: int, command: str, path
              f"gloo, {nproc} processes per strategy, {where['hardware']}, torch {where['torch']}, {where['date']}")
     text = [f"# {title}", "", setting, "", table(rows, markdown=True), "",
             "Bytes sent per rank in one training step (the last), by mesh dimension:", "",
-            comm_table(rows, markdown=True), "", *[f"- {n}" for n in NOTES], "", f"Command: `{command}`", ""]
+            comm_table(rows, markdown=True), "", *_cp_section(rows), *[f"- {n}" for n in NOTES], "",
+            f"Command: `{command}`", ""]
     return write_results(path, "\n".join(text), title, rows, provenance=where, setting=setting, nproc=nproc,
                          command=command, notes=NOTES)
+
+
+def _cp_section(rows: list[Row]) -> list[str]:
+    table_md = cp_table(rows, markdown=True)
+    if table_md is None:
+        return []
+    return ["Context parallelism: loss, activations per rank and K/V traffic:", "", table_md, "",
+            *[f"- {n}" for n in CP_NOTES], ""]

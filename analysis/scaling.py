@@ -22,7 +22,7 @@ from model.config import ModelConfig
 from training.config import JobConfig
 
 EXPOSED_SHARE = 0.01  # of the step: below this a dimension's exposed time is called hidden
-DIMENSIONS = ("tp", "pp", "dp", "bubble")
+DIMENSIONS = ("tp", "pp", "cp", "dp", "bubble")
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def table(weak: Curve, strong: Curve) -> tuple[list[str], list[list[str]]]:
     """One row per GPU count: both regimes' throughput and efficiency, and the strong curve's layout and
     exposed shares."""
     headers = ["GPUs", "weak tok/s", "TFLOP/s/GPU", "weak eff", "strong tok/s", "TFLOP/s/GPU", "strong eff",
-               "exposed tp/pp/dp/bubble (strong)", "layout (strong)"]
+               "exposed tp/pp/cp/dp/bubble (strong)", "layout (strong)"]
     rows = []
     for w, s, we, se in zip(weak.points, strong.points, weak.efficiency(), strong.efficiency()):
         shares = s.exposed_share()

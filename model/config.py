@@ -164,6 +164,9 @@ class ModelConfig:
         if self.document_positions and self.attention_mask != "document":
             raise ConfigError("model.document_positions=true restarts positions per document: it needs "
                               "model.attention_mask=document")
+        if self.attention_mask == "document" and self.layers == "te":
+            raise ConfigError("model.attention_mask=document needs model.layers=torch (Transformer Engine's "
+                              "attention takes no document mask here)")
         if self.eot_id is not None and not 0 <= self.eot_id < self.vocab_size:
             raise ConfigError(f"model.eot_id={self.eot_id} is outside the vocabulary 0..{self.vocab_size - 1}")
         if self.recompute_every_k < 1:

@@ -237,9 +237,10 @@ class GPT(nn.Module):
         A pipeline stage without the embedding takes hidden states (B, T, C) instead of ids; one
         without the head returns hidden states.
 
-        ``positions`` (T,): the position of each token when idx is not a whole sequence from 0 (a
-        context-parallel rank's chunks, parallel/cp.py). ``documents`` (B, S): the document number
-        of each key position attention sees (a packed sequence; see ``AttentionCore``).
+        ``positions`` (T,) or (B, T): the position of each token, when idx is not a whole sequence
+        from 0 (a context-parallel rank's chunks, parallel/cp.py) or positions restart per document.
+        ``documents`` (B, S): the document number of each key position attention sees (a packed
+        sequence, ``model.attention_mask=document``; computed from idx when not given).
         """
         start, t = (cache.length if cache is not None else 0), idx.shape[1]
         if start + t > self.cfg.max_seq_len:

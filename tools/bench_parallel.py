@@ -19,12 +19,14 @@ import sys
 from pathlib import Path
 
 from analysis.parallel_bench import (
+    CP_NOTES,
     DEFAULT_LAYOUTS,
     LAYOUTS,
     NOTES,
     STRATEGIES,
     Plan,
     comm_table,
+    cp_table,
     measure_all,
     plot,
     run_rank,
@@ -46,7 +48,7 @@ def _names(choices) -> callable:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         description="Loss after N steps, per-rank parameter/gradient/optimizer bytes and bytes sent per step for "
-        "ddp, fsdp and ZeRO 1-3 on N processes and for tp, pp, fsdp x tp, pp x fsdp (and pp x tp x fsdp) layouts, "
+        "ddp, fsdp and ZeRO 1-3 on N processes and for tp, pp, fsdp x tp, pp x fsdp (and pp x tp x fsdp, cp2, cp4) layouts, "
         "against one process and the formulas. Config overrides go after '--' (e.g. -- --model.n_layer=4).")
     parser.add_argument("--config", default="configs/tiny.yaml", help="YAML config (default: configs/tiny.yaml)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per strategy run (default 2); the global batch "
@@ -104,6 +106,11 @@ def main(argv: list[str]) -> int:
     print(title)
     print(table(rows, markdown=False))
     print(comm_table(rows, markdown=False))
+    context = cp_table(rows, markdown=False)
+    if context:
+        print(context)
+        for note in CP_NOTES:
+            print("- " + note)
     for note in NOTES:
         print("- " + note)
     if args.markdown:

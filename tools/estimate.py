@@ -42,7 +42,7 @@ from model.flops import FLOPS_CONVENTION
 from training.config import JobConfig, load_config, parse_known_overrides
 
 # The config's parallel layout words, which the command line's layout flags override.
-LAYOUT_KEYS = ("tp", "pp", "dp_replicate", "pp_schedule", "pp_virtual_stages", "sequence_parallel", "ep")
+LAYOUT_KEYS = ("tp", "pp", "cp", "dp_replicate", "pp_schedule", "pp_virtual_stages", "sequence_parallel", "ep")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     layout = parser.add_argument_group("layout (default: the config's parallel section, or 1)")
     layout.add_argument("--tp", type=int, help="tensor-parallel GPUs (inside a node)")
     layout.add_argument("--pp", type=int, help="pipeline stages")
+    layout.add_argument("--cp", type=int, help="context-parallel GPUs: each sequence split over them")
     layout.add_argument("--dp-replicate", type=int, help="HSDP replicas (fsdp only)")
     layout.add_argument("--pp-schedule", choices=est.PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     layout.add_argument("--pp-virtual-stages", type=int, help="model chunks per GPU (interleaved_1f1b, zero_bubble)")
@@ -132,7 +133,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         if value is not None:
             layout[key] = value == "true" if key == "sequence_parallel" else value
     gpus = args.gpus or gpus
-    dp = gpus // (layout.get("tp", 1) * layout.get("pp", 1))
+    dp = gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
     if args.strategy:
         strategy = args.strategy
     elif dp <= 1:
@@ -177,13 +178,16 @@ def activation_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
     """Per layer and per GPU for each policy, with the job's tensor/sequence parallelism."""
     cfg = job.model
     layers = cfg.n_layer // job.pp
-    args, kw = (job.seq_len, job.micro_batch), dict(attention=job.attention, tp=job.tp, sequence_parallel=job.sp)
+    # a cp GPU holds seq_len / cp tokens of each sequence, and the keys and values gathered from the others
+    args, kw = (job.local_seq_len, job.micro_batch), dict(attention=job.attention, tp=job.tp, sequence_parallel=job.sp)
     rows = []
     for policy in est.POLICIES:
-        per_layer = est.activation_bytes_per_layer(cfg, *args, policy, job.activation_dtype_bytes, **kw)
+        per_layer = (est.activation_bytes_per_layer(cfg, *args, policy, job.activation_dtype_bytes, **kw)
+                     + est.cp_attention_bytes_per_layer(job, policy))
         extra = est.recompute_flops_per_token(cfg, job.seq_len, policy) / est.flops_per_token(cfg, job.seq_len)
         if policy == "offload":  # nothing stays on the GPU; the none bytes go to host memory
-            host = est.activation_bytes_per_layer(cfg, *args, "none", job.activation_dtype_bytes, **kw)
+            host = (est.activation_bytes_per_layer(cfg, *args, "none", job.activation_dtype_bytes, **kw)
+                    + est.cp_attention_bytes_per_layer(job, "none"))
             rows.append([policy, f"0 (host {human_bytes(host)})", f"0 (host {gib(host * layers)})", "0.0% + PCIe"])
             continue
         rows.append([policy, human_bytes(per_layer), gib(per_layer * layers), f"{extra:.1%}"])
@@ -192,6 +196,7 @@ def activation_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
 
 def _activation_title(job: est.JobSpec) -> str:
     split = f", tp={job.tp}{' + SP' if job.sp else ' without SP'}" if job.tp > 1 else ""
+    split += f", cp={job.cp} ({job.local_seq_len:,} tokens per GPU)" if job.cp > 1 else ""
     return (f"Activations saved for backward per micro-batch ({job.precision}, {job.attention} attention{split}, "
             "Korthikanti et al. 2022)")
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from analysis import parallel_bench
 from analysis.chapter_tables import PARALLEL_CPU, Measured, priority_table
 from analysis.estimator import stage_parameters
@@ -58,3 +60,16 @@ def test_layout_rows_keep_the_global_batch_and_split_the_model_as_the_estimator_
                                              "--train.grad_accum_steps=2"])
     n = parallel_bench.rank_parameters(fsdp, 0)
     assert parallel_bench.formula_comm(fsdp, 0, 2)["dp"] == 1 / 2 * n * (3 * 4 + 1 * 4)
+
+
+def test_context_parallel_rows_count_the_kv_gathers_and_fold_cp_into_fsdp():
+    """cp2 (dp_shard=2 x cp=2): per step each rank sends (cp-1)/cp of the whole sequence's K and V in a
+    forward all-gather and a backward reduce-scatter per layer; FSDP2 shards over dp_shard x cp."""
+    layout = parallel_bench.LAYOUTS["cp2"]
+    assert layout.ranks == 4 and layout.strategy == "fsdp"
+    cfg = load_config("configs/tiny.yaml", [parallel_bench.UNTIED, *layout.overrides(8)])
+    b, s, kv, layers = cfg.train.micro_batch_size, cfg.seq_len, cfg.model.kv_dim, cfg.model.n_layer
+    assert parallel_bench.formula_kv_bytes(cfg, 2) == layers * 2 * (1 / 2) * (2 * b * s * kv * 4)
+    n = parallel_bench.rank_parameters(cfg, 0)
+    assert parallel_bench.formula_comm(cfg, 0, 2)["dp"] == pytest.approx(3 / 4 * n * (2 * 4 + 4))  # over 4 ranks
+    assert parallel_bench.formula_states(cfg, 0, 4)["params"] == pytest.approx(n * 4 / 4)

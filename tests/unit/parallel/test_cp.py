@@ -5,7 +5,7 @@ from the same seed inside each worker: logits and loss of one forward (fp32, wit
 multi-head and grouped-query attention, the causal and the document mask; the gradients (a cp
 rank's gradients summed over its cp group are cp times the whole-sequence gradient, which is what
 FSDP2's average over dp x cp turns into the mean); and the build path's FSDP2 engine over cp, cp x
-dp_shard and cp x tp trained for 10 steps (losses, gradient norms, validation loss), resumed bit for bit
+dp_shard, cp x tp and cp with selective recompute trained for 10 steps (losses, gradient norms, validation loss), resumed bit for bit
 from its DCP checkpoint, and loaded into another cp size. One 4-rank launch runs all of it.
 """
 
@@ -41,7 +41,9 @@ MODELS = {
 MICRO, STEPS, SAVE_AFTER, VAL = 2, 10, 6, 5
 TRAIN_MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "n_kv_head": 2,
                "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False}
-LAYOUTS = {"cp4": {"cp": 4}, "cp2_x_dp2": {"cp": 2, "dp_shard": 2}, "cp2_x_tp2": {"cp": 2, "tp": 2}}
+LAYOUTS = {"cp4": {"cp": 4}, "cp2_x_dp2": {"cp": 2, "dp_shard": 2}, "cp2_x_tp2": {"cp": 2, "tp": 2},
+           "cp4_selective_recompute": {"cp": 4}}
+RECOMPUTE = {"cp4_selective_recompute": "selective"}  # the core, K/V gather included, rebuilt in backward
 
 
 def model_cfg(name: str) -> ModelConfig:
@@ -125,8 +127,8 @@ def forward_and_grads(cp_rank_group, cp: int, name: str) -> dict:
     return {"loss": float(mean_loss / cp), "ref_loss": float(ref_loss), "logits_err": logits_err, "grad_err": grads}
 
 
-def job(**parallel):
-    overrides = [f"--model.{k}={v}" for k, v in TRAIN_MODEL.items()]
+def job(recompute: str = "none", **parallel):
+    overrides = [f"--model.{k}={v}" for k, v in TRAIN_MODEL.items()] + [f"--model.recompute={recompute}"]
     overrides += [f"--train.micro_batch_size={MICRO}", "--train.grad_accum_steps=1", "--optim.warmup_steps=1",
                   "--optim.lr=1e-2", f"--train.max_steps={STEPS}"]
     return load_config(None, overrides + [f"--parallel.{k}={v}" for k, v in parallel.items()])
@@ -153,7 +155,7 @@ def train(engine, ctx, cfg, steps: range) -> tuple[list[float], list[float]]:
 
 
 def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
-    cfg = job(**layout)
+    cfg = job(RECOMPUTE.get(name, "none"), **layout)
     ctx = gloo_context(rank, world, **layout)
     cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
     engine = build_from_config(cfg, ctx).engine
@@ -243,3 +245,16 @@ def test_a_cp4_checkpoint_loads_into_cp2_x_dp2(four_ranks):
     ref = one_process([1] * SAVE_AFTER + [2] * (STEPS - SAVE_AFTER))
     for rank_result in four_ranks:
         assert rank_result["cp4_into_cp2_x_dp2"] == pytest.approx(ref["losses"][SAVE_AFTER:], abs=1e-5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--parallel.cp=4", "--model.max_seq_len=100"], "parallel.cp=4 splits each sequence into 2 x cp = 8 equal chunks"),
+    (["--parallel.cp=2", "--parallel.strategy=zero1"], "parallel.cp=2 with parallel.strategy=zero1 is not supported"),
+])
+def test_train_py_refuses_bad_cp_layouts_in_one_line(capsys, args, message):
+    import train
+
+    assert train.main(["--config", "configs/tiny.yaml", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+

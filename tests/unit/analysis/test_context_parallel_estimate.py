@@ -1,0 +1,101 @@
+"""The estimator and planner with context parallelism (analysis/estimator.py), against hand counts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import analysis.estimator as est
+from common.hardware import DEVICES
+from model.config import ModelConfig
+from training.config import load_config
+
+H100 = DEVICES["H100"]
+MODEL = ModelConfig(vocab_size=32000, max_seq_len=65536, n_layer=8, n_head=16, n_kv_head=4, d_model=2048,
+                    mlp="swiglu", norm="rmsnorm", position="rope", bias=False, attention="sdpa")
+
+
+def job(**changes) -> est.JobSpec:
+    base = dict(model=MODEL, seq_len=65536, micro_batch=1, world_size=8, strategy="fsdp", policy="none",
+                precision="bf16", device=H100)
+    return est.JobSpec(**{**base, **changes})
+
+
+@pytest.mark.parametrize("policy", ["none", "op_selective", "selective", "full"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_cp_layer_keeps_its_share_of_the_sequence_plus_the_gathered_keys_and_values(cp, policy):
+    s, p = 65536, 2
+    local = est.activation_bytes_per_layer(MODEL, s // cp, 1, policy, p, attention="flash")
+    # K and V of the other ranks' s - s/cp tokens, kv_dim = 4 heads x 128 wide, stay saved unless
+    # the core (gather included) is recomputed in backward.
+    gathered = 0 if policy in ("selective", "full") else p * 2 * 512 * (s - s // cp)
+    assert est.cp_attention_bytes_per_layer(job(cp=cp), policy) == gathered
+    assert est._layer_bytes(job(cp=cp), policy) == local + gathered
+    # tensor parallelism splits the gathered KV heads too
+    tp = job(cp=cp, tp=2, world_size=16)
+    assert est.cp_attention_bytes_per_layer(tp, policy) == gathered / 2
+
+
+def test_activation_memory_falls_about_one_over_cp():
+    one = est.estimate_memory(job(world_size=4, policy="selective"))
+    for cp in (2, 4):
+        split = est.estimate_memory(job(world_size=4, cp=cp, policy="selective"))
+        # Every layer keeps 1/cp (its core is recomputed, gather included); the layer being
+        # recomputed holds the gathered K/V once at the peak.
+        gathered = est.cp_attention_bytes_per_layer(job(world_size=4, cp=cp), "none")
+        assert split.activations == pytest.approx(one.activations / cp + gathered, rel=1e-9)
+        assert split.logits == pytest.approx(one.logits / cp)
+        assert split.params == pytest.approx(one.params)  # states: sharded over dp_shard x cp = 4 either way
+
+
+def test_a_materialized_core_keeps_its_queries_scores_against_every_key_it_sees():
+    s, cp, c = 8192, 4, 8192 // 8
+    ref = dataclasses.replace(MODEL, attention="reference")
+    extra = est.cp_attention_bytes_per_layer(job(model=ref, seq_len=s, cp=cp), "none")
+    kv = 2 * 2 * 512 * (s - s // cp)
+    # rank i: chunk i sees (i+1)c keys, chunk 2cp-1-i sees (2cp-i)c: c^2 (2cp+1) scores per head,
+    # where a layer of s/cp tokens has (s/cp)^2 of them
+    assert extra == kv + 2 * 16 * (c * c * (2 * cp + 1) - (s // cp) ** 2)
+
+
+def test_kv_gather_traffic_per_step():
+    j = job(cp=4, grad_accum=3)
+    seconds, sent = est.cp_comm_seconds(j)
+    per_layer = 2 * 65536 * 2 * 512  # bytes of the whole sequence's K and V, bf16
+    # a forward all-gather and a backward reduce-scatter per layer, each sending 3/4 of it
+    assert sent == 2 * 8 * 3 / 4 * per_layer
+    assert est.kv_gather_bytes(MODEL, 65536, 1, 2) == per_layer
+    full = est.cp_comm_seconds(dataclasses.replace(j, policy="full"))[1]
+    assert full == pytest.approx(sent * 3 / 2)  # recompute gathers once more
+    assert est.estimate(j).time.cp_comm_s == pytest.approx(3 * seconds)
+    assert est.cp_comm_seconds(job())[1] == 0
+
+
+def test_the_planner_places_llama3_8b_at_128k_on_8_gpus_with_cp():
+    cfg = load_config("configs/llama3-8b.yaml", ["--model.max_seq_len=131072", "--data.path=unused"])
+    plans = est.plan_layouts(cfg.model, 131072, 8, H100, "bf16", global_batch=64, top=None, config=cfg)
+    assert plans and plans[0].fits and plans[0].job.cp > 1
+    assert plans[0].memory.total <= 80 * est.GIB
+    assert all(p.job.pp == 1 for p in plans if p.job.cp > 1)  # the trainer refuses cp x pp
+    assert all(p.job.strategy == "fsdp" for p in plans if p.job.cp > 1)
+    assert "--parallel.cp=" in " ".join(est.layout_overrides(plans[0].job))
+    assert est.trainer_refusal(plans[0].job, cfg) is None
+    # short sequences: no cp searched
+    assert all(cp == 1 for cp in est.context_parallel_sizes(8192, 8))
+    assert est.context_parallel_sizes(131072, 8) == [1, 2, 4, 8]
+
+
+def test_the_shipped_long_context_config_fits_as_its_comment_says():
+    cfg = load_config("configs/llama3-8b-128k.yaml", ["--data.path=unused"])
+    assert cfg.parallel.cp == 4 and cfg.model.rope_theta == 500000.0
+    j = est.JobSpec(cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 8, "fsdp", cfg.model.recompute, "bf16", H100,
+                    cfg.train.grad_accum_steps, cp=cfg.parallel.cp)
+    assert j.dp_shard == 2 and est.estimate(j).fits
+
+
+def test_bad_cp_layouts_are_one_line_errors():
+    with pytest.raises(est.EstimatorError, match="cp=4 splits each sequence into 2\\*cp chunks: seq_len=65532"):
+        job(cp=4, seq_len=65532)
+    with pytest.raises(est.EstimatorError, match="not divisible by tp\\*pp\\*cp\\*dp_replicate=16"):
+        job(cp=8, tp=2)
