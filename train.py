@@ -142,15 +142,23 @@ def describe_model(cfg: JobConfig, ctx: DistContext) -> list[str]:
         layout["sequence_parallel"] = p.sequence_parallel
     if d.pp > 1:
         layout |= {"pp_schedule": p.pp_schedule, "pp_virtual_stages": p.pp_virtual_stages}
+    if d.ep > 1:
+        layout["ep"] = d.ep
     verdict = fit_verdict(m, seq_len, cfg.train.micro_batch_size, ctx.world_size, p.strategy, m.recompute,
                           cfg.precision.mode, _device_name(ctx.device), config=cfg, **layout)
-    return [
+    lines = [
         f"model: {count_parameters(m) / 1e6:.2f}M parameters ({count_parameters(m, include_embeddings=False) / 1e6:.2f}M "
         f"without embedding lookups), {m.n_layer} layers, d_model {m.d_model}, "
         f"{m.n_head} heads ({m.kv_heads} key/value), {m.mlp}, {m.norm}, {m.position} positions",
         f"flops: {flops_per_token(m, seq_len) / 1e6:.2f} MFLOP/token, convention {FLOPS_CONVENTION}",
         verdict,
     ]
+    if m.moe_experts is not None:
+        lines.insert(1, f"moe: {count_parameters(m) / 1e6:.2f}M total, {count_parameters(m, active=True) / 1e6:.2f}M "
+                        f"active per token; {m.n_moe_layers} of {m.n_layer} layers route to {m.moe_top_k} of "
+                        f"{m.moe_experts} experts (width {m.expert_d_ff}) + {m.moe_shared_experts} shared, "
+                        f"{m.moe_router} router, capacity {m.moe_capacity or 'dropless'}")
+    return lines
 
 
 def throughput(cfg: JobConfig, ctx: DistContext) -> tuple[Throughput, str]:

@@ -100,16 +100,40 @@ def _checkpointed_layers(n_layer: int, every_k: int) -> int:
     return n_layer // every_k
 
 
-def _mlp_activation_elements(cfg: ModelConfig) -> int:
-    """Elements per token saved inside the MLP between its two matmuls."""
-    f = cfg.d_ff
+def _dense_mlp_activation_elements(cfg: ModelConfig, f: int) -> int:
     if cfg.mlp == "swiglu":
         return 4 * f  # gate and up (2f), silu(gate) (f), silu(gate)*up (f)
     return 2 * f  # GELU input and GELU output
 
 
-def _mlp_matmul_output_elements(cfg: ModelConfig) -> int:
-    return (2 if cfg.mlp == "swiglu" else 1) * cfg.d_ff
+def _moe_activation_elements(cfg: ModelConfig) -> float:
+    """Per token in a MoE layer: each of its top-k copies keeps its permuted input row, its expert's
+    hidden activations and its output row; the router keeps fp32 logits and scores (E each), the
+    dispatch int64 slot and expert indices (k each); the shared experts keep a dense MLP's."""
+    k, f, e = cfg.moe_top_k, cfg.expert_d_ff, cfg.moe_experts
+    copies = k * (2 * cfg.d_model + _dense_mlp_activation_elements(cfg, f))
+    router_and_dispatch = 2 * e * 2 + 2 * k * 4  # in 2-byte elements: fp32 logits and scores, int64 indices
+    shared = cfg.moe_shared_experts * f
+    return copies + router_and_dispatch + (_dense_mlp_activation_elements(cfg, shared) if shared else 0)
+
+
+def _mlp_activation_elements(cfg: ModelConfig) -> float:
+    """Elements per token saved inside the MLP between its two matmuls (a MoE model: the mean over layers)."""
+    dense = _dense_mlp_activation_elements(cfg, cfg.d_ff)
+    if cfg.moe_experts is None:
+        return dense
+    moe = cfg.n_moe_layers
+    return (moe * _moe_activation_elements(cfg) + (cfg.n_layer - moe) * dense) / cfg.n_layer
+
+
+def _mlp_matmul_output_elements(cfg: ModelConfig) -> float:
+    dense = (2 if cfg.mlp == "swiglu" else 1) * cfg.d_ff
+    if cfg.moe_experts is None:
+        return dense
+    routed = cfg.moe_top_k * (2 if cfg.mlp == "swiglu" else 1) * cfg.expert_d_ff
+    shared = cfg.moe_shared_experts * (2 if cfg.mlp == "swiglu" else 1) * cfg.expert_d_ff
+    moe = cfg.n_moe_layers
+    return (moe * (routed + shared) + (cfg.n_layer - moe) * dense) / cfg.n_layer
 
 
 def activation_bytes_per_layer(
@@ -350,10 +374,12 @@ class CommVolume:
     replicas: int = 1
     tensor_parallel: float = 0.0  # bytes each GPU sends in tensor-parallel collectives per step
     pipeline: float = 0.0  # bytes each GPU sends to its neighbouring stages per step
+    expert_all_to_all: float = 0.0  # bytes each GPU sends in expert-parallel dispatch and combine per step
+    expert_sharded: float = 0.0  # bytes each GPU sends gathering and reducing its experts (FSDP over dp_shard / ep)
 
     @property
     def sent_per_gpu(self) -> float:
-        extra = self.tensor_parallel + self.pipeline
+        extra = self.tensor_parallel + self.pipeline + self.expert_all_to_all + self.expert_sharded
         if self.replicas > 1:
             extra += 2 * (self.replicas - 1) / self.replicas * self.replica_all_reduce
         if self.world_size <= 1:
@@ -381,8 +407,9 @@ def comm_volume(n_params: float, strategy: str, world_size: int, precision: str)
 
 def block_parameters_per_gpu(cfg: ModelConfig, tp: int = 1) -> float:
     """One block's parameters on one of ``tp`` GPUs: the matmul weights (and column-parallel
-    biases) are split; norm gains and the two row-parallel output biases are whole (Megatron-LM)."""
-    block = block_parameters(cfg)
+    biases) are split; norm gains and the two row-parallel output biases are whole (Megatron-LM).
+    A MoE model's blocks differ (dense and MoE layers): their mean, every expert included."""
+    block = sum(block_parameters(cfg, i) for i in range(cfg.n_layer)) / cfg.n_layer
     if tp == 1:
         return block
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
@@ -541,6 +568,7 @@ class JobSpec:
     tp_overlap: bool = False
     dp_overlap: bool = True
     fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
+    ep: int = 1  # parallel.ep: an MoE model's routed experts split over ep of the dp_shard GPUs
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -588,6 +616,13 @@ class JobSpec:
             raise EstimatorError(problem)
         if self.dp_replicate > 1 and self.strategy not in ("zero3", "fsdp"):
             raise EstimatorError(f"dp_replicate={self.dp_replicate} (HSDP) needs strategy=fsdp, not {self.strategy}")
+        if self.ep < 1:
+            raise EstimatorError(f"ep must be >= 1 (got {self.ep})")
+        if self.ep > 1:
+            if cfg.moe_experts is None or cfg.moe_experts % self.ep:
+                raise EstimatorError(f"ep={self.ep} must divide the model's routed experts ({cfg.moe_experts})")
+            if self.dp_shard % self.ep:
+                raise EstimatorError(f"ep={self.ep} must divide the {self.dp_shard} dp_shard GPUs it is carved out of")
 
     @property
     def dp(self) -> int:
@@ -690,6 +725,7 @@ class TimeEstimate:
     bubble_s: float = 0.0  # pipeline fill and drain
     tp_exposed_s: float | None = None  # the part of tp_comm_s on the critical path (None: all of it)
     microbatch_s: float = 0.0  # one micro-batch through the slowest stage (what the bubble is made of)
+    ep_comm_s: float = 0.0  # expert-parallel all-to-alls, not overlapped
     cp_comm_s: float = 0.0  # context-parallel K/V collectives (all of them, none overlapped)
 
     @property
@@ -699,7 +735,7 @@ class TimeEstimate:
     @property
     def step_s(self) -> float:
         return (self.compute_s + self.exposed_comm_s + self.offload_s + self.memory_bound_s
-                + self.tp_exposed + self.pp_comm_s + self.bubble_s + self.cp_comm_s)
+                + self.tp_exposed + self.pp_comm_s + self.bubble_s + self.cp_comm_s + self.ep_comm_s)
 
     @property
     def seconds_per_token(self) -> float:
@@ -827,15 +863,16 @@ def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
         return 0.0
     per = STATE_BYTES[job.precision]
     if job.pp > 1:  # pipelining keeps the stage gathered, and its gradients unreduced, until the last backward
-        return stage_parameters(job.model, job.tp, job.pp, stage) * (per.param + per.grad)
-    block = block_parameters_per_gpu(job.model, job.tp)
+        held = stage_parameters(job.model, job.tp, job.pp, stage) - stage_routed_parameters(job) * (1 - 1 / job.ep)
+        return held * (per.param + per.grad)
+    block = block_parameters_per_gpu(job.model, job.tp) - routed_parameters_per_block(job.model) * (1 - 1 / job.ep)
     return job.assumptions.unsharded_layers * block * (per.param + per.grad)
 
 
 def stage_memory(job: JobSpec, stage: int, layer: _LayerActivations | None = None) -> MemoryEstimate:
     """Bytes per GPU of pipeline stage ``stage`` at its peak."""
     n_params = stage_parameters(job.model, job.tp, job.pp, stage)
-    states = model_state_bytes(n_params, job.strategy, job.shard_group, job.precision)
+    states = stage_state_bytes(job, n_params)
     device_acts, host_acts = activation_bytes_total(job, stage, layer)
     a = job.assumptions
     logits, unsharded = _logits_bytes(job, stage), _unsharded_bytes(job, stage)
@@ -877,7 +914,7 @@ def _recompute_flops_split(model_cfg: ModelConfig, seq_len: int, policy: str, ev
     _check_choice("policy", policy, POLICIES)
     L, d = model_cfg.n_layer, model_cfg.d_model
     core = 4.0 * d * seq_len  # QK^T and @V forward, per layer per token (no causal halving)
-    gemms = 2.0 * block_parameters(model_cfg)
+    gemms = 2.0 * sum(block_parameters(model_cfg, i, active=True) for i in range(L)) / L  # a token's experts only
     if policy == "selective":
         return 0.0, L * core
     if policy == "full":
@@ -1229,7 +1266,7 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
     a, m = job.assumptions, job.grad_accum
     slowest = max((_stage_microbatch(job, stage) for stage in _edge_stages(job)), key=lambda mb: mb.total)
     work = m * (slowest.compute + slowest.memory_bound)
-    _, dp_s = _dp_comm(job, _largest_stage_parameters(job))
+    _, dp_s = _dp_and_expert_comm(job, _largest_stage_parameters(job))
     if job.strategy in ("zero3", "fsdp") and job.pp == 1:
         hideable = work  # every micro-batch's collectives run beside its own work
     elif job.strategy in ("zero3", "fsdp"):
@@ -1262,6 +1299,7 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
         tp_exposed_s=m * slowest.tp_exposed,
         microbatch_s=slowest.total,
         cp_comm_s=m * slowest.cp,
+        ep_comm_s=m * expert_all_to_all(job)[0],
     )
 
 
@@ -1272,9 +1310,10 @@ def estimate(job: JobSpec) -> Estimate:
 
 def _estimate_with(job: JobSpec, memory: MemoryEstimate) -> Estimate:
     n_params = count_parameters(job.model)
-    comm, _ = _dp_comm(job, _largest_stage_parameters(job))
+    comm, _ = _dp_and_expert_comm(job, _largest_stage_parameters(job))
     tp_bytes = job.grad_accum * max(tp_comm_seconds(job, i)[1] for i in _edge_stages(job))
-    comm = dataclasses.replace(comm, tensor_parallel=tp_bytes, pipeline=job.grad_accum * pp_comm_seconds(job)[1])
+    comm = dataclasses.replace(comm, tensor_parallel=tp_bytes, pipeline=job.grad_accum * pp_comm_seconds(job)[1],
+                               expert_all_to_all=job.grad_accum * expert_all_to_all(job)[1])
     time = estimate_time(job, memory.states)
     return Estimate(job, n_params, flops_per_token(job.model, job.seq_len), memory, time, comm,
                     memory_problems(job, memory))
@@ -1293,6 +1332,76 @@ def memory_problems(job: JobSpec, memory: MemoryEstimate) -> tuple[str, ...]:
     return tuple(problems)
 
 
+# --------------------------------------------------------------------------- expert parallelism
+
+
+def routed_parameters_per_block(cfg: ModelConfig) -> float:
+    """The routed experts' weights of one block, as ``block_parameters_per_gpu`` averages blocks
+    (shared experts and the router are dense: every GPU holds them)."""
+    if cfg.moe_experts is None:
+        return 0.0
+    matrices = 3 if cfg.mlp == "swiglu" else 2
+    return cfg.n_moe_layers * cfg.moe_experts * matrices * cfg.d_model * cfg.expert_d_ff / cfg.n_layer
+
+
+def stage_routed_parameters(job: JobSpec) -> float:
+    """Routed expert weights among a pipeline stage's parameters (before ep splits them)."""
+    return job.model.n_layer // job.pp * routed_parameters_per_block(job.model)
+
+
+def stage_state_bytes(job: JobSpec, n_params: float) -> StateBytes:
+    """Model-state bytes per GPU of a stage holding ``n_params``: with ep > 1 the routed experts
+    are split over ep GPUs and each split sharded over the dp_shard / ep GPUs holding it; the rest
+    is sharded over the shard group as without ep (ep and cp never combine: the trainer refuses it)."""
+    if job.ep == 1:
+        return model_state_bytes(n_params, job.strategy, job.shard_group, job.precision)
+    routed = stage_routed_parameters(job)
+    dense = model_state_bytes(n_params - routed, job.strategy, job.shard_group, job.precision)
+    experts = model_state_bytes(routed / job.ep, job.strategy, job.shard_group // job.ep, job.precision)
+    return StateBytes(dense.param + experts.param, dense.grad + experts.grad, dense.optimizer + experts.optimizer)
+
+
+def expert_all_to_all(job: JobSpec) -> tuple[float, float]:
+    """(seconds, bytes sent per GPU) of one micro-batch's expert-parallel all-to-alls on a stage.
+
+    Per MoE layer four exchanges of the micro-batch's top-k token copies (dispatch and combine in
+    forward, their gradients in backward), six when the layer is recomputed in full; each GPU keeps
+    the 1/ep of its copies routed to its own experts (balanced routing) and sends the rest. An
+    all-to-all is modelled as an all-gather of the same bytes (``collective_seconds``); across nodes
+    it is slower than that (many small messages), which this does not count.
+    """
+    cfg = job.model
+    if job.ep == 1:
+        return 0.0, 0.0
+    copies = job.seq_len * job.micro_batch * cfg.moe_top_k / job.tp
+    nbytes = copies * cfg.d_model * job.activation_dtype_bytes
+    moe_layers = cfg.n_moe_layers / job.pp
+    count = (6 if job.policy == "full" else 4) * moe_layers
+    one = collective_seconds(nbytes, job.ep, job.device, job.assumptions.link_fraction,
+                             ranks_per_node=_per_node(job, job.tp, job.ep))
+    return count * one, count * (job.ep - 1) / job.ep * nbytes
+
+
+def _dp_and_expert_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, float]:
+    """``_dp_comm`` of a stage holding ``n_params``; with ep > 1 its routed experts travel apart, over
+    the dp_shard / ep GPUs holding the same experts (each holding 1/ep of them)."""
+    if job.ep == 1:
+        return _dp_comm(job, n_params)
+    routed = stage_routed_parameters(job)
+    dense, dense_s = _dp_comm(job, n_params - routed)
+    expert_job = dataclasses.replace(job, world_size=job.world_size // job.ep, ep=1)
+    experts, experts_s = _dp_comm(expert_job, routed / job.ep)
+    return dataclasses.replace(dense, expert_sharded=experts.sent_per_gpu), dense_s + experts_s
+
+
+def expert_parallel_sizes(model_cfg: ModelConfig, dp_shard: int, strategy: str) -> list[int]:
+    """The ep degrees a job can use: 1, and with an MoE model under fsdp every divisor of dp_shard
+    that divides the routed experts."""
+    if model_cfg.moe_experts is None or strategy not in ("fsdp", "zero3"):
+        return [1]
+    return [e for e in _divisors(dp_shard) if model_cfg.moe_experts % e == 0]
+
+
 # --------------------------------------------------------------------------- planning
 
 
@@ -1302,10 +1411,11 @@ def trainer_config(job: JobSpec, base: JobConfig | None = None) -> JobConfig:
     base = base or JobConfig()
     parallel = dataclasses.replace(
         base.parallel, strategy=job.strategy, tp=job.tp, pp=job.pp, cp=job.cp, dp_replicate=job.dp_replicate,
-        dp_shard=job.dp_shard, pp_schedule=job.pp_schedule, pp_virtual_stages=job.pp_virtual_stages,
+        pp_schedule=job.pp_schedule, pp_virtual_stages=job.pp_virtual_stages,
         sequence_parallel=job.sp if job.tp > 1 else base.parallel.sequence_parallel,
         fsdp_reshard_after_forward=job.fsdp_reshard_after_forward,
         fsdp_hybrid=False,  # HSDP is written as dp_replicate here
+        ep=job.ep, dp_shard=job.dp_shard // job.ep,  # the config's dp_shard excludes the ep ranks
     )
     return dataclasses.replace(
         base,
@@ -1330,12 +1440,14 @@ def trainer_refusal(job: JobSpec, base: JobConfig | None = None) -> str | None:
 def layout_overrides(job: JobSpec) -> list[str]:
     """The job's layout as the trainer's ``--section.key=value`` overrides (what ``layout_words`` says)."""
     words = [f"--parallel.strategy={job.strategy}", f"--parallel.dp_replicate={job.dp_replicate}",
-             f"--parallel.dp_shard={job.dp_shard}", f"--parallel.tp={job.tp}", f"--parallel.pp={job.pp}",
+             f"--parallel.dp_shard={job.dp_shard // job.ep}", f"--parallel.tp={job.tp}", f"--parallel.pp={job.pp}",
              f"--parallel.pp_schedule={job.pp_schedule}", f"--parallel.pp_virtual_stages={job.pp_virtual_stages}"]
     if job.tp > 1:
         words.append(f"--parallel.sequence_parallel={'true' if job.sp else 'false'}")
     if job.cp > 1:
         words.append(f"--parallel.cp={job.cp}")
+    if job.ep > 1:
+        words.append(f"--parallel.ep={job.ep}")
     return words + [f"--model.recompute={job.policy}", f"--train.micro_batch_size={job.micro_batch}",
                     f"--train.grad_accum_steps={job.grad_accum}", f"--precision.mode={job.precision}"]
 
@@ -1449,7 +1561,8 @@ def plan_layouts(
     """Layouts that fit at a fixed global batch, cheapest per token first.
 
     Searches dp_replicate x dp_shard x cp x tp x pp over ``world_size`` GPUs (``model_parallel_sizes``,
-    ``context_parallel_sizes``, ``_data_parallel_options``), the pipeline schedule and virtual stages, the strategy, the
+    ``context_parallel_sizes``, ``_data_parallel_options``), ep for an MoE model (``expert_parallel_sizes``),
+    the pipeline schedule and virtual stages, the strategy, the
     recompute policy and the micro-batch; grad_accum follows from micro_batch x grad_accum x dp =
     ``global_batch`` (sequences per step). The GPUs per node come from ``device.gpus_per_node``.
     Every layout passes the trainer's own checks first (``trainer_refusal``, on ``config`` when the
@@ -1466,7 +1579,8 @@ def plan_layouts(
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
-        for strategy, dp_replicate in _data_parallel_options(dp, strategies, cp):
+        for strategy, dp_replicate, ep in [(s_, r, e) for s_, r in _data_parallel_options(dp, strategies, cp)
+                                           for e in expert_parallel_sizes(model_cfg, dp // r, s_)]:
             for schedule, v in _pipeline_options(model_cfg, pp, schedules, virtual_stages):
                 for policy in policies:
                     # Memory never shrinks as the micro-batch grows at a fixed global batch (GPipe
@@ -1478,7 +1592,7 @@ def plan_layouts(
                         job = JobSpec(
                             model_cfg, seq_len, micro_batch, world_size, strategy, policy, precision, device,
                             grad_accum, assumptions or Assumptions(), tp=tp, pp=pp, dp_replicate=dp_replicate,
-                            pp_schedule=schedule, pp_virtual_stages=v, cp=cp,
+                            pp_schedule=schedule, pp_virtual_stages=v, cp=cp, ep=ep,
                         )
                         if trainer_refusal(job, config):
                             continue
@@ -1487,7 +1601,7 @@ def plan_layouts(
                             break
                         fitting.append(_estimate_with(job, memory))
     fitting.sort(key=lambda e: (e.time.seconds_per_token, e.memory.total, e.job.dp_replicate, e.job.pp, e.job.tp,
-                                e.job.cp))
+                                e.job.cp, e.job.ep))
     return fitting if top is None else fitting[:top]
 
 
@@ -1504,7 +1618,7 @@ def context_parallel_sizes(seq_len: int, gpus: int) -> list[int]:
 def layout_words(job: JobSpec) -> str:
     """The job in the config's own words, e.g. ``strategy=fsdp dp_shard=8 tp=8 pp=1 ...``.
 
-    Keys: parallel.{strategy, dp_replicate, dp_shard, tp, pp, pp_schedule, pp_virtual_stages,
+    Keys: parallel.{strategy, dp_replicate, dp_shard, tp, pp, ep, pp_schedule, pp_virtual_stages,
     sequence_parallel}, model.recompute, train.micro_batch_size (micro_batch) and
     train.grad_accum_steps (grad_accum). dp_replicate, the schedule and sequence_parallel are
     named only where they apply.
@@ -1512,7 +1626,9 @@ def layout_words(job: JobSpec) -> str:
     words = [f"strategy={job.strategy}"]
     if job.dp_replicate > 1:
         words.append(f"dp_replicate={job.dp_replicate}")
-    words += [f"dp_shard={job.dp_shard}", f"tp={job.tp}", f"pp={job.pp}"]
+    words += [f"dp_shard={job.dp_shard // job.ep}", f"tp={job.tp}", f"pp={job.pp}"]
+    if job.ep > 1:
+        words.append(f"ep={job.ep}")
     if job.pp > 1:
         words.append(f"pp_schedule={job.pp_schedule}")
         if job.pp_virtual_stages > 1:

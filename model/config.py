@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,6 +20,10 @@ class ModelConfig:
         None, "key/value heads (grouped-query attention; 1 = multi-query); default: n_head (plain multi-head)"
     )
     d_model: int = doc(128, "residual stream width")
+    attention_head_dim: int | None = doc(
+        None, "width of one attention head; default d_model / n_head (Qwen3 sets it apart: 128 with d_model 2048)"
+    )
+    qk_norm: bool = doc(False, "RMSNorm on each head's queries and keys before rotary embeddings (Qwen3)")
     d_ff: int | None = doc(
         None, "MLP hidden width; default 4*d_model for gelu, 8/3*d_model rounded up to 64 for swiglu"
     )
@@ -55,6 +60,34 @@ class ModelConfig:
         "forward and recomputed in backward"
     )
     recompute_every_k: int = doc(2, "with recompute=every_k: recompute every k-th block")
+    moe_experts: int | None = doc(
+        None, "mixture of experts: routed experts per MoE layer (null: a dense MLP in every layer)"
+    )
+    moe_top_k: int = doc(2, "MoE: experts each token is routed to")
+    moe_shared_experts: int = doc(0, "MoE: always-on shared experts (DeepSeek / Qwen2-MoE style), each moe_d_ff wide")
+    moe_d_ff: int | None = doc(None, "MoE: hidden width of one expert (fine-grained experts); default: model.d_ff")
+    moe_every: int = doc(1, "MoE: layer i (from 0) is MoE when (i + 1) % moe_every == 0 (1: every layer, 2: every other)")
+    moe_first_dense: int = doc(0, "MoE: the first k layers keep a dense MLP (DeepSeek's first_k_dense_replace)")
+    moe_router: Literal["softmax", "sigmoid"] = doc(
+        "softmax", "MoE router scoring: softmax over experts (Mixtral, Qwen) or per-expert sigmoid (DeepSeek-V3)"
+    )
+    moe_renormalize: bool = doc(True, "MoE: rescale the top-k weights to sum to 1 (Mixtral: true; Qwen norm_topk_prob)")
+    moe_routed_scale: float = doc(1.0, "MoE: the top-k weights are multiplied by this (DeepSeek-V3's routed_scaling_factor)")
+    moe_aux_loss: float = doc(
+        0.01, "MoE: coefficient of the Switch load-balancing loss E*sum(f_i*P_i) added to the loss (0: off)"
+    )
+    moe_z_loss: float = doc(0.0, "MoE: coefficient of the router z-loss mean(logsumexp(logits)^2) (ST-MoE; 0: off)")
+    moe_bias_update_rate: float = doc(
+        0.0, "MoE: auxiliary-loss-free balancing (DeepSeek-V3): per-expert routing bias moved by this much per "
+        "step toward balance (e.g. 0.001; 0: off)"
+    )
+    moe_capacity: float = doc(
+        0.0, "MoE capacity factor: each expert takes at most ceil(factor * tokens * top_k / experts) token copies "
+        "and drops the rest (0: dropless)"
+    )
+    moe_backend: Literal["auto", "grouped_mm", "loop"] = doc(
+        "auto", "MoE expert GEMMs: torch._grouped_mm, or one GEMM per expert; auto picks grouped_mm where it runs"
+    )
     init_from: str | None = doc(
         None, "start training from these weights: a Hugging Face GPT-2 or Llama directory, a nanoGPT ckpt.pt, a "
         "perfgpt checkpoint or run directory, or a tools/export.py .safetensors; the architecture keys come from it"
@@ -68,8 +101,27 @@ class ModelConfig:
                 self.d_ff = 4 * self.d_model
 
     @property
+    def expert_d_ff(self) -> int:
+        """Hidden width of one routed (and of one shared) expert."""
+        return self.d_ff if self.moe_d_ff is None else self.moe_d_ff
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether block ``layer_idx`` has routed experts in place of its dense MLP."""
+        return (self.moe_experts is not None and layer_idx >= self.moe_first_dense
+                and (layer_idx + 1) % self.moe_every == 0)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layer))
+
+    @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.d_model // self.n_head if self.attention_head_dim is None else self.attention_head_dim
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection (and of the attention output): n_head * head_dim."""
+        return self.n_head * self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -86,7 +138,9 @@ class ModelConfig:
         for key in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model", "d_ff"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.{key} must be >= 1 (got {getattr(self, key)})")
-        if self.d_model % self.n_head:
+        if self.attention_head_dim is not None and self.attention_head_dim < 1:
+            raise ConfigError(f"model.attention_head_dim must be >= 1 (got {self.attention_head_dim})")
+        if self.attention_head_dim is None and self.d_model % self.n_head:
             raise ConfigError(
                 f"model.n_head={self.n_head} must divide model.d_model={self.d_model} "
                 f"(e.g. n_head in {[h for h in range(1, 65) if self.d_model % h == 0][-6:]})"
@@ -98,6 +152,8 @@ class ModelConfig:
             )
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(f"model.position=rope needs an even head dim; d_model/n_head={self.head_dim}")
+        if self.layers == "te" and (self.attention_head_dim is not None or self.qk_norm):
+            raise ConfigError("model.attention_head_dim and model.qk_norm need model.layers=torch")
         if self.layers == "te" and self.mlp == "gelu" and self.gelu == "exact":
             raise ConfigError(
                 "model.gelu=exact has no Transformer Engine activation (TE's gelu is the tanh form); "
@@ -115,12 +171,40 @@ class ModelConfig:
             raise ConfigError(f"model.eot_id={self.eot_id} is outside the vocabulary 0..{self.vocab_size - 1}")
         if self.recompute_every_k < 1:
             raise ConfigError("model.recompute_every_k must be >= 1")
+        if self.moe_experts is not None:
+            self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        e = self.moe_experts
+        if e < 1:
+            raise ConfigError(f"model.moe_experts={e} must be >= 1 (or null for a dense model)")
+        if not 1 <= self.moe_top_k <= e:
+            raise ConfigError(f"model.moe_top_k={self.moe_top_k} must be between 1 and model.moe_experts={e}")
+        for key in ("moe_shared_experts", "moe_first_dense"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.{key} must be >= 0 (got {getattr(self, key)})")
+        if self.moe_every < 1:
+            raise ConfigError(f"model.moe_every must be >= 1 (got {self.moe_every})")
+        if self.moe_d_ff is not None and self.moe_d_ff < 1:
+            raise ConfigError(f"model.moe_d_ff must be >= 1 (got {self.moe_d_ff})")
+        for key in ("moe_routed_scale", "moe_aux_loss", "moe_z_loss", "moe_bias_update_rate", "moe_capacity"):
+            value = getattr(self, key)
+            if not math.isfinite(value) or value < 0 or (key == "moe_routed_scale" and value == 0):
+                bound = "> 0" if key == "moe_routed_scale" else ">= 0"
+                raise ConfigError(f"model.{key} must be a finite number {bound} (got {value})")
+        if self.n_moe_layers == 0:
+            raise ConfigError(f"no layer is MoE: model.moe_first_dense={self.moe_first_dense} and model.moe_every="
+                              f"{self.moe_every} leave none of the {self.n_layer} layers; lower them")
+        if self.layers == "te":
+            raise ConfigError("model.moe_experts needs model.layers=torch (Transformer Engine blocks have a dense MLP)")
 
     def gemm_dims(self) -> dict[str, int]:
         """Dimensions that appear in GEMMs of the transformer blocks (FP8 needs them % 16 == 0)."""
         dims = {"model.d_model": self.d_model, "model.d_ff": self.d_ff}
-        if self.kv_heads != self.n_head:  # the fused QKV GEMM's output width
-            dims["(n_head + 2*n_kv_head) * head_dim"] = self.d_model + 2 * self.kv_dim
+        if self.moe_experts is not None:
+            dims["model.moe_d_ff (expert width)"] = self.expert_d_ff
+        if self.kv_heads != self.n_head or self.q_dim != self.d_model:  # the fused QKV GEMM's output width
+            dims["(n_head + 2*n_kv_head) * head_dim"] = self.q_dim + 2 * self.kv_dim
         return dims
 
 

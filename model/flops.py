@@ -5,6 +5,9 @@ Convention (stated in every log line that uses it, see ``FLOPS_CONVENTION``):
   Embedding *lookups* are not matmuls, so the position table and an untied token table are
   excluded; a tied token table is counted once, as the LM head. Norm gains and biases are
   included (they are a rounding error).
+- Mixture of experts: N counts the *active* parameters, those one token runs through (router,
+  its top-k experts, the shared experts); idle experts do no work for it, so MFU must not credit
+  them. ``count_parameters(cfg)`` is the total held in memory, ``active=True`` the active count.
 - Training FLOPs per token = 6·N (forward 2·N, backward 4·N) + attention
   12·L·d·s (QKᵀ and A·V: 2·2·s·d per token per layer forward, times 3 for fwd+bwd; every query
   head still scores every key, so grouped-query attention shrinks only N, not this term), with
@@ -19,34 +22,48 @@ from model.config import ModelConfig
 FLOPS_CONVENTION = "6*N_matmul + 12*L*d*s per token (no causal halving, recompute not counted, embeddings lookups excluded)"
 
 
-def block_parameters(cfg: ModelConfig) -> int:
-    d, f = cfg.d_model, cfg.d_ff
+def mlp_parameters(cfg: ModelConfig, d_ff: int, bias: bool) -> int:
+    """One dense MLP (or one expert, which has no biases) of hidden width ``d_ff``."""
+    d, mats = cfg.d_model, (3 if cfg.mlp == "swiglu" else 2)
+    return mats * d * d_ff + (((mats - 1) * d_ff + d) if bias else 0)
+
+
+def moe_parameters(cfg: ModelConfig, active: bool = False) -> int:
+    """One MoE layer's MLP: router, routed experts (all, or the top-k one token runs), shared experts."""
+    routed = cfg.moe_top_k if active else cfg.moe_experts
+    shared = cfg.moe_shared_experts * cfg.expert_d_ff
+    return (cfg.d_model * cfg.moe_experts + routed * mlp_parameters(cfg, cfg.expert_d_ff, bias=False)
+            + (mlp_parameters(cfg, shared, cfg.bias) if shared else 0))
+
+
+def block_parameters(cfg: ModelConfig, layer_idx: int = 0, active: bool = False) -> int:
+    """Block ``layer_idx``'s parameters (a MoE block's: all, or those ``active`` for one token)."""
+    d = cfg.d_model
     norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-    qkv_out = d + 2 * cfg.kv_dim  # query heads, then the (possibly fewer) key and value heads
-    attn = d * qkv_out + d * d + ((qkv_out + d) if cfg.bias else 0)
-    if cfg.mlp == "swiglu":
-        mlp = 2 * d * f + f * d + ((2 * f + d) if cfg.bias else 0)
-    else:
-        mlp = d * f + f * d + ((f + d) if cfg.bias else 0)
+    qkv_out = cfg.q_dim + 2 * cfg.kv_dim  # query heads, then the (possibly fewer) key and value heads
+    attn = d * qkv_out + cfg.q_dim * d + ((qkv_out + d) if cfg.bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    mlp = moe_parameters(cfg, active) if cfg.is_moe_layer(layer_idx) else mlp_parameters(cfg, cfg.d_ff, cfg.bias)
     return 2 * norm + attn + mlp
 
 
-def count_parameters(cfg: ModelConfig, include_embeddings: bool = True) -> int:
-    """Unique trainable parameters of ``model.gpt.GPT(cfg)`` (torch layers)."""
+def count_parameters(cfg: ModelConfig, include_embeddings: bool = True, active: bool = False) -> int:
+    """Unique trainable parameters of ``model.gpt.GPT(cfg)`` (torch layers); with ``active``, only
+    those one token runs through (the same for a dense model)."""
     d, v = cfg.d_model, cfg.vocab_size
     final_norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     token_table = v * d
     head = 0 if cfg.tie_embeddings else v * d
     positions = cfg.max_seq_len * d if cfg.position == "learned" else 0
-    total = cfg.n_layer * block_parameters(cfg) + final_norm + token_table + head + positions
+    blocks = sum(block_parameters(cfg, i, active) for i in range(cfg.n_layer))
+    total = blocks + final_norm + token_table + head + positions
     if not include_embeddings:
         total -= positions + (0 if cfg.tie_embeddings else token_table)
     return total
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:
-    """N in 6·N: parameters used in matmuls (blocks + LM head), embedding lookups excluded."""
-    return count_parameters(cfg, include_embeddings=False)
+    """N in 6·N: active parameters used in matmuls (blocks + LM head), embedding lookups excluded."""
+    return count_parameters(cfg, include_embeddings=False, active=True)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -17,6 +17,7 @@ head (``None``) takes hidden states in or gives them out.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -26,6 +27,7 @@ from kernels.reference import rope_tables
 from kernels.registry import REFERENCE_OPS, KernelOps
 from model.attention import AttentionCore, KVCache, LayerKV
 from model.config import ModelConfig
+from model.moe import MoE, take_aux_loss, with_aux_gradient
 from model.te import TEBlock
 
 
@@ -39,14 +41,17 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
 
 
 class Norm(nn.Module):
-    """LayerNorm or RMSNorm whose statistics are computed in fp32 whatever the input dtype."""
+    """LayerNorm or RMSNorm whose statistics are computed in fp32 whatever the input dtype.
 
-    def __init__(self, cfg: ModelConfig, ops: KernelOps):
+    ``width``/``kind`` default to the residual stream's; a head's query/key norm is an RMSNorm
+    of head_dim."""
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, width: int | None = None, kind: str | None = None):
         super().__init__()
-        self.kind, self.eps, self.ops = cfg.norm, cfg.norm_eps, ops
-        self.weight = nn.Parameter(torch.ones(cfg.d_model))
-        with_bias = cfg.bias and cfg.norm == "layernorm"
-        self.bias = nn.Parameter(torch.zeros(cfg.d_model)) if with_bias else None
+        self.kind, self.eps, self.ops = kind or cfg.norm, cfg.norm_eps, ops
+        self.weight = nn.Parameter(torch.ones(width or cfg.d_model))
+        with_bias = cfg.bias and self.kind == "layernorm"
+        self.bias = nn.Parameter(torch.zeros(width or cfg.d_model)) if with_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "rmsnorm":
@@ -84,10 +89,13 @@ class Attention(nn.Module):
         super().__init__()
         self.group, self.head_dim, self.ops = cfg.n_head // cfg.kv_heads, cfg.head_dim, ops
         self.use_rope = cfg.position == "rope"
-        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.bias)  # rows: see group_qkv
-        self.qkv.init_rows = lambda q_k_v: group_qkv(*q_k_v.split((cfg.d_model, cfg.kv_dim, cfg.kv_dim)), cfg.kv_heads)
+        self.qkv = nn.Linear(cfg.d_model, cfg.q_dim + 2 * cfg.kv_dim, bias=cfg.bias)  # rows: see group_qkv
+        self.qkv.init_rows = lambda q_k_v: group_qkv(*q_k_v.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim)), cfg.kv_heads)
+        # Qwen3's query/key norms: one RMSNorm of head_dim shared by the heads, before the rotation.
+        self.q_norm = Norm(cfg, ops, cfg.head_dim, "rmsnorm") if cfg.qk_norm else None
+        self.k_norm = Norm(cfg, ops, cfg.head_dim, "rmsnorm") if cfg.qk_norm else None
         self.core = AttentionCore(attention_backend, cfg.dropout)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.bias)
         self.proj.residual_projection = True  # scaled init, see GPT.init_weights
         self.resid_drop = nn.Dropout(cfg.dropout)
 
@@ -103,6 +111,8 @@ class Attention(nn.Module):
         # where each index's backward would zero-fill and add a whole (B, T, H_kv, group + 2, D) copy.
         q, k, v = h.split((self.group, 1, 1), dim=3)
         q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3)  # (B, T, H, D), (B, T, H_kv, D) twice
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.ops.apply_rope(q, *rope), self.ops.apply_rope(k, *rope)
         if cache is not None:  # generation: attend to every earlier position too
@@ -134,13 +144,23 @@ class MLP(nn.Module):
         return self.drop(self.out(h))
 
 
+def make_mlp(cfg: ModelConfig, ops: KernelOps, expert_backend: str, layer_idx: int) -> nn.Module:
+    """A block's MLP: dense, or routed experts (model/moe.py) in the layers the moe_* keys pick."""
+    if not cfg.is_moe_layer(layer_idx):
+        return MLP(cfg, ops)
+    width = cfg.moe_shared_experts * cfg.expert_d_ff
+    shared = MLP(dataclasses.replace(cfg, d_ff=width), ops) if width else None
+    return MoE(cfg, ops, expert_backend, shared=shared, layer_idx=layer_idx)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, attention_backend: str):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, attention_backend: str, expert_backend: str = "loop",
+                 layer_idx: int = 0):
         super().__init__()
         self.norm1 = Norm(cfg, ops)
         self.attn = Attention(cfg, ops, attention_backend)
         self.norm2 = Norm(cfg, ops)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = make_mlp(cfg, ops, expert_backend, layer_idx)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: LayerKV | None = None,
@@ -151,13 +171,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps = REFERENCE_OPS, attention_backend: str = "sdpa"):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps = REFERENCE_OPS, attention_backend: str = "sdpa",
+                 expert_backend: str = "loop"):
         super().__init__()
         self.cfg, self.ops = cfg, ops
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): self._make_block(cfg, ops, attention_backend, i) for i in range(cfg.n_layer)})
+        self.blocks = nn.ModuleDict({str(i): self._make_block(cfg, ops, attention_backend, expert_backend, i)
+                                     for i in range(cfg.n_layer)})
         self.norm_f = Norm(cfg, ops)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -169,10 +191,11 @@ class GPT(nn.Module):
             self.init_weights()
 
     @staticmethod
-    def _make_block(cfg: ModelConfig, ops: KernelOps, attention_backend: str, layer_idx: int) -> nn.Module:
+    def _make_block(cfg: ModelConfig, ops: KernelOps, attention_backend: str, expert_backend: str,
+                    layer_idx: int) -> nn.Module:
         if cfg.layers == "te":
             return TEBlock(cfg, layer_idx)
-        return Block(cfg, ops, attention_backend)
+        return Block(cfg, ops, attention_backend, expert_backend, layer_idx)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -192,6 +215,8 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, MoE):  # its router is an nn.Linear, drawn above
+                module.init_weights(std, out_std)
             elif isinstance(module, Norm):
                 nn.init.ones_(module.weight)
                 if module.bias is not None:
@@ -241,12 +266,17 @@ class GPT(nn.Module):
             x = block(x, rope, layer_cache, documents)
         if cache is not None:
             cache.advance(t)
+        # MoE load-balancing losses of this forward's blocks (training only). With targets they join
+        # the loss's gradient but not its value, so the loss logged stays the language-model loss;
+        # without (a pipeline stage's output) the output carries their gradient back.
+        aux = take_aux_loss(self.blocks.modules())
         if self.lm_head is None:
-            return x
+            return x if aux is None else with_aux_gradient(x, aux)
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
-            return logits
-        return self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+            return logits if aux is None else with_aux_gradient(logits, aux)
+        loss = self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss if aux is None else loss + (aux - aux.detach())
 
     def document_ids(self, idx: torch.Tensor) -> torch.Tensor | None:
         """(B, T) the document number of each token under model.attention_mask=document, else None.

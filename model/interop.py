@@ -19,8 +19,16 @@ goes through the plain [all q | all k | all v] order first (``_canonical`` / ``_
   real and imaginary parts, HF's ``rotate_half``; ``kernels.reference.apply_rope``), so q/k
   weights are copied without a permutation. Llama has no residual dropout; ``attention_dropout``
   carries ``model.dropout``.
+- Mixtral and Qwen3-MoE (a model with ``model.moe_experts``): Llama's attention and norms, a
+  softmax router (``gate``) and per-expert SwiGLU weights, written per expert as on the Hub
+  (Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen3-MoE ``mlp.experts.{e}.gate/up/down_proj``)
+  and stacked into ``w_gate``/``w_up`` (E, d, f) and ``w_down`` (E, f, d), transposed. Qwen3-MoE
+  adds per-head query/key norms (``model.qk_norm``), a head width of its own, optional weight
+  renormalisation (``norm_topk_prob``) and dense layers (``mlp_only_layers`` as a prefix,
+  ``decoder_sparse_step``). Both run dropless: a ``model.moe_capacity`` only applies in perfgpt.
 Anything else (e.g. learned positions with SwiGLU, GQA in the GPT-2 layout, bias on only some
-layers) is refused with one line naming the key.
+layers, shared experts, a sigmoid router, sliding-window attention, attention sinks or expert
+biases) is refused with one line naming the key.
 
 nanoGPT (karpathy/nanoGPT ``ckpt.pt``): ``model_args`` (n_layer, n_head, n_embd, block_size,
 bias, vocab_size, dropout) and a state dict under GPT-2's names but with ``nn.Linear`` weights
@@ -30,6 +38,7 @@ tied head, and all biases on or off together.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -43,7 +52,14 @@ from model.gpt import GPT, group_qkv, split_qkv
 
 State = dict[str, torch.Tensor]
 
-GPT2, LLAMA = "gpt2", "llama"
+GPT2, LLAMA, MIXTRAL, QWEN3_MOE = "gpt2", "llama", "mixtral", "qwen3_moe"
+MOE_LAYOUTS = (MIXTRAL, QWEN3_MOE)
+HF_ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM",
+                    QWEN3_MOE: "Qwen3MoeForCausalLM"}
+# What both MoE layouts require of a perfgpt MoE model, and why.
+MOE_NEEDS = (("position", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("bias", False),
+             ("moe_router", "softmax"), ("moe_routed_scale", 1.0), ("moe_shared_experts", 0),
+             ("moe_bias_update_rate", 0.0))
 # What each layout requires of a perfgpt model: (config key, required value).
 LAYOUT_NEEDS = {
     GPT2: (("position", "learned"), ("norm", "layernorm"), ("mlp", "gelu")),
@@ -60,11 +76,17 @@ DERIVED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
 def hf_layout(cfg: ModelConfig) -> str:
-    """``gpt2`` or ``llama``: the Hugging Face layout that expresses this model, or InteropError."""
+    """``gpt2``, ``llama``, ``mixtral`` or ``qwen3_moe``: the Hugging Face layout that expresses this
+    model, or InteropError."""
     if cfg.layers != "torch":
         raise InteropError(
             f"model.layers={cfg.layers}: export from a model.layers=torch build (TE names its weights differently)"
         )
+    if cfg.moe_experts is not None:
+        return _moe_layout(cfg)
+    if cfg.qk_norm:
+        raise InteropError("model.qk_norm=true: of the Hugging Face layouts perfgpt writes, only Qwen3-MoE has "
+                           "query/key norms (it needs model.moe_experts)")
     misses = {layout: [k for k, v in needs if getattr(cfg, k) != v] for layout, needs in LAYOUT_NEEDS.items()}
     layout = min(misses, key=lambda name: len(misses[name]))
     if misses[layout]:
@@ -84,6 +106,22 @@ def hf_layout(cfg: ModelConfig) -> str:
 
 def _other(layout: str) -> str:
     return LLAMA if layout == GPT2 else GPT2
+
+
+def _moe_layout(cfg: ModelConfig) -> str:
+    for key, value in MOE_NEEDS:
+        if getattr(cfg, key) != value:
+            why = {"moe_bias_update_rate": " (the aux-loss-free routing bias has no place in them)",
+                   "moe_shared_experts": " (they have no shared experts)"}.get(key, "")
+            raise InteropError(f"model.{key}={getattr(cfg, key)}: the Mixtral and Qwen3-MoE layouts need "
+                               f"model.{key}={value}{why}")
+    if cfg.qk_norm:
+        return QWEN3_MOE
+    for key, value in (("moe_renormalize", True), ("moe_every", 1), ("moe_first_dense", 0)):
+        if getattr(cfg, key) != value:
+            raise InteropError(f"model.{key}={getattr(cfg, key)} with model.qk_norm=false: Mixtral needs "
+                               f"model.{key}={value}, Qwen3-MoE (which has it) needs model.qk_norm=true")
+    return MIXTRAL
 
 
 # --------------------------------------------------------------------------- name maps
@@ -111,15 +149,20 @@ def _gpt2_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
 
 def _llama_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], tuple[int, ...]]]:
     """(perfgpt name, Llama names, row sizes of the split) for every tensor; one name = a copy."""
-    d, kv = cfg.d_model, cfg.kv_dim
+    d, kv = cfg.q_dim, cfg.kv_dim
     yield "tok_emb.weight", ("model.embed_tokens.weight",), ()
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         yield f"{ours}norm1.weight", (f"{theirs}input_layernorm.weight",), ()
         yield f"{ours}norm2.weight", (f"{theirs}post_attention_layernorm.weight",), ()
         qkv = tuple(f"{theirs}self_attn.{p}_proj" for p in "qkv")
-        pairs = (("attn.proj", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.fc", "mlp.up_proj"),
-                 ("mlp.out", "mlp.down_proj"))
+        pairs = [("attn.proj", "self_attn.o_proj")]
+        if cfg.qk_norm:
+            pairs += [("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm")]
+        if cfg.is_moe_layer(i):
+            pairs += [("mlp.router", "block_sparse_moe.gate" if hf_layout(cfg) == MIXTRAL else "mlp.gate")]
+        else:
+            pairs += [("mlp.gate", "mlp.gate_proj"), ("mlp.fc", "mlp.up_proj"), ("mlp.out", "mlp.down_proj")]
         for kind in ("weight", "bias") if cfg.bias else ("weight",):
             yield f"{ours}attn.qkv.{kind}", tuple(f"{n}.{kind}" for n in qkv), (d, kv, kv)
             for a, b in pairs:
@@ -127,6 +170,18 @@ def _llama_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], tuple
     yield "norm_f.weight", ("model.norm.weight",), ()
     if not cfg.tie_embeddings:
         yield "lm_head.weight", ("lm_head.weight",), ()
+
+
+def _expert_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """(perfgpt stacked weight, the per-expert HF weights it holds, transposed) for every MoE layer."""
+    mixtral = hf_layout(cfg) == MIXTRAL
+    parts = (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")) if mixtral else (
+        ("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
+    for i in range(cfg.n_layer):
+        if cfg.is_moe_layer(i):
+            theirs = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}.experts"
+            for ours, name in parts:
+                yield f"blocks.{i}.mlp.{ours}", tuple(f"{theirs}.{e}.{name}.weight" for e in range(cfg.moe_experts))
 
 
 # --------------------------------------------------------------------------- perfgpt -> HF
@@ -150,17 +205,30 @@ def to_hf_config(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> di
         }
     else:
         config = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "architectures": [HF_ARCHITECTURES[layout]], "model_type": layout,
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
             "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout, "pretraining_tp": 1,
         }
+        if layout in MOE_LAYOUTS:
+            config.update(_moe_hf_config(cfg, layout))
     config.update({"tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
                    "bos_token_id": None, "eos_token_id": None})
     config.update(extra or {})
     return config
+
+
+def _moe_hf_config(cfg: ModelConfig, layout: str) -> dict[str, Any]:
+    common = {"num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": cfg.moe_aux_loss,
+              "output_router_logits": False, "sliding_window": None}
+    if layout == MIXTRAL:
+        return common | {"intermediate_size": cfg.expert_d_ff, "num_local_experts": cfg.moe_experts,
+                         "router_jitter_noise": 0.0}
+    return common | {"moe_intermediate_size": cfg.expert_d_ff, "num_experts": cfg.moe_experts,
+                     "norm_topk_prob": cfg.moe_renormalize, "decoder_sparse_step": cfg.moe_every,
+                     "mlp_only_layers": list(range(cfg.moe_first_dense)), "use_sliding_window": False}
 
 
 def to_hf_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> State:
@@ -173,6 +241,9 @@ def to_hf_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> Sta
         tensor = _get(state, ours)
         parts = tensor.split(rows) if rows else (tensor,)
         out.update({name: part.detach().clone() for name, part in zip(theirs, parts)})
+    for ours, theirs in _expert_names(cfg):
+        stacked = _get(state, ours)
+        out.update({name: w.detach().t().contiguous() for name, w in zip(theirs, stacked)})
     return out
 
 
@@ -192,7 +263,7 @@ def _to_gpt2_names(cfg: ModelConfig, state: Mapping[str, torch.Tensor], transpos
 
 def _bias_size(cfg: ModelConfig, name: str) -> int:
     if name.endswith("attn.qkv.bias"):
-        return cfg.d_model + 2 * cfg.kv_dim
+        return cfg.q_dim + 2 * cfg.kv_dim
     return cfg.d_ff if name.endswith("fc.bias") else cfg.d_model
 
 
@@ -211,7 +282,7 @@ def _canonical(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> State:
 def _stored(cfg: ModelConfig, state: State) -> State:
     """The inverse of ``_canonical``: qkv rows grouped by key/value head, as the model stores them."""
     for name in _qkv_names(state):
-        q, k, v = state[name].split((cfg.d_model, cfg.kv_dim, cfg.kv_dim))
+        q, k, v = state[name].split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
         state[name] = group_qkv(q, k, v, cfg.kv_heads)
     return state
 
@@ -223,10 +294,11 @@ def _stored(cfg: ModelConfig, state: State) -> State:
 # value of another type is named in one line rather than failing somewhere inside the reader.
 HF_INT_FIELDS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner", "max_position_embeddings",
                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
-                 "intermediate_size", "head_dim")  # eos/bos ids may be lists
+                 "intermediate_size", "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
+                 "moe_intermediate_size", "decoder_sparse_step")  # eos/bos ids may be lists
 HF_FLOAT_FIELDS = ("layer_norm_epsilon", "rms_norm_eps", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                   "attention_dropout", "initializer_range", "rope_theta")
-HF_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+                   "attention_dropout", "initializer_range", "rope_theta", "router_aux_loss_coef")
+HF_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob")
 
 
 def check_hf_config_types(config: Any) -> None:
@@ -251,8 +323,11 @@ def from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
         cfg = _from_gpt2_config(config)
     elif model_type == LLAMA:
         cfg = _from_llama_config(config)
+    elif model_type in MOE_LAYOUTS:
+        cfg = _from_moe_config(config, model_type)
     else:
-        raise InteropError(f"config.json model_type={model_type!r}: perfgpt reads the {GPT2} and {LLAMA} layouts only")
+        raise InteropError(f"config.json model_type={model_type!r}: perfgpt reads the {GPT2}, {LLAMA}, {MIXTRAL} "
+                           f"and {QWEN3_MOE} layouts only")
     cfg.validate()
     return cfg
 
@@ -288,12 +363,10 @@ def _from_llama_config(c: Mapping[str, Any]) -> ModelConfig:
             "perfgpt's model.bias puts biases on every linear layer or none"
         )
     d, heads = c.get("hidden_size", 4096), c.get("num_attention_heads", 32)
-    if c.get("head_dim") not in (None, d // heads):
-        raise InteropError(
-            f"config.json head_dim={c['head_dim']}: perfgpt's head dim is hidden_size/num_attention_heads={d // heads}"
-        )
+    head_dim = c.get("head_dim")
     kv_heads = c.get("num_key_value_heads") or heads
     return ModelConfig(
+        attention_head_dim=None if head_dim in (None, d // heads) else head_dim,
         vocab_size=c.get("vocab_size", 32000), max_seq_len=c.get("max_position_embeddings", 2048),
         n_layer=c.get("num_hidden_layers", 32), n_head=heads, n_kv_head=None if kv_heads == heads else kv_heads,
         d_model=d, d_ff=c.get("intermediate_size", 11008), norm="rmsnorm", norm_eps=c.get("rms_norm_eps", 1e-6),
@@ -301,6 +374,33 @@ def _from_llama_config(c: Mapping[str, Any]) -> ModelConfig:
         tie_embeddings=c.get("tie_word_embeddings", False), bias=bool(c.get("attention_bias", False)),
         dropout=c.get("attention_dropout", 0.0) or 0.0, init_std=c.get("initializer_range", 0.02),
     )
+
+
+def _from_moe_config(c: Mapping[str, Any], layout: str) -> ModelConfig:
+    """Mixtral / Qwen3-MoE: Llama's attention and norms, plus the router and the experts."""
+    if c.get("sliding_window") is not None and c.get("use_sliding_window", layout == MIXTRAL):
+        raise InteropError(f"config.json sliding_window={c['sliding_window']}: perfgpt attends to the whole context")
+    if c.get("attention_bias", False):
+        raise InteropError("config.json attention_bias=true: perfgpt's MoE layouts have no biases")
+    for key in ("sinks", "shared_expert_intermediate_size", "n_shared_experts", "topk_group"):
+        if c.get(key):
+            raise InteropError(f"config.json {key}={c[key]!r}: perfgpt's MoE layouts have no such part")
+    base = _from_llama_config({k: v for k, v in c.items() if k not in ("intermediate_size",)}
+                              | {"intermediate_size": c.get("intermediate_size", 14336)})
+    experts = c.get("num_experts", c.get("num_local_experts"))
+    if not isinstance(experts, int) or isinstance(experts, bool):
+        raise InteropError(f"config.json num_experts={experts!r} must be an integer")
+    moe = {"moe_experts": experts, "moe_top_k": c.get("num_experts_per_tok", 2), "moe_router": "softmax",
+           "moe_aux_loss": float(c.get("router_aux_loss_coef", 0.01))}
+    if layout == MIXTRAL:
+        return dataclasses.replace(base, moe_d_ff=None, **moe)  # the experts are intermediate_size wide
+    dense = c.get("mlp_only_layers") or []
+    if list(dense) != list(range(len(dense))):
+        raise InteropError(f"config.json mlp_only_layers={dense}: perfgpt's dense layers are the first k "
+                           "(model.moe_first_dense)")
+    return dataclasses.replace(base, moe_d_ff=c.get("moe_intermediate_size", 768), qk_norm=True,
+                               moe_renormalize=bool(c.get("norm_topk_prob", False)),
+                               moe_every=c.get("decoder_sparse_step", 1), moe_first_dense=len(dense), **moe)
 
 
 def _refuse_if(c: Mapping[str, Any], key: str, value: Any, why: str) -> None:
@@ -325,6 +425,8 @@ def from_hf_state_dict(config: Mapping[str, Any], state: Mapping[str, torch.Tens
     else:
         for ours, theirs, _rows in _llama_names(cfg):
             out[ours] = torch.cat([state[name] for name in theirs]) if len(theirs) > 1 else state[theirs[0]]
+        for ours, theirs in _expert_names(cfg):
+            out[ours] = torch.stack([state[name].t() for name in theirs])
     return cfg, _tie(cfg, _stored(cfg, out))
 
 

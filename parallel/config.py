@@ -15,16 +15,22 @@ class ParallelConfig:
     strategy: Literal["none", "ddp", "fsdp", "zero1", "zero2", "zero3"] = doc(
         "none", "data-parallel strategy applied to the built model"
     )
-    # --- layout (dims.py): ranks = pp x dp_replicate x dp_shard x cp x tp, tp innermost (inside a node)
+    # --- layout (dims.py): ranks = pp x dp_replicate x dp_shard x ep x cp x tp, tp innermost (inside a node);
+    # ep ranks are data-parallel ranks for the dense weights (ParallelDims' dp_shard counts them)
     tp: int = doc(1, "tensor-parallel degree: each layer's matmuls split over this many ranks of a node "
                   "(Megatron-LM); must divide the heads, KV heads, d_ff and vocabulary")
     pp: int = doc(1, "pipeline-parallel stages: the layers split over this many ranks")
     cp: int = doc(1, "context-parallel degree: every sequence split over this many ranks (2*cp load-balanced "
                   "chunks, keys and values all-gathered per layer; parallel/cp.py); needs strategy=fsdp or none")
+    ep: int = doc(1, "expert-parallel degree: an MoE model's routed experts split over this many data-parallel "
+                  "ranks (each holds moe_experts / ep), tokens sent to their experts and back by all-to-all "
+                  "(parallel/ep.py). Carved out of data parallelism: the dense weights shard over dp_shard x ep "
+                  "ranks, the experts over dp_shard; must divide model.moe_experts; needs strategy=fsdp or none")
     dp_replicate: int = doc(1, "data-parallel replicas; with strategy=fsdp the replicate dimension of HSDP "
                             "(across nodes)")
     dp_shard: int = doc(-1, "data-parallel ranks that shard the model (fsdp) or hold replicas (ddp, zero); "
-                        "-1: every rank the other dimensions leave")
+                        "-1: every rank the other dimensions leave; with ep > 1 the ranks holding the same experts "
+                        "(ep x dp_shard ranks shard the dense weights)")
     sequence_parallel: bool = doc(True, "with tp > 1: norms, dropout and the residual stream split over the "
                                   "sequence too (Korthikanti et al. 2022); activations / tp")
     loss_parallel: bool = doc(True, "with tp > 1: cross-entropy on vocab-sharded logits, never gathered whole")
@@ -35,7 +41,7 @@ class ParallelConfig:
                                  "the bubble by this factor)")
 
     def _validate_layout(self) -> None:
-        for key in ("tp", "pp", "cp", "dp_replicate", "pp_virtual_stages"):
+        for key in ("tp", "pp", "cp", "ep", "dp_replicate", "pp_virtual_stages"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"parallel.{key} must be >= 1 (got {getattr(self, key)})")
         if self.dp_shard != -1 and self.dp_shard < 1:
@@ -63,6 +69,14 @@ class ParallelConfig:
         if self.cp > 1 and self.pp > 1:
             raise ConfigError(f"parallel.cp={self.cp} with parallel.pp={self.pp} is not supported (pipeline stages "
                               "do not pass token positions on); use one of them")
+        if self.ep > 1 and self.strategy not in ("none", "fsdp"):
+            raise ConfigError(f"parallel.ep={self.ep} with parallel.strategy={self.strategy} is not supported: expert "
+                              "parameters are sharded by FSDP2 over the ranks left after ep; use parallel.strategy=fsdp")
+        if self.ep > 1 and self.cp > 1:
+            raise ConfigError(f"parallel.ep={self.ep} with parallel.cp={self.cp} is not supported; use one of them")
+        if self.ep > 1 and self.fsdp_hybrid:
+            raise ConfigError(f"parallel.ep={self.ep} with parallel.fsdp_hybrid: set parallel.dp_replicate and "
+                              "parallel.dp_shard instead")
         if self.fsdp_hybrid and (model_parallel or self.cp > 1 or self.dp_replicate != 1):
             raise ConfigError("parallel.fsdp_hybrid is the shorthand for dp_replicate=<nodes> without tp or pp; "
                               "set parallel.dp_replicate (and dp_shard) instead")
@@ -195,14 +209,20 @@ class ParallelConfig:
         shorthand ``fsdp_hybrid`` becomes one replica per node, sharded inside it."""
         if self.fsdp_hybrid:
             return {"pp": 1, "dp_replicate": nodes, "dp_shard": ranks_per_node, "tp": 1}
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
-                "tp": self.tp}
+        # ParallelDims' dp_shard counts every rank the dense weights shard over, the ep ranks among them.
+        dp_shard = self.dp_shard * self.ep if self.dp_shard != -1 else -1
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "cp": self.cp,
+                "tp": self.tp, "ep": self.ep}
 
     def for_data_parallel(self, dp_size: int) -> tuple[ParallelConfig, str | None]:
         """This section as it applies to ``dp_size`` data-parallel ranks, and a log line if that
         changed it: strategy none on several data-parallel ranks would train unsynchronized
         replicas, so they get DDP (FSDP2 for tensor- or pipeline-parallel models, which DDP cannot wrap,
         and for context parallelism, whose ranks average gradients over FSDP2's mesh)."""
+        if self.ep > 1 and self.strategy == "none":
+            note = (f"parallel: strategy none with parallel.ep={self.ep} -> fsdp (expert and dense gradients "
+                    "averaged through FSDP2's meshes)")
+            return replace(self, strategy="fsdp"), note
         if self.cp > 1 and self.strategy == "none":
             note = (f"parallel: strategy none with parallel.cp={self.cp} -> fsdp (context-parallel ranks average "
                     "gradients as data-parallel ones do)")

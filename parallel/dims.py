@@ -18,6 +18,9 @@ process groups a hierarchical collective
 needs: the ranks of this node (intra) and the ranks holding the same local index on every node
 (inter). Ranks are assumed node-major, as torchrun assigns them when every node runs the same
 number of processes: global rank = node_rank * local_world_size + local_rank.
+
+Expert parallelism (parallel/ep.py) splits dp_shard into (edp, ep), ep inner: ``mesh_shape`` builds
+those two dimensions and ``build_mesh`` flattens them back into dp_shard for the dense weights.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ if TYPE_CHECKING:  # torch.distributed is only needed once groups are built
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost to innermost
 FSDP_SHARD_CP = "dp_shard_cp"  # dp_shard and cp flattened into one mesh dimension (build_mesh)
+# With expert parallelism dp_shard is built as two mesh dimensions, (edp, ep) with ep inner, and
+# flattened back into dp_shard for the dense parameters: ep ranks hold different experts, edp ranks
+# (the dp_shard ranks left after ep) hold the same experts and FSDP2 shards those over them.
+EXPERT_DIMS = ("edp", "ep")
 
 
 @dataclass(frozen=True)
@@ -47,11 +54,14 @@ class ParallelDims:
     # when parallel.local_world_size regroups the ranks into pretend nodes (-1: same as local_rank).
     device_index: int = -1
     # The layout (parallel.pp, dp_replicate, dp_shard, cp, tp); dp_shard -1 takes the ranks left over.
+    # dp_shard counts every rank the dense weights shard over, the ep ranks included
+    # (ParallelConfig.layout turns parallel.dp_shard x parallel.ep into it).
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
     cp: int = 1
+    ep: int = 1  # expert-parallel ranks, carved out of dp_shard (they are among its ranks)
 
     def __post_init__(self) -> None:
         if self.device_index < 0:
@@ -60,7 +70,7 @@ class ParallelDims:
         self._resolve_layout()
 
     def _resolve_layout(self) -> None:
-        for key in ("pp", "dp_replicate", "cp", "tp"):
+        for key in ("pp", "dp_replicate", "cp", "tp", "ep"):
             if getattr(self, key) < 1:
                 raise LayoutError(f"parallel.{key}={getattr(self, key)} must be >= 1")
         fixed = self.pp * self.dp_replicate * self.cp * self.tp
@@ -74,15 +84,24 @@ class ParallelDims:
             object.__setattr__(self, "dp_shard", self.world_size // fixed)
         if self.dp_shard < 1 or fixed * self.dp_shard != self.world_size:
             raise LayoutError(
-                f"parallel.pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
+                f"parallel.pp={self.pp} x dp_replicate={self.dp_replicate} x {self._shard_text()} x "
                 f"cp={self.cp} x tp={self.tp} = {fixed * max(self.dp_shard, 0)} ranks, but {self.world_size} were "
                 "launched; make the product equal the world size (dp_shard=-1 takes the ranks left over)"
             )
+        if self.dp_shard % self.ep:
+            raise LayoutError(f"parallel.ep={self.ep} must divide the {self.dp_shard} data-parallel shard ranks the "
+                              "layout leaves: the expert-parallel group is carved out of them; choose ep and "
+                              "parallel.dp_shard so that ep x dp_shard x the other degrees = the world size")
         if self.tp > 1 and self.local_world_size % self.tp:
             raise LayoutError(
                 f"parallel.tp={self.tp} must divide the {self.local_world_size} ranks per node: tensor-parallel "
                 "groups stay inside a node, where their per-layer collectives have the bandwidth they need"
             )
+
+    def _shard_text(self) -> str:
+        if self.ep > 1 and self.dp_shard % self.ep == 0:
+            return f"dp_shard={self.dp_shard // self.ep} x ep={self.ep}"
+        return f"dp_shard={self.dp_shard}"
 
     def _check_launcher(self) -> None:
         if self.world_size < 1:
@@ -154,9 +173,19 @@ class ParallelDims:
         context-parallel group and of one pipeline share it (and their batches)."""
         return self.coordinate("dp_replicate") * self.dp_shard + self.coordinate("dp_shard")
 
+    @property
+    def edp(self) -> int:
+        """Data-parallel shard ranks that hold the same experts (dp_shard / ep)."""
+        return self.dp_shard // self.ep
+
     def mesh_shape(self) -> dict[str, int]:
-        """The mesh dimensions with more than one rank, outermost first."""
-        return {name: getattr(self, name) for name in MESH_DIMS if getattr(self, name) > 1}
+        """The mesh dimensions with more than one rank, outermost first; with ep > 1, dp_shard is
+        built as (edp, ep) and flattened back by ``build_mesh``."""
+        sizes = {name: getattr(self, name) for name in MESH_DIMS}
+        if self.ep > 1:
+            sizes = {k: v for name, size in sizes.items()
+                     for k, v in ({"edp": self.edp, "ep": self.ep} if name == "dp_shard" else {name: size}).items()}
+        return {name: size for name, size in sizes.items() if size > 1}
 
     def build_mesh(self, device_type: str):
         """The run's DeviceMesh over the dimensions with more than one rank (None for one process).
@@ -170,6 +199,8 @@ class ParallelDims:
         if self.world_size == 1 or not shape:
             return None
         mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+        if self.ep > 1 and self.edp > 1:  # the dense parameters shard over all dp_shard ranks
+            mesh["edp", "ep"]._flatten("dp_shard")
         if self.dp_shard > 1 and self.cp > 1:  # FSDP2 shards over both (see fsdp_dims): one flat dimension
             mesh["dp_shard", "cp"]._flatten(FSDP_SHARD_CP)
         return mesh
@@ -179,8 +210,16 @@ class ParallelDims:
         data-parallel ones, with cp folded into the shard dimension, since cp ranks hold the same
         weights and see different tokens. Only those with more than one rank."""
         shard = [name for name in ("dp_shard", "cp") if getattr(self, name) > 1]
+        if self.ep > 1 and self.edp == 1:  # dp_shard is the ep dimension itself
+            shard = ["ep" if name == "dp_shard" else name for name in shard]
         names = ["dp_replicate"] if self.dp_replicate > 1 else []
         return tuple(names + ([FSDP_SHARD_CP] if len(shard) == 2 else shard))
+
+    def expert_fsdp_dims(self) -> tuple[str, ...]:
+        """The mesh dimensions FSDP2 shards expert parameters over (ep > 1): the data-parallel ranks
+        that hold the same experts, replicate first; empty when there are none (experts then stay
+        whole on their ep rank)."""
+        return tuple(name for name, size in (("dp_replicate", self.dp_replicate), ("edp", self.edp)) if size > 1)
 
     @property
     def nodes(self) -> int:
@@ -212,6 +251,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         layout = " ".join(f"{name}={getattr(self, name)}" for name in MESH_DIMS if name != "cp" or self.cp > 1)
+        if self.ep > 1:
+            layout += f" ep={self.ep}"
         return (
             f"rank {self.rank}/{self.world_size} node {self.node_rank}/{self.nodes} "
             f"local {self.local_rank}/{self.local_world_size}, {layout}"

@@ -53,6 +53,11 @@ class DistContext:
             warnings.filterwarnings("ignore", message=".*flattened dim from root mesh.*")
             return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
 
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards expert-parallel weights over (``ParallelDims.expert_fsdp_dims``)."""
+        names = self.dims.expert_fsdp_dims() if self.dims.ep > 1 else ()
+        return self.submesh(*names) if names else None
+
     @property
     def rank(self) -> int:
         return self.dims.rank

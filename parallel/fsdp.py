@@ -28,6 +28,7 @@ from common.errors import ConfigError
 from model.gpt import indexed_blocks
 from model.te import TEBlock
 from parallel.config import ParallelConfig
+from parallel.ep import shard_experts
 from parallel.precision import PrecisionPolicy
 
 if TYPE_CHECKING:
@@ -43,8 +44,10 @@ def mixed_precision_policy(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, policy: PrecisionPolicy,
-               device: torch.device) -> nn.Module:
-    """Shard ``model`` (a GPT with ``.blocks``) in place; materialize it first if it is on meta."""
+               device: torch.device, expert_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Shard ``model`` (a GPT with ``.blocks``) in place; materialize it first if it is on meta.
+
+    Expert-parallel MoE layers (parallel/ep.py) shard their experts over ``expert_mesh`` instead."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     common = dict(
@@ -58,7 +61,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, policy: 
         _refuse_te_layers_on_meta(model)
     blocks = [block for _, block in indexed_blocks(model)]
     for block in blocks:
-        fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward, **common)
+        ignored = shard_experts(block, expert_mesh, reshard_after_forward=cfg.fsdp_reshard_after_forward, **common)
+        fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward, ignored_params=ignored or None,
+                    **common)
     # The root's own parameters (embeddings, LM head) are needed first thing in backward, so they
     # stay gathered after forward. An explicit False: torch < 2.8 rejects None here, and from 2.8
     # None means the same thing for a root module.

@@ -6,6 +6,7 @@
     4. pipeline split         each rank keeps its stages (parallel/pp.py)
     5. tensor parallelism     DTensor shards over the tp mesh dimension (parallel/tp.py)
        context parallelism    each rank its chunks of every sequence, K/V gathered per layer (parallel/cp.py)
+       expert parallelism     each rank its experts of every MoE layer, tokens exchanged by all-to-all (parallel/ep.py)
        FP8 linears            torchao's Float8Linear swapped in (fp8_backend=torchao, parallel/float8.py)
     6. activation recompute   wrappers must exist before compile traces the blocks
     7. torch.compile          per block, so compiled regions stay inside FSDP units
@@ -32,6 +33,7 @@ from model.attention import document_mask_note, select_attention
 from model.config import ModelConfig
 from model.gpt import GPT, indexed_blocks
 from model.interop import check_state_dict
+from model.moe import select_expert_backend
 from model.recompute import apply_recompute, describe_recompute, no_gain_note
 from parallel.config import ParallelConfig
 from parallel.cp import apply_context_parallel, chunk_ids
@@ -39,6 +41,7 @@ from parallel.ddp import apply_ddp
 from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
 from parallel.engine import DDPEngine, Engine, ShardedEngine, TorchEngine
+from parallel.ep import apply_expert_parallel
 from parallel.float8 import apply_float8, precompute_scales_after_step
 from parallel.fsdp import apply_fsdp
 from parallel.optim import OptimConfig
@@ -75,13 +78,14 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     # 2. Kernels and attention for this device.
     ops, kernel_note = resolve_kernel_ops(kernels_cfg.backend, ctx.device)
     backend, attention_note = choose_attention(model_cfg, ctx.device, policy)
+    expert_backend, expert_note = choose_expert_backend(model_cfg, ctx.device, policy)
     if model_cfg.attention_mask == "document":
         attention_note += "; " + document_mask_note(backend, micro_batch_size, model_cfg.max_seq_len, dims.cp)
     # 3. The model. Every rank builds the same weights from the same seed (DDP broadcasts rank 0's
     # anyway; FSDP2 and TP keep each rank's slice); on meta nothing is allocated until FSDP2 shards it.
     torch.manual_seed(seed)
     with torch.device("meta" if parallel_cfg.init_on_meta else ctx.device):
-        model = GPT(model_cfg, ops=ops, attention_backend=backend)
+        model = GPT(model_cfg, ops=ops, attention_backend=backend, expert_backend=expert_backend)
     if initial_state is not None:
         if parallel_cfg.init_on_meta or model_cfg.layers != "torch":
             raise ConfigError("model.init_from loads whole torch-layer weights before sharding: set "
@@ -109,6 +113,8 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
         # Context parallelism: each rank runs its chunks of every sequence, with K/V gathered per layer;
         # before recompute, so selective recompute re-gathers K/V in backward instead of keeping them.
         apply_context_parallel(part, ctx.submesh("cp").get_group() if dims.cp > 1 else None)
+        # Expert parallelism: each rank keeps its experts of every MoE layer, tokens exchanged by all-to-all.
+        apply_expert_parallel(part, ctx.submesh("ep") if dims.ep > 1 else None)
         # FP8 linears swap module classes, so they go in before the recompute and compile wrappers.
         fp8_notes.append(apply_float8(part, mode=policy.mode, backend=precision_cfg.fp8_backend,
                                       recipe=precision_cfg.fp8_recipe, device=ctx.device,
@@ -128,7 +134,7 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     if policy.fp8_torchao:
         for stepper in getattr(engine, "steppers", [engine]):  # a pipeline steps each stage part on its own
             precompute_scales_after_step(stepper.optimizer, stepper.model)
-    notes = [kernel_note, attention_note, policy.describe(parallel_cfg.strategy), describe_recompute(parts[0]),
+    notes = [kernel_note, attention_note] + ([expert_note] if expert_note else []) + [policy.describe(parallel_cfg.strategy), describe_recompute(parts[0]),
              describe_layout(dims, parallel_cfg, stages)] + [note for note in fp8_notes[:1] if note]
     return Built(engine=engine, model=model if dims.pp == 1 else parts[0], policy=policy, notes=notes,
                  warnings=no_gain_warnings(model_cfg, backend))
@@ -148,6 +154,8 @@ def describe_layout(dims: ParallelDims, parallel_cfg: ParallelConfig, stages: li
     line = f"layout: {shape} ({dims.world_size} ranks); data-parallel rank {dims.dp_rank} of {dims.dp_size}"
     if dims.tp > 1:
         line += f"; tp {'with' if parallel_cfg.sequence_parallel else 'without'} sequence parallelism"
+    if dims.ep > 1:
+        line += f"; ep rank {dims.coordinate('dp_shard') % dims.ep} of {dims.ep} holds 1/{dims.ep} of each MoE layer's experts"
     if dims.cp > 1:
         line += f"; cp rank {dims.coordinate('cp')} of {dims.cp} holds sequence chunks {chunk_ids(dims.cp, dims.coordinate('cp'))}"
     if dims.pp > 1:
@@ -160,6 +168,14 @@ def choose_attention(model_cfg: ModelConfig, device: torch.device, policy: Preci
     if model_cfg.layers == "te":
         return "sdpa", "attention: Transformer Engine's own (model.layers=te)"
     return select_attention(model_cfg.attention, device, policy.compute_dtype, model_cfg.head_dim)
+
+
+def choose_expert_backend(model_cfg: ModelConfig, device: torch.device, policy: PrecisionPolicy
+                          ) -> tuple[str, str | None]:
+    """How MoE layers run their expert GEMMs here, and one line saying why (None for a dense model)."""
+    if model_cfg.moe_experts is None:
+        return "loop", None
+    return select_expert_backend(model_cfg.moe_backend, device, policy.compute_dtype, model_cfg)
 
 
 def apply_compile(model: nn.Module, enabled: bool, mode: str, compile_loss: bool) -> None:
@@ -208,7 +224,7 @@ def apply_sharded_data_parallel(model: nn.Module, parallel_cfg: ParallelConfig, 
         raise LayoutError(f"parallel.strategy=fsdp, but the layout leaves one data-parallel rank "
                           f"({ctx.dims.describe()}): nothing to shard over; use parallel.strategy=none")
     if fsdp:
-        apply_fsdp(model, dp_mesh, parallel_cfg, policy, ctx.device)
+        apply_fsdp(model, dp_mesh, parallel_cfg, policy, ctx.device, ctx.expert_fsdp_mesh())
     return ShardedEngine(model, policy, optim_cfg, ctx.device, fsdp=fsdp, loss_parallel=loss_parallel)
 
 
@@ -225,7 +241,7 @@ def apply_pipeline(parts: list[GPT], stages: list[int], n_stages: int, parallel_
             raise LayoutError(f"parallel.strategy=fsdp, but the layout leaves one data-parallel rank "
                               f"({ctx.dims.describe()}): nothing to shard over; use parallel.strategy=none")
         for part in parts:
-            apply_fsdp(part, dp_mesh, parallel_cfg, policy, ctx.device)
+            apply_fsdp(part, dp_mesh, parallel_cfg, policy, ctx.device, ctx.expert_fsdp_mesh())
     pp_group = ctx.submesh("pp").get_group()
     pipeline, eval_pipeline = build_pipeline(parts, stages, n_stages, parallel_cfg.pp_schedule, grad_accum_steps,
                                              pp_group, ctx.device)

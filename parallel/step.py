@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from parallel.optim import OptimConfig, build_adamw, decay_groups
 from parallel.precision import MasterWeights, PrecisionPolicy
-from parallel.values import full_value, local_shard
+from parallel.values import full_value, is_dtensor, local_shard
 
 
 @dataclass
@@ -147,7 +147,7 @@ class OptimizerStep:
     def total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The 2-norm of the whole model's gradient, as a plain tensor on every rank."""
         if grads:
-            norm = full_value(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+            norm = _norm_over_meshes(grads)
         else:
             norm = torch.zeros((), device=self.device)
         if self.group is None:
@@ -155,6 +155,18 @@ class OptimizerStep:
         squared = (norm.float() ** 2).reshape(1)
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.group)
         return squared.sqrt()[0]
+
+
+def _norm_over_meshes(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of gradients that may be DTensors on different meshes (expert-parallel weights
+    live on the expert mesh, the rest on the data-parallel one): one norm per mesh, then combined."""
+    by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        by_mesh[grad.device_mesh if is_dtensor(grad) else None].append(grad)
+    norms = [full_value(torch.nn.utils.get_total_norm(group, 2.0, foreach=True)) for group in by_mesh.values()]
+    if len(norms) == 1:
+        return norms[0]
+    return torch.stack([n.float() for n in norms]).square().sum().sqrt()
 
 
 @torch.no_grad()

@@ -217,6 +217,20 @@ class JobConfig:
     def _validate_model_parallel(self) -> None:
         """What tensor and pipeline parallelism need from the model, the batch and the precision."""
         m, p, t = self.model, self.parallel, self.train
+        if p.ep > 1 and m.moe_experts is None:
+            raise ConfigError(f"parallel.ep={p.ep} shards routed experts, but the model has none: set model.moe_experts "
+                              "or parallel.ep=1")
+        if p.ep > 1 and m.moe_experts % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (each ep rank holds "
+                              "moe_experts / ep of them)")
+        if p.ep > 1 and p.init_on_meta:
+            raise ConfigError(f"parallel.init_on_meta=true with parallel.ep={p.ep} is not supported: build the model "
+                              "whole (parallel.init_on_meta=false)")
+        if p.tp > 1 and m.qk_norm:
+            raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
+        if p.tp > 1 and m.moe_experts is not None:
+            raise ConfigError(f"model.moe_experts with parallel.tp={p.tp}: the tensor-parallel plan splits dense MLPs "
+                              "only; train MoE models with parallel.tp=1")
         if p.tp > 1:
             for key, value in (("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("d_ff", m.d_ff),
                                ("vocab_size", m.vocab_size)):
@@ -235,6 +249,11 @@ class JobConfig:
                 raise ConfigError(f"train.compile=true with model.recompute={m.recompute} under parallel.tp > 1 "
                                   "fails in torch's compiler; use model.recompute=op_selective (or offload), "
                                   "or train.compile=false")
+        if p.pp > 1 and m.moe_experts is not None and m.moe_bias_update_rate:
+            # torch's pipeline stages run an extra forward on their first step to infer shapes, whose
+            # routing would count in the load the bias moves by (and differ from one process).
+            raise ConfigError(f"model.moe_bias_update_rate={m.moe_bias_update_rate} with parallel.pp={p.pp} is not "
+                              "supported; balance with model.moe_aux_loss under pipeline parallelism")
         if p.pp > 1:
             stages = p.pp * p.pp_virtual_stages
             if m.n_layer % stages:

@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from data.bundle import IGNORE_INDEX
+from model.moe import moe_layers, take_moe_metrics, update_expert_bias
 from parallel.checkpoint import safe_torch_load
 from parallel.distributed import DistContext
 from parallel.engine import Engine
@@ -100,6 +102,21 @@ def read_flags(flags: list[bool | torch.Tensor]) -> list[bool]:
     on_device = [f for f in flags if isinstance(f, torch.Tensor)]
     values = iter(torch.stack([f.reshape(()) for f in on_device]).tolist() if on_device else [])
     return [next(values) if isinstance(f, torch.Tensor) else f for f in flags]
+
+
+def dp_all_reduce_sum(ctx: DistContext) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Sums a tensor over this rank's data-parallel ranks (those holding the same layers); None: one."""
+    mesh = ctx.submesh("dp_replicate", "dp_shard")
+    if mesh is None:
+        return None
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+
+    def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+        for group in groups:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return tensor
+
+    return all_reduce_sum
 
 
 # --------------------------------------------------------------------------- log windows
@@ -193,6 +210,12 @@ def format_line(step: int, max_steps: int, m: dict, n_steps: int) -> str:
     line = (f"step {step}/{max_steps} | {loss} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
             f"{m['tokens_per_s']:,.0f} tok/s | {mfu} | data wait {m['data_wait_frac']:.0%} | "
             f"{mem_key[:-4]} {m[mem_key]:.2f} GiB")
+    if "moe_aux_loss" in m:
+        loads = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("moe_load_max_mean/")}
+        worst = max(loads, key=loads.get)
+        line += f" | moe aux {m['moe_aux_loss']:.4f}, load max/mean {loads[worst]:.2f} (layer {worst})"
+        if m["moe_dropped_frac"]:
+            line += f", dropped {m['moe_dropped_frac']:.1%}"
     if "comm_bytes_sent" in m:
         line += (f" | comm {m['comm_bytes_sent'] / 2**20:.2f} MiB/step sent vs "
                  f"{m['comm_bytes_uncompressed'] / 2**20:.2f} uncompressed")
@@ -272,6 +295,9 @@ class TrainingLoop:
         engine.mark_phase = self.phases.mark
         self.hosts: list[str] = []
         self.background = ckpt.BackgroundSave()  # checkpoint.async_save: the write in flight, if any
+        roots = [s.model for s in engine.steppers] if hasattr(engine, "steppers") else [engine.module()]
+        self.moe = moe_layers(roots)  # this rank's MoE layers: router metrics, aux-loss-free bias
+        self.dp_sum = dp_all_reduce_sum(ctx)
 
     # ----------------------------------------------------------------- checkpoints
 
@@ -362,7 +388,8 @@ class TrainingLoop:
         d = self.ctx.dims
         layout = {"tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
                   "pp_virtual_stages": self.cfg.parallel.pp_virtual_stages if d.pp > 1 else 1}
-        return layout | ({"cp": d.cp} if d.cp > 1 else {})  # absent at 1: checkpoints from before cp match
+        # cp and ep absent at 1: checkpoints from before they existed match
+        return layout | ({"cp": d.cp} if d.cp > 1 else {}) | ({"ep": d.ep} if d.ep > 1 else {})
 
     # ----------------------------------------------------------------- the loop
 
@@ -383,6 +410,8 @@ class TrainingLoop:
             while s.step < t.max_steps:
                 lr = lr_at(s.step, **schedule)
                 outcome = train_step(self.engine, self.batches, t.grad_accum_steps, lr)
+                if cfg.model.moe_bias_update_rate:
+                    update_expert_bias(self.moe, cfg.model.moe_bias_update_rate, self.dp_sum)
                 window.add(outcome, self.engine.comm_stats())
                 s.step += 1
                 self.phases.step_done(s.step)
@@ -481,6 +510,7 @@ class TrainingLoop:
             times = gather_floats(self.ctx, own_time_per_step(self.phases.take_window(), window.steps))
             metrics["rank_own_time_s"] = times
             straggler = find_straggler(times, t.straggler_threshold)
+        metrics.update(take_moe_metrics(self.moe))  # this rank's layers, as this rank routed its batches
         self.log.log(s.step, metrics, format_line(s.step, t.max_steps, metrics, window.steps))
         if straggler is not None and self.ctx.is_main:
             self.log.warn(describe_straggler(s.step, *straggler, metrics["rank_own_time_s"], self.hosts,

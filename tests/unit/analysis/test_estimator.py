@@ -319,3 +319,17 @@ def test_every_policy_matches_bench_memory_exactly():
             if policy != "offload":  # Korthikanti's form counts device bytes only
                 korthikanti = est.activation_bytes_per_layer(cfg, s, b, policy, 4, attention=backend)
                 assert measured - korthikanti == unpaper[policy], (backend, policy)
+
+
+def test_moe_memory_holds_every_expert_and_the_activations_of_top_k():
+    """Model states count every expert (the optimizer steps them all); saved activations count the
+    top-k copies of each token through the experts, the router's fp32 scores and the dispatch indices."""
+    dense = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=2, d_model=64, mlp="swiglu", d_ff=128)
+    moe = dataclasses.replace(dense, moe_experts=8, moe_top_k=2, moe_d_ff=32)
+    job = est.JobSpec(moe, seq_len=64, micro_batch=2, world_size=1, strategy="none", policy="none", precision="fp32")
+    assert est.estimate_memory(job).params == est.count_parameters(moe) * 4
+    per_token = 2 * (2 * 64 + 4 * 32) + 2 * 8 * 2 + 2 * 2 * 4  # copies, router scores, indices (2-byte units)
+    dense_job = dataclasses.replace(job, model=dense)
+    saved = est.activation_bytes_per_layer(moe, 64, 2, "none", 2) - est.activation_bytes_per_layer(dense, 64, 2, "none", 2)
+    assert saved == 2 * 64 * 2 * (per_token - 4 * 128)  # bytes x tokens x (moe - dense) elements
+    assert est.estimate_memory(dense_job).params < est.estimate_memory(job).params

@@ -1,0 +1,388 @@
+"""A mixture-of-experts MLP, readable top to bottom.
+
+    x (T, C) -> router logits (T, E) -> scores -> top-k experts and weights per token
+             -> permute: token copies sorted by expert, overflow beyond capacity dropped
+             -> experts: one grouped GEMM per projection over the stacked weights (E, ...)
+             -> unpermute: each copy back to its (token, slot), summed with the routing weights
+             (+ shared experts on every token)
+
+The four stages are separate functions (``route``, ``permute``, ``expert_mlp``, ``unpermute``)
+so expert parallelism can put a dispatch ``all_to_all`` after ``permute`` and a combine after
+``expert_mlp`` without changing them; the expert weights are plain parameters stacked on a
+leading expert dimension, so sharding experts is slicing that dimension.
+
+Routing follows the published recipes:
+- scoring: softmax over experts (Switch, Mixtral, Qwen-MoE) or per-expert sigmoid (DeepSeek-V3);
+  the chosen experts' scores are the weights, optionally renormalised to sum to 1 over the top-k,
+  then multiplied by ``moe_routed_scale``.
+- load balancing: the Switch/GShard auxiliary loss ``E * sum_i f_i * P_i`` (f_i: fraction of the
+  T*k assignments given to expert i, P_i: expert i's mean normalised score; 1.0 at perfect
+  balance), the ST-MoE router z-loss ``mean(logsumexp(logits)^2)``, and DeepSeek-V3's
+  auxiliary-loss-free bias: a per-expert bias added to the scores only to *choose* experts,
+  moved after each optimizer step by ``rate * sign(mean load - load)`` (``update_expert_bias``).
+- capacity: with factor c > 0 each expert takes at most ceil(c * T * k / E) token copies, the
+  earliest tokens first; the rest are dropped (that slot contributes nothing, the residual
+  stream carries the token on). c = 0 is dropless.
+
+Expert GEMMs run through ``torch._grouped_mm`` where this torch, device, dtype and shape allow
+(``select_expert_backend`` says why not), else one GEMM per expert over the sorted tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from common.errors import CapabilityError
+from kernels.registry import KernelOps
+from model.config import ModelConfig
+
+EXPERT_BACKENDS = ("grouped_mm", "loop")
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what its CPU kernel accepts (torch 2.13)
+GROUPED_MM_MIN_CAPABILITY = (9, 0)  # its CUDA kernel is Hopper's
+
+
+# --------------------------------------------------------------------------- 1. routing
+
+
+@dataclass
+class Routing:
+    experts: torch.Tensor  # (T, k) int64: the chosen experts of each token, best first
+    weights: torch.Tensor  # (T, k) fp32: what each chosen expert's output is multiplied by
+    probs: torch.Tensor  # (T, E) fp32: normalised scores (each row sums to 1), for the auxiliary loss
+    logits: torch.Tensor  # (T, E) fp32: router logits, for the z-loss
+
+
+def route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, routed_scale: float,
+          bias: torch.Tensor | None = None) -> Routing:
+    """Choose ``top_k`` experts per token from router logits (T, E).
+
+    ``bias`` (aux-loss-free balancing) shifts which experts are chosen, never the weights.
+    """
+    logits = logits.float()
+    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
+    choose_by = scores if bias is None else scores + bias.float()
+    experts = choose_by.topk(top_k, dim=-1).indices
+    weights = scores.gather(-1, experts)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights * routed_scale
+    probs = scores if scoring == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+    return Routing(experts, weights, probs, logits)
+
+
+def load_balancing_loss(routing: Routing, n_experts: int) -> torch.Tensor:
+    """Switch/GShard auxiliary loss E * sum_i f_i * P_i: 1.0 when load and scores are uniform.
+
+    f_i (the fraction of assignments, a count) carries no gradient; P_i carries it to the router.
+    """
+    t, k = routing.experts.shape
+    counts = torch.bincount(routing.experts.flatten(), minlength=n_experts)
+    fraction = counts.float() / (t * k)
+    return n_experts * (fraction * routing.probs.mean(dim=0)).sum()
+
+
+def router_z_loss(routing: Routing) -> torch.Tensor:
+    """ST-MoE's z-loss: keeps router logits small, so the softmax stays out of its flat regions."""
+    return torch.logsumexp(routing.logits, dim=-1).square().mean()
+
+
+def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int | None:
+    """Token copies one expert may take (None: dropless)."""
+    if capacity_factor == 0:
+        return None
+    return math.ceil(capacity_factor * n_tokens * top_k / n_experts)
+
+
+# --------------------------------------------------------------------------- 2. permute
+
+
+@dataclass
+class Dispatch:
+    slots: torch.Tensor  # (A,) kept assignments as flat indices t*k + j, grouped by expert, token order within
+    counts: torch.Tensor  # (E,) token copies each expert computes (after capacity)
+    routed: torch.Tensor  # (E,) token copies routed to each expert (before capacity)
+
+
+def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: int | None
+            ) -> tuple[torch.Tensor, Dispatch]:
+    """x (T, C) -> one row per kept (token, expert) assignment, sorted by expert: (A, C)."""
+    k = experts.shape[1]
+    flat = experts.flatten()  # (T*k,)
+    slots = torch.argsort(flat, stable=True)  # stable: earlier tokens come first within an expert
+    routed = torch.bincount(flat, minlength=n_experts)
+    counts = routed
+    if capacity is not None:
+        starts = torch.cumsum(routed, 0) - routed
+        position = torch.arange(slots.numel(), device=x.device) - starts[flat[slots]]
+        slots = slots[position < capacity]
+        counts = routed.clamp(max=capacity)
+    return x[slots // k], Dispatch(slots, counts, routed)
+
+
+# --------------------------------------------------------------------------- 3. experts
+
+
+def grouped_mm_unusable(device: torch.device, dtype: torch.dtype, widths: Iterable[int]) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run these expert GEMMs here (None: it can).
+
+    Its kernels want fp32/bf16/fp16 (bf16 on CUDA), rows whose byte strides are multiples of 16
+    (CPU and CUDA alike), and on CUDA a Hopper GPU.
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < GROUPED_MM_MIN_CAPABILITY:
+            return "its CUDA kernel needs compute capability 9.0 (Hopper)"
+        if dtype != torch.bfloat16:
+            return f"compute dtype is {dtype}; its CUDA kernel takes bf16"
+    elif device.type != "cpu":
+        return f"device is {device.type}"
+    if dtype not in GROUPED_MM_DTYPES:
+        return f"compute dtype is {dtype}; it takes fp32, bf16 or fp16"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    odd = [w for w in widths if (w * itemsize) % 16]
+    if odd:
+        return f"widths {odd} x {itemsize} bytes are not multiples of 16 bytes"
+    return None
+
+
+def select_expert_backend(requested: str, device: torch.device, dtype: torch.dtype, cfg: ModelConfig
+                          ) -> tuple[str, str]:
+    """Resolve model.moe_backend to ``grouped_mm`` or ``loop``, with a log line saying why."""
+    why = grouped_mm_unusable(device, dtype, (cfg.d_model, cfg.expert_d_ff))
+    if requested == "auto":
+        if why is None:
+            return "grouped_mm", "experts: grouped_mm (auto: torch._grouped_mm runs this device, dtype and shape)"
+        return "loop", f"experts: loop, one GEMM per expert (auto: grouped_mm not used because {why})"
+    if requested == "grouped_mm" and why is not None:
+        raise CapabilityError(f"model.moe_backend=grouped_mm cannot run: {why}; use model.moe_backend=loop or auto")
+    return requested, f"experts: {requested} (requested)"
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
+    """Rows of x (A, K), grouped by expert in ``counts``, times their expert's w[e] (E, K, N) -> (A, N)."""
+    if torch.is_autocast_enabled(x.device.type):  # _grouped_mm has no autocast rule: cast as a GEMM would be
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
+    if backend == "grouped_mm":
+        return torch._grouped_mm(x, w, offs=torch.cumsum(counts, 0).to(torch.int32))
+    rows = x.split(counts.tolist())  # one host sync per call: the reference path
+    return torch.cat([r @ w_e for r, w_e in zip(rows, w)])
+
+
+def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+               w_gate: torch.Tensor | None, ops: KernelOps, gelu_approximate: str, backend: str) -> torch.Tensor:
+    """The experts' MLPs on token rows sorted by expert (A, C) -> (A, C): SwiGLU with a gate, else GELU."""
+    up = grouped_matmul(x, w_up, counts, backend)
+    if w_gate is not None:
+        h = ops.swiglu(grouped_matmul(x, w_gate, counts, backend), up)
+    else:
+        h = ops.bias_gelu(up, None, gelu_approximate)
+    return grouped_matmul(h, w_down, counts, backend)
+
+
+# --------------------------------------------------------------------------- 4. unpermute
+
+
+def unpermute(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor) -> torch.Tensor:
+    """Expert outputs (A, C) back to their tokens: (T, C) = sum over slots of weight * output.
+
+    Each (token, slot) is written once and summed in a fixed order, so the result does not
+    depend on thread scheduling (a scatter-add would); dropped slots stay zero.
+    """
+    t, k = weights.shape
+    per_slot = y.new_zeros(t * k, y.shape[-1]).index_copy(0, dispatch.slots, y)
+    return (per_slot.view(t, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+class RouterStats:
+    """What one MoE layer's router did in training forwards since last read, kept on the device.
+
+    Two readers: the log window (load, dropped copies, auxiliary loss) and the aux-loss-free bias
+    update (load since the last optimizer step). Activation recompute runs a forward twice; both
+    readers use ratios (max/mean, dropped/routed, mean aux, sign of load - mean), which a uniform
+    doubling leaves unchanged.
+    """
+
+    def __init__(self) -> None:
+        self.window: dict[str, torch.Tensor] = {}
+        self.since_update: torch.Tensor | None = None
+
+    def add(self, dispatch: Dispatch, aux: torch.Tensor | None) -> None:
+        routed = dispatch.routed.detach()
+        add = {"routed": routed, "dropped": (routed - dispatch.counts).sum(),
+               "aux": aux.detach().float() if aux is not None else routed.new_zeros((), dtype=torch.float32),
+               "forwards": routed.new_ones(())}
+        for key, value in add.items():
+            self.window[key] = self.window[key] + value if key in self.window else value
+        self.since_update = routed if self.since_update is None else self.since_update + routed
+
+    def take_window(self) -> dict[str, torch.Tensor]:
+        window, self.window = self.window, {}
+        return window
+
+    def take_load(self) -> torch.Tensor | None:
+        load, self.since_update = self.since_update, None
+        return load
+
+
+class MoE(nn.Module):
+    """Routed experts (stacked weights) and optional shared experts, in place of a block's MLP."""
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, backend: str = "loop", shared: nn.Module | None = None,
+                 layer_idx: int = 0):
+        """``shared``: the always-on experts, one dense MLP of width moe_shared_experts * expert_d_ff."""
+        super().__init__()
+        if backend not in EXPERT_BACKENDS:
+            raise ValueError(f"unknown expert backend {backend!r}; choose one of {EXPERT_BACKENDS}")
+        e, d, f = cfg.moe_experts, cfg.d_model, cfg.expert_d_ff
+        self.n_experts, self.top_k, self.ops, self.backend = e, cfg.moe_top_k, ops, backend
+        self.scoring, self.renormalize, self.routed_scale = cfg.moe_router, cfg.moe_renormalize, cfg.moe_routed_scale
+        self.aux_coef, self.z_coef, self.capacity_factor = cfg.moe_aux_loss, cfg.moe_z_loss, cfg.moe_capacity
+        self.gelu_approximate = "tanh" if cfg.gelu == "tanh" else "none"
+        self.router = nn.Linear(d, e, bias=False)
+        # Stacked (E, in, out): x @ w[e] per expert, the layout torch._grouped_mm takes as it is.
+        self.w_gate = nn.Parameter(torch.empty(e, d, f)) if cfg.mlp == "swiglu" else None
+        self.w_up = nn.Parameter(torch.empty(e, d, f))
+        self.w_down = nn.Parameter(torch.empty(e, f, d))
+        if cfg.moe_bias_update_rate > 0:  # state of the run, so saved with the weights
+            self.register_buffer("expert_bias", torch.zeros(e))
+        else:
+            self.expert_bias = None
+        self.shared = shared
+        self.layer_idx = layer_idx
+        self.drop = nn.Dropout(cfg.dropout)
+        self.stats = RouterStats()
+        self.aux_loss: torch.Tensor | None = None  # set by a training forward, taken by GPT.forward
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float) -> None:
+        for w in (self.w_gate, self.w_up):
+            if w is not None:
+                nn.init.normal_(w, 0.0, std)
+        nn.init.normal_(self.w_down, 0.0, out_std)  # a residual projection, like MLP.out
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (T, C), T = B * seq
+        routing = route(self.router(x), self.top_k, self.scoring, self.renormalize, self.routed_scale,
+                        self.expert_bias)
+        capacity = expert_capacity(x.shape[0], self.top_k, self.n_experts, self.capacity_factor)
+        rows, dispatch = permute(x, routing.experts, self.n_experts, capacity)
+        rows = self.run_experts(rows, dispatch.counts)
+        y = self.drop(unpermute(rows, dispatch, routing.weights))
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if self.training and torch.is_grad_enabled():
+            self.aux_loss = self._aux_loss(routing)
+            self.stats.add(dispatch, self.aux_loss)
+        return y.view(shape)
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Token rows sorted by expert (A, C), ``counts`` (E,) per expert -> their outputs (A, C).
+        The seam expert parallelism replaces (parallel/ep.py: dispatch, local experts, combine)."""
+        return expert_mlp(rows, counts, self.w_up, self.w_down, self.w_gate, self.ops, self.gelu_approximate,
+                          self.backend)
+
+    def _aux_loss(self, routing: Routing) -> torch.Tensor | None:
+        aux = None
+        if self.aux_coef:
+            aux = self.aux_coef * load_balancing_loss(routing, self.n_experts)
+        if self.z_coef:
+            z = self.z_coef * router_z_loss(routing)
+            aux = z if aux is None else aux + z
+        return aux
+
+
+# --------------------------------------------------------------------------- training-side helpers
+
+
+def moe_layers(modules: Iterable[nn.Module]) -> list[MoE]:
+    """Every MoE layer under ``modules`` (wrappers included), each once, in order."""
+    seen, found = set(), []
+    for root in modules:
+        for m in root.modules():
+            if isinstance(m, MoE) and id(m) not in seen:
+                seen.add(id(m))
+                found.append(m)
+    return found
+
+
+def take_aux_loss(modules: Iterable[nn.Module]) -> torch.Tensor | None:
+    """The sum of the auxiliary losses the layers set in this forward (and forget them)."""
+    total = None
+    for m in modules:
+        if isinstance(m, MoE) and m.aux_loss is not None:
+            total = m.aux_loss if total is None else total + m.aux_loss
+            m.aux_loss = None
+    return total
+
+
+class _AuxGradient(torch.autograd.Function):
+    """Identity on ``x``, whose backward also sends gradient 1 into ``aux``: a pipeline stage's
+    output carries its layers' auxiliary losses back (the schedule scales every gradient by
+    1/micro-batches afterwards, as it does the loss's)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
+
+
+def with_aux_gradient(x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    return _AuxGradient.apply(x, aux)
+
+
+@torch.no_grad()
+def update_expert_bias(layers: list[MoE], rate: float,
+                       all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """DeepSeek-V3's auxiliary-loss-free step: bias_i += rate * sign(mean load - load_i).
+
+    Called once per optimizer step, outside autograd; ``all_reduce_sum`` sums the loads over the
+    data-parallel ranks first, so every rank moves its copy of the bias identically.
+    """
+    biased = [m for m in layers if m.expert_bias is not None]
+    loads = [m.stats.take_load() for m in biased]
+    if not biased or any(load is None for load in loads):
+        return
+    load = torch.stack(loads).float()  # (layers, E): one collective for all layers
+    if all_reduce_sum is not None:
+        load = all_reduce_sum(load)
+    step = rate * torch.sign(load.mean(dim=1, keepdim=True) - load)
+    for m, s in zip(biased, step):
+        m.expert_bias.add_(s.to(m.expert_bias.dtype))
+
+
+def take_moe_metrics(layers: list[MoE]) -> dict[str, float]:
+    """The log window's router metrics (one host sync), and a fresh window.
+
+    ``moe_aux_loss``: the weighted auxiliary loss per forward, summed over layers;
+    ``moe_load_max_mean/<layer>``: max over experts of tokens routed / the mean, per layer (1.0 =
+    balanced, E / k = all tokens on k experts); ``moe_dropped_frac``: copies dropped by capacity.
+    """
+    windows = [(i, m.stats.take_window()) for i, m in enumerate(layers)]
+    windows = [(i, w) for i, w in windows if w]
+    if not windows:
+        return {}
+    rows = torch.stack([torch.cat([w["routed"].max().float().view(1), w["routed"].float().mean().view(1),
+                                   w["dropped"].float().view(1), w["routed"].sum().float().view(1),
+                                   (w["aux"] / w["forwards"]).view(1)]) for _, w in windows]).tolist()
+    metrics = {"moe_aux_loss": sum(r[4] for r in rows),
+               "moe_dropped_frac": sum(r[2] for r in rows) / max(sum(r[3] for r in rows), 1.0)}
+    for (i, _), r in zip(windows, rows):
+        metrics[f"moe_load_max_mean/{layers[i].layer_idx}"] = r[0] / r[1] if r[1] else float("nan")
+    return metrics

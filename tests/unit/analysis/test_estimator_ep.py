@@ -1,0 +1,98 @@
+"""Expert parallelism in the estimator and the planner: memory, all-to-all bytes and expert-sharding
+traffic against hand counts, and the planner proposing ep for Mixtral 8x7B on 64 H100s in words the
+trainer loads."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+from analysis import estimator as est
+from common.hardware import DEVICES
+from model.config import ModelConfig
+from training.config import load_config
+
+H100 = DEVICES["H100"]
+# 4 layers, every one MoE: 8 SwiGLU experts of width 64, top-2.
+MOE = ModelConfig(vocab_size=1024, max_seq_len=256, n_layer=4, n_head=4, d_model=128, mlp="swiglu", norm="rmsnorm",
+                  position="rope", bias=False, tie_embeddings=False, dropout=0.0, moe_experts=8, moe_top_k=2,
+                  moe_d_ff=64)
+ROUTED = 4 * 8 * 3 * 128 * 64  # layers x experts x matrices x d x f
+
+
+def job(ep: int, **kw) -> est.JobSpec:
+    return est.JobSpec(MOE, 256, 2, 8, "fsdp", "none", "bf16_master", H100, ep=ep, **kw)
+
+
+def test_routed_parameters_are_the_expert_weights():
+    assert est.stage_routed_parameters(job(1)) == ROUTED
+    assert est.stage_routed_parameters(job(1, pp=2, grad_accum=2)) == ROUTED / 2
+
+
+def test_ep_memory_by_hand():
+    """Under fsdp on 8 GPUs the states are sharded 8 ways either way (experts: /ep over ep GPUs, then
+    /(8/ep) over the GPUs holding the same experts); what ep saves is the gathered layers: each GPU
+    gathers only its 8/ep experts."""
+    one, four = est.estimate_memory(job(1)), est.estimate_memory(job(4))
+    assert four.states == pytest.approx(one.states)
+    per = est.STATE_BYTES["bf16_master"]
+    saved = 2 * ROUTED / 4 * (1 - 1 / 4) * (per.param + per.grad)  # two gathered layers of 1/4 of the routed each
+    assert one.unsharded_params - four.unsharded_params == pytest.approx(saved)
+    # dp_replicate=2: states shard over dp_shard=4 only; experts over dp_shard / ep = 2 GPUs after ep=2.
+    hsdp = est.stage_state_bytes(job(2, dp_replicate=2), est.stage_parameters(MOE))
+    dense = est.stage_parameters(MOE) - ROUTED
+    assert hsdp.optimizer == pytest.approx(per.optimizer * (dense / 4 + ROUTED / 2 / 2))
+
+
+def test_all_to_all_bytes_by_hand():
+    """Four exchanges per MoE layer and micro-batch of s*b*k token copies of d 2-byte values, of which
+    (ep-1)/ep leave the GPU; six with full recompute; none without ep."""
+    copies_bytes = 256 * 2 * 2 * 128 * 2
+    assert est.expert_all_to_all(job(1)) == (0.0, 0.0)
+    assert est.expert_all_to_all(job(4))[1] == pytest.approx(4 * 4 * 3 / 4 * copies_bytes)
+    full = est.JobSpec(MOE, 256, 2, 8, "fsdp", "full", "bf16_master", H100, ep=2)
+    assert est.expert_all_to_all(full)[1] == pytest.approx(6 * 4 * 1 / 2 * copies_bytes)
+    result = est.estimate(job(4, grad_accum=3))
+    assert result.comm.expert_all_to_all == pytest.approx(3 * 4 * 4 * 3 / 4 * copies_bytes)
+    assert result.time.ep_comm_s > 0 and result.time.step_s > est.estimate(job(1, grad_accum=3)).time.step_s - 1
+
+
+def test_experts_are_gathered_over_the_gpus_holding_them():
+    """fsdp: per micro-batch two all-gathers and one reduce-scatter; with ep=4 on 8 GPUs each GPU's
+    2 experts per layer travel over a group of 2: (2-1)/2 of their bytes leave it."""
+    per = est.STATE_BYTES["bf16_master"]
+    routed = ROUTED / 4
+    expected = 1 / 2 * (2 * routed * per.param + routed * per.grad)
+    assert est.estimate(job(4)).comm.expert_sharded == pytest.approx(expected)
+    assert est.estimate(job(8)).comm.expert_sharded == 0  # one GPU per expert set: nothing to gather
+
+
+def test_invalid_ep_is_one_line():
+    dense = ModelConfig(vocab_size=1024, max_seq_len=256, n_layer=4, n_head=4, d_model=128)
+    with pytest.raises(est.EstimatorError, match="ep=2 must divide the model's routed experts"):
+        est.JobSpec(dense, 256, 1, 8, "fsdp", ep=2)
+    with pytest.raises(est.EstimatorError, match="ep=3 must divide"):
+        est.JobSpec(MOE, 256, 1, 6, "fsdp", ep=3)
+    with pytest.raises(est.EstimatorError, match="ep=4 must divide the 2 dp_shard GPUs"):
+        est.JobSpec(MOE, 256, 1, 8, "fsdp", ep=4, dp_replicate=4)
+    assert "parallel.ep=2 with parallel.strategy=zero2" in est.trainer_refusal(
+        est.JobSpec(MOE, 256, 1, 8, "zero2", ep=2))
+
+
+def test_mixtral_on_64_h100s_plans_expert_parallelism_in_the_trainers_words():
+    from tools import estimate
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert estimate.main(["--config", "configs/mixtral-8x7b.yaml", "--gpus", "64", "--plan", "--top", "3"]) == 0
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("strategy=")]
+    assert len(lines) == 3
+    words = dict(word.split("=") for word in lines[0].split(":")[0].split())
+    assert int(words["ep"]) > 1
+    ranks = int(words.get("dp_replicate", 1)) * int(words["dp_shard"]) * int(words["ep"]) * int(words["pp"])
+    assert ranks * int(words["tp"]) == 64
+    keys = ("strategy", "dp_replicate", "dp_shard", "tp", "pp", "ep")
+    loaded = load_config("configs/mixtral-8x7b.yaml", [f"--parallel.{k}={words[k]}" for k in keys if k in words])
+    assert loaded.parallel.layout(8, 8)["dp_shard"] * int(words["tp"]) * int(words["pp"]) * loaded.parallel.dp_replicate == 64

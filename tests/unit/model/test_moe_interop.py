@@ -1,0 +1,117 @@
+"""Mixtral and Qwen3-MoE interop: transformers' own models, random and small, are the reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.errors import InteropError
+from model import interop
+from model.config import ModelConfig
+from tests.unit.model.test_interop import VOCAB, round_trip
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (the dev extra)")
+
+
+def perturb_norms(model):
+    with torch.no_grad():  # HF initializes norm gains to ones; make every path count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_mixtral(seed: int = 0, tie: bool = False):
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        rope_theta=1e6, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None,
+    )
+    return perturb_norms(transformers.MixtralForCausalLM(config))
+
+
+def hf_qwen3_moe(seed: int = 0, norm_topk_prob: bool = True, mlp_only_layers=(), head_dim: int = 16):
+    torch.manual_seed(seed)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, num_experts=6, num_experts_per_tok=3,
+        norm_topk_prob=norm_topk_prob, mlp_only_layers=list(mlp_only_layers), max_position_embeddings=64,
+        bos_token_id=None, eos_token_id=None,
+    )
+    return perturb_norms(transformers.Qwen3MoeForCausalLM(config))
+
+
+def test_mixtral_round_trip(tmp_path):
+    round_trip(hf_mixtral(), tmp_path)
+    cfg = interop.read_hf_dir(tmp_path / "out")[0]
+    assert (cfg.moe_experts, cfg.moe_top_k, cfg.expert_d_ff, cfg.moe_renormalize, cfg.qk_norm) == (4, 2, 24, True, False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and config["num_local_experts"] == 4
+
+
+@pytest.mark.parametrize("norm_topk_prob, mlp_only_layers, head_dim", [(True, (), 16), (False, (0,), 8)])
+def test_qwen3_moe_round_trip(tmp_path, norm_topk_prob, mlp_only_layers, head_dim):
+    round_trip(hf_qwen3_moe(norm_topk_prob=norm_topk_prob, mlp_only_layers=mlp_only_layers, head_dim=head_dim),
+               tmp_path)
+    cfg = interop.read_hf_dir(tmp_path / "out")[0]
+    assert (cfg.qk_norm, cfg.head_dim, cfg.moe_renormalize) == (True, head_dim, norm_topk_prob)
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [i not in mlp_only_layers for i in range(3)]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3_moe"
+
+
+def test_export_refuses_moe_models_no_hf_layout_expresses():
+    base = dict(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=32, norm="rmsnorm", mlp="swiglu", position="rope",
+                bias=False, moe_experts=4)
+    for changes, needle in [({"moe_router": "sigmoid"}, "model.moe_router=sigmoid"),
+                            ({"moe_shared_experts": 1}, "model.moe_shared_experts=1"),
+                            ({"moe_bias_update_rate": 0.001}, "model.moe_bias_update_rate=0.001"),
+                            ({"moe_every": 2}, "model.moe_every=2 with model.qk_norm=false")]:
+        with pytest.raises(InteropError, match=needle) as err:
+            interop.hf_layout(ModelConfig(**(base | changes)))
+        assert "\n" not in str(err.value)
+
+
+def test_import_refuses_moe_parts_perfgpt_lacks_naming_the_field(tmp_path):
+    model = hf_mixtral()
+    model.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for changes, needle in [({"sliding_window": 4096}, "config.json sliding_window=4096"),
+                            ({"attention_bias": True}, "config.json attention_bias=true"),
+                            ({"model_type": "gpt_oss"}, "model_type='gpt_oss'"),
+                            ({"model_type": "qwen3_moe", "mlp_only_layers": [1]}, "mlp_only_layers=[1]")]:
+        with pytest.raises(InteropError, match=needle.replace("[", r"\[").replace("]", r"\]")) as err:
+            interop.from_hf_config(config | changes)
+        assert "\n" not in str(err.value)
+    # an expert with biases (gpt-oss style) or an attention sink: a weight perfgpt has no place for
+    from safetensors.torch import load_file
+
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for extra in ("model.layers.0.block_sparse_moe.experts.0.w1.bias", "model.layers.0.self_attn.sinks"):
+        with pytest.raises(InteropError, match=f"unexpected weight '{extra}'"):
+            interop.from_hf_state_dict(config, state | {extra: torch.zeros(4)})
+
+
+@pytest.mark.parametrize("qwen", [False, True])
+def test_sample_cli_on_a_moe_model_equals_transformers_generate(tmp_path, capsys, qwen):
+    from data.tokenizer import ByteTokenizer
+    from model.gpt import GPT
+    from tools import sample as sample_tool
+    from training.model_io import ModelSource, write_export
+
+    cfg = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, norm="rmsnorm",
+                      mlp="swiglu", position="rope", tie_embeddings=False, bias=False, moe_experts=4, moe_top_k=2,
+                      moe_d_ff=16, qk_norm=qwen, attention_head_dim=16 if qwen else None)
+    torch.manual_seed(3)
+    write_export(ModelSource(cfg, GPT(cfg).state_dict(), "byte", None, "test"), tmp_path / "hf", "hf")
+    prompt = "def f(x):"
+    assert sample_tool.main([str(tmp_path / "hf"), "--prompt", prompt, "--greedy", "--max-new-tokens", "24"]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == ("Qwen3MoeForCausalLM" if qwen else "MixtralForCausalLM")
+    tok = ByteTokenizer()
+    ids = torch.tensor([tok.encode(prompt).tolist()])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                      min_new_tokens=24, pad_token_id=0)
+    assert f"--- {prompt!r}\n{prompt + tok.decode(out[0, ids.shape[1]:].tolist())}\n" in capsys.readouterr().out

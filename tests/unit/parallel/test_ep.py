@@ -1,0 +1,217 @@
+"""Expert parallelism (parallel/ep.py) against one process.
+
+A dropless MoE GPT (with the Switch auxiliary loss and the z-loss on) trained for 10 steps by the
+build path under ep=2 on 2 ranks, ep=2 x dp_shard=2, ep=2 x pp=2 and dp_shard=4 without ep on 4 ranks:
+losses and gradient norms equal one process stepping on the same micro-batches (within 1e-5), and the
+first step's gradients, gathered whole, equal the one-process gradients parameter by parameter (but
+under pp, where a rank holds one stage and the norm over both stages is checked). Each layout
+resumes bit for bit from its DCP checkpoint; ep=2's checkpoint loads into one process (ep=1) and
+dp_shard=4's (ep=1) into ep=2 x dp_shard=2, each then training as the one-process reference does.
+One 2-rank and one 4-rank launch run all of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.errors import ConfigError, LayoutError
+from parallel.dims import ParallelDims
+from parallel.distributed import DistContext
+from parallel.ep import by_expert_order
+from parallel.values import full_value
+from tests.gloo import gloo_context, run_workers
+from training.build import build_from_config
+from training.config import load_config
+
+SEQ, VOCAB, MICRO, STEPS, SAVE_AFTER = 16, 64, 2, 10, 6
+MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "mlp": "swiglu",
+         "moe_experts": 4, "moe_top_k": 2, "moe_d_ff": 16, "moe_aux_loss": 0.01, "moe_z_loss": 0.001,
+         "tie_embeddings": False}
+LAYOUTS = {2: {"ep2": {"ep": 2}},
+           4: {"ep2_x_dp2": {"ep": 2, "dp_shard": 2}, "dp4": {"dp_shard": 4, "strategy": "fsdp"},
+               "ep2_x_pp2": {"ep": 2, "pp": 2}}}
+ACCUM = 2  # micro-batches per step: a pipeline needs at least pp of them
+
+
+def job(**parallel):
+    overrides = [f"--model.{k}={v}" for k, v in MODEL.items()]
+    overrides += [f"--train.micro_batch_size={MICRO}", f"--train.grad_accum_steps={ACCUM}",
+                  "--optim.warmup_steps=1", "--optim.lr=1e-2", f"--train.max_steps={STEPS}"]
+    return load_config(None, overrides + [f"--parallel.{k}={v}" for k, v in parallel.items()])
+
+
+def micro_batches(step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for m in range(ACCUM):
+        g = torch.Generator().manual_seed(1000 * step + 10 * dp_rank + m)
+        ids = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g)
+        out.append((ids[:, :-1], ids[:, 1:]))
+    return out
+
+
+# --------------------------------------------------------------------------- in one process
+
+
+def test_rows_arriving_by_rank_are_sorted_by_expert():
+    """Hand case: 2 source ranks x 2 local experts, blocks (r0e0: 2 rows, r0e1: 1, r1e0: 1, r1e1: 2)
+    arrive as [a a b | c d d]; by expert they are [a a c | b d d]."""
+    order = by_expert_order(torch.tensor([[2, 1], [1, 2]]))
+    assert order.tolist() == [0, 1, 3, 2, 4, 5]
+    assert by_expert_order(torch.tensor([[0, 3], [2, 0]])).tolist() == [3, 4, 0, 1, 2]
+
+
+def test_ep_layouts_are_validated_before_any_work():
+    dims = ParallelDims(8, 8, 5, 5, ep=2, dp_shard=4, pp=2)  # ParallelDims' dp_shard counts the ep ranks
+    assert dims.mesh_shape() == {"pp": 2, "edp": 2, "ep": 2}
+    assert (dims.fsdp_dims(), dims.expert_fsdp_dims(), dims.dp_rank) == (("dp_shard",), ("edp",), 1)
+    hsdp = ParallelDims(8, 4, 5, 1, ep=2, dp_shard=4, dp_replicate=2)
+    assert (hsdp.fsdp_dims(), hsdp.expert_fsdp_dims(), hsdp.dp_rank) == (("dp_replicate", "dp_shard"),
+                                                                         ("dp_replicate", "edp"), 5)
+    only_ep = ParallelDims(2, 2, 1, 1, ep=2)
+    assert (only_ep.fsdp_dims(), only_ep.expert_fsdp_dims()) == (("ep",), ())
+    with pytest.raises(LayoutError, match="parallel.ep=4 must divide the 6 data-parallel shard ranks"):
+        ParallelDims(6, 6, 0, 0, ep=4)
+    moe = [f"--model.{k}={v}" for k, v in MODEL.items()]
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide model.moe_experts=4"):
+        load_config(None, moe + ["--parallel.ep=3"])
+    with pytest.raises(ConfigError, match="parallel.ep=2 shards routed experts, but the model has none"):
+        load_config(None, ["--parallel.ep=2"])
+    for strategy in ("ddp", "zero1", "zero3"):
+        with pytest.raises(ConfigError, match=f"parallel.ep=2 with parallel.strategy={strategy}"):
+            load_config(None, moe + ["--parallel.ep=2", f"--parallel.strategy={strategy}"])
+    with pytest.raises(ConfigError, match="parallel.ep=2 with parallel.cp=2"):
+        load_config(None, moe + ["--parallel.ep=2", "--parallel.cp=2", "--parallel.strategy=fsdp"])
+    with pytest.raises(ConfigError, match="parallel.init_on_meta=true with parallel.ep=2"):
+        load_config(None, moe + ["--parallel.ep=2", "--parallel.strategy=fsdp", "--parallel.init_on_meta=true"])
+    cfg = load_config(None, moe + ["--parallel.ep=2", "--parallel.dp_shard=2"])
+    assert cfg.parallel.layout(1, 4)["dp_shard"] == 4  # the dense weights shard over dp_shard x ep
+    resolved, note = cfg.parallel.for_data_parallel(4)
+    assert resolved.strategy == "fsdp" and "parallel.ep=2" in note
+
+
+# --------------------------------------------------------------------------- on gloo ranks
+
+
+def context(rank: int, world: int, cfg):
+    return gloo_context(rank, world, **cfg.parallel.layout(1, world))
+
+
+def whole_grads(engine) -> dict[str, torch.Tensor]:
+    return {name: full_value(p.grad).detach().clone() for name, p in engine.module().named_parameters()}
+
+
+def train(engine, ctx, cfg, steps: range, grads: dict | None = None) -> tuple[list[float], list[float]]:
+    losses, norms = [], []
+    for step in steps:
+        loss, _ = engine.forward_backward_step(iter(micro_batches(step, ctx.dims.dp_rank)), ACCUM)
+        if grads is not None and not grads:
+            grads.update(whole_grads(engine))
+        norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
+        losses.append(float(ctx.all_reduce_mean(loss.detach().clone())))
+    return losses, norms
+
+
+def one_process(dp_sizes: list[int], steps: range | None = None, load: Path | None = None,
+                grads: dict | None = None) -> dict:
+    """Step i on the global batch of dp_sizes[i] data-parallel ranks, in one process (ep=1)."""
+    cfg = job()
+    ctx = DistContext.single()
+    engine = build_from_config(cfg, ctx).engine
+    if load is not None:
+        engine.load(load)
+    losses, norms = [], []
+    for step in steps or range(len(dp_sizes)):
+        dp_size = dp_sizes[step]
+        both = [b for r in range(dp_size) for b in micro_batches(step, r)]
+        loss, _ = engine.forward_backward_step(iter(both), dp_size * ACCUM)
+        if grads is not None and not grads:
+            grads.update(whole_grads(engine))
+        norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms}
+
+
+def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
+    cfg = job(**layout)
+    ctx = context(rank, world, cfg)
+    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    engine = build_from_config(cfg, ctx).engine
+    grads: dict | None = {} if ctx.dims.pp == 1 else None  # a pipeline rank holds one stage: its norm is checked
+    losses, norms = train(engine, ctx, cfg, range(SAVE_AFTER), grads)
+    grad_err = {}
+    if grads is not None:
+        ref_grads: dict = {}
+        one_process([ctx.dims.dp_size], grads=ref_grads)
+        grad_err = {k: float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads}
+    path = Path(root) / name
+    if rank == 0:
+        path.mkdir(parents=True)
+    torch.distributed.barrier()
+    engine.save(path, rank)
+    torch.distributed.barrier()
+    rest, rest_norms = train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))
+    fresh = build_from_config(cfg, ctx).engine
+    fresh.load(path)
+    resumed, _ = train(fresh, ctx, cfg, range(SAVE_AFTER, STEPS))
+    return {"losses": losses + rest, "norms": norms + rest_norms, "resumed": resumed, "grad_err": grad_err,
+            "dp_size": ctx.dims.dp_size}
+
+
+def two_rank_worker(rank: int, world: int, root: str) -> dict:
+    return {name: train_layout(rank, world, name, layout, root) for name, layout in LAYOUTS[2].items()}
+
+
+def four_rank_worker(rank: int, world: int, root: str) -> dict:
+    out = {name: train_layout(rank, world, name, layout, root) for name, layout in LAYOUTS[4].items()}
+    # dp_shard=4 without ep (ep=1) saved after SAVE_AFTER steps, loaded into ep=2 x dp_shard=2.
+    cfg = job(**LAYOUTS[4]["ep2_x_dp2"])
+    ctx = context(rank, world, cfg)
+    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    engine = build_from_config(cfg, ctx).engine
+    engine.load(Path(root) / "dp4")
+    out["dp4_into_ep2_x_dp2"] = train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def launches():
+    with tempfile.TemporaryDirectory() as root:
+        ranks = {2: run_workers(two_rank_worker, 2, root), 4: run_workers(four_rank_worker, 4, root)}
+        # ep=2's checkpoint into one process (ep=1), which then steps on two ranks' batches.
+        ep2_into_one = one_process([2] * STEPS, range(SAVE_AFTER, STEPS), load=Path(root) / "ep2")["losses"]
+        yield {"ranks": ranks, "ep2_into_one": ep2_into_one}
+
+
+@functools.cache
+def reference(dp_size: int) -> dict:
+    return one_process([dp_size] * STEPS)
+
+
+@pytest.mark.parametrize("world,name", [(2, "ep2"), (4, "ep2_x_dp2"), (4, "dp4"), (4, "ep2_x_pp2")])
+def test_ep_training_equals_one_process(launches, world, name):
+    ranks = launches["ranks"][world]
+    ref = reference(ranks[0][name]["dp_size"])
+    for rank_result in ranks:
+        got = rank_result[name]
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        if name != "ep2_x_pp2":
+            worst = max(got["grad_err"].items(), key=lambda kv: kv[1])
+            assert worst[1] < 1e-6, worst
+        assert got["resumed"] == got["losses"][SAVE_AFTER:], f"resume under {name} is not bit-exact"
+
+
+def test_an_ep2_checkpoint_loads_into_one_process(launches):
+    ref = reference(2)
+    assert launches["ep2_into_one"] == pytest.approx(ref["losses"][SAVE_AFTER:], abs=1e-5)
+
+
+def test_an_ep1_checkpoint_loads_into_ep2_x_dp2(launches):
+    ref = reference(4)
+    for rank_result in launches["ranks"][4]:
+        assert rank_result["dp4_into_ep2_x_dp2"] == pytest.approx(ref["losses"][SAVE_AFTER:], abs=1e-5)
