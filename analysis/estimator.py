@@ -956,10 +956,25 @@ def gemm_seconds(job: JobSpec, m: float, k: float, n: float) -> float:
 def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1) -> list[tuple[int, float, float]]:
     """The forward GEMMs of one transformer layer on one of ``tp`` GPUs, as (m, k, n): the fused QKV
     and the MLP's first matmul are column-parallel (n / tp), the output projection and the MLP's
-    second matmul row-parallel (k / tp). Their 2*m*k*n sum to 2*tokens*(the block's matmul weights)/tp."""
+    second matmul row-parallel (k / tp). Their 2*m*k*n sum to 2*tokens*(the block's matmul weights)/tp.
+
+    A MoE model's mean layer: its MoE layers' share of the tokens goes to the router and, k copies
+    each, spread evenly over the experts (one GEMM pair per expert, as the grouped GEMM runs them;
+    experts are not tensor-split), plus the shared experts; the rest to the dense MLP."""
     d, f = cfg.d_model, cfg.d_ff
-    f_in = 2 * f if cfg.mlp == "swiglu" else f
-    return [(tokens, d, (d + 2 * cfg.kv_dim) / tp), (tokens, d / tp, d), (tokens, d, f_in / tp), (tokens, f / tp, d)]
+    gated = 2 if cfg.mlp == "swiglu" else 1
+    gemms = [(tokens, d, (cfg.q_dim + 2 * cfg.kv_dim) / tp), (tokens, cfg.q_dim / tp, d)]
+    moe_share = cfg.n_moe_layers / cfg.n_layer if cfg.moe_experts is not None else 0.0
+    if moe_share < 1:
+        dense = tokens * (1 - moe_share)
+        gemms += [(dense, d, gated * f / tp), (dense, f / tp, d)]
+    if moe_share > 0:
+        routed, fe, shared = tokens * moe_share, cfg.expert_d_ff, cfg.moe_shared_experts * cfg.expert_d_ff
+        per_expert = routed * cfg.moe_top_k / cfg.moe_experts
+        gemms += [(routed, d, cfg.moe_experts)] + [(per_expert, d, gated * fe), (per_expert, fe, d)] * cfg.moe_experts
+        if shared:
+            gemms += [(routed, d, gated * shared), (routed, shared, d)]
+    return gemms
 
 
 def _recompute_shares(job: JobSpec) -> tuple[float, float, float]:

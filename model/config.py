@@ -89,7 +89,7 @@ class ModelConfig:
         "auto", "MoE expert GEMMs: torch._grouped_mm, or one GEMM per expert; auto picks grouped_mm where it runs"
     )
     init_from: str | None = doc(
-        None, "start training from these weights: a Hugging Face GPT-2 or Llama directory, a nanoGPT ckpt.pt, a "
+        None, "start training from these weights: a Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory, a nanoGPT ckpt.pt, a "
         "perfgpt checkpoint or run directory, or a tools/export.py .safetensors; the architecture keys come from it"
     )
 

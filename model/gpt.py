@@ -2,6 +2,7 @@
 
     tokens -> embedding (+ learned positions) -> n_layer x Block -> final norm -> LM head
     Block:  x + Attention(Norm(x)),  then  x + MLP(Norm(x))        (pre-norm)
+            the MLP is routed experts (model/moe.py) in the layers the model.moe_* keys pick
 
 Nothing here knows about process groups, precision policies or checkpointing; those are
 applied to a built model from ``parallel/`` and ``training/``. Fast paths plug in through two

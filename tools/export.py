@@ -7,8 +7,8 @@
 The checkpoint may come from any layout (one process, DDP, FSDP2, ZeRO-1/2/3, tp/pp): it is
 consolidated in this one process, on the CPU. ``--format hf`` writes ``config.json`` and
 ``model.safetensors`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads (GPT-2
-layout for learned positions + LayerNorm + GELU, Llama layout for RoPE + RMSNorm + SwiGLU; other
-combinations are refused naming the key); ``--format safetensors`` writes perfgpt's own names
+layout for learned positions + LayerNorm + GELU, Llama layout for RoPE + RMSNorm + SwiGLU, Mixtral
+or Qwen3-MoE layout for a mixture of experts; other combinations are refused naming the key); ``--format safetensors`` writes perfgpt's own names
 with the model config and the tokenizer in the file's metadata, which tools/sample.py,
 tools/evaluate.py and ``--model.init_from`` read back.
 """

@@ -333,3 +333,16 @@ def test_moe_memory_holds_every_expert_and_the_activations_of_top_k():
     saved = est.activation_bytes_per_layer(moe, 64, 2, "none", 2) - est.activation_bytes_per_layer(dense, 64, 2, "none", 2)
     assert saved == 2 * 64 * 2 * (per_token - 4 * 128)  # bytes x tokens x (moe - dense) elements
     assert est.estimate_memory(dense_job).params < est.estimate_memory(job).params
+
+
+@pytest.mark.parametrize("extra", [{}, {"moe_shared_experts": 1, "moe_first_dense": 1}])
+def test_moe_layer_gemms_run_a_tokens_active_weights(extra):
+    """Per token, the GEMMs of the mean layer multiply exactly the weights it runs: attention, the
+    router, its top-k experts (and shared ones), the dense MLP in the dense layers' share."""
+    cfg = ModelConfig(vocab_size=256, n_layer=4, n_head=4, n_kv_head=2, d_model=64, mlp="swiglu", norm="rmsnorm",
+                      bias=False, moe_experts=8, moe_top_k=2, moe_d_ff=32, **extra)
+    tokens = 1024
+    flops = sum(m * k * n for m, k, n in est.layer_gemms(cfg, tokens))
+    norms = 2 * cfg.d_model
+    active = sum(est.block_parameters(cfg, i, active=True) - norms for i in range(cfg.n_layer)) / cfg.n_layer
+    assert flops == pytest.approx(tokens * active)
