@@ -205,6 +205,32 @@ def step_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
+def val_loss(run_dir: Path) -> float:
+    return next(m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m)
+
+
+def torchrun_matches_one_process(tmp_path: Path, corpus_cache: str, config: str, overrides: dict, *,
+                                 one_batch: int, rank_batch: int, layout: list[str], expect: list[str]) -> None:
+    """A short run of ``config`` under 4-rank torchrun with the ``layout`` flags equals one process
+    reading the same windows (micro-batch ``one_batch`` there, ``rank_batch`` on each rank): every
+    step's loss and the validation loss within 1e-5; the start-up log holds each of ``expect``."""
+    one, many = tmp_path / "one", tmp_path / "many"
+    proc = run_train(["--config", config, *tiny_overrides(one, corpus_cache, **overrides,
+                                                         **{"train.micro_batch_size": one_batch})])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_torchrun(4, ["--config", config, *tiny_overrides(many, corpus_cache, **overrides,
+                                                                **{"train.micro_batch_size": rank_batch}), *layout],
+                        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in expect:
+        assert line in proc.stdout, line
+    ref, got = step_losses(one), step_losses(many)
+    assert sorted(got) == sorted(ref) and ref
+    for step, loss in ref.items():
+        assert got[step] == pytest.approx(loss, abs=1e-5), step
+    assert val_loss(many) == pytest.approx(val_loss(one), abs=1e-5)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """A child process a test left running (a DataLoader worker, a spawned rank) would keep this
     interpreter from exiting, as multiprocessing joins its children at exit: stop and name them,

@@ -11,32 +11,13 @@ tests/unit/parallel/test_cp.py.)
 
 from __future__ import annotations
 
-import pytest
+from tests.conftest import torchrun_matches_one_process
 
-from tests.conftest import read_metrics, run_torchrun, run_train, step_losses, tiny_overrides
-
-TINY = "configs/tiny.yaml"
 COMMON = {"model.max_seq_len": 256, "train.max_steps": 3, "train.eval_interval": 3, "train.eval_sequences": 5,
           "checkpoint.save_final": "false", "checkpoint.interval": 0}
 
 
-def val_loss(run_dir) -> float:
-    return next(m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m)
-
-
 def test_cp2_x_dp_shard2_trains_as_one_process(tmp_path, corpus_cache):
-    extra = COMMON
-    one = tmp_path / "one"
-    proc = run_train(["--config", TINY, *tiny_overrides(one, corpus_cache, **extra, **{"train.micro_batch_size": 4})])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cp = tmp_path / "cp"
-    args = ["--config", TINY, *tiny_overrides(cp, corpus_cache, **extra, **{"train.micro_batch_size": 2}),
-            "--parallel.cp=2", "--parallel.dp_shard=2"]
-    proc = run_torchrun(4, args, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "cp=2" in proc.stdout and "holds sequence chunks (0, 3)" in proc.stdout
-    ref, got = step_losses(one), step_losses(cp)
-    assert sorted(got) == sorted(ref) == [1, 2, 3]
-    for step, loss in ref.items():
-        assert got[step] == pytest.approx(loss, abs=1e-5), step
-    assert val_loss(cp) == pytest.approx(val_loss(one), abs=1e-5)
+    torchrun_matches_one_process(tmp_path, corpus_cache, "configs/tiny.yaml", COMMON, one_batch=4, rank_batch=2,
+                                 layout=["--parallel.cp=2", "--parallel.dp_shard=2"],
+                                 expect=["cp=2", "holds sequence chunks (0, 3)"])

@@ -469,5 +469,5 @@ def test_train_py_resumes_a_tensor_parallel_run_exactly(tmp_path, corpus_cache):
 def test_a_layout_that_does_not_fit_the_ranks_is_one_line(tmp_path, corpus_cache):
     proc = run_train(["--config", "configs/tiny.yaml", *tiny_overrides(tmp_path, corpus_cache, **{"parallel.tp": 2})])
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: parallel.pp=1 x parallel.dp_replicate=1 x parallel.tp=2 = 2 does not divide "
+    assert proc.stderr.strip() == ("error: parallel.pp=1 x parallel.dp_replicate=1 x parallel.cp=1 x parallel.tp=2 = 2 does not divide "
                                    "the 1 ranks; choose degrees whose product divides it")
