@@ -21,7 +21,7 @@ from common.hardware import DEVICES, DeviceSpec, lookup_device
 from common.report import gib
 from model.config import RECOMPUTE_POLICIES, ModelConfig
 from model.flops import (
-    block_parameters,
+    blocks_parameters,
     count_parameters,
     flops_per_token,
     matmul_parameters,  # noqa: F401 (callers read it from here: est.matmul_parameters)
@@ -409,7 +409,7 @@ def block_parameters_per_gpu(cfg: ModelConfig, tp: int = 1) -> float:
     """One block's parameters on one of ``tp`` GPUs: the matmul weights (and column-parallel
     biases) are split; norm gains and the two row-parallel output biases are whole (Megatron-LM).
     A MoE model's blocks differ (dense and MoE layers): their mean, every expert included."""
-    block = sum(block_parameters(cfg, i) for i in range(cfg.n_layer)) / cfg.n_layer
+    block = blocks_parameters(cfg) / cfg.n_layer
     if tp == 1:
         return block
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
@@ -914,7 +914,7 @@ def _recompute_flops_split(model_cfg: ModelConfig, seq_len: int, policy: str, ev
     _check_choice("policy", policy, POLICIES)
     L, d = model_cfg.n_layer, model_cfg.d_model
     core = 4.0 * d * seq_len  # QK^T and @V forward, per layer per token (no causal halving)
-    gemms = 2.0 * sum(block_parameters(model_cfg, i, active=True) for i in range(L)) / L  # a token's experts only
+    gemms = 2.0 * blocks_parameters(model_cfg, active=True) / L  # a token's experts only
     if policy == "selective":
         return 0.0, L * core
     if policy == "full":

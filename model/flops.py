@@ -46,6 +46,14 @@ def block_parameters(cfg: ModelConfig, layer_idx: int = 0, active: bool = False)
     return 2 * norm + attn + mlp
 
 
+def blocks_parameters(cfg: ModelConfig, active: bool = False) -> int:
+    """All blocks' parameters. Dense blocks are alike and so are MoE blocks: two counts, not one per
+    layer (the planner counts thousands of layouts)."""
+    moe = [i for i in range(cfg.n_layer) if cfg.is_moe_layer(i)]
+    dense = [i for i in range(cfg.n_layer) if not cfg.is_moe_layer(i)]
+    return sum(len(kind) * block_parameters(cfg, kind[0], active) for kind in (moe, dense) if kind)
+
+
 def count_parameters(cfg: ModelConfig, include_embeddings: bool = True, active: bool = False) -> int:
     """Unique trainable parameters of ``model.gpt.GPT(cfg)`` (torch layers); with ``active``, only
     those one token runs through (the same for a dense model)."""
@@ -54,7 +62,7 @@ def count_parameters(cfg: ModelConfig, include_embeddings: bool = True, active: 
     token_table = v * d
     head = 0 if cfg.tie_embeddings else v * d
     positions = cfg.max_seq_len * d if cfg.position == "learned" else 0
-    blocks = sum(block_parameters(cfg, i, active) for i in range(cfg.n_layer))
+    blocks = blocks_parameters(cfg, active)
     total = blocks + final_norm + token_table + head + positions
     if not include_embeddings:
         total -= positions + (0 if cfg.tie_embeddings else token_table)

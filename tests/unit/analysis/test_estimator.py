@@ -11,6 +11,7 @@ from analysis import estimator as est
 from analysis.chapter_measurements import count_saved_bytes
 from common.hardware import DEVICES, lookup_device, peak_tflops_for
 from model.config import ModelConfig
+from model.flops import block_parameters
 from model.gpt import GPT
 
 GIB = 2**30
@@ -344,5 +345,5 @@ def test_moe_layer_gemms_run_a_tokens_active_weights(extra):
     tokens = 1024
     flops = sum(m * k * n for m, k, n in est.layer_gemms(cfg, tokens))
     norms = 2 * cfg.d_model
-    active = sum(est.block_parameters(cfg, i, active=True) - norms for i in range(cfg.n_layer)) / cfg.n_layer
+    active = sum(block_parameters(cfg, i, active=True) - norms for i in range(cfg.n_layer)) / cfg.n_layer
     assert flops == pytest.approx(tokens * active)
