@@ -453,6 +453,7 @@ def test_estimate_refuses_a_layout_the_trainer_refuses(capsys):
     assert "parallel.strategy=ddp cannot wrap tensor- or pipeline-parallel models" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the planner's full search at two GPU counts for every config: ~2 minutes in all
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_scaling_curves_run_for_every_config(path):
     text = _run_estimate("--config", str(path), "--scaling", "8,64")
