@@ -66,9 +66,6 @@ class ParallelConfig:
         if self.cp > 1 and self.strategy not in ("none", "fsdp"):
             raise ConfigError(f"parallel.cp={self.cp} with parallel.strategy={self.strategy} is not supported: context-"
                               "parallel ranks reduce gradients through FSDP2's mesh; use parallel.strategy=fsdp")
-        if self.cp > 1 and self.pp > 1:
-            raise ConfigError(f"parallel.cp={self.cp} with parallel.pp={self.pp} is not supported (pipeline stages "
-                              "do not pass token positions on); use one of them")
         if self.ep > 1 and self.strategy not in ("none", "fsdp"):
             raise ConfigError(f"parallel.ep={self.ep} with parallel.strategy={self.strategy} is not supported: expert "
                               "parameters are sharded by FSDP2 over the ranks left after ep; use parallel.strategy=fsdp")
