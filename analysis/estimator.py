@@ -1195,14 +1195,15 @@ def cp_comm_seconds(job: JobSpec) -> tuple[float, float]:
 
 def pp_comm_seconds(job: JobSpec) -> tuple[float, float]:
     """(seconds, bytes sent per GPU) of one micro-batch's activations and gradients between stages:
-    one of each per model chunk (``pp_virtual_stages`` of them on an interleaved GPU)."""
+    one of each per model chunk (``pp_virtual_stages`` of them on an interleaved GPU). Under context
+    parallelism each cp rank sends its seq_len / cp tokens to the same cp rank of the next stage."""
     if job.pp == 1:
         return 0.0, 0.0
     cfg, frac = job.model, job.assumptions.link_fraction
     # Each tensor-parallel rank sends 1/t of the activation: its sequence shard under sequence
     # parallelism, or its slice of the replicated tensor (Megatron's scatter/gather, which re-gathers it
     # over NVLink on the receiving stage).
-    nbytes = job.activation_dtype_bytes * job.seq_len * job.micro_batch * cfg.d_model / job.tp
+    nbytes = job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model / job.tp
     same_node = job.world_size <= job.device.gpus_per_node  # stages are the outermost mesh dimension
     link = job.device.nvlink_one_way_gb_s if same_node else job.device.network_gb_s
     sent = 2 * job.pp_virtual_stages * nbytes
