@@ -23,6 +23,12 @@ model code has no cp in it. With cp ranks and sequences of T tokens:
 Every cp rank of one data-parallel rank reads the same batch (they share ``dp_rank``) and keeps its
 chunks; with a document mask the document numbers are taken from the whole sequence before the
 split, so a chunk knows which document its first token continues.
+
+Under pipeline parallelism every stage is made context-parallel over its own cp group (the cp ranks
+of one stage gather K/V among themselves). The first stage cuts the token ids into this rank's
+chunks; a later stage receives only the hidden states of those chunks, so the pipeline gives every
+stage the whole sequence's length and document numbers with its micro-batch (parallel/pp.py), from
+which it takes its positions; the last stage's loss is scaled as above (``scale_local_loss``).
 """
 
 from __future__ import annotations

@@ -30,6 +30,13 @@ by their number), ``zero_bubble`` (interleaved, with the weight-gradient half of
 into the bubble). The step's ``train.grad_accum_steps`` micro-batches are the pipeline's
 micro-batches, and each micro-batch loss is scaled by 1/their number, so loss and gradients
 are those of the same run without a pipeline (the mean of the micro-batch losses).
+
+A stage after the first receives hidden states only, but its blocks may need what one process
+derives from the token ids: the document numbers of a document mask, and under context parallelism
+(each stage's attention gathers K/V over its cp group, parallel/cp.py) the whole sequence's length.
+Every pipeline rank holds the batch, so ``stage_inputs`` derives them on each, and the schedule
+passes them to every stage as keyword arguments, cut into the same micro-batches; under cp the last
+stage's loss is over this cp rank's targets, scaled as a context-parallel model scales it.
 """
 
 from __future__ import annotations
