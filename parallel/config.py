@@ -66,6 +66,11 @@ class ParallelConfig:
         if self.cp > 1 and self.strategy not in ("none", "fsdp"):
             raise ConfigError(f"parallel.cp={self.cp} with parallel.strategy={self.strategy} is not supported: context-"
                               "parallel ranks reduce gradients through FSDP2's mesh; use parallel.strategy=fsdp")
+        if self.cp > 1 and self.pp > 1 and self.pp_schedule == "zero_bubble":
+            # Seen on gloo: under FSDP2 (which cp needs) the split backward left a stage's weight
+            # gradients unset, so that stage did not train.
+            raise ConfigError(f"parallel.pp_schedule=zero_bubble with parallel.cp={self.cp} is not supported (its split "
+                              "backward loses weight gradients under FSDP2); use parallel.pp_schedule=interleaved_1f1b")
         if self.ep > 1 and self.strategy not in ("none", "fsdp"):
             raise ConfigError(f"parallel.ep={self.ep} with parallel.strategy={self.strategy} is not supported: expert "
                               "parameters are sharded by FSDP2 over the ranks left after ep; use parallel.strategy=fsdp")

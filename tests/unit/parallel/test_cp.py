@@ -5,8 +5,8 @@ from the same seed inside each worker: logits and loss of one forward (fp32, wit
 multi-head and grouped-query attention, the causal and the document mask; the gradients (a cp
 rank's gradients summed over its cp group are cp times the whole-sequence gradient, which is what
 FSDP2's average over dp x cp turns into the mean); and the build path's FSDP2 engine over cp, cp x
-dp_shard, cp x tp, cp with selective recompute and cp x pp (causal, and the document mask with
-per-document positions; GQA) trained for 10 steps (losses, gradient norms, validation loss, the
+dp_shard, cp x tp, cp with selective recompute and cp x pp (1f1b with the causal mask, interleaved
+1f1b with the document mask and per-document positions; GQA) trained for 10 steps (losses, gradient norms, validation loss, the
 first step's gradients and the weights after the last step), resumed bit for bit from its DCP
 checkpoint, and loaded into another cp size. A pipeline with the document mask and no cp checks
 that the document numbers reach the stages after the first. One 4-rank launch runs all of it.
@@ -47,11 +47,14 @@ TRAIN_MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 
                "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False}
 LAYOUTS = {"cp4": {"cp": 4}, "cp2_x_dp2": {"cp": 2, "dp_shard": 2}, "cp2_x_tp2": {"cp": 2, "tp": 2},
            "cp4_selective_recompute": {"cp": 4}, "cp2_x_pp2": {"cp": 2, "pp": 2},
-           "cp2_x_pp2_document": {"cp": 2, "pp": 2}, "pp2_x_dp2_document": {"pp": 2, "dp_shard": 2}}
+           "cp2_x_pp2_interleaved_document": {"cp": 2, "pp": 2, "pp_schedule": "interleaved_1f1b",
+                                              "pp_virtual_stages": 2},
+           "pp2_x_dp2_document": {"pp": 2, "dp_shard": 2}}
 DOCUMENT = {"attention_mask": "document", "eot_id": EOT, "document_positions": True}
 # Per layout, what its model (and the one-process run it is checked against) changes.
 MODEL_KEYS = {"cp4_selective_recompute": {"recompute": "selective"},  # the core, K/V gather included, rebuilt in backward
-              "cp2_x_pp2_document": DOCUMENT, "pp2_x_dp2_document": DOCUMENT}
+              "cp2_x_pp2_interleaved_document": DOCUMENT | {"n_layer": 4}, "pp2_x_dp2_document": DOCUMENT}
+MESH_KEYS = ("pp", "dp_shard", "cp", "tp")  # the layout keys that shape the mesh (the rest: the parallel section's)
 PIPELINE_ACCUM = 2  # micro-batches per step of the pipelined layouts (pipeline micro-batches: >= pp)
 
 
@@ -100,6 +103,9 @@ def test_layouts_with_cp_are_validated_before_any_work():
             load_config(None, ["--parallel.cp=2", f"--parallel.strategy={strategy}"])
     both = load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--train.grad_accum_steps=2"]).parallel
     assert (both.cp, both.pp) == (2, 2)  # composed (parallel/pp.py passes every stage what cp needs)
+    with pytest.raises(ConfigError, match="parallel.pp_schedule=zero_bubble with parallel.cp=2"):
+        load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--parallel.pp_schedule=zero_bubble",
+                           "--parallel.pp_virtual_stages=2", "--model.n_layer=4", "--train.grad_accum_steps=2"])
     resolved, note = ParallelConfig(cp=2).for_data_parallel(1)
     assert resolved.strategy == "fsdp" and "parallel.cp=2" in note
 
@@ -173,7 +179,7 @@ def train(engine, ctx, cfg, steps: range, grads: dict | None = None) -> tuple[li
 
 def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
     cfg = job(name, accum_of(layout), **layout)
-    ctx = gloo_context(rank, world, **layout)
+    ctx = gloo_context(rank, world, **{k: v for k, v in layout.items() if k in MESH_KEYS})
     cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
     engine = build_from_config(cfg, ctx).engine
     grads = {}
