@@ -723,7 +723,7 @@ def ep_table(rows: list[Row], markdown: bool) -> str | None:
     if not ep_rows:
         return None
     head = ["layout", "ranks", "Δ loss vs 1 proc", "all-to-all KiB/step, fullest rank", "(formula)",
-            "fullest rank / formula", "mean rank / formula", "|measured / from routing - 1|"]
+            "fullest rank / formula", "mean rank / formula", "measured vs from routing, worst rel. diff"]
     body = []
     for r in ep_rows:
         steps = list(zip(*r.a2a_by_rank))  # per step: every rank's bytes
