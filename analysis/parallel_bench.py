@@ -465,7 +465,8 @@ class ExpertTraffic:
         mine = torch.stack([w["routed"] for w in windows])  # (layers, E)
         everyone = mine.new_empty((self.ep * mine.shape[0], mine.shape[1]))  # gloo gathers along dim 0
         torch.distributed.all_gather_into_tensor(everyone, mine.contiguous(), group=self.group)
-        self.routed.append(routed_all_to_all_bytes(everyone.view(self.ep, *mine.shape), self.rank, int(windows[0]["forwards"]),
+        forwards = int(windows[0]["forwards"])  # per layer, recomputed forwards included
+        self.routed.append(routed_all_to_all_bytes(everyone.view(self.ep, *mine.shape), self.rank, forwards,
                                                    self.microbatches, self.row_bytes))
 
 
@@ -507,7 +508,8 @@ def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) ->
                   "activations": saved.bytes, "activations_formula": formula_activation_bytes(cfg, ctx.dims.dp_size),
                   "kv": sent.get("cp", 0.0), "kv_formula": formula_kv_bytes(cfg, ctx.dims.dp_size),
                   "micro_batch": cfg.train.micro_batch_size,
-                  "a2a": experts.measured if experts else [], "a2a_routed": experts.routed if experts else [],
+                  "a2a": experts.measured if experts is not None else [],
+                  "a2a_routed": experts.routed if experts is not None else [],
                   "a2a_formula": formula_all_to_all_bytes(cfg, ctx.dims.dp_size)}
         (out / f"rank{ctx.rank}.json").write_text(json.dumps(result))
     finally:

@@ -53,7 +53,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         description="Loss after N steps, per-rank parameter/gradient/optimizer bytes and bytes sent per step for "
         "ddp, fsdp and ZeRO 1-3 on N processes and for tp, pp, fsdp x tp, pp x fsdp (and pp x tp x fsdp, cp2, cp4, and "
-        "with an MoE config ep2, ep2_fsdp) layouts, against one process and the formulas (ep: all-to-all bytes per step). Config overrides go after '--' (e.g. -- --model.n_layer=4).")
+        "with an MoE config ep2, ep2_fsdp) layouts, against one process and the formulas (ep: all-to-all bytes "
+        "per step). Config overrides go after '--' (e.g. -- --model.n_layer=4).")
     parser.add_argument("--config", default="configs/tiny.yaml", help="YAML config (default: configs/tiny.yaml)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per strategy run (default 2); the global batch "
                         "is micro-batch x nproc for every row")
