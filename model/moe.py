@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from common.errors import CapabilityError
-from kernels.registry import KernelOps
+from kernels.registry import REFERENCE_OPS, KernelOps
 from model.config import ModelConfig
 
 EXPERT_BACKENDS = ("grouped_mm", "loop")
@@ -108,9 +108,10 @@ class Dispatch:
     routed: torch.Tensor  # (E,) token copies routed to each expert (before capacity)
 
 
-def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: int | None
-            ) -> tuple[torch.Tensor, Dispatch]:
-    """x (T, C) -> one row per kept (token, expert) assignment, sorted by expert: (A, C)."""
+def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: int | None,
+            ops: KernelOps = REFERENCE_OPS) -> tuple[torch.Tensor, Dispatch]:
+    """x (T, C) -> one row per kept (token, expert) assignment, sorted by expert: (A, C).
+    The gather itself is ``ops.moe_permute`` (a Triton kernel or its PyTorch twin)."""
     k = experts.shape[1]
     flat = experts.flatten()  # (T*k,)
     slots = torch.argsort(flat, stable=True)  # stable: earlier tokens come first within an expert
@@ -121,7 +122,7 @@ def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: in
         position = torch.arange(slots.numel(), device=x.device) - starts[flat[slots]]
         slots = slots[position < capacity]
         counts = routed.clamp(max=capacity)
-    return x[slots // k], Dispatch(slots, counts, routed)
+    return ops.moe_permute(x, slots, k), Dispatch(slots, counts, routed)
 
 
 # --------------------------------------------------------------------------- 3. experts
@@ -189,15 +190,11 @@ def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_down
 # --------------------------------------------------------------------------- 4. unpermute
 
 
-def unpermute(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor) -> torch.Tensor:
-    """Expert outputs (A, C) back to their tokens: (T, C) = sum over slots of weight * output.
-
-    Each (token, slot) is written once and summed in a fixed order, so the result does not
-    depend on thread scheduling (a scatter-add would); dropped slots stay zero.
-    """
-    t, k = weights.shape
-    per_slot = y.new_zeros(t * k, y.shape[-1]).index_copy(0, dispatch.slots, y)
-    return (per_slot.view(t, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+def unpermute(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor, ops: KernelOps = REFERENCE_OPS
+              ) -> torch.Tensor:
+    """Expert outputs (A, C) back to their tokens: (T, C) = sum over slots of weight * output, summed in
+    a fixed order (no scatter-add), dropped slots zero (``ops.moe_unpermute``: kernels/reference.py)."""
+    return ops.moe_unpermute(y, dispatch.slots, weights)
 
 
 # --------------------------------------------------------------------------- the layer
@@ -278,9 +275,9 @@ class MoE(nn.Module):
         routing = route(self.router(x), self.top_k, self.scoring, self.renormalize, self.routed_scale,
                         self.expert_bias)
         capacity = expert_capacity(x.shape[0], self.top_k, self.n_experts, self.capacity_factor)
-        rows, dispatch = permute(x, routing.experts, self.n_experts, capacity)
+        rows, dispatch = permute(x, routing.experts, self.n_experts, capacity, self.ops)
         rows = self.run_experts(rows, dispatch.counts)
-        y = self.drop(unpermute(rows, dispatch, routing.weights))
+        y = self.drop(unpermute(rows, dispatch, routing.weights, self.ops))
         if self.shared is not None:
             y = y + self.shared(x)
         if self.training and torch.is_grad_enabled():
