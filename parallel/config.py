@@ -163,7 +163,8 @@ class ParallelConfig:
     )
     init_on_meta: bool = doc(
         False, "fsdp only: build the model on the meta device, shard it, then allocate and init_weights() "
-        "each shard (no rank ever holds the full model); the random init then differs from a 1-process run"
+        "each shard (no rank ever holds the full model; expert-parallel experts too); the random init then differs "
+        "from a 1-process run"
     )
     zero_offload_optimizer: bool = doc(
         False, "zero1/2/3: keep the fp32 master weights and optimizer state in CPU memory (DeepSpeed offload)"

@@ -36,7 +36,10 @@ gives the one-process gradient.
 
 Expert weights become DTensors sharded on dim 0 over the ep mesh, with their global shape, so DCP
 checkpoints of any ep size load into any other (and into one process). FSDP2 shards them further
-over the expert-data-parallel ranks; with none left they stay whole on their ep rank.
+over the expert-data-parallel ranks; with none left they stay whole on their ep rank. With
+``parallel.init_on_meta`` the same steps run on meta tensors (slicing one allocates nothing), and
+parallel/fsdp.py's ``materialize`` then allocates and draws each rank's expert shard, with the
+global-shape init's std, as it does the dense weights' shards.
 
 Composition: pipeline stages apply it to their own layers (each stage's MoE layers exchange tokens
 within the stage's ep group); context parallelism as above. Experts are never tensor-split: MoE models
