@@ -75,14 +75,19 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, rou
     return Routing(experts, weights, probs, logits)
 
 
-def load_balancing_loss(routing: Routing, n_experts: int) -> torch.Tensor:
+def load_balancing_loss(routing: Routing, n_experts: int,
+                        sum_counts: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Switch/GShard auxiliary loss E * sum_i f_i * P_i: 1.0 when load and scores are uniform.
 
     f_i (the fraction of assignments, a count) carries no gradient; P_i carries it to the router.
+    ``sum_counts`` sums the counts over the ranks holding the other (equal) parts of these sequences
+    (context parallelism): f_i is then the whole sequences' and P_i this part's, so the mean of the
+    parts' losses is the loss of the whole sequences.
     """
-    t, k = routing.experts.shape
     counts = torch.bincount(routing.experts.flatten(), minlength=n_experts)
-    fraction = counts.float() / (t * k)
+    if sum_counts is not None:
+        counts = sum_counts(counts)
+    fraction = counts.float() / counts.sum().clamp(min=1)
     return n_experts * (fraction * routing.probs.mean(dim=0)).sum()
 
 
@@ -259,6 +264,9 @@ class MoE(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.stats = RouterStats()
         self.aux_loss: torch.Tensor | None = None  # set by a training forward, taken by GPT.forward
+        # Sums a tensor over the ranks holding the other chunks of this rank's sequences (set by
+        # context parallelism, parallel/cp.py): the load-balancing loss counts whole sequences.
+        self.sum_over_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -294,7 +302,7 @@ class MoE(nn.Module):
     def _aux_loss(self, routing: Routing) -> torch.Tensor | None:
         aux = None
         if self.aux_coef:
-            aux = self.aux_coef * load_balancing_loss(routing, self.n_experts)
+            aux = self.aux_coef * load_balancing_loss(routing, self.n_experts, self.sum_over_sequence)
         if self.z_coef:
             z = self.z_coef * router_z_loss(routing)
             aux = z if aux is None else aux + z

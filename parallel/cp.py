@@ -18,7 +18,9 @@ model code has no cp in it. With cp ranks and sequences of T tokens:
     loss       each rank returns cp * (its summed token losses) / (tokens of the whole sequence), so
                the mean over the cp ranks is the mean over every token, and the gradients the cp
                ranks average (as data-parallel ranks: ``ParallelDims.fsdp_dims`` folds cp into the
-               FSDP2 shard dimension, as torchtitan does) are those of that mean.
+               FSDP2 shard dimension, as torchtitan does) are those of that mean. An MoE layer's
+               load-balancing loss takes its expert counts summed over the cp group (the whole
+               sequences' load) and its mean scores from the local tokens, so its cp mean is exact too.
 
 Every cp rank of one data-parallel rank reads the same batch (they share ``dp_rank``) and keeps its
 chunks; with a document mask the document numbers are taken from the whole sequence before the
@@ -33,6 +35,8 @@ which it takes its positions; the last stage's loss is scaled as above (``scale_
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -40,6 +44,7 @@ import torch.nn as nn
 from data.bundle import IGNORE_INDEX
 from model.attention import AttentionCore
 from model.gpt import GPT, document_positions
+from model.moe import moe_layers
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -159,6 +164,11 @@ def local_targets(targets: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
     return targets[:, local_token_index(targets.shape[1], cp, cp_rank, targets.device)]
 
 
+def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
 def apply_context_parallel(model: GPT, cp_group: dist.ProcessGroup | None) -> None:
     """Split ``model``'s sequences over ``cp_group`` (a no-op without one), in place: the GPT's
     class becomes ``ContextParallelGPT`` and each block's attention core a ``ContextParallelCore``."""
@@ -167,5 +177,7 @@ def apply_context_parallel(model: GPT, cp_group: dist.ProcessGroup | None) -> No
     cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     for block in model.blocks.values():
         block.attn.core = ContextParallelCore(block.attn.core, cp_group, cp, rank)
+    for moe in moe_layers([model]):
+        moe.sum_over_sequence = functools.partial(_all_reduce_sum, group=cp_group)
     model.cp_group, model.cp, model.cp_rank = cp_group, cp, rank
     model.__class__ = type(f"ContextParallel{type(model).__name__}", (ContextParallelGPT, type(model)), {})
