@@ -38,22 +38,26 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from model.moe import MoE, expert_mlp, moe_layers
-from parallel.values import is_dtensor
+from parallel.values import is_dtensor, local_shard
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
 class _ScaleGradient(torch.autograd.Function):
-    """Identity in forward; multiplies the gradient by ``scale`` in backward."""
+    """Identity in forward; multiplies the gradient by ``scale`` in backward, and sums it over
+    ``group`` first when there is one."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
+    def forward(ctx, x: torch.Tensor, scale: float, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.scale, ctx.group = scale, group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.group is not None:
+            grad = grad.contiguous()  # all_reduce works in place on a dense tensor
+            dist.all_reduce(grad, group=ctx.group)
+        return grad * ctx.scale, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -125,6 +129,9 @@ class ExpertParallelMoE(MoE):
 
     ep_group: dist.ProcessGroup
     ep: int
+    # The tp ranks that route other slices of the same sequences (sequence parallelism, set by
+    # parallel/tp.py): the expert gradients are summed over them. None: they route the same tokens.
+    sequence_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A copy, not the view MoE returns: FSDP2 hooks a unit's output for backward, and warns
@@ -141,13 +148,14 @@ class ExpertParallelMoE(MoE):
 
     def _local(self, w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         """This rank's experts of ``w`` (E / ep, ...) in the compute dtype, with the 1 / ep gradient
-        scale (module docstring). The cast matters where no FSDP2 unit holds the experts (no ranks
-        left after ep): nothing else turns their fp32 weights into a bf16 run's compute dtype."""
+        scale (module docstring) and the sum over ``sequence_group``. The cast matters where no FSDP2
+        unit holds the experts (no ranks left after ep): nothing else turns their fp32 weights into a
+        bf16 run's compute dtype."""
         if w is None:
             return None
         if is_dtensor(w):
             w = w.to_local()
-        return _ScaleGradient.apply(w.to(dtype), 1.0 / self.ep)
+        return _ScaleGradient.apply(w.to(dtype), 1.0 / self.ep, self.sequence_group)
 
     def extra_repr(self) -> str:
         return f"ep={self.ep}, local experts={self.n_experts // self.ep} of {self.n_experts}"
@@ -166,7 +174,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
             w = getattr(moe, name)
             if w is None:
                 continue
-            local = w.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
+            # Under tensor parallelism w is replicated over the tp ranks: each takes the same block.
+            local = local_shard(w.detach())[rank * per_rank:(rank + 1) * per_rank].clone()
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             setattr(moe, name, nn.Parameter(sharded, requires_grad=w.requires_grad))
         moe.ep_group, moe.ep = group, ep
