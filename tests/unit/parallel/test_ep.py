@@ -1,13 +1,15 @@
-"""Expert parallelism (parallel/ep.py) against one process.
+"""Expert parallelism (parallel/ep.py) and MoE layers under tensor parallelism, against one process.
 
 A dropless MoE GPT (with the Switch auxiliary loss and the z-loss on) trained for 10 steps by the
-build path under ep=2 on 2 ranks, ep=2 x dp_shard=2, ep=2 x pp=2 and dp_shard=4 without ep on 4 ranks:
-losses and gradient norms equal one process stepping on the same micro-batches (within 1e-5), and the
-first step's gradients, gathered whole, equal the one-process gradients parameter by parameter (but
-under pp, where a rank holds one stage and the norm over both stages is checked). Each layout
-resumes bit for bit from its DCP checkpoint; ep=2's checkpoint loads into one process (ep=1) and
-dp_shard=4's (ep=1) into ep=2 x dp_shard=2, each then training as the one-process reference does.
-One 2-rank and one 4-rank launch run all of it.
+build path under ep=2, tp=2 (MoE layers replicated, each tp rank routing its own sequence slice)
+and tp=2 without sequence parallelism on 2 ranks; ep=2 x dp_shard=2, ep=2 x pp=2, ep=2 x tp=2
+(each tp rank exchanging its own slice's tokens in its ep group) and dp_shard=4 without ep on 4
+ranks: losses and gradient norms equal one process stepping on the same micro-batches (within
+1e-5), and the first step's gradients, gathered whole, equal the one-process gradients parameter
+by parameter (but under pp, where a rank holds one stage and the norm over both stages is
+checked). Each layout resumes bit for bit from its DCP checkpoint; ep=2's checkpoint loads into
+one process (ep=1) and dp_shard=4's (ep=1) into ep=2 x dp_shard=2, each then training as the
+one-process reference does. One 2-rank and one 4-rank launch run all of it.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ SEQ, VOCAB, MICRO, STEPS, SAVE_AFTER = 16, 64, 2, 10, 6
 MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "mlp": "swiglu",
          "moe_experts": 4, "moe_top_k": 2, "moe_d_ff": 16, "moe_aux_loss": 0.01, "moe_z_loss": 0.001,
          "tie_embeddings": False}
-LAYOUTS = {2: {"ep2": {"ep": 2}},
+LAYOUTS = {2: {"ep2": {"ep": 2}, "tp2": {"tp": 2},
+               "tp2_no_sp": {"tp": 2, "sequence_parallel": False, "loss_parallel": False}},
            4: {"ep2_x_dp2": {"ep": 2, "dp_shard": 2}, "dp4": {"dp_shard": 4, "strategy": "fsdp"},
-               "ep2_x_pp2": {"ep": 2, "pp": 2}}}
+               "ep2_x_pp2": {"ep": 2, "pp": 2}, "ep2_x_tp2": {"ep": 2, "tp": 2}}}
 ACCUM = 2  # micro-batches per step: a pipeline needs at least pp of them
 
 
@@ -192,7 +195,7 @@ def reference(dp_size: int) -> dict:
     return one_process([dp_size] * STEPS)
 
 
-@pytest.mark.parametrize("world,name", [(2, "ep2"), (4, "ep2_x_dp2"), (4, "dp4"), (4, "ep2_x_pp2")])
+@pytest.mark.parametrize("world,name", [(world, name) for world, layouts in LAYOUTS.items() for name in layouts])
 def test_ep_training_equals_one_process(launches, world, name):
     ranks = launches["ranks"][world]
     ref = reference(ranks[0][name]["dp_size"])
@@ -200,7 +203,7 @@ def test_ep_training_equals_one_process(launches, world, name):
         got = rank_result[name]
         assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
         assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-        if name != "ep2_x_pp2":
+        if "pp" not in LAYOUTS[world][name]:
             worst = max(got["grad_err"].items(), key=lambda kv: kv[1])
             assert worst[1] < 1e-6, worst
         assert got["resumed"] == got["losses"][SAVE_AFTER:], f"resume under {name} is not bit-exact"
