@@ -18,14 +18,16 @@ class ParallelConfig:
     # --- layout (dims.py): ranks = pp x dp_replicate x dp_shard x ep x cp x tp, tp innermost (inside a node);
     # ep ranks are data-parallel ranks for the dense weights (ParallelDims' dp_shard counts them)
     tp: int = doc(1, "tensor-parallel degree: each layer's matmuls split over this many ranks of a node "
-                  "(Megatron-LM); must divide the heads, KV heads, d_ff and vocabulary")
+                  "(Megatron-LM); must divide the heads, KV heads, d_ff and vocabulary. MoE layers are not split: "
+                  "replicated over the tp ranks, each routing its own sequence slice under sequence_parallel")
     pp: int = doc(1, "pipeline-parallel stages: the layers split over this many ranks")
     cp: int = doc(1, "context-parallel degree: every sequence split over this many ranks (2*cp load-balanced "
                   "chunks, keys and values all-gathered per layer; parallel/cp.py); needs strategy=fsdp or none")
     ep: int = doc(1, "expert-parallel degree: an MoE model's routed experts split over this many data-parallel "
                   "ranks (each holds moe_experts / ep), tokens sent to their experts and back by all-to-all "
                   "(parallel/ep.py). Carved out of data parallelism: the dense weights shard over dp_shard x ep "
-                  "ranks, the experts over dp_shard; must divide model.moe_experts; needs strategy=fsdp or none")
+                  "ranks, the experts over dp_shard; with tp, each tp rank exchanges its own tokens in its ep "
+                  "group (experts replicated over tp); must divide model.moe_experts; needs strategy=fsdp or none")
     dp_replicate: int = doc(1, "data-parallel replicas; with strategy=fsdp the replicate dimension of HSDP "
                             "(across nodes)")
     dp_shard: int = doc(-1, "data-parallel ranks that shard the model (fsdp) or hold replicas (ddp, zero); "

@@ -27,8 +27,13 @@ checkpoints of any ep size load into any other (and into one process). FSDP2 sha
 over the expert-data-parallel ranks; with none left they stay whole on their ep rank.
 
 Composition: pipeline stages apply it to their own layers (each stage's MoE layers exchange tokens
-within the stage's ep group). Experts are never tensor-split: MoE models refuse tensor parallelism,
-so ep x tp is refused with them; ep x cp and init_on_meta are refused too (training/config.py).
+within the stage's ep group). Experts are never tensor-split: under tensor parallelism the MoE layer
+is replicated over the tp ranks (parallel/tp.py, applied before this), and the ep group of each tp
+rank is the ep ranks at its tp coordinate, so every tp rank runs its own all_to_alls. With sequence
+parallelism each tp rank routes its own slice of the sequence, so the expert gradients here are one
+slice's share: ``sequence_group`` sums them over the tp ranks before the 1 / ep scale. Without it the
+tp ranks exchange the same tokens and compute the same gradients. ep x cp and init_on_meta are
+refused (training/config.py).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ no TP in it. Per block, with t ranks:
                      heads, proj row-parallel with a reduce-scatter back to T/t positions
     mlp              all-gather, fc column-parallel, activation on local columns, out
                      row-parallel with a reduce-scatter
+    MoE layer        not split: router, experts and shared experts replicated over the tp ranks,
+                     each rank routing the positions it holds (``replicate_moe``)
 
 so between blocks the residual stream stays a plain (B, T/t, C) tensor on every rank, and the
 only collectives are one all-gather and one reduce-scatter per sub-layer, forward and backward
