@@ -178,9 +178,8 @@ def replicate_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
     the tp ranks (``MoE.token_mean``). Expert parallelism, applied after this, keeps ``sequence_group``
     to sum its expert gradients the same way (parallel/ep.py).
     """
-    for dense in (moe.router, moe.shared):
-        if dense is not None:
-            ReplicatedModule(tokens_split=sequence_parallel)._apply(dense, tp_mesh)
+    dense = ("router", "shared") if moe.shared is not None else ("router",)
+    parallelize_module(moe, tp_mesh, {name: ReplicatedModule(tokens_split=sequence_parallel) for name in dense})
     for name in EXPERT_WEIGHTS:
         w = getattr(moe, name)
         if w is not None:
