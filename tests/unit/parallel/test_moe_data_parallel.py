@@ -1,5 +1,5 @@
-"""A MoE GPT under DDP, FSDP2, tensor parallelism (sequence parallel: each tp rank routes its own
-slice) and a 2-stage pipeline on 2 gloo ranks trains as one process does: the same losses (the
+"""A MoE GPT under DDP, FSDP2, expert parallelism, tensor parallelism (sequence parallel: each tp
+rank routes its own slice) and a 2-stage pipeline on 2 gloo ranks trains as one process does: the same losses (the
 auxiliary losses reach every stage's routers), and the same aux-loss-free routing bias, the loads
 summed over the ranks that route other tokens (data-parallel and tp) before each update."""
 
@@ -50,6 +50,9 @@ def _worker(rank: int, world_size: int) -> dict:
     for strategy in ("ddp", "fsdp"):
         cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + [f"--parallel.strategy={strategy}"])
         results[strategy] = train(cfg, init_distributed("cpu", cfg.parallel), [rank])
+    # ep=2: the two data-parallel ranks are the ep group (no dp_shard mesh dimension of their own)
+    cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + ["--parallel.ep=2", "--parallel.strategy=fsdp"])
+    results["ep"] = train(cfg, init_distributed("cpu", cfg.parallel), [rank])
     # tp=2: both micro-batches on both ranks, each routing its half of every sequence
     cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + ["--parallel.tp=2", "--train.grad_accum_steps=2"])
     results["tp"] = train(cfg, init_distributed("cpu", cfg.parallel), [0, 1])
@@ -67,12 +70,12 @@ def ranks():
     return run_workers(_worker, 2)
 
 
-def test_moe_under_ddp_fsdp_tp_and_pp_matches_one_process(ranks):
+def test_moe_under_ddp_fsdp_ep_tp_and_pp_matches_one_process(ranks):
     cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + ["--train.grad_accum_steps=2"])
     losses, biases = train(cfg, DistContext.single(), [0, 1])
     assert any(b != 0 for b in biases[-1])  # the bias moved
     for rank in ranks:
-        for strategy in ("ddp", "fsdp", "tp"):
+        for strategy in ("ddp", "fsdp", "ep", "tp"):
             got_losses, got_biases = rank[strategy]
             assert got_losses == pytest.approx(losses, abs=1e-5), strategy
             assert got_biases == biases, strategy  # sign steps of the summed load: exactly equal
