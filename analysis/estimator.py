@@ -25,6 +25,7 @@ from model.flops import (
     count_parameters,
     flops_per_token,
     matmul_parameters,  # noqa: F401 (callers read it from here: est.matmul_parameters)
+    moe_parameters,
 )
 from parallel.config import ParallelConfig
 from parallel.precision import PrecisionConfig
@@ -126,14 +127,23 @@ def _mlp_activation_elements(cfg: ModelConfig) -> float:
     return (moe * _moe_activation_elements(cfg) + (cfg.n_layer - moe) * dense) / cfg.n_layer
 
 
+def _moe_activation_share(cfg: ModelConfig, elements: float) -> float:
+    """A MoE layer's ``elements`` per token, as the mean over layers does (0 for a dense model)."""
+    return 0.0 if cfg.moe_experts is None else cfg.n_moe_layers * elements / cfg.n_layer
+
+
+def _moe_matmul_output_elements(cfg: ModelConfig) -> float:
+    """Per token in a MoE layer: its top-k copies' and the shared experts' first matmul outputs."""
+    gated = 2 if cfg.mlp == "swiglu" else 1
+    return (cfg.moe_top_k + cfg.moe_shared_experts) * gated * cfg.expert_d_ff
+
+
 def _mlp_matmul_output_elements(cfg: ModelConfig) -> float:
     dense = (2 if cfg.mlp == "swiglu" else 1) * cfg.d_ff
     if cfg.moe_experts is None:
         return dense
-    routed = cfg.moe_top_k * (2 if cfg.mlp == "swiglu" else 1) * cfg.expert_d_ff
-    shared = cfg.moe_shared_experts * (2 if cfg.mlp == "swiglu" else 1) * cfg.expert_d_ff
     moe = cfg.n_moe_layers
-    return (moe * (routed + shared) + (cfg.n_layer - moe) * dense) / cfg.n_layer
+    return (moe * _moe_matmul_output_elements(cfg) + (cfg.n_layer - moe) * dense) / cfg.n_layer
 
 
 def activation_bytes_per_layer(
@@ -189,9 +199,12 @@ def activation_bytes_per_layer(
         scores = 4.0 * a * s * b  # fp32 log-sum-exp; the mask is regenerated from the RNG state
     else:
         scores = (2 * p + m if with_dropout else p) * a * s * s * b
+    # A MoE layer is not tensor-split (replicated over the tp GPUs, parallel/tp.py): its activations
+    # lie outside the TP region, on s/t positions per GPU only with sequence parallelism.
     if policy == "op_selective":
-        outside = h + h + h  # block input, projection output, MLP output
-        inside = (h + 2 * kv) + h + _mlp_matmul_output_elements(model_cfg)  # qkv, core output, fc
+        moe = _moe_activation_share(model_cfg, _moe_matmul_output_elements(model_cfg)) if model_cfg.moe_experts else 0.0
+        outside = h + h + h + moe  # block input, projection output, MLP output (+ MoE layers' matmul outputs)
+        inside = (h + 2 * kv) + h + _mlp_matmul_output_elements(model_cfg) - moe  # qkv, core output, fc
         core_extra = 4.0 * a * s * b if attention == "flash" else p * a * s * s * b  # lse, or the QK^T bmm output
         return _tp_split(p * tokens * outside, p * tokens * inside + core_extra, **split)
 
@@ -200,10 +213,12 @@ def activation_bytes_per_layer(
         + h  # QKV matmul input
         + h  # MLP first matmul input
     )
+    moe = _moe_activation_share(model_cfg, _moe_activation_elements(model_cfg)) if model_cfg.moe_experts else 0.0
+    outside += moe
     inside = (
         h + 2 * kv  # Q and K (for QK^T) and V (for @V)
         + h  # output projection input
-        + _mlp_activation_elements(model_cfg)
+        + _mlp_activation_elements(model_cfg) - moe
     )
     masks = 2 * m * tokens * h if with_dropout else 0  # after attention and after the MLP: outside
     core = 0.0 if policy == "selective" else scores
@@ -408,12 +423,16 @@ def comm_volume(n_params: float, strategy: str, world_size: int, precision: str)
 def block_parameters_per_gpu(cfg: ModelConfig, tp: int = 1) -> float:
     """One block's parameters on one of ``tp`` GPUs: the matmul weights (and column-parallel
     biases) are split; norm gains and the two row-parallel output biases are whole (Megatron-LM).
-    A MoE model's blocks differ (dense and MoE layers): their mean, every expert included."""
+    A MoE layer is whole (router and experts replicated over the tp GPUs, parallel/tp.py). A MoE
+    model's blocks differ (dense and MoE layers): their mean, every expert included."""
     block = blocks_parameters(cfg) / cfg.n_layer
     if tp == 1:
         return block
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-    whole = 2 * norm + (2 * cfg.d_model if cfg.bias else 0)
+    out_bias = cfg.d_model if cfg.bias else 0
+    moe_share = cfg.n_moe_layers / cfg.n_layer if cfg.moe_experts is not None else 0.0
+    mlp_whole = moe_share * (moe_parameters(cfg) if moe_share else 0) + (1 - moe_share) * out_bias
+    whole = 2 * norm + out_bias + mlp_whole
     return (block - whole) / tp + whole
 
 
@@ -963,14 +982,16 @@ def gemm_seconds(job: JobSpec, m: float, k: float, n: float) -> float:
     return max(compute, traffic)
 
 
-def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1) -> list[tuple[int, float, float]]:
+def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1, moe_split: int = 1) -> list[tuple[int, float, float]]:
     """The forward GEMMs of one transformer layer on one of ``tp`` GPUs, as (m, k, n): the fused QKV
     and the MLP's first matmul are column-parallel (n / tp), the output projection and the MLP's
     second matmul row-parallel (k / tp). Their 2*m*k*n sum to 2*tokens*(the block's matmul weights)/tp.
 
     A MoE model's mean layer: its MoE layers' share of the tokens goes to the router and, k copies
     each, spread evenly over the experts (one GEMM pair per expert, as the grouped GEMM runs them;
-    experts are not tensor-split), plus the shared experts; the rest to the dense MLP."""
+    experts are not tensor-split), plus the shared experts; the rest to the dense MLP. A MoE layer
+    runs on tokens / ``moe_split`` rows per GPU: tp under sequence parallelism (each tp GPU routes
+    its own positions), else 1 (every tp GPU runs all of them)."""
     d, f = cfg.d_model, cfg.d_ff
     gated = 2 if cfg.mlp == "swiglu" else 1
     gemms = [(tokens, d, (cfg.q_dim + 2 * cfg.kv_dim) / tp), (tokens, cfg.q_dim / tp, d)]
@@ -979,7 +1000,7 @@ def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1) -> list[tuple[int, f
         dense = tokens * (1 - moe_share)
         gemms += [(dense, d, gated * f / tp), (dense, f / tp, d)]
     if moe_share > 0:
-        routed, fe, shared = tokens * moe_share, cfg.expert_d_ff, cfg.moe_shared_experts * cfg.expert_d_ff
+        routed, fe, shared = tokens * moe_share / moe_split, cfg.expert_d_ff, cfg.moe_shared_experts * cfg.expert_d_ff
         per_expert = routed * cfg.moe_top_k / cfg.moe_experts
         gemms += [(routed, d, cfg.moe_experts)] + [(per_expert, d, gated * fe), (per_expert, fe, d)] * cfg.moe_experts
         if shared:
@@ -1118,7 +1139,7 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     layers = cfg.n_layer // job.pp
     hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
     redo_layer, redo_core, redo_elementwise = _recompute_shares(job)
-    gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t))
+    gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t, moe_split=t if job.sp else 1))
     core, scores = _attention_seconds(job, 1 + redo_core + redo_layer)
     fwd_bytes, bwd_bytes = _elementwise_bytes(job)
     elementwise = (fwd_bytes * (1 + redo_layer + redo_elementwise) + bwd_bytes) * a.elementwise_scale / hbm
@@ -1399,7 +1420,9 @@ def expert_all_to_all(job: JobSpec) -> tuple[float, float]:
     cfg = job.model
     if job.ep == 1:
         return 0.0, 0.0
-    copies = job.seq_len * job.micro_batch * cfg.moe_top_k / (job.tp * job.cp)  # a cp rank routes its chunks only
+    # Each tp GPU exchanges the copies of the positions it routes: its own s/t under sequence
+    # parallelism, all of them without; a cp rank routes its chunks only.
+    copies = job.seq_len * job.micro_batch * cfg.moe_top_k / ((job.tp if job.sp else 1) * job.cp)
     nbytes = copies * cfg.d_model * job.activation_dtype_bytes
     moe_layers = cfg.n_moe_layers / job.pp
     count = (6 if job.policy == "full" else 4) * moe_layers

@@ -28,7 +28,7 @@ from kernels.reference import rope_tables
 from kernels.registry import REFERENCE_OPS, KernelOps
 from model.attention import AttentionCore, KVCache, LayerKV
 from model.config import ModelConfig
-from model.moe import MoE, take_aux_loss, with_aux_gradient
+from model.moe import MoE, join_aux_gradient, take_aux_loss, with_aux_gradient
 from model.te import TEBlock
 
 
@@ -288,7 +288,7 @@ class GPT(nn.Module):
         if targets is None:
             return logits if aux is None else with_aux_gradient(logits, aux)
         loss = self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
-        return loss if aux is None else loss + (aux - aux.detach())
+        return loss if aux is None else join_aux_gradient(loss, aux)
 
     def document_ids(self, idx: torch.Tensor) -> torch.Tensor | None:
         """(B, T) the document number of each token under model.attention_mask=document, else None

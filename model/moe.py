@@ -75,25 +75,33 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, rou
     return Routing(experts, weights, probs, logits)
 
 
-def load_balancing_loss(routing: Routing, n_experts: int,
-                        sum_counts: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+TokenMean = Callable[[torch.Tensor], torch.Tensor]
+
+
+def load_balancing_loss(routing: Routing, n_experts: int, sum_counts: TokenMean | None = None,
+                        token_mean: TokenMean | None = None) -> torch.Tensor:
     """Switch/GShard auxiliary loss E * sum_i f_i * P_i: 1.0 when load and scores are uniform.
 
     f_i (the fraction of assignments, a count) carries no gradient; P_i carries it to the router.
     ``sum_counts`` sums the counts over the ranks holding the other (equal) parts of these sequences
-    (context parallelism): f_i is then the whole sequences' and P_i this part's, so the mean of the
-    parts' losses is the loss of the whole sequences.
+    whose losses are averaged later (context parallelism): f_i is then the whole sequences' and P_i
+    this part's, so the mean of the parts' losses is the loss of the whole sequences. ``token_mean``
+    turns this rank's means into those over every rank holding a slice of the same tokens and the
+    same loss (``MoE.token_mean``, tensor parallelism's sequence slices).
     """
     counts = torch.bincount(routing.experts.flatten(), minlength=n_experts)
     if sum_counts is not None:
         counts = sum_counts(counts)
-    fraction = counts.float() / counts.sum().clamp(min=1)
-    return n_experts * (fraction * routing.probs.mean(dim=0)).sum()
+    means = torch.stack([counts.float() / counts.sum().clamp(min=1), routing.probs.mean(dim=0)])  # (2, E): f, P
+    if token_mean is not None:
+        means = token_mean(means)
+    return n_experts * (means[0] * means[1]).sum()
 
 
-def router_z_loss(routing: Routing) -> torch.Tensor:
+def router_z_loss(routing: Routing, token_mean: TokenMean | None = None) -> torch.Tensor:
     """ST-MoE's z-loss: keeps router logits small, so the softmax stays out of its flat regions."""
-    return torch.logsumexp(routing.logits, dim=-1).square().mean()
+    z = torch.logsumexp(routing.logits, dim=-1).square().mean()
+    return z if token_mean is None else token_mean(z)
 
 
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int | None:
@@ -266,7 +274,11 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None  # set by a training forward, taken by GPT.forward
         # Sums a tensor over the ranks holding the other chunks of this rank's sequences (set by
         # context parallelism, parallel/cp.py): the load-balancing loss counts whole sequences.
-        self.sum_over_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.sum_over_sequence: TokenMean | None = None
+        # Where other ranks route the rest of these sequences' tokens (tensor parallelism's sequence
+        # slices), the mean over all of them of a per-token mean: the balancing losses are the
+        # whole batch's, as in one process. None: this rank holds every token.
+        self.token_mean: TokenMean | None = None
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -302,9 +314,9 @@ class MoE(nn.Module):
     def _aux_loss(self, routing: Routing) -> torch.Tensor | None:
         aux = None
         if self.aux_coef:
-            aux = self.aux_coef * load_balancing_loss(routing, self.n_experts, self.sum_over_sequence)
+            aux = self.aux_coef * load_balancing_loss(routing, self.n_experts, self.sum_over_sequence, self.token_mean)
         if self.z_coef:
-            z = self.z_coef * router_z_loss(routing)
+            z = self.z_coef * router_z_loss(routing, self.token_mean)
             aux = z if aux is None else aux + z
         return aux
 
@@ -350,6 +362,27 @@ class _AuxGradient(torch.autograd.Function):
 
 def with_aux_gradient(x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
     return _AuxGradient.apply(x, aux)
+
+
+class _JoinAux(torch.autograd.Function):
+    """``loss`` itself, whose gradient also goes into ``aux``: the gradient of loss + aux, with the
+    language-model loss as the value. A loss computed on vocab-sharded logits (loss parallelism) is
+    a replicated DTensor and so is its gradient; ``aux`` is a plain tensor and takes that gradient's
+    local value (adding the two directly would hand DTensor gradients to plain autograd nodes)."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype = aux.dtype
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        return grad, local.to(ctx.aux_dtype)
+
+
+def join_aux_gradient(loss: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    return _JoinAux.apply(loss, aux)
 
 
 @torch.no_grad()

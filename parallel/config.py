@@ -19,7 +19,8 @@ class ParallelConfig:
     # ep ranks are data-parallel ranks for the dense weights (ParallelDims' dp_shard counts them); with
     # cp > 1 the cp ranks are among the ep ranks: pp x dp_replicate x dp_shard x ep x tp
     tp: int = doc(1, "tensor-parallel degree: each layer's matmuls split over this many ranks of a node "
-                  "(Megatron-LM); must divide the heads, KV heads, d_ff and vocabulary")
+                  "(Megatron-LM); must divide the heads, KV heads, d_ff and vocabulary. MoE layers are not split: "
+                  "replicated over the tp ranks, each routing its own sequence slice under sequence_parallel")
     pp: int = doc(1, "pipeline-parallel stages: the layers split over this many ranks")
     cp: int = doc(1, "context-parallel degree: every sequence split over this many ranks (2*cp load-balanced "
                   "chunks, keys and values all-gathered per layer; parallel/cp.py); needs strategy=fsdp or none")
@@ -27,7 +28,8 @@ class ParallelConfig:
                   "ranks (each holds moe_experts / ep), tokens sent to their experts and back by all-to-all "
                   "(parallel/ep.py). Carved out of data parallelism x cp: the dense weights shard over dp_shard x "
                   "ep ranks, the experts over dp_shard; with cp > 1 it must be a multiple of cp (an ep group spans "
-                  "whole cp groups: dp_shard x ep ranks in all, the cp ranks among them); must divide "
+                  "whole cp groups: dp_shard x ep ranks in all, the cp ranks among them); with tp, each tp rank "
+                  "exchanges its own tokens in its ep group (experts replicated over tp); must divide "
                   "model.moe_experts; needs strategy=fsdp or none")
     dp_replicate: int = doc(1, "data-parallel replicas; with strategy=fsdp the replicate dimension of HSDP "
                             "(across nodes)")

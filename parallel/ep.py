@@ -42,8 +42,13 @@ parallel/fsdp.py's ``materialize`` then allocates and draws each rank's expert s
 global-shape init's std, as it does the dense weights' shards.
 
 Composition: pipeline stages apply it to their own layers (each stage's MoE layers exchange tokens
-within the stage's ep group); context parallelism as above. Experts are never tensor-split: MoE models
-refuse tensor parallelism, so ep x tp is refused with them.
+within the stage's ep group); context parallelism as above. Experts are never tensor-split: under
+tensor parallelism the MoE layer is replicated over the tp ranks (parallel/tp.py, applied before
+this), and the ep group of each tp rank is the ep ranks at its tp coordinate, so every tp rank runs
+its own all_to_alls. With sequence parallelism each tp rank routes its own slice of the sequence, so
+the expert gradients here are one slice's share: ``sequence_group`` sums them over the tp ranks
+before the 1 / ep scale. Without it the tp ranks exchange the same tokens and compute the same
+gradients.
 """
 
 from __future__ import annotations
@@ -53,22 +58,26 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from model.moe import MoE, expert_mlp, moe_layers
-from parallel.values import is_dtensor
+from parallel.values import is_dtensor, local_shard
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
 class _ScaleGradient(torch.autograd.Function):
-    """Identity in forward; multiplies the gradient by ``scale`` in backward."""
+    """Identity in forward; multiplies the gradient by ``scale`` in backward, and sums it over
+    ``group`` first when there is one."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
+    def forward(ctx, x: torch.Tensor, scale: float, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.scale, ctx.group = scale, group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.group is not None:
+            grad = grad.contiguous()  # all_reduce works in place on a dense tensor
+            dist.all_reduce(grad, group=ctx.group)
+        return grad * ctx.scale, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -140,6 +149,9 @@ class ExpertParallelMoE(MoE):
 
     ep_group: dist.ProcessGroup
     ep: int
+    # The tp ranks that route other slices of the same sequences (sequence parallelism, set by
+    # parallel/tp.py): the expert gradients are summed over them. None: they route the same tokens.
+    sequence_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A copy, not the view MoE returns: FSDP2 hooks a unit's output for backward, and warns
@@ -156,13 +168,14 @@ class ExpertParallelMoE(MoE):
 
     def _local(self, w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         """This rank's experts of ``w`` (E / ep, ...) in the compute dtype, with the 1 / ep gradient
-        scale (module docstring). The cast matters where no FSDP2 unit holds the experts (no ranks
-        left after ep): nothing else turns their fp32 weights into a bf16 run's compute dtype."""
+        scale (module docstring) and the sum over ``sequence_group``. The cast matters where no FSDP2
+        unit holds the experts (no ranks left after ep): nothing else turns their fp32 weights into a
+        bf16 run's compute dtype."""
         if w is None:
             return None
         if is_dtensor(w):
             w = w.to_local()
-        return _ScaleGradient.apply(w.to(dtype), 1.0 / self.ep)
+        return _ScaleGradient.apply(w.to(dtype), 1.0 / self.ep, self.sequence_group)
 
     def extra_repr(self) -> str:
         return f"ep={self.ep}, local experts={self.n_experts // self.ep} of {self.n_experts}"
@@ -181,7 +194,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
             w = getattr(moe, name)
             if w is None:
                 continue
-            local = w.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
+            # Under tensor parallelism w is replicated over the tp ranks: each takes the same block.
+            local = local_shard(w.detach())[rank * per_rank:(rank + 1) * per_rank].clone()
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             setattr(moe, name, nn.Parameter(sharded, requires_grad=w.requires_grad))
         moe.ep_group, moe.ep = group, ep

@@ -10,6 +10,8 @@ no TP in it. Per block, with t ranks:
                      heads, proj row-parallel with a reduce-scatter back to T/t positions
     mlp              all-gather, fc column-parallel, activation on local columns, out
                      row-parallel with a reduce-scatter
+    MoE layer        not split: router, experts and shared experts replicated over the tp ranks,
+                     each rank routing the positions it holds (``replicate_moe``)
 
 so between blocks the residual stream stays a plain (B, T/t, C) tensor on every rank, and the
 only collectives are one all-gather and one reduce-scatter per sub-layer, forward and backward
@@ -30,10 +32,13 @@ norms under sequence parallelism) it falls back to the PyTorch reference (``kern
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -44,6 +49,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from model.gpt import GPT
+from model.moe import MoE, expert_mlp
+from parallel.ep import EXPERT_WEIGHTS
 
 
 def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
@@ -65,9 +72,7 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
         # registered its own Parameter, so share one again (one gradient, one optimizer state).
         model.lm_head.weight = model.tok_emb.weight
     for block in model.blocks.values():
-        if block.mlp.gate is not None:  # SwiGLU: gate and up are both column-parallel
-            parallelize_module(block, tp_mesh, {"mlp.gate": ColwiseParallel()})
-        parallelize_module(block, tp_mesh, {
+        plan = {
             "norm1": _norm_style(sequence_parallel),
             # attn(x, rope, cache, documents): only the hidden states are laid out; the rest stay as they are
             "attn": PrepareModuleInput(input_layouts=(seq, None, None, None),
@@ -75,6 +80,17 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
             "attn.qkv": ColwiseParallel(),
             "attn.proj": RowwiseParallel(output_layouts=seq),
             "norm2": _norm_style(sequence_parallel),
+        }
+        if isinstance(block.mlp, MoE):
+            # The MoE layer takes the positions this rank holds as a plain tensor (its own T/t slice
+            # under sequence parallelism, the whole sequence otherwise) and returns them.
+            plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,), use_local_output=True)
+            parallelize_module(block, tp_mesh, plan)
+            replicate_moe(block.mlp, tp_mesh, sequence_parallel)
+            continue
+        if block.mlp.gate is not None:  # SwiGLU: gate and up are both column-parallel
+            parallelize_module(block, tp_mesh, {"mlp.gate": ColwiseParallel()})
+        parallelize_module(block, tp_mesh, plan | {
             "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
             "mlp.fc": ColwiseParallel(),
             "mlp.out": RowwiseParallel(output_layouts=seq),
@@ -89,22 +105,92 @@ def _norm_style(sequence_parallel: bool):
 
 
 class ReplicatedModule(ParallelStyle):
-    """Parameters replicated on the tp mesh; the whole input in, the whole output out, as plain tensors."""
+    """Parameters replicated on the tp mesh; plain tensors in and out. The input is the whole one
+    (``Replicate``) or, with ``tokens_split``, this rank's rows of it (``Shard(0)``): then each
+    weight's gradient comes out ``Partial`` (this rank's tokens' share) and is summed over the tp
+    ranks where it meets the replicated parameter (the optimizer step, or FSDP2's reduction)."""
+
+    def __init__(self, tokens_split: bool = False):
+        super().__init__()
+        self.layout = Shard(0) if tokens_split else Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for p_name, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(p_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()],
-                                                                               run_check=False)))
-
-        def to_replicated(mod, inputs, mesh):
-            return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor)
+        def to_dtensors(mod, inputs, mesh):
+            return tuple(DTensor.from_local(t, mesh, [self.layout], run_check=False) if isinstance(t, torch.Tensor)
                          and not isinstance(t, DTensor) else t for t in inputs)
 
         def to_local(mod, output, mesh):
             return output.to_local() if isinstance(output, DTensor) else output
 
-        return distribute_module(module, device_mesh, replicate, to_replicated, to_local)
+        return distribute_module(module, device_mesh, _replicate_parameters, to_dtensors, to_local)
+
+
+def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for p_name, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(p_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()],
+                                                                          run_check=False)))
+
+
+# --------------------------------------------------------------------------- MoE layers
+
+
+class _MeanOverRanks(torch.autograd.Function):
+    """The mean of ``x`` over the ranks of ``group``. Every rank's loss then holds the same mean, and
+    each hands its own ``x`` 1/n of the gradient: summed over the ranks (as the router's gradient is),
+    that is the gradient of one process's mean."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.n = dist.get_world_size(group)
+        out = x.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out / ctx.n
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad / ctx.n, None
+
+
+def mean_over_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    return _MeanOverRanks.apply(x, group)
+
+
+class ReplicatedMoE(MoE):
+    """An MoE layer whose weights are replicated DTensors on the tp mesh; its experts run on their
+    local copies (``expert_grad_placements`` says how their gradients are labelled)."""
+
+    expert_grad_placements: tuple = (Replicate(),)
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w_up, w_down, w_gate = (None if w is None else w.to_local(grad_placements=self.expert_grad_placements)
+                                for w in (self.w_up, self.w_down, self.w_gate))
+        return expert_mlp(rows, counts, w_up, w_down, w_gate, self.ops, self.gelu_approximate, self.backend)
+
+
+def replicate_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """An MoE layer under tensor parallelism: nothing split, every weight replicated over the tp ranks.
+
+    Each rank routes the tokens it holds. Without sequence parallelism those are the same on every
+    tp rank, which then compute the same thing and the same gradients (nothing to reduce). With it,
+    each rank routes its own T/t positions, so the layer costs 1/t of the work and no collective on
+    the activations, and the gradients of its weights are this rank's share: they are summed over
+    the tp ranks (``Partial``, reduced by DTensor), and the balancing losses take their means over
+    the tp ranks (``MoE.token_mean``). Expert parallelism, applied after this, keeps ``sequence_group``
+    to sum its expert gradients the same way (parallel/ep.py).
+    """
+    dense = ("router", "shared") if moe.shared is not None else ("router",)
+    parallelize_module(moe, tp_mesh, {name: ReplicatedModule(tokens_split=sequence_parallel) for name in dense})
+    for name in EXPERT_WEIGHTS:
+        w = getattr(moe, name)
+        if w is not None:
+            setattr(moe, name, nn.Parameter(DTensor.from_local(w.detach(), tp_mesh, [Replicate()], run_check=False),
+                                            requires_grad=w.requires_grad))
+    moe.__class__ = ReplicatedMoE
+    if sequence_parallel:
+        group = tp_mesh.get_group()
+        moe.expert_grad_placements = (Partial(),)
+        moe.sequence_group = group
+        moe.token_mean = functools.partial(mean_over_ranks, group=group)
 
 
 def _shard_positions(pos_emb: nn.Embedding, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:

@@ -225,9 +225,6 @@ class JobConfig:
                               "moe_experts / ep of them)")
         if p.tp > 1 and m.qk_norm:
             raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
-        if p.tp > 1 and m.moe_experts is not None:
-            raise ConfigError(f"model.moe_experts with parallel.tp={p.tp}: the tensor-parallel plan splits dense MLPs "
-                              "only; train MoE models with parallel.tp=1")
         if p.tp > 1:
             for key, value in (("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("d_ff", m.d_ff),
                                ("vocab_size", m.vocab_size)):

@@ -104,14 +104,18 @@ def read_flags(flags: list[bool | torch.Tensor]) -> list[bool]:
     return [next(values) if isinstance(f, torch.Tensor) else f for f in flags]
 
 
-def dp_all_reduce_sum(ctx: DistContext) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """Sums a tensor over the ranks that hold the same layers and see different tokens: the
-    data-parallel ranks, with the ep and cp ranks among them (the dimensions FSDP2 averages over,
-    ``ParallelDims.fsdp_dims``); None: one."""
-    mesh = ctx.fsdp_mesh()
-    if mesh is None:
+def router_load_sum(ctx: DistContext) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Sums a router load over the ranks that hold the same MoE layers and route other tokens; None: one.
+
+    Those are the data-parallel ranks, with the cp and ep ranks FSDP2 folds into them
+    (``ParallelDims.fsdp_dims``), and the tp ranks: under sequence parallelism each routes its own
+    slice of the sequences; without, all route the same tokens, a uniform factor on the sum that the
+    bias step's sign ignores.
+    """
+    meshes = [mesh for mesh in (ctx.fsdp_mesh(), ctx.submesh("tp")) if mesh is not None]
+    if not meshes:
         return None
-    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    groups = [mesh.get_group(i) for mesh in meshes for i in range(mesh.ndim)]
 
     def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
         for group in groups:
@@ -299,7 +303,7 @@ class TrainingLoop:
         self.background = ckpt.BackgroundSave()  # checkpoint.async_save: the write in flight, if any
         roots = [s.model for s in engine.steppers] if hasattr(engine, "steppers") else [engine.module()]
         self.moe = moe_layers(roots)  # this rank's MoE layers: router metrics, aux-loss-free bias
-        self.dp_sum = dp_all_reduce_sum(ctx)
+        self.load_sum = router_load_sum(ctx)
 
     # ----------------------------------------------------------------- checkpoints
 
@@ -413,7 +417,7 @@ class TrainingLoop:
                 lr = lr_at(s.step, **schedule)
                 outcome = train_step(self.engine, self.batches, t.grad_accum_steps, lr)
                 if cfg.model.moe_bias_update_rate:
-                    update_expert_bias(self.moe, cfg.model.moe_bias_update_rate, self.dp_sum)
+                    update_expert_bias(self.moe, cfg.model.moe_bias_update_rate, self.load_sum)
                 window.add(outcome, self.engine.comm_stats())
                 s.step += 1
                 self.phases.step_done(s.step)

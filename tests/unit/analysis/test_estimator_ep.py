@@ -1,6 +1,6 @@
 """Expert parallelism in the estimator and the planner: memory, all-to-all bytes and expert-sharding
-traffic against hand counts, and the planner proposing ep for Mixtral 8x7B on 64 H100s in words the
-trainer loads."""
+traffic against hand counts, MoE layers under tensor parallelism (whole, on s/t rows with sequence
+parallelism), and the planner proposing ep for Mixtral 8x7B on 64 H100s in words the trainer loads."""
 
 from __future__ import annotations
 
@@ -88,6 +88,38 @@ def test_ep_carved_out_of_dp_shard_x_cp_by_hand():
     assert est.expert_parallel_sizes(MOE, 2, "fsdp", cp=4) == [1, 4, 8]  # multiples of cp dividing dp_shard x cp
     with pytest.raises(est.EstimatorError, match="ep=2 must be a multiple of cp=4"):
         est.JobSpec(MOE, 256, 1, 8, "fsdp", ep=2, cp=4)
+
+
+def test_moe_layers_are_not_tensor_split():
+    """tp=2: attention weights halve, a MoE layer (router 128 x 8, experts) stays whole on each GPU;
+    its GEMMs run on s/2 rows with sequence parallelism and s rows without, and so do its all-to-all
+    bytes; ep=2 x tp=2 is a layout the trainer takes."""
+    d, norms, attention = 128, 2 * 128, 4 * 128 * 128
+    moe = 128 * 8 + ROUTED // 4
+    assert est.block_parameters_per_gpu(MOE, 2) == attention / 2 + norms + moe
+    tokens = 512
+
+    def flops(gemms):
+        return sum(2 * m * k * n for m, k, n in gemms)
+
+    attention_flops = 2 * tokens * attention / 2
+    moe_flops = 2 * tokens * (d * 8 + 2 * 3 * d * 64)  # router over E, then k experts' three matrices
+    assert flops(est.layer_gemms(MOE, tokens, 2, moe_split=2)) == pytest.approx(attention_flops + moe_flops / 2)
+    assert flops(est.layer_gemms(MOE, tokens, 2)) == pytest.approx(attention_flops + moe_flops)
+    sp, no_sp = job(2, tp=2), job(2, tp=2, sequence_parallel=False)
+    assert est.expert_all_to_all(no_sp)[1] == pytest.approx(2 * est.expert_all_to_all(sp)[1])
+    assert est.expert_all_to_all(sp)[1] == pytest.approx(est.expert_all_to_all(job(2))[1] / 2)
+    assert est.trainer_refusal(sp) is None and est.trainer_refusal(no_sp) is None
+    # activations: the MoE layers' lie outside the tensor-parallel region, split only with sequence parallelism
+    act = est.activation_bytes_per_layer
+    one, two, two_sp = (act(MOE, 256, 2, "none", tp=t, sequence_parallel=sp) for t, sp in ((1, False), (2, False), (2, True)))
+    assert two_sp == pytest.approx(one / 2)
+    dense_twin = ModelConfig(vocab_size=1024, max_seq_len=256, n_layer=4, n_head=4, d_model=128, mlp="swiglu",
+                             norm="rmsnorm", position="rope", bias=False, dropout=0.0, d_ff=64)
+    twin_one, twin_two = act(dense_twin, 256, 2, "none"), act(dense_twin, 256, 2, "none", tp=2)
+    # what tp=2 saves without sequence parallelism: the attention share of the tensor-parallel region only
+    mlp_inside = 2 * 256 * 2 * est._mlp_activation_elements(dense_twin)
+    assert one - two == pytest.approx((twin_one - twin_two) - mlp_inside / 2)
 
 
 def test_invalid_ep_is_one_line():

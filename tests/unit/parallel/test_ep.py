@@ -1,17 +1,19 @@
-"""Expert parallelism (parallel/ep.py) against one process.
+"""Expert parallelism (parallel/ep.py) and MoE layers under tensor parallelism, against one process.
 
 A dropless MoE GPT (with the Switch auxiliary loss and the z-loss on) trained for 10 steps by the
-build path under ep=2 on 2 ranks, ep=2 x dp_shard=2, ep=2 x pp=2, ep=4 x cp=2 (the ep group spans
-dp_shard and cp ranks), ep=2 x cp=2 x dp_shard=2 built on the meta device (init_on_meta; the ep
-group is the cp group, experts FSDP-sharded over dp_shard) and dp_shard=4 without ep on 4 ranks:
-losses and gradient norms equal one process stepping on the same micro-batches (within 1e-5), the
-first step's gradients and the last step's weights, gathered whole, equal the one-process ones
-parameter by parameter (but under pp, where a rank holds one stage and the norm over both stages is
-checked). The init_on_meta run is compared with one process started from its gathered init, and
-that init with one process's: the same constants, the same spread per weight, every expert drawn
-apart. Each layout resumes bit for bit from its DCP checkpoint; ep=2's checkpoint loads into one
-process (ep=1) and dp_shard=4's (ep=1) into ep=2 x dp_shard=2, each then training as the one-process
-reference does. One 2-rank and one 4-rank launch run all of it.
+build path under ep=2, tp=2 (MoE layers replicated, each tp rank routing its own sequence slice)
+and tp=2 without sequence parallelism on 2 ranks; ep=2 x dp_shard=2, ep=2 x pp=2, ep=2 x tp=2 (each
+tp rank exchanging its own slice's tokens in its ep group), ep=4 x cp=2 (the ep group spans dp_shard
+and cp ranks), ep=2 x cp=2 x dp_shard=2 built on the meta device (init_on_meta; the ep group is the
+cp group, experts FSDP-sharded over dp_shard) and dp_shard=4 without ep on 4 ranks: losses and
+gradient norms equal one process stepping on the same micro-batches (within 1e-5), the first step's
+gradients and the last step's weights, gathered whole, equal the one-process ones parameter by
+parameter (but under pp, where a rank holds one stage and the norm over both stages is checked). The
+init_on_meta run is compared with one process started from its gathered init, and that init with one
+process's: the same constants, the same spread per weight, every expert drawn apart. Each layout
+resumes bit for bit from its DCP checkpoint; ep=2's checkpoint loads into one process (ep=1) and
+dp_shard=4's (ep=1) into ep=2 x dp_shard=2, each then training as the one-process reference does.
+One 2-rank and one 4-rank launch run all of it.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ SEQ, VOCAB, MICRO, STEPS, SAVE_AFTER = 16, 64, 2, 10, 6
 MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "mlp": "swiglu",
          "moe_experts": 4, "moe_top_k": 2, "moe_d_ff": 16, "moe_aux_loss": 0.01, "moe_z_loss": 0.001,
          "tie_embeddings": False, "bias": False}  # a key bias has no gradient but float noise, which Adam amplifies
-LAYOUTS = {2: {"ep2": {"ep": 2}},
+LAYOUTS = {2: {"ep2": {"ep": 2}, "tp2": {"tp": 2},
+               "tp2_no_sp": {"tp": 2, "sequence_parallel": False, "loss_parallel": False}},
            4: {"ep2_x_dp2": {"ep": 2, "dp_shard": 2}, "dp4": {"dp_shard": 4, "strategy": "fsdp"},
-               "ep2_x_pp2": {"ep": 2, "pp": 2}, "ep4_x_cp2": {"ep": 4, "cp": 2},
+               "ep2_x_pp2": {"ep": 2, "pp": 2}, "ep2_x_tp2": {"ep": 2, "tp": 2}, "ep4_x_cp2": {"ep": 4, "cp": 2},
                "ep2_x_cp2_x_dp2_meta": {"ep": 2, "cp": 2, "dp_shard": 2, "strategy": "fsdp",
                                         "init_on_meta": "true"}}}
 ACCUM = 2  # micro-batches per step: a pipeline needs at least pp of them
@@ -222,8 +225,7 @@ def reference(dp_size: int) -> dict:
     return one_process([dp_size] * STEPS)
 
 
-@pytest.mark.parametrize("world,name", [(2, "ep2"), (4, "ep2_x_dp2"), (4, "dp4"), (4, "ep2_x_pp2"),
-                                        (4, "ep4_x_cp2"), (4, "ep2_x_cp2_x_dp2_meta")])
+@pytest.mark.parametrize("world,name", [(world, name) for world, layouts in LAYOUTS.items() for name in layouts])
 def test_ep_training_equals_one_process(launches, world, name):
     ranks = launches["ranks"][world]
     init = ranks[0][name]["init"]  # init_on_meta: one process starts from the weights the ranks drew
@@ -234,7 +236,7 @@ def test_ep_training_equals_one_process(launches, world, name):
         assert got["ep_rank_ok"]
         assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
         assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-        if name != "ep2_x_pp2":
+        if "pp" not in LAYOUTS[world][name]:
             worst = max(got["grad_err"].items(), key=lambda kv: kv[1])
             assert worst[1] < 1e-6, worst
             # Adam divides by sqrt(v): float noise in a near-zero gradient moves a weight by up to lr

@@ -1,7 +1,8 @@
-"""A MoE GPT under DDP, FSDP2, expert parallelism (ep=2, and ep=2 over cp=2) and a 2-stage pipeline
-on 2 gloo ranks trains as one process does: the same losses (the auxiliary losses reach every
-stage's routers), and the same aux-loss-free routing bias, the loads summed over the data-parallel
-ranks (ep and cp ranks among them) before each update."""
+"""A MoE GPT under DDP, FSDP2, expert parallelism (ep=2, and ep=2 over cp=2), tensor parallelism
+(sequence parallel: each tp rank routes its own slice) and a 2-stage pipeline on 2 gloo ranks trains
+as one process does: the same losses (the auxiliary losses reach every stage's routers), and the same
+aux-loss-free routing bias, the loads summed over the ranks that route other tokens (data-parallel,
+with the ep and cp ranks among them, and tp) before each update."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from model.moe import moe_layers, update_expert_bias
 from parallel.distributed import DistContext, init_distributed
 from training.build import build_from_config
 from training.config import load_config
-from training.loop import dp_all_reduce_sum, train_step
+from training.loop import router_load_sum, train_step
 
 STEPS, RATE, LR = 4, 0.02, 1e-2
 OVERRIDES = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.max_seq_len=16",
@@ -38,7 +39,7 @@ def train(cfg, ctx: DistContext, micro: list[int]) -> tuple[list[float], list[li
     """Losses (mean over the data-parallel ranks) and this rank's routing biases after each step."""
     built = build_from_config(cfg, ctx)
     layers = moe_layers([built.engine.module()])
-    reduce = dp_all_reduce_sum(ctx)
+    reduce = router_load_sum(ctx)
     losses, biases = [], []
     for parts in global_batches():
         out = train_step(built.engine, iter([parts[i] for i in micro]), len(micro), LR)
@@ -58,6 +59,9 @@ def _worker(rank: int, world_size: int) -> dict:
         cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + layout)
         cfg.parallel, _ = cfg.parallel.for_data_parallel(2)
         results[name] = train(cfg, init_distributed("cpu", cfg.parallel), micro(rank))
+    # tp=2: both micro-batches on both ranks, each routing its half of every sequence
+    cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + ["--parallel.tp=2", "--train.grad_accum_steps=2"])
+    results["tp"] = train(cfg, init_distributed("cpu", cfg.parallel), [0, 1])
     # two pipeline stages, one layer each; both micro-batches go through both (no routing bias:
     # refused with pipelines, see test_routing_bias_with_a_pipeline_is_refused)
     cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + PIPELINE)
@@ -72,12 +76,12 @@ def ranks():
     return run_workers(_worker, 2)
 
 
-def test_moe_under_ddp_fsdp_and_pp_matches_one_process(ranks):
+def test_moe_under_ddp_fsdp_ep_tp_and_pp_matches_one_process(ranks):
     cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + ["--train.grad_accum_steps=2"])
     losses, biases = train(cfg, DistContext.single(), [0, 1])
     assert any(b != 0 for b in biases[-1])  # the bias moved
     for rank in ranks:
-        for strategy in ("ddp", "fsdp", *EXPERT_LAYOUTS):
+        for strategy in ("ddp", "fsdp", *EXPERT_LAYOUTS, "tp"):
             got_losses, got_biases = rank[strategy]
             assert got_losses == pytest.approx(losses, abs=1e-5), strategy
             assert got_biases == biases, strategy  # sign steps of the summed load: exactly equal
