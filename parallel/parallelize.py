@@ -240,15 +240,8 @@ def apply_pipeline(parts: list[GPT], stages: list[int], n_stages: int, parallel_
         if dp_mesh is None:
             raise LayoutError(f"parallel.strategy=fsdp, but the layout leaves one data-parallel rank "
                               f"({ctx.dims.describe()}): nothing to shard over; use parallel.strategy=none")
-        fsdp_cfg = parallel_cfg
-        if parallel_cfg.pp_schedule == "zero_bubble":
-            # The split backward's input pass names the weights whose gradients the later weight
-            # pass computes by the stage's parameters at that moment: a block resharded after
-            # forward shows its shards, not the gathered weights forward used, and the weight pass
-            # then skips it. Gathered weights stay until the schedule's gradient reduction reshards them.
-            fsdp_cfg = replace(parallel_cfg, fsdp_reshard_after_forward=False)
         for part in parts:
-            apply_fsdp(part, dp_mesh, fsdp_cfg, policy, ctx.device, ctx.expert_fsdp_mesh())
+            apply_fsdp(part, dp_mesh, parallel_cfg, policy, ctx.device, ctx.expert_fsdp_mesh())
     pp_group = ctx.submesh("pp").get_group()
     pipeline, eval_pipeline = build_pipeline(parts, stages, n_stages, parallel_cfg.pp_schedule, grad_accum_steps,
                                              pp_group, ctx.device)
