@@ -137,7 +137,7 @@ def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_
 def describe_model(cfg: JobConfig, ctx: DistContext) -> list[str]:
     m, seq_len, p, d = cfg.model, cfg.seq_len, cfg.parallel, ctx.dims
     layout = {"grad_accum": cfg.train.grad_accum_steps, "tp": d.tp, "pp": d.pp, "cp": d.cp, "dp_replicate": d.dp_replicate,
-              "fsdp_reshard_after_forward": p.fsdp_reshard_after_forward}
+              "fsdp_reshard_after_forward": p.reshard_blocks_after_forward}
     if d.tp > 1:
         layout["sequence_parallel"] = p.sequence_parallel
     if d.pp > 1:

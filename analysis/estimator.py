@@ -1252,7 +1252,14 @@ def fsdp_collectives(job: JobSpec) -> tuple[int, int]:
     m = job.grad_accum
     if job.pp == 1:
         return (2 if job.fsdp_reshard_after_forward else 1) * m, m
-    return (m + 1 if job.fsdp_reshard_after_forward else 1), 1
+    return (m + 1 if reshards_after_forward(job) else 1), 1
+
+
+def reshards_after_forward(job: JobSpec) -> bool:
+    """Whether the trainer's FSDP2 blocks free their gathered weights after forward: the setting,
+    except in a zero_bubble pipeline, which keeps them for its weight-gradient pass
+    (ParallelConfig.reshard_blocks_after_forward)."""
+    return job.fsdp_reshard_after_forward and not (job.pp > 1 and job.pp_schedule == "zero_bubble")
 
 
 def _dp_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, float]:
@@ -1319,7 +1326,7 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
     elif job.strategy in ("zero3", "fsdp"):
         # gathers prefetch behind forwards (every micro-batch's with reshard_after_forward); the
         # reduce-scatter after the last backward shows
-        hideable = (m if job.fsdp_reshard_after_forward else 1) * slowest.compute / 3
+        hideable = (m if reshards_after_forward(job) else 1) * slowest.compute / 3
     else:
         hideable = 2 / 3 * slowest.compute  # the last micro-batch's backward
     if not job.dp_overlap:

@@ -350,7 +350,7 @@ def formula_comm(cfg: JobConfig, pp_rank: int, dp_size: int) -> dict[str, float]
         if p.pp > 1 and p.strategy in ("fsdp", "zero3"):
             per = STATE_BYTES[precision]
             gathers, scatters = fsdp_collectives(dataclasses.replace(
-                job, grad_accum=m, fsdp_reshard_after_forward=p.fsdp_reshard_after_forward))
+                job, grad_accum=m, fsdp_reshard_after_forward=p.reshard_blocks_after_forward))
             out["dp"] = (dp_size - 1) / dp_size * n_params * (gathers * per.param + scatters * per.grad)
         elif p.ep > 1:
             routed = rank_routed_parameters(cfg, pp_rank)

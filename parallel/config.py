@@ -71,11 +71,6 @@ class ParallelConfig:
         if self.cp > 1 and self.strategy not in ("none", "fsdp"):
             raise ConfigError(f"parallel.cp={self.cp} with parallel.strategy={self.strategy} is not supported: context-"
                               "parallel ranks reduce gradients through FSDP2's mesh; use parallel.strategy=fsdp")
-        if self.cp > 1 and self.pp > 1 and self.pp_schedule == "zero_bubble":
-            # Seen on gloo: under FSDP2 (which cp needs) the split backward left a stage's weight
-            # gradients unset, so that stage did not train.
-            raise ConfigError(f"parallel.pp_schedule=zero_bubble with parallel.cp={self.cp} is not supported (its split "
-                              "backward loses weight gradients under FSDP2); use parallel.pp_schedule=interleaved_1f1b")
         if self.ep > 1 and self.strategy not in ("none", "fsdp"):
             raise ConfigError(f"parallel.ep={self.ep} with parallel.strategy={self.strategy} is not supported: expert "
                               "parameters are sharded by FSDP2 over the ranks left after ep; use parallel.strategy=fsdp")
@@ -150,7 +145,7 @@ class ParallelConfig:
     )
     fsdp_reshard_after_forward: bool = doc(
         True, "FSDP2: free each block's gathered weights after forward and re-gather in backward; "
-        "false keeps them (more memory, one all-gather less per block)"
+        "false keeps them (more memory, one all-gather less per block); pp_schedule=zero_bubble always keeps them"
     )
     fsdp_forward_prefetch: int = doc(
         0, "FSDP2: blocks whose all-gather each block issues ahead in forward (0: none, FSDP2's default)"
@@ -223,6 +218,17 @@ class ParallelConfig:
         dp_shard = self.dp_shard * (self.ep // min(self.cp, self.ep)) if self.dp_shard != -1 else -1
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "cp": self.cp,
                 "tp": self.tp, "ep": self.ep}
+
+    @property
+    def reshard_blocks_after_forward(self) -> bool:
+        """Whether FSDP2 frees a block's gathered weights after its forward. Not in a zero_bubble
+        pipeline: the input half of its split backward lists the stage's weights by the module's
+        parameters at that moment, and a resharded block shows its shards there, not the gathered
+        weights forward used, so the weight half would skip the block (its gradients stayed None).
+        Kept gathered, they are freed by the schedule's gradient reduction at the end of the step."""
+        if self.pp > 1 and self.pp_schedule == "zero_bubble":
+            return False
+        return self.fsdp_reshard_after_forward
 
     def for_data_parallel(self, dp_size: int) -> tuple[ParallelConfig, str | None]:
         """This section as it applies to ``dp_size`` data-parallel ranks, and a log line if that

@@ -61,8 +61,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, policy: 
         _refuse_te_layers_on_meta(model)
     blocks = [block for _, block in indexed_blocks(model)]
     for block in blocks:
-        ignored = shard_experts(block, expert_mesh, reshard_after_forward=cfg.fsdp_reshard_after_forward, **common)
-        fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward, ignored_params=ignored or None,
+        ignored = shard_experts(block, expert_mesh, reshard_after_forward=cfg.reshard_blocks_after_forward, **common)
+        fully_shard(block, reshard_after_forward=cfg.reshard_blocks_after_forward, ignored_params=ignored or None,
                     **common)
     # The root's own parameters (embeddings, LM head) are needed first thing in backward, so they
     # stay gathered after forward. An explicit False: torch < 2.8 rejects None here, and from 2.8

@@ -31,6 +31,14 @@ into the bubble). The step's ``train.grad_accum_steps`` micro-batches are the pi
 micro-batches, and each micro-batch loss is scaled by 1/their number, so loss and gradients
 are those of the same run without a pipeline (the mean of the micro-batch losses).
 
+Under FSDP2 the stages keep gradients unreduced until the schedule's last backward of each stage,
+where torch's stage runs FSDP2's post-backward (reduce-scatter, reshard) itself. ``zero_bubble``
+splits each backward into an input pass and a later weight pass; the input pass records the weights
+whose gradients the weight pass computes from the stage's parameters at that moment, so a block
+resharded after forward (FSDP2's default) shows its shards there, not the gathered weights forward
+used, and its gradients are lost. A zero_bubble pipeline therefore keeps its blocks gathered from
+forward on (``ParallelConfig.reshard_blocks_after_forward``, read by parallel/fsdp.py).
+
 A stage after the first receives hidden states only, but its blocks may need what one process
 derives from the token ids: the document numbers of a document mask, and under context parallelism
 (each stage's attention gathers K/V over its cp group, parallel/cp.py) the whole sequence's length.

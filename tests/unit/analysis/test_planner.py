@@ -19,6 +19,7 @@ from analysis import estimator as est
 from common.hardware import DEVICES
 from model.config import ModelConfig
 from model.flops import count_parameters
+from parallel.config import ParallelConfig
 from tests.conftest import ROOT
 from training.config import load_config
 
@@ -476,6 +477,11 @@ def test_fsdp_collectives_per_step_follow_the_trainers_resharding():
     piped = dataclasses.replace(flat, pp=2)
     assert est.fsdp_collectives(piped) == (5, 1)  # m forwards + 1 backward, as bench_parallel measured
     assert est.fsdp_collectives(dataclasses.replace(piped, fsdp_reshard_after_forward=False)) == (1, 1)
+    # zero_bubble keeps the blocks gathered for its weight pass whatever the setting, as the trainer does
+    zero_bubble = dataclasses.replace(piped, pp_schedule="zero_bubble", pp_virtual_stages=2)
+    assert est.fsdp_collectives(zero_bubble) == (1, 1)
+    assert not ParallelConfig(pp=2, pp_schedule="zero_bubble", pp_virtual_stages=2).reshard_blocks_after_forward
+    assert ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2).reshard_blocks_after_forward
     # what each GPU sends per step over its 8 data-parallel ranks: 7/8 of (5 gathers of 2-byte weights +
     # 1 reduce-scatter of 2-byte gradients) of its stage, plus its pipeline sends
     n = max(est.stage_parameters(cfg, 1, 2, stage) for stage in (0, 1))

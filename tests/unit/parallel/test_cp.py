@@ -6,7 +6,7 @@ multi-head and grouped-query attention, the causal and the document mask; the gr
 rank's gradients summed over its cp group are cp times the whole-sequence gradient, which is what
 FSDP2's average over dp x cp turns into the mean); and the build path's FSDP2 engine over cp, cp x
 dp_shard, cp x tp, cp with selective recompute and cp x pp (1f1b with the causal mask, interleaved
-1f1b with the document mask and per-document positions; GQA) trained for 10 steps (losses, gradient norms, validation loss, the
+1f1b and zero_bubble with the document mask and per-document positions; GQA) trained for 10 steps (losses, gradient norms, validation loss, the
 first step's gradients and the weights after the last step), resumed bit for bit from its DCP
 checkpoint, and loaded into another cp size. A pipeline with the document mask and no cp checks
 that the document numbers reach the stages after the first. One 4-rank launch runs all of it.
@@ -49,11 +49,14 @@ LAYOUTS = {"cp4": {"cp": 4}, "cp2_x_dp2": {"cp": 2, "dp_shard": 2}, "cp2_x_tp2":
            "cp4_selective_recompute": {"cp": 4}, "cp2_x_pp2": {"cp": 2, "pp": 2},
            "cp2_x_pp2_interleaved_document": {"cp": 2, "pp": 2, "pp_schedule": "interleaved_1f1b",
                                               "pp_virtual_stages": 2},
+           "cp2_x_pp2_zero_bubble_document": {"cp": 2, "pp": 2, "pp_schedule": "zero_bubble",
+                                              "pp_virtual_stages": 2},
            "pp2_x_dp2_document": {"pp": 2, "dp_shard": 2}}
 DOCUMENT = {"attention_mask": "document", "eot_id": EOT, "document_positions": True}
 # Per layout, what its model (and the one-process run it is checked against) changes.
 MODEL_KEYS = {"cp4_selective_recompute": {"recompute": "selective"},  # the core, K/V gather included, rebuilt in backward
-              "cp2_x_pp2_interleaved_document": DOCUMENT | {"n_layer": 4}, "pp2_x_dp2_document": DOCUMENT}
+              "cp2_x_pp2_interleaved_document": DOCUMENT | {"n_layer": 4},
+              "cp2_x_pp2_zero_bubble_document": DOCUMENT | {"n_layer": 4}, "pp2_x_dp2_document": DOCUMENT}
 MESH_KEYS = ("pp", "dp_shard", "cp", "tp")  # the layout keys that shape the mesh (the rest: the parallel section's)
 PIPELINE_ACCUM = 2  # micro-batches per step of the pipelined layouts (pipeline micro-batches: >= pp)
 
@@ -103,9 +106,10 @@ def test_layouts_with_cp_are_validated_before_any_work():
             load_config(None, ["--parallel.cp=2", f"--parallel.strategy={strategy}"])
     both = load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--train.grad_accum_steps=2"]).parallel
     assert (both.cp, both.pp) == (2, 2)  # composed (parallel/pp.py passes every stage what cp needs)
-    with pytest.raises(ConfigError, match="parallel.pp_schedule=zero_bubble with parallel.cp=2"):
-        load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--parallel.pp_schedule=zero_bubble",
-                           "--parallel.pp_virtual_stages=2", "--model.n_layer=4", "--train.grad_accum_steps=2"])
+    zero_bubble = load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--parallel.pp_schedule=zero_bubble",
+                                     "--parallel.pp_virtual_stages=2", "--model.n_layer=4",
+                                     "--train.grad_accum_steps=2"]).parallel
+    assert zero_bubble.pp_schedule == "zero_bubble"  # its split backward under FSDP2: trained below
     resolved, note = ParallelConfig(cp=2).for_data_parallel(1)
     assert resolved.strategy == "fsdp" and "parallel.cp=2" in note
 

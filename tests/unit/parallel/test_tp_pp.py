@@ -53,6 +53,9 @@ FOUR_RANKS = {
     "fsdp_x_tp": {"strategy": "fsdp", "dp_shard": 2, "tp": 2},
     "pp_x_fsdp": {"strategy": "fsdp", "pp": 2, "dp_shard": 2},
     "pp_x_fsdp_tied": {"strategy": "fsdp", "pp": 2, "dp_shard": 2},
+    # The split backward's weight pass under FSDP2: every stage's weights must get their gradients.
+    "pp_zero_bubble_x_fsdp": {"strategy": "fsdp", "pp": 2, "dp_shard": 2, "pp_schedule": "zero_bubble",
+                              "pp_virtual_stages": 2},
     "pp_x_tp_tied": {"pp": 2, "tp": 2},
     "pp4_tied": {"pp": 4, "pp_schedule": "1f1b"},  # middle stages hold neither copy
 }
