@@ -1376,22 +1376,37 @@ def stage_state_bytes(job: JobSpec, n_params: float) -> StateBytes:
     return StateBytes(dense.param + experts.param, dense.grad + experts.grad, dense.optimizer + experts.optimizer)
 
 
+def expert_exchanges(job: JobSpec) -> float:
+    """All-to-alls of token rows per micro-batch on a stage (the mean stage): per MoE layer the
+    dispatch and the combine in forward and their gradients in backward (4), and the forward's two
+    again in backward for a layer whose forward is recomputed. That is every layer under ``full``, and
+    under ``op_selective`` too (its policy caches the GEMM and attention outputs only, so the
+    collectives run again); under ``every_k`` the MoE layers whose 1-based index k divides."""
+    cfg = job.model
+    if job.policy in ("full", "op_selective"):
+        recomputed = cfg.n_moe_layers
+    elif job.policy == "every_k":
+        k = cfg.recompute_every_k
+        recomputed = sum(1 for i in range(cfg.n_layer) if cfg.is_moe_layer(i) and (i + 1) % k == 0)
+    else:
+        recomputed = 0
+    return (4 * cfg.n_moe_layers + 2 * recomputed) / job.pp
+
+
 def expert_all_to_all(job: JobSpec) -> tuple[float, float]:
     """(seconds, bytes sent per GPU) of one micro-batch's expert-parallel all-to-alls on a stage.
 
-    Per MoE layer four exchanges of the micro-batch's top-k token copies (dispatch and combine in
-    forward, their gradients in backward), six when the layer is recomputed in full; each GPU keeps
-    the 1/ep of its copies routed to its own experts (balanced routing) and sends the rest. An
-    all-to-all is modelled as an all-gather of the same bytes (``collective_seconds``); across nodes
-    it is slower than that (many small messages), which this does not count.
+    ``expert_exchanges`` of them, each of the micro-batch's top-k token copies (d values each);
+    each GPU keeps the 1/ep of its copies routed to its own experts (balanced routing) and sends the
+    rest. An all-to-all is modelled as an all-gather of the same bytes (``collective_seconds``);
+    across nodes it is slower than that (many small messages), which this does not count.
     """
     cfg = job.model
     if job.ep == 1:
         return 0.0, 0.0
     copies = job.seq_len * job.micro_batch * cfg.moe_top_k / job.tp
     nbytes = copies * cfg.d_model * job.activation_dtype_bytes
-    moe_layers = cfg.n_moe_layers / job.pp
-    count = (6 if job.policy == "full" else 4) * moe_layers
+    count = expert_exchanges(job)
     one = collective_seconds(nbytes, job.ep, job.device, job.assumptions.link_fraction,
                              ranks_per_node=_per_node(job, job.tp, job.ep))
     return count * one, count * (job.ep - 1) / job.ep * nbytes
