@@ -106,24 +106,26 @@ def _dense_mlp_activation_elements(cfg: ModelConfig, f: int) -> int:
     return 2 * f  # GELU input and GELU output
 
 
-def _moe_activation_elements(cfg: ModelConfig) -> float:
-    """Per token in a MoE layer: each of its top-k copies keeps its permuted input row, its expert's
-    hidden activations and its output row; the router keeps fp32 logits and scores (E each), the
-    dispatch int64 slot and expert indices (k each); the shared experts keep a dense MLP's."""
+def _moe_activation_elements(cfg: ModelConfig, dtype_bytes: int) -> float:
+    """Per token in a MoE layer, in activations of ``dtype_bytes``: each of its top-k copies keeps its
+    permuted input row, its expert's hidden activations and its output row; the router keeps fp32
+    logits and scores (E each), the dispatch int64 slot and expert indices (k each), whatever the
+    activation dtype; the shared experts keep a dense MLP's."""
     k, f, e = cfg.moe_top_k, cfg.expert_d_ff, cfg.moe_experts
     copies = k * (2 * cfg.d_model + _dense_mlp_activation_elements(cfg, f))
-    router_and_dispatch = 2 * e * 2 + 2 * k * 4  # in 2-byte elements: fp32 logits and scores, int64 indices
+    router_and_dispatch = (2 * e * 4 + 2 * k * 8) / dtype_bytes  # their bytes, as activation elements
     shared = cfg.moe_shared_experts * f
     return copies + router_and_dispatch + (_dense_mlp_activation_elements(cfg, shared) if shared else 0)
 
 
-def _mlp_activation_elements(cfg: ModelConfig) -> float:
-    """Elements per token saved inside the MLP between its two matmuls (a MoE model: the mean over layers)."""
+def _mlp_activation_elements(cfg: ModelConfig, dtype_bytes: int) -> float:
+    """Elements per token saved inside the MLP between its two matmuls (a MoE model: the mean over
+    layers), in activations of ``dtype_bytes``."""
     dense = _dense_mlp_activation_elements(cfg, cfg.d_ff)
     if cfg.moe_experts is None:
         return dense
     moe = cfg.n_moe_layers
-    return (moe * _moe_activation_elements(cfg) + (cfg.n_layer - moe) * dense) / cfg.n_layer
+    return (moe * _moe_activation_elements(cfg, dtype_bytes) + (cfg.n_layer - moe) * dense) / cfg.n_layer
 
 
 def _mlp_matmul_output_elements(cfg: ModelConfig) -> float:
@@ -203,7 +205,7 @@ def activation_bytes_per_layer(
     inside = (
         h + 2 * kv  # Q and K (for QK^T) and V (for @V)
         + h  # output projection input
-        + _mlp_activation_elements(model_cfg)
+        + _mlp_activation_elements(model_cfg, p)
     )
     masks = 2 * m * tokens * h if with_dropout else 0  # after attention and after the MLP: outside
     core = 0.0 if policy == "selective" else scores
@@ -302,7 +304,7 @@ def saved_bytes_per_layer(
         norm = norm_input + 2 * 4 * n  # fp32 mean and rstd
     else:
         norm = norm_input + 4 * n * h + 4 * n  # x * rsqrt(mean(x^2)) in fp32, and the rsqrt
-    mlp = p * n * h + p * n * _mlp_activation_elements(cfg)  # first matmul input + activations
+    mlp = p * n * h + p * n * _mlp_activation_elements(cfg, p)  # first matmul input + activations
     resid_masks = 2 * mask * n * h if dropout else 0
 
     core_inputs = qkv_out + rotated_qk + rope_tables  # q, k, v are views of the qkv output

@@ -333,6 +333,10 @@ def test_moe_memory_holds_every_expert_and_the_activations_of_top_k():
     dense_job = dataclasses.replace(job, model=dense)
     saved = est.activation_bytes_per_layer(moe, 64, 2, "none", 2) - est.activation_bytes_per_layer(dense, 64, 2, "none", 2)
     assert saved == 2 * 64 * 2 * (per_token - 4 * 128)  # bytes x tokens x (moe - dense) elements
+    # fp32 activations: the router's fp32 scores and int64 indices keep their bytes, the rest doubles
+    saved_fp32 = est.activation_bytes_per_layer(moe, 64, 2, "none", 4) - est.activation_bytes_per_layer(dense, 64, 2,
+                                                                                                       "none", 4)
+    assert saved_fp32 == 64 * 2 * (4 * (2 * (2 * 64 + 4 * 32) - 4 * 128) + 2 * 8 * 4 + 2 * 2 * 8)
     assert est.estimate_memory(dense_job).params < est.estimate_memory(job).params
 
 
