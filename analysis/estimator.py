@@ -128,6 +128,16 @@ def _mlp_activation_elements(cfg: ModelConfig, dtype_bytes: int) -> float:
     return (moe * _moe_activation_elements(cfg, dtype_bytes) + (cfg.n_layer - moe) * dense) / cfg.n_layer
 
 
+def _mlp_hidden_width(cfg: ModelConfig) -> float:
+    """Hidden units one token runs through in an MLP (a MoE model: the mean over layers; a MoE layer:
+    its top-k experts and the shared ones)."""
+    if cfg.moe_experts is None:
+        return cfg.d_ff
+    moe = cfg.n_moe_layers
+    active = (cfg.moe_top_k + cfg.moe_shared_experts) * cfg.expert_d_ff
+    return (moe * active + (cfg.n_layer - moe) * cfg.d_ff) / cfg.n_layer
+
+
 def _mlp_matmul_output_elements(cfg: ModelConfig) -> float:
     dense = (2 if cfg.mlp == "swiglu" else 1) * cfg.d_ff
     if cfg.moe_experts is None:
@@ -1054,6 +1064,8 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
     read and a write each way and a 1-byte mask. Inside (split over tp): the MLP activation, GELU
     forward 2*d_ff (read, write) and backward 3*d_ff; SwiGLU 3*d_ff and 5*d_ff; rotary embeddings
     read and write q and k both ways, 2*(d + kv_dim) each way. FP8 adds the casts of the weights.
+    In a MoE layer the activation runs on each token's top-k experts and the shared ones
+    (``_mlp_hidden_width``); the permutation's gathers are not counted.
     """
     cfg, p, t = job.model, job.activation_dtype_bytes, job.tp
     tokens = job.local_seq_len * job.micro_batch
@@ -1063,7 +1075,8 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
         outside_fwd += 2 * (2 * d * p + d)
         outside_bwd += 2 * (2 * d * p + d)
     act_fwd, act_bwd = (3, 5) if cfg.mlp == "swiglu" else (2, 3)
-    inside_fwd, inside_bwd = act_fwd * cfg.d_ff * p, act_bwd * cfg.d_ff * p
+    width = _mlp_hidden_width(cfg)
+    inside_fwd, inside_bwd = act_fwd * width * p, act_bwd * width * p
     if cfg.position == "rope":
         inside_fwd += 2 * (d + cfg.kv_dim) * p
         inside_bwd += 2 * (d + cfg.kv_dim) * p
