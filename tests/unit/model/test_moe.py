@@ -347,7 +347,7 @@ def test_bad_moe_keys_are_one_line_config_errors(kw, message):
 def test_bad_moe_key_exits_2_with_one_line(capsys):
     import train
 
-    code = train.main(["--config", "configs/tiny-moe.yaml", "--model.moe_top_k=9"])
+    code = train.main(["--config", "configs/tiny-moe.yaml", "--model.moe_top_k=17"])
     assert code == 2
     err = capsys.readouterr().err.strip()
-    assert err == "config error: model.moe_top_k=9 must be between 1 and model.moe_experts=8"
+    assert err == "config error: model.moe_top_k=17 must be between 1 and model.moe_experts=16"
