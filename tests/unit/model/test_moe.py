@@ -281,7 +281,7 @@ def test_routed_scale_top_k_gives_the_dense_twins_output_scale_at_init(experts, 
     output is ~1/k the size of the dense MLP as wide as the k experts together, and with AdamW its
     output moves ~1/k as fast. moe_routed_scale = top_k (configs/tiny-moe.yaml) sums them instead:
     the dense twin's scale. Measured over three seeds' weights on the same tokens."""
-    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(0))
 
     def output_std(cfg: ModelConfig) -> float:
         stds = []
@@ -290,7 +290,7 @@ def test_routed_scale_top_k_gives_the_dense_twins_output_scale_at_init(experts, 
             stds.append(GPT(cfg).blocks["0"].mlp(x).std().item())
         return sum(stds) / len(stds)
 
-    base = dict(vocab_size=64, max_seq_len=16, n_layer=2, n_head=2, d_model=64, mlp="swiglu")
+    base = dict(vocab_size=64, max_seq_len=16, n_layer=1, n_head=2, d_model=64, mlp="swiglu")
     dense = output_std(ModelConfig(**base, d_ff=top_k * width))
     averaged = output_std(ModelConfig(**base, moe_experts=experts, moe_top_k=top_k, moe_d_ff=width))
     summed = output_std(ModelConfig(**base, moe_experts=experts, moe_top_k=top_k, moe_d_ff=width,
