@@ -213,16 +213,20 @@ def _group_of(named: dict) -> dist.ProcessGroup | None:
 
 def dimension_of_groups(mesh) -> dict[str, str]:
     """Process group name -> the mesh dimension that owns it; the data-parallel dimensions
-    (dp_shard, dp_replicate) are all "dp"."""
+    (dp_shard, dp_replicate, and edp, the ranks holding the same experts) are all "dp"."""
     names: dict[str, str] = {}
     if mesh is not None:
-        for dim in mesh.mesh_dim_names or ():
-            names.setdefault(mesh.get_group(dim).group_name, "dp" if dim.startswith("dp_") else dim)
-        if {"dp_shard", "cp"} <= set(mesh.mesh_dim_names or ()):
-            # build_mesh flattens dp_shard x cp into FSDP2's shard dimension: data parallel too
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*flattened dim from root mesh.*")
-                names.setdefault(mesh[FSDP_SHARD_CP].get_group().group_name, "dp")
+        dims = tuple(mesh.mesh_dim_names or ())
+        for dim in dims:
+            names.setdefault(mesh.get_group(dim).group_name, "dp" if dim.startswith("dp_") or dim == "edp" else dim)
+        # build_mesh flattens dp_shard x cp into FSDP2's shard dimension, and edp x ep back into
+        # dp_shard for the dense weights: data parallel too
+        flattened = [name for parts, name in (({"dp_shard", "cp"}, FSDP_SHARD_CP), ({"edp", "ep"}, "dp_shard"))
+                     if parts <= set(dims)]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flattened dim from root mesh.*")
+            for name in flattened:
+                names.setdefault(mesh[name].get_group().group_name, "dp")
     return names
 
 
@@ -230,13 +234,17 @@ def bytes_by_dimension(counter: CommBytes, mesh) -> tuple[dict[str, float], dict
     """Bytes sent per mesh dimension, and per "<dimension> <collective>": [calls, bytes].
 
     A group outside the mesh is data parallel when every dimension of the mesh is (DDP and
-    DeepSpeed reduce over the default group or groups of their own), otherwise "other"."""
+    DeepSpeed reduce over the default group or groups of their own), otherwise "other". The ep
+    ranks are data-parallel ranks too: only their all-to-alls (expert dispatch and combine) are
+    "ep"; anything else on the ep group is FSDP2 sharding the dense weights over it, "dp"."""
     names = dimension_of_groups(mesh)
-    outside = "dp" if all(dim == "dp" for dim in names.values()) else "other"
+    outside = "dp" if all(dim in ("dp", "ep") for dim in names.values()) else "other"
     totals: dict[str, float] = {}
     detail: dict[str, list] = {}
     for (group, kind), nbytes in sorted(counter.sent.items()):
         dim = names.get(group, outside)
+        if dim == "ep" and kind != "all_to_all":
+            dim = "dp"
         totals[dim] = totals.get(dim, 0.0) + nbytes
         entry = detail.setdefault(f"{dim} {kind}", [0, 0.0])
         entry[0] += counter.calls[(group, kind)]

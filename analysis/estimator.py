@@ -580,7 +580,7 @@ class JobSpec:
     tp_overlap: bool = False
     dp_overlap: bool = True
     fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
-    ep: int = 1  # parallel.ep: an MoE model's routed experts split over ep of the dp_shard GPUs
+    ep: int = 1  # parallel.ep: an MoE model's routed experts split over ep of the dp_shard x cp GPUs
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -633,8 +633,12 @@ class JobSpec:
         if self.ep > 1:
             if cfg.moe_experts is None or cfg.moe_experts % self.ep:
                 raise EstimatorError(f"ep={self.ep} must divide the model's routed experts ({cfg.moe_experts})")
-            if self.dp_shard % self.ep:
-                raise EstimatorError(f"ep={self.ep} must divide the {self.dp_shard} dp_shard GPUs it is carved out of")
+            if self.cp > 1 and self.ep % self.cp:
+                raise EstimatorError(f"ep={self.ep} must be a multiple of cp={self.cp}: an expert-parallel group spans "
+                                     "whole context-parallel groups")
+            if self.shard_group % self.ep:
+                gpus = "dp_shard x cp" if self.cp > 1 else "dp_shard"
+                raise EstimatorError(f"ep={self.ep} must divide the {self.shard_group} {gpus} GPUs it is carved out of")
 
     @property
     def dp(self) -> int:
@@ -650,6 +654,12 @@ class JobSpec:
         """GPUs that shard the model states and average gradients together: dp_shard, with the cp
         ranks folded in (they hold the same weights and see different tokens, parallel/dims.py)."""
         return self.dp_shard * self.cp
+
+    @property
+    def config_dp_shard(self) -> int:
+        """parallel.dp_shard as the trainer's config counts it: with ep, the GPUs holding the same
+        experts (ep is carved out of dp_shard x cp, parallel/dims.py)."""
+        return self.shard_group // self.ep if self.ep > 1 else self.dp_shard
 
     @property
     def local_seq_len(self) -> int:
@@ -1210,14 +1220,15 @@ def cp_comm_seconds(job: JobSpec) -> tuple[float, float]:
 
 def pp_comm_seconds(job: JobSpec) -> tuple[float, float]:
     """(seconds, bytes sent per GPU) of one micro-batch's activations and gradients between stages:
-    one of each per model chunk (``pp_virtual_stages`` of them on an interleaved GPU)."""
+    one of each per model chunk (``pp_virtual_stages`` of them on an interleaved GPU). Under context
+    parallelism each cp rank sends its seq_len / cp tokens to the same cp rank of the next stage."""
     if job.pp == 1:
         return 0.0, 0.0
     cfg, frac = job.model, job.assumptions.link_fraction
     # Each tensor-parallel rank sends 1/t of the activation: its sequence shard under sequence
     # parallelism, or its slice of the replicated tensor (Megatron's scatter/gather, which re-gathers it
     # over NVLink on the receiving stage).
-    nbytes = job.activation_dtype_bytes * job.seq_len * job.micro_batch * cfg.d_model / job.tp
+    nbytes = job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model / job.tp
     same_node = job.world_size <= job.device.gpus_per_node  # stages are the outermost mesh dimension
     link = job.device.nvlink_one_way_gb_s if same_node else job.device.network_gb_s
     sent = 2 * job.pp_virtual_stages * nbytes
@@ -1382,7 +1393,7 @@ def stage_routed_parameters(job: JobSpec) -> float:
 def stage_state_bytes(job: JobSpec, n_params: float) -> StateBytes:
     """Model-state bytes per GPU of a stage holding ``n_params``: with ep > 1 the routed experts
     are split over ep GPUs and each split sharded over the dp_shard / ep GPUs holding it; the rest
-    is sharded over the shard group as without ep (ep and cp never combine: the trainer refuses it)."""
+    is sharded over the shard group as without ep (with cp, ep is carved out of the shard group, cp included)."""
     if job.ep == 1:
         return model_state_bytes(n_params, job.strategy, job.shard_group, job.precision)
     routed = stage_routed_parameters(job)
@@ -1419,7 +1430,7 @@ def expert_all_to_all(job: JobSpec) -> tuple[float, float]:
     cfg = job.model
     if job.ep == 1:
         return 0.0, 0.0
-    copies = job.seq_len * job.micro_batch * cfg.moe_top_k / job.tp
+    copies = job.seq_len * job.micro_batch * cfg.moe_top_k / (job.tp * job.cp)  # a cp rank routes its chunks only
     nbytes = copies * cfg.d_model * job.activation_dtype_bytes
     count = expert_exchanges(job)
     one = collective_seconds(nbytes, job.ep, job.device, job.assumptions.link_fraction,
@@ -1434,17 +1445,18 @@ def _dp_and_expert_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, floa
         return _dp_comm(job, n_params)
     routed = stage_routed_parameters(job)
     dense, dense_s = _dp_comm(job, n_params - routed)
-    expert_job = dataclasses.replace(job, world_size=job.world_size // job.ep, ep=1)
+    # The GPUs holding the same experts: the shard group over ep (cp ranks are inside the ep group).
+    expert_job = dataclasses.replace(job, world_size=job.world_size // job.ep, ep=1, cp=1)
     experts, experts_s = _dp_comm(expert_job, routed / job.ep)
     return dataclasses.replace(dense, expert_sharded=experts.sent_per_gpu), dense_s + experts_s
 
 
-def expert_parallel_sizes(model_cfg: ModelConfig, dp_shard: int, strategy: str) -> list[int]:
-    """The ep degrees a job can use: 1, and with an MoE model under fsdp every divisor of dp_shard
-    that divides the routed experts."""
+def expert_parallel_sizes(model_cfg: ModelConfig, dp_shard: int, strategy: str, cp: int = 1) -> list[int]:
+    """The ep degrees a job can use: 1, and with an MoE model under fsdp every divisor of dp_shard x cp
+    that divides the routed experts and, with cp, is a multiple of cp (parallel/dims.py)."""
     if model_cfg.moe_experts is None or strategy not in ("fsdp", "zero3"):
         return [1]
-    return [e for e in _divisors(dp_shard) if model_cfg.moe_experts % e == 0]
+    return [e for e in _divisors(dp_shard * cp) if model_cfg.moe_experts % e == 0 and (e == 1 or e % cp == 0)]
 
 
 # --------------------------------------------------------------------------- planning
@@ -1460,7 +1472,7 @@ def trainer_config(job: JobSpec, base: JobConfig | None = None) -> JobConfig:
         sequence_parallel=job.sp if job.tp > 1 else base.parallel.sequence_parallel,
         fsdp_reshard_after_forward=job.fsdp_reshard_after_forward,
         fsdp_hybrid=False,  # HSDP is written as dp_replicate here
-        ep=job.ep, dp_shard=job.dp_shard // job.ep,  # the config's dp_shard excludes the ep ranks
+        ep=job.ep, dp_shard=job.config_dp_shard,  # the config's dp_shard excludes the ep ranks
     )
     return dataclasses.replace(
         base,
@@ -1485,7 +1497,7 @@ def trainer_refusal(job: JobSpec, base: JobConfig | None = None) -> str | None:
 def layout_overrides(job: JobSpec) -> list[str]:
     """The job's layout as the trainer's ``--section.key=value`` overrides (what ``layout_words`` says)."""
     words = [f"--parallel.strategy={job.strategy}", f"--parallel.dp_replicate={job.dp_replicate}",
-             f"--parallel.dp_shard={job.dp_shard // job.ep}", f"--parallel.tp={job.tp}", f"--parallel.pp={job.pp}",
+             f"--parallel.dp_shard={job.config_dp_shard}", f"--parallel.tp={job.tp}", f"--parallel.pp={job.pp}",
              f"--parallel.pp_schedule={job.pp_schedule}", f"--parallel.pp_virtual_stages={job.pp_virtual_stages}"]
     if job.tp > 1:
         words.append(f"--parallel.sequence_parallel={'true' if job.sp else 'false'}")
@@ -1625,7 +1637,7 @@ def plan_layouts(
             continue
         per_rank = global_batch // dp
         for strategy, dp_replicate, ep in [(s_, r, e) for s_, r in _data_parallel_options(dp, strategies, cp)
-                                           for e in expert_parallel_sizes(model_cfg, dp // r, s_)]:
+                                           for e in expert_parallel_sizes(model_cfg, dp // r, s_, cp)]:
             for schedule, v in _pipeline_options(model_cfg, pp, schedules, virtual_stages):
                 for policy in policies:
                     # Memory never shrinks as the micro-batch grows at a fixed global batch (GPipe
@@ -1671,7 +1683,7 @@ def layout_words(job: JobSpec) -> str:
     words = [f"strategy={job.strategy}"]
     if job.dp_replicate > 1:
         words.append(f"dp_replicate={job.dp_replicate}")
-    words += [f"dp_shard={job.dp_shard // job.ep}", f"tp={job.tp}", f"pp={job.pp}"]
+    words += [f"dp_shard={job.config_dp_shard}", f"tp={job.tp}", f"pp={job.pp}"]
     if job.ep > 1:
         words.append(f"ep={job.ep}")
     if job.pp > 1:

@@ -35,6 +35,11 @@ train.py's promotion of strategy none to ddp or fsdp), trains ``--steps`` steps,
   micro-batch), comm_volume (data parallel), and one activation (or its gradient) per
   micro-batch and pipeline neighbour.
 
+Expert-parallel rows (``ep2``, ``ep2_fsdp``; with an MoE config) also count, in every step, the bytes each
+rank sends in the all-to-alls that carry token copies to their experts and back
+(``ExpertTraffic``), against analysis/estimator.expert_all_to_all, which assumes balanced routing,
+and against ``routed_all_to_all_bytes``, the same count from the step's actual router decisions.
+
 Measured and formula differ where the engines hold or send more than the papers count; the
 notes under the tables say where. ``write_markdown`` also writes the rows as JSON next to the
 tables (same stem), which tools/reproduce.py reads.
@@ -64,15 +69,18 @@ from analysis.estimator import (
     comm_volume,
     cp_comm_seconds,
     estimate_memory,
+    expert_all_to_all,
     fsdp_collectives,
     model_state_bytes,
+    routed_parameters_per_block,
     stage_parameters,
     tp_comm_seconds,
 )
 from common.fields import choices
-from common.measure import provenance
+from common.measure import provenance, summarize
 from common.report import markdown_table, new_figure, save_figure, text_table, write_results
 from model.flops import count_parameters
+from model.moe import moe_layers
 from parallel.config import ParallelConfig
 from parallel.distributed import DistContext, init_distributed, shutdown_distributed
 from parallel.optim import lr_at
@@ -102,15 +110,21 @@ class Layout:
     dp_shard: int = 1
     pp_schedule: str = "1f1b"
     cp: int = 1
+    ep: int = 1  # expert parallelism, carved out of the data-parallel ranks (dp_shard x ep of them)
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.pp * self.dp_shard * self.cp
+        return self.tp * self.pp * self.data_ranks * self.cp
+
+    @property
+    def data_ranks(self) -> int:
+        """Data-parallel ranks: each reads its own part of the global batch."""
+        return self.dp_shard * self.ep
 
     @property
     def strategy(self) -> str:
         # What train.py promotes strategy none to on several data-parallel (or context-parallel) ranks.
-        return "fsdp" if self.dp_shard > 1 or self.cp > 1 else "none"
+        return "fsdp" if self.data_ranks > 1 or self.cp > 1 else "none"
 
     @property
     def microbatches(self) -> int:
@@ -120,16 +134,16 @@ class Layout:
     @property
     def label(self) -> str:
         """e.g. ``pp x fsdp: pp=2 dp_shard=2 (1f1b)``: the composition, then the config's words."""
-        sizes = (("pp", self.pp), ("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp))
+        sizes = (("pp", self.pp), ("dp_shard", self.dp_shard), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp))
         words = " ".join(f"{k}={v}" for k, v in sizes if v > 1) + (f" ({self.pp_schedule})" if self.pp > 1 else "")
         dims = [("fsdp" if k == "dp_shard" else k) for k, v in sizes if v > 1]
         return f"{' x '.join(dims)}: {words}" if len(dims) > 1 else words
 
     def overrides(self, global_batch: int) -> list[str]:
-        micro = global_batch // (self.dp_shard * self.microbatches)
+        micro = global_batch // (self.data_ranks * self.microbatches)
         return [f"--parallel.strategy={self.strategy}", f"--parallel.tp={self.tp}", f"--parallel.pp={self.pp}",
                 f"--parallel.dp_shard={self.dp_shard}", f"--parallel.pp_schedule={self.pp_schedule}",
-                f"--parallel.cp={self.cp}",
+                f"--parallel.cp={self.cp}", f"--parallel.ep={self.ep}",
                 f"--train.micro_batch_size={micro}", f"--train.grad_accum_steps={self.microbatches}"]
 
 
@@ -143,6 +157,11 @@ LAYOUTS = {
     # group and the cp group carries only the K/V all-gathers and reduce-scatters that the rows report.
     "cp2": Layout("cp2", dp_shard=2, cp=2),
     "cp4": Layout("cp4", dp_shard=2, cp=4),
+    # Expert parallelism (an MoE config: --config configs/tiny-moe.yaml): the experts over 2 ranks, alone
+    # (FSDP2 shards the dense weights over the same 2 ranks) and beside 2 data-parallel ranks that hold
+    # the same experts.
+    "ep2": Layout("ep2", ep=2),
+    "ep2_fsdp": Layout("ep2_fsdp", dp_shard=2, ep=2),
 }
 DEFAULT_LAYOUTS = ("tp", "pp", "fsdp_tp", "pp_fsdp")  # pp_tp_fsdp (8 ranks) with --with-3d
 UNTIED = "--model.tie_embeddings=false"
@@ -278,9 +297,25 @@ def rank_parameters(cfg: JobConfig, pp_rank: int) -> float:
     return sum(stage_parameters(cfg.model, p.tp, n_stages, s) for s in stage_ids(pp_rank, p.pp, p.pp_virtual_stages))
 
 
+def rank_routed_parameters(cfg: JobConfig, pp_rank: int) -> float:
+    """Routed expert weights among ``rank_parameters`` (all E experts, before ep splits them)."""
+    p = cfg.parallel
+    n_stages = p.pp * p.pp_virtual_stages
+    stages = len(stage_ids(pp_rank, p.pp, p.pp_virtual_stages)) if p.pp > 1 else 1
+    return cfg.model.n_layer // n_stages * stages * routed_parameters_per_block(cfg.model)
+
+
 def formula_states(cfg: JobConfig, pp_rank: int, dp_shard: int) -> dict[str, float]:
-    s = model_state_bytes(rank_parameters(cfg, pp_rank), cfg.parallel.strategy, dp_shard, cfg.precision.mode)
-    return {"params": s.param, "grads": s.grad, "optimizer": s.optimizer}
+    """Model-state bytes of this rank; ``dp_shard``: the ranks its dense weights shard over (ep and cp
+    ranks included). With ep the routed experts are split over ep ranks and each split sharded over
+    the dp_shard / ep ranks holding it (estimator.stage_state_bytes)."""
+    p, precision = cfg.parallel, cfg.precision.mode
+    n, routed = rank_parameters(cfg, pp_rank), rank_routed_parameters(cfg, pp_rank) if p.ep > 1 else 0.0
+    parts = [model_state_bytes(n - routed, p.strategy, dp_shard, precision)]
+    if routed:
+        parts.append(model_state_bytes(routed / p.ep, p.strategy, dp_shard // p.ep, precision))
+    return {"params": sum(s.param for s in parts), "grads": sum(s.grad for s in parts),
+            "optimizer": sum(s.optimizer for s in parts)}
 
 
 def formula_comm(cfg: JobConfig, pp_rank: int, dp_size: int) -> dict[str, float]:
@@ -293,7 +328,9 @@ def formula_comm(cfg: JobConfig, pp_rank: int, dp_size: int) -> dict[str, float]
     dp  comm_volume on the rank's parameters (DDP: all-reduce; ZeRO-1/2: reduce-scatter + all-gather;
         ZeRO-3/FSDP: + a second all-gather), except that a pipeline's FSDP stage runs
         estimator.fsdp_collectives' gathers (each micro-batch's forward and one backward with
-        parallel.fsdp_reshard_after_forward, else one) and one reduce-scatter per step
+        parallel.fsdp_reshard_after_forward, else one) and one reduce-scatter per step; with ep the
+        routed experts (1/ep of them) travel over the dp_size / ep ranks holding the same experts
+    The expert-parallel all-to-alls are not here: ``formula_all_to_all_bytes``.
     """
     p, m, precision = cfg.parallel, cfg.train.grad_accum_steps, cfg.precision.mode
     n_stages = p.pp * p.pp_virtual_stages
@@ -315,6 +352,10 @@ def formula_comm(cfg: JobConfig, pp_rank: int, dp_size: int) -> dict[str, float]
             gathers, scatters = fsdp_collectives(dataclasses.replace(
                 job, grad_accum=m, fsdp_reshard_after_forward=p.fsdp_reshard_after_forward))
             out["dp"] = (dp_size - 1) / dp_size * n_params * (gathers * per.param + scatters * per.grad)
+        elif p.ep > 1:
+            routed = rank_routed_parameters(cfg, pp_rank)
+            out["dp"] = (comm_volume(n_params - routed, p.strategy, dp_size, precision).sent_per_gpu
+                         + comm_volume(routed / p.ep, p.strategy, dp_size // p.ep, precision).sent_per_gpu)
         else:
             out["dp"] = comm_volume(n_params, p.strategy, dp_size, precision).sent_per_gpu
     return out
@@ -328,13 +369,43 @@ def _formula_job(cfg: JobConfig, dp_size: int) -> JobSpec:
     return JobSpec(model=cfg.model, seq_len=cfg.seq_len, micro_batch=cfg.train.micro_batch_size,
                    world_size=dp_size * p.tp * n_stages * p.cp, strategy=p.strategy, policy=cfg.model.recompute,
                    precision=cfg.precision.mode, grad_accum=max(cfg.train.grad_accum_steps, n_stages), tp=p.tp,
-                   pp=n_stages, sequence_parallel=p.sequence_parallel, cp=p.cp)
+                   pp=n_stages, sequence_parallel=p.sequence_parallel, cp=p.cp, ep=p.ep)
 
 
 def formula_kv_bytes(cfg: JobConfig, dp_size: int) -> float:
     """K/V bytes a cp rank sends per step: estimator.cp_comm_seconds per micro-batch (a forward
     all-gather and a backward reduce-scatter of the whole sequence's K and V per layer, (cp-1)/cp sent)."""
     return cfg.train.grad_accum_steps * cp_comm_seconds(_formula_job(cfg, dp_size))[1]
+
+
+def formula_all_to_all_bytes(cfg: JobConfig, dp_size: int) -> float:
+    """Bytes an ep rank sends per step in the expert-parallel all-to-alls, by the estimator
+    (estimator.expert_all_to_all per micro-batch: per MoE layer dispatch and combine in forward and
+    their gradients in backward, (ep-1)/ep of the micro-batch's top-k token copies each, as under
+    balanced routing)."""
+    return cfg.train.grad_accum_steps * expert_all_to_all(_formula_job(cfg, dp_size))[1]
+
+
+def routed_all_to_all_bytes(routed: torch.Tensor, rank: int, forwards: int, backwards: int, row_bytes: int,
+                            count_bytes: int = 8) -> float:
+    """Bytes ep rank ``rank`` sends in one step's expert-parallel all-to-alls, given how every ep rank
+    routed its tokens: what the estimator's formula becomes without its balanced-routing assumption.
+
+    ``routed`` (ep, layers, E): token copies each ep rank routed to each expert, summed over the
+    step's ``forwards`` forward passes per layer (recomputed ones included) of ``backwards``
+    micro-batches; dropless (every routed copy is computed). Rank r holds the experts
+    r*E/ep .. (r+1)*E/ep - 1 (parallel/ep.py). In each forward, dispatch sends the copies r routed to
+    other ranks' experts and combine returns the copies the other ranks routed to r's experts; each
+    backward sends the same rows the other way (a recomputed forward adds its exchanges, not a
+    backward's). Each forward also exchanges the per-expert counts: (ep-1)/ep of E ``count_bytes``
+    integers per layer.
+    """
+    ep, layers, n_experts = routed.shape
+    mine = slice(rank * n_experts // ep, (rank + 1) * n_experts // ep)
+    to_others = routed[rank].sum() - routed[rank, :, mine].sum()
+    from_others = routed[:, :, mine].sum() - routed[rank, :, mine].sum()
+    rows = float(to_others + from_others) * row_bytes * (forwards + backwards) / forwards
+    return rows + forwards * layers * n_experts * count_bytes * (ep - 1) / ep
 
 
 def formula_activation_bytes(cfg: JobConfig, dp_size: int) -> float:
@@ -374,6 +445,31 @@ class SavedActivations:
         return self._hooks.__exit__(*exc)
 
 
+class ExpertTraffic:
+    """Per step, the bytes this ep rank sent in all-to-alls over the ep group (measured by the step's
+    CommBytes) and what ``routed_all_to_all_bytes`` makes of the step's routing, read from the MoE
+    layers' router statistics and gathered over the ep group (outside the counter)."""
+
+    def __init__(self, ctx: DistContext, model: torch.nn.Module, cfg: JobConfig):
+        self.group = ctx.mesh["ep"].get_group()
+        self.layers = moe_layers([model])
+        self.rank, self.ep = ctx.mesh["ep"].get_local_rank(), ctx.mesh["ep"].size()
+        self.microbatches = cfg.train.grad_accum_steps
+        self.row_bytes = cfg.model.d_model * _formula_job(cfg, ctx.dims.dp_size).activation_dtype_bytes
+        self.measured: list[float] = []
+        self.routed: list[float] = []
+
+    def add_step(self, counter: CommBytes) -> None:
+        self.measured.append(counter.sent.get((self.group.group_name, "all_to_all"), 0.0))
+        windows = [m.stats.take_window() for m in self.layers]
+        mine = torch.stack([w["routed"] for w in windows])  # (layers, E)
+        everyone = mine.new_empty((self.ep * mine.shape[0], mine.shape[1]))  # gloo gathers along dim 0
+        torch.distributed.all_gather_into_tensor(everyone, mine.contiguous(), group=self.group)
+        forwards = int(windows[0]["forwards"])  # per layer, recomputed forwards included
+        self.routed.append(routed_all_to_all_bytes(everyone.view(self.ep, *mine.shape), self.rank, forwards,
+                                                   self.microbatches, self.row_bytes))
+
+
 def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) -> None:
     """One rank (or the single process): train like train.py, then write this rank's numbers."""
     cfg = load_config(config, overrides)
@@ -385,15 +481,20 @@ def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) ->
         engine = built.engine
         _, batches = build_batches(cfg, ctx)
         engine.train(True)
-        losses, ledger, comm, saved = [], StorageLedger(), CommBytes(), SavedActivations()
+        losses, ledger, saved = [], StorageLedger(), SavedActivations()
+        experts = ExpertTraffic(ctx, _model_of(engine), cfg) if cfg.parallel.ep > 1 else None
         schedule = cfg.optim.schedule(steps)
         for step in range(steps):
             last = step == steps - 1
             # Gradients exist between the last backward and the optimizer step that frees them.
             record = (lambda: record_params_and_grads(engine, ledger)) if last else None
-            with comm if last else contextlib.nullcontext(), saved if last else contextlib.nullcontext():
+            # Every step's all-to-alls under ep (routing changes step by step); the rest in the last.
+            comm = CommBytes() if last or experts is not None else None
+            with comm or contextlib.nullcontext(), saved if last else contextlib.nullcontext():
                 outcome = train_step(engine, batches, cfg.train.grad_accum_steps, lr_at(step, **schedule),
                                      before_optimizer_step=record)
+            if experts is not None:
+                experts.add_step(comm)
             losses.append(float(ctx.all_reduce_mean(outcome.loss.detach().clone())))
         record_optimizer(engine, ledger)
         pp_rank = ctx.dims.coordinate("pp")
@@ -406,7 +507,10 @@ def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) ->
                   "formula_comm": formula_comm(cfg, pp_rank, ctx.dims.dp_size),
                   "activations": saved.bytes, "activations_formula": formula_activation_bytes(cfg, ctx.dims.dp_size),
                   "kv": sent.get("cp", 0.0), "kv_formula": formula_kv_bytes(cfg, ctx.dims.dp_size),
-                  "micro_batch": cfg.train.micro_batch_size}
+                  "micro_batch": cfg.train.micro_batch_size,
+                  "a2a": experts.measured if experts is not None else [],
+                  "a2a_routed": experts.routed if experts is not None else [],
+                  "a2a_formula": formula_all_to_all_bytes(cfg, ctx.dims.dp_size)}
         (out / f"rank{ctx.rank}.json").write_text(json.dumps(result))
     finally:
         shutdown_distributed(ctx)
@@ -435,6 +539,9 @@ class Row:
     kv: float = 0.0  # context parallelism: K/V bytes sent in the last step, max over ranks
     kv_formula: float = 0.0
     micro_batch: int = 0  # sequences per micro-batch on a rank
+    a2a_by_rank: list[list[float]] = field(default_factory=list)  # ep: all-to-all bytes sent, per rank and step
+    a2a_routed_by_rank: list[list[float]] = field(default_factory=list)  # the same from each step's routing
+    a2a_formula: float = 0.0  # the estimator's bytes per rank and step (balanced routing)
 
 
 @dataclass(frozen=True)
@@ -510,6 +617,8 @@ def measure_row(run: Launch, plan: Plan, work: Path, reference: Row | None) -> R
         activations=max(r["activations"] for r in ranks), activations_formula=max(r["activations_formula"] for r in ranks),
         kv=max(r["kv"] for r in ranks), kv_formula=max(r["kv_formula"] for r in ranks),
         micro_batch=ranks[0]["micro_batch"],
+        a2a_by_rank=[r["a2a"] for r in ranks], a2a_routed_by_rank=[r["a2a_routed"] for r in ranks],
+        a2a_formula=max(r["a2a_formula"] for r in ranks),
     )
 
 
@@ -606,6 +715,57 @@ def cp_table(rows: list[Row], markdown: bool) -> str | None:
         body.append([r.strategy, str(r.ranks), f"{r.delta:+.1e}", _kib(measured), f"{measured / one:.3f}",
                      _kib(formula), f"{formula / one_formula:.3f}", _kib(r.kv), _kib(r.kv_formula)])
     return markdown_table(head, body) if markdown else text_table(head, body)
+
+
+def ep_table(rows: list[Row], markdown: bool) -> str | None:
+    """Expert-parallel rows: loss against their single process, and the all-to-all bytes a rank sends per
+    step against the estimator's formula, as per-step ratios, median (min-max) over the steps; None
+    without ep rows."""
+    ep_rows = [r for r in rows if r.status == "ok" and r.a2a_by_rank and any(r.a2a_by_rank)]
+    if not ep_rows:
+        return None
+    head = ["layout", "ranks", "Δ loss vs 1 proc", "all-to-all KiB/step, fullest rank", "(formula)",
+            "fullest rank / formula", "mean rank / formula", "measured vs from routing, worst rel. diff"]
+    body = []
+    for r in ep_rows:
+        steps = list(zip(*r.a2a_by_rank))  # per step: every rank's bytes
+        fullest = summarize([max(s) for s in steps])
+        worst = max(abs(m / e - 1) for ms, es in zip(r.a2a_by_rank, r.a2a_routed_by_rank) for m, e in zip(ms, es))
+        body.append([r.strategy, str(r.ranks), f"{r.delta:+.1e}",
+                     f"{fullest.median / 1024:,.1f} ({fullest.min / 1024:,.1f}-{fullest.max / 1024:,.1f})",
+                     f"{r.a2a_formula / 1024:,.1f}", _ratio_text([max(s) / r.a2a_formula for s in steps]),
+                     _ratio_text([sum(s) / len(s) / r.a2a_formula for s in steps]), f"{worst:.1e}"])
+    return markdown_table(head, body) if markdown else text_table(head, body)
+
+
+def _ratio_text(ratios: list[float]) -> str:
+    s = summarize(ratios)
+    return f"{s.median:.3f} ({s.min:.3f}-{s.max:.3f})"
+
+
+EP_NOTES = [
+    "Expert parallelism (configs/tiny-moe.yaml, dropless top-k routing): all-to-all bytes are what a rank sent "
+    "over the ep group in each step (dispatch and combine in forward, their gradients in backward, plus the "
+    "per-expert counts each forward exchanges), measured by the same counter in every step, since the routing "
+    "changes step by step; the steps' spread is over all steps of the run. Formula: "
+    "analysis/estimator.expert_all_to_all, which assumes balanced routing: each rank keeps 1/ep of its top-k "
+    "token copies and sends the rest, in each of the four exchanges per MoE layer. 'fullest rank': the rank that "
+    "sent most in the step; 'mean rank': the mean over the ep ranks, whose excess over 1 is the share of token "
+    "copies routed to another rank's experts beyond (ep-1)/ep. 'from routing': the bytes "
+    "analysis/parallel_bench.routed_all_to_all_bytes computes from the step's router counts of every rank (the "
+    "formula without its balance assumption, counts exchange included), against the measured bytes of the same "
+    "rank and step: the worst relative difference over ranks and steps.",
+    "Measured differs from the formula only through the routing: a rank sends the copies its tokens route to the "
+    "other ranks' experts (dispatch) and returns the copies the other ranks route to its own (combine), so the "
+    "fullest rank is above the formula whenever the router favours one rank's experts. At ep=2 the two ranks of a "
+    "group send the same bytes (each one's dispatch is the other's combine), so fullest and mean agree; the mean "
+    "rank's ratio is the share of token copies that left their rank over (ep-1)/ep. The per-expert counts add "
+    "(ep-1)/ep x E x 8 bytes per MoE layer and forward, which the formula "
+    "leaves out.",
+    "Loss: the Switch auxiliary loss is computed over each micro-batch's tokens, so B sequences on each of two "
+    "ranks and 2B in the single process give different (equally valid) losses; run with "
+    "--model.moe_aux_loss=0 (after '--') the ep rows train the single process's losses.",
+]
 
 
 CP_NOTES = [
@@ -706,7 +866,8 @@ def write_markdown(rows: list[Row], setting: str, nproc: int, command: str, path
              f"gloo, {nproc} processes per strategy, {where['hardware']}, torch {where['torch']}, {where['date']}")
     text = [f"# {title}", "", setting, "", table(rows, markdown=True), "",
             "Bytes sent per rank in one training step (the last), by mesh dimension:", "",
-            comm_table(rows, markdown=True), "", *_cp_section(rows), *[f"- {n}" for n in NOTES], "",
+            comm_table(rows, markdown=True), "", *_cp_section(rows), *_ep_section(rows), *[f"- {n}" for n in NOTES],
+            "",
             f"Command: `{command}`", ""]
     return write_results(path, "\n".join(text), title, rows, provenance=where, setting=setting, nproc=nproc,
                          command=command, notes=NOTES)
@@ -718,3 +879,11 @@ def _cp_section(rows: list[Row]) -> list[str]:
         return []
     return ["Context parallelism: loss, activations per rank and K/V traffic:", "", table_md, "",
             *[f"- {n}" for n in CP_NOTES], ""]
+
+
+def _ep_section(rows: list[Row]) -> list[str]:
+    table_md = ep_table(rows, markdown=True)
+    if table_md is None:
+        return []
+    return ["Expert parallelism: loss and all-to-all traffic per step:", "", table_md, "",
+            *[f"- {n}" for n in EP_NOTES], ""]

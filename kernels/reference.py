@@ -106,3 +106,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: b
         s = sin[: x.shape[1]].unsqueeze(1)
     out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).to(x.dtype)
     return x.copy_(out) if inplace else out
+
+
+def moe_permute(x: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Token rows x (T, C) -> one row per kept assignment (A, C): row i is token slots[i] // top_k.
+    ``slots`` are flat (token, choice) indices t*top_k + j, sorted by expert (model/moe.py)."""
+    return x[slots // top_k]
+
+
+def moe_unpermute(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Expert outputs y (A, C) back to their tokens: (T, C) = sum over a token's slots of weight * row.
+
+    Each (token, slot) is written once and summed in a fixed order, so the result does not depend
+    on thread scheduling (a scatter-add would); dropped slots stay zero.
+    """
+    t, k = weights.shape
+    per_slot = y.new_zeros(t * k, y.shape[-1]).index_copy(0, slots, y)
+    return (per_slot.view(t, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)

@@ -38,6 +38,8 @@ TRITON_OPS = {
     "swiglu": ("swiglu", "swiglu"),
     "cross_entropy": ("cross_entropy", "cross_entropy"),
     "apply_rope": ("rope", "apply_rope"),
+    "moe_permute": ("moe_permute", "moe_permute"),
+    "moe_unpermute": ("moe_permute", "moe_unpermute"),
 }
 
 
@@ -51,6 +53,8 @@ class KernelOps:
     cross_entropy: Callable
     apply_rope: Callable
     layer_norm_gelu: Callable = reference.layer_norm_gelu
+    moe_permute: Callable = reference.moe_permute
+    moe_unpermute: Callable = reference.moe_unpermute
 
 
 REFERENCE_OPS = KernelOps(
@@ -62,6 +66,8 @@ REFERENCE_OPS = KernelOps(
     cross_entropy=reference.cross_entropy,
     apply_rope=reference.apply_rope,
     layer_norm_gelu=reference.layer_norm_gelu,
+    moe_permute=reference.moe_permute,
+    moe_unpermute=reference.moe_unpermute,
 )
 
 
@@ -117,12 +123,18 @@ def build_triton_ops() -> KernelOps:
         field: KernelWithFallback(
             field,
             getattr(modules[module], function),
-            modules[module].unsupported_reason,
+            _unsupported_reason(modules[module], function),
             getattr(reference, field),
         )
         for field, (module, function) in TRITON_OPS.items()
     }
     return KernelOps(backend="triton", **ops)
+
+
+def _unsupported_reason(module, function: str) -> Callable:
+    """The op file's check for ``function``: its ``unsupported_reason``, or, in a file whose ops take
+    different arguments, the entry of its ``UNSUPPORTED_REASONS``."""
+    return getattr(module, "UNSUPPORTED_REASONS", {}).get(function, getattr(module, "unsupported_reason", None))
 
 
 def resolve_kernel_ops(backend: str, device: torch.device) -> tuple[KernelOps, str]:

@@ -41,6 +41,17 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
+def document_ids(cfg: ModelConfig, idx: torch.Tensor) -> torch.Tensor | None:
+    """(B, T) the document number of each token id under model.attention_mask=document, else None.
+    A document ends with (and includes) its end-of-text token; the next token starts another."""
+    if cfg.attention_mask != "document":
+        return None
+    if cfg.eot_id is None:
+        raise ValueError("model.attention_mask=document needs model.eot_id (the end-of-text id)")
+    ends = (idx == cfg.eot_id).int()
+    return ends.cumsum(1) - ends  # end-of-text tokens before this one
+
+
 class Norm(nn.Module):
     """LayerNorm or RMSNorm whose statistics are computed in fp32 whatever the input dtype.
 
@@ -280,14 +291,9 @@ class GPT(nn.Module):
         return loss if aux is None else loss + (aux - aux.detach())
 
     def document_ids(self, idx: torch.Tensor) -> torch.Tensor | None:
-        """(B, T) the document number of each token under model.attention_mask=document, else None.
-        A document ends with (and includes) its end-of-text token; the next token starts another."""
-        if self.cfg.attention_mask != "document" or self.tok_emb is None:
-            return None
-        if self.cfg.eot_id is None:
-            raise ValueError("model.attention_mask=document needs model.eot_id (the end-of-text id)")
-        ends = (idx == self.cfg.eot_id).int()
-        return ends.cumsum(1) - ends  # end-of-text tokens before this one
+        """(B, T) the document number of each token under model.attention_mask=document, else None
+        (also for a pipeline stage without the embedding: its input is hidden states, not ids)."""
+        return None if self.tok_emb is None else document_ids(self.cfg, idx)
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Unique parameters (a tied head counts once); optionally without the embedding tables."""

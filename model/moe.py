@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from common.errors import CapabilityError
-from kernels.registry import KernelOps
+from kernels.registry import REFERENCE_OPS, KernelOps
 from model.config import ModelConfig
 
 EXPERT_BACKENDS = ("grouped_mm", "loop")
@@ -75,14 +75,19 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, rou
     return Routing(experts, weights, probs, logits)
 
 
-def load_balancing_loss(routing: Routing, n_experts: int) -> torch.Tensor:
+def load_balancing_loss(routing: Routing, n_experts: int,
+                        sum_counts: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Switch/GShard auxiliary loss E * sum_i f_i * P_i: 1.0 when load and scores are uniform.
 
     f_i (the fraction of assignments, a count) carries no gradient; P_i carries it to the router.
+    ``sum_counts`` sums the counts over the ranks holding the other (equal) parts of these sequences
+    (context parallelism): f_i is then the whole sequences' and P_i this part's, so the mean of the
+    parts' losses is the loss of the whole sequences.
     """
-    t, k = routing.experts.shape
     counts = torch.bincount(routing.experts.flatten(), minlength=n_experts)
-    fraction = counts.float() / (t * k)
+    if sum_counts is not None:
+        counts = sum_counts(counts)
+    fraction = counts.float() / counts.sum().clamp(min=1)
     return n_experts * (fraction * routing.probs.mean(dim=0)).sum()
 
 
@@ -108,9 +113,10 @@ class Dispatch:
     routed: torch.Tensor  # (E,) token copies routed to each expert (before capacity)
 
 
-def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: int | None
-            ) -> tuple[torch.Tensor, Dispatch]:
-    """x (T, C) -> one row per kept (token, expert) assignment, sorted by expert: (A, C)."""
+def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: int | None,
+            ops: KernelOps = REFERENCE_OPS) -> tuple[torch.Tensor, Dispatch]:
+    """x (T, C) -> one row per kept (token, expert) assignment, sorted by expert: (A, C).
+    The gather itself is ``ops.moe_permute`` (a Triton kernel or its PyTorch twin)."""
     k = experts.shape[1]
     flat = experts.flatten()  # (T*k,)
     slots = torch.argsort(flat, stable=True)  # stable: earlier tokens come first within an expert
@@ -121,7 +127,7 @@ def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: in
         position = torch.arange(slots.numel(), device=x.device) - starts[flat[slots]]
         slots = slots[position < capacity]
         counts = routed.clamp(max=capacity)
-    return x[slots // k], Dispatch(slots, counts, routed)
+    return ops.moe_permute(x, slots, k), Dispatch(slots, counts, routed)
 
 
 # --------------------------------------------------------------------------- 3. experts
@@ -189,15 +195,11 @@ def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_down
 # --------------------------------------------------------------------------- 4. unpermute
 
 
-def unpermute(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor) -> torch.Tensor:
-    """Expert outputs (A, C) back to their tokens: (T, C) = sum over slots of weight * output.
-
-    Each (token, slot) is written once and summed in a fixed order, so the result does not
-    depend on thread scheduling (a scatter-add would); dropped slots stay zero.
-    """
-    t, k = weights.shape
-    per_slot = y.new_zeros(t * k, y.shape[-1]).index_copy(0, dispatch.slots, y)
-    return (per_slot.view(t, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+def unpermute(y: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor, ops: KernelOps = REFERENCE_OPS
+              ) -> torch.Tensor:
+    """Expert outputs (A, C) back to their tokens: (T, C) = sum over slots of weight * output, summed in
+    a fixed order (no scatter-add), dropped slots zero (``ops.moe_unpermute``: kernels/reference.py)."""
+    return ops.moe_unpermute(y, dispatch.slots, weights)
 
 
 # --------------------------------------------------------------------------- the layer
@@ -262,6 +264,9 @@ class MoE(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.stats = RouterStats()
         self.aux_loss: torch.Tensor | None = None  # set by a training forward, taken by GPT.forward
+        # Sums a tensor over the ranks holding the other chunks of this rank's sequences (set by
+        # context parallelism, parallel/cp.py): the load-balancing loss counts whole sequences.
+        self.sum_over_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -278,9 +283,9 @@ class MoE(nn.Module):
         routing = route(self.router(x), self.top_k, self.scoring, self.renormalize, self.routed_scale,
                         self.expert_bias)
         capacity = expert_capacity(x.shape[0], self.top_k, self.n_experts, self.capacity_factor)
-        rows, dispatch = permute(x, routing.experts, self.n_experts, capacity)
+        rows, dispatch = permute(x, routing.experts, self.n_experts, capacity, self.ops)
         rows = self.run_experts(rows, dispatch.counts)
-        y = self.drop(unpermute(rows, dispatch, routing.weights))
+        y = self.drop(unpermute(rows, dispatch, routing.weights, self.ops))
         if self.shared is not None:
             y = y + self.shared(x)
         if self.training and torch.is_grad_enabled():
@@ -297,7 +302,7 @@ class MoE(nn.Module):
     def _aux_loss(self, routing: Routing) -> torch.Tensor | None:
         aux = None
         if self.aux_coef:
-            aux = self.aux_coef * load_balancing_loss(routing, self.n_experts)
+            aux = self.aux_coef * load_balancing_loss(routing, self.n_experts, self.sum_over_sequence)
         if self.z_coef:
             z = self.z_coef * router_z_loss(routing)
             aux = z if aux is None else aux + z

@@ -16,7 +16,8 @@ class ParallelConfig:
         "none", "data-parallel strategy applied to the built model"
     )
     # --- layout (dims.py): ranks = pp x dp_replicate x dp_shard x ep x cp x tp, tp innermost (inside a node);
-    # ep ranks are data-parallel ranks for the dense weights (ParallelDims' dp_shard counts them)
+    # ep ranks are data-parallel ranks for the dense weights (ParallelDims' dp_shard counts them); with
+    # cp > 1 the cp ranks are among the ep ranks: pp x dp_replicate x dp_shard x ep x tp
     tp: int = doc(1, "tensor-parallel degree: each layer's matmuls split over this many ranks of a node "
                   "(Megatron-LM); must divide the heads, KV heads, d_ff and vocabulary")
     pp: int = doc(1, "pipeline-parallel stages: the layers split over this many ranks")
@@ -24,13 +25,15 @@ class ParallelConfig:
                   "chunks, keys and values all-gathered per layer; parallel/cp.py); needs strategy=fsdp or none")
     ep: int = doc(1, "expert-parallel degree: an MoE model's routed experts split over this many data-parallel "
                   "ranks (each holds moe_experts / ep), tokens sent to their experts and back by all-to-all "
-                  "(parallel/ep.py). Carved out of data parallelism: the dense weights shard over dp_shard x ep "
-                  "ranks, the experts over dp_shard; must divide model.moe_experts; needs strategy=fsdp or none")
+                  "(parallel/ep.py). Carved out of data parallelism x cp: the dense weights shard over dp_shard x "
+                  "ep ranks, the experts over dp_shard; with cp > 1 it must be a multiple of cp (an ep group spans "
+                  "whole cp groups: dp_shard x ep ranks in all, the cp ranks among them); must divide "
+                  "model.moe_experts; needs strategy=fsdp or none")
     dp_replicate: int = doc(1, "data-parallel replicas; with strategy=fsdp the replicate dimension of HSDP "
                             "(across nodes)")
     dp_shard: int = doc(-1, "data-parallel ranks that shard the model (fsdp) or hold replicas (ddp, zero); "
                         "-1: every rank the other dimensions leave; with ep > 1 the ranks holding the same experts "
-                        "(ep x dp_shard ranks shard the dense weights)")
+                        "(ep x dp_shard ranks shard the dense weights, cp ranks among them when cp > 1)")
     sequence_parallel: bool = doc(True, "with tp > 1: norms, dropout and the residual stream split over the "
                                   "sequence too (Korthikanti et al. 2022); activations / tp")
     loss_parallel: bool = doc(True, "with tp > 1: cross-entropy on vocab-sharded logits, never gathered whole")
@@ -66,14 +69,17 @@ class ParallelConfig:
         if self.cp > 1 and self.strategy not in ("none", "fsdp"):
             raise ConfigError(f"parallel.cp={self.cp} with parallel.strategy={self.strategy} is not supported: context-"
                               "parallel ranks reduce gradients through FSDP2's mesh; use parallel.strategy=fsdp")
-        if self.cp > 1 and self.pp > 1:
-            raise ConfigError(f"parallel.cp={self.cp} with parallel.pp={self.pp} is not supported (pipeline stages "
-                              "do not pass token positions on); use one of them")
+        if self.cp > 1 and self.pp > 1 and self.pp_schedule == "zero_bubble":
+            # Seen on gloo: under FSDP2 (which cp needs) the split backward left a stage's weight
+            # gradients unset, so that stage did not train.
+            raise ConfigError(f"parallel.pp_schedule=zero_bubble with parallel.cp={self.cp} is not supported (its split "
+                              "backward loses weight gradients under FSDP2); use parallel.pp_schedule=interleaved_1f1b")
         if self.ep > 1 and self.strategy not in ("none", "fsdp"):
             raise ConfigError(f"parallel.ep={self.ep} with parallel.strategy={self.strategy} is not supported: expert "
                               "parameters are sharded by FSDP2 over the ranks left after ep; use parallel.strategy=fsdp")
-        if self.ep > 1 and self.cp > 1:
-            raise ConfigError(f"parallel.ep={self.ep} with parallel.cp={self.cp} is not supported; use one of them")
+        if self.ep > 1 and self.cp > 1 and self.ep % self.cp:
+            raise ConfigError(f"parallel.ep={self.ep} with parallel.cp={self.cp}: an expert-parallel group spans whole "
+                              "context-parallel groups, so ep must be a multiple of cp; choose ep = cp x n")
         if self.ep > 1 and self.fsdp_hybrid:
             raise ConfigError(f"parallel.ep={self.ep} with parallel.fsdp_hybrid: set parallel.dp_replicate and "
                               "parallel.dp_shard instead")
@@ -159,7 +165,8 @@ class ParallelConfig:
     )
     init_on_meta: bool = doc(
         False, "fsdp only: build the model on the meta device, shard it, then allocate and init_weights() "
-        "each shard (no rank ever holds the full model); the random init then differs from a 1-process run"
+        "each shard (no rank ever holds the full model; expert-parallel experts too); the random init then differs "
+        "from a 1-process run"
     )
     zero_offload_optimizer: bool = doc(
         False, "zero1/2/3: keep the fp32 master weights and optimizer state in CPU memory (DeepSpeed offload)"
@@ -210,7 +217,8 @@ class ParallelConfig:
         if self.fsdp_hybrid:
             return {"pp": 1, "dp_replicate": nodes, "dp_shard": ranks_per_node, "tp": 1}
         # ParallelDims' dp_shard counts every rank the dense weights shard over, the ep ranks among them.
-        dp_shard = self.dp_shard * self.ep if self.dp_shard != -1 else -1
+        # With cp, an ep group spans cp ranks and ep / cp dp_shard ranks (parallel/dims.py).
+        dp_shard = self.dp_shard * (self.ep // min(self.cp, self.ep)) if self.dp_shard != -1 else -1
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "cp": self.cp,
                 "tp": self.tp, "ep": self.ep}
 

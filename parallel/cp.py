@@ -18,14 +18,24 @@ model code has no cp in it. With cp ranks and sequences of T tokens:
     loss       each rank returns cp * (its summed token losses) / (tokens of the whole sequence), so
                the mean over the cp ranks is the mean over every token, and the gradients the cp
                ranks average (as data-parallel ranks: ``ParallelDims.fsdp_dims`` folds cp into the
-               FSDP2 shard dimension, as torchtitan does) are those of that mean.
+               FSDP2 shard dimension, as torchtitan does) are those of that mean. An MoE layer's
+               load-balancing loss takes its expert counts summed over the cp group (the whole
+               sequences' load) and its mean scores from the local tokens, so its cp mean is exact too.
 
 Every cp rank of one data-parallel rank reads the same batch (they share ``dp_rank``) and keeps its
 chunks; with a document mask the document numbers are taken from the whole sequence before the
 split, so a chunk knows which document its first token continues.
+
+Under pipeline parallelism every stage is made context-parallel over its own cp group (the cp ranks
+of one stage gather K/V among themselves). The first stage cuts the token ids into this rank's
+chunks; a later stage receives only the hidden states of those chunks, so the pipeline gives every
+stage the whole sequence's length and document numbers with its micro-batch (parallel/pp.py), from
+which it takes its positions; the last stage's loss is scaled as above (``scale_local_loss``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -34,6 +44,7 @@ import torch.nn as nn
 from data.bundle import IGNORE_INDEX
 from model.attention import AttentionCore
 from model.gpt import GPT, document_positions
+from model.moe import moe_layers
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -107,6 +118,10 @@ class ContextParallelGPT(GPT):
     Installed by swapping the class of a built GPT (as FSDP2 and model/recompute.py do), so module
     names and state_dict keys stay those of the plain model. Logits come back for the local tokens
     only (``local_token_index`` says which); the loss as described in the module docstring.
+
+    A pipeline stage without the embedding takes the hidden states of this rank's tokens from the
+    stage before; the pipeline passes it the whole sequence's length (``seq_len``) and document
+    numbers (``documents``), which one process derives from the token ids (parallel/pp.py).
     """
 
     cp_group: dist.ProcessGroup
@@ -114,10 +129,15 @@ class ContextParallelGPT(GPT):
     cp_rank: int
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None, *,
-                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                seq_len: int | None = None) -> torch.Tensor:
         if cache is not None:
             raise ValueError("a context-parallel model does not generate with a KV cache; generate with the plain model")
-        t = idx.shape[1]
+        takes_ids = self.tok_emb is not None
+        if not takes_ids and seq_len is None:
+            raise ValueError("a context-parallel pipeline stage without the embedding needs seq_len, the length of "
+                             "the whole sequence its hidden states are chunks of")
+        t = idx.shape[1] if takes_ids else seq_len
         index = local_token_index(t, self.cp, self.cp_rank, idx.device)
         if documents is None:
             documents = self.document_ids(idx)  # of the whole sequence: keys span all of it
@@ -125,15 +145,28 @@ class ContextParallelGPT(GPT):
             restart = documents is not None and self.cfg.document_positions
             positions = document_positions(documents) if restart else torch.arange(t, device=idx.device)
         positions = positions[..., index]
-        local_targets = None if targets is None else targets[:, index]
-        out = super().forward(idx[:, index], local_targets, positions=positions, documents=documents)
-        if targets is None:
-            return out
-        # out is the mean over this rank's real targets; rescale so the cp ranks' mean is the mean
-        # over the whole sequence's real targets (the counts are known here: every rank has all targets).
-        local = (local_targets != IGNORE_INDEX).sum()
-        total = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        return torch.where(local > 0, out * (local * self.cp / total), out.new_zeros(()))
+        out = super().forward(idx[:, index] if takes_ids else idx, None if targets is None else targets[:, index],
+                              positions=positions, documents=documents)
+        return out if targets is None else scale_local_loss(out, targets, self.cp, self.cp_rank)
+
+
+def scale_local_loss(loss: torch.Tensor, targets: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
+    """``loss``, the mean over this cp rank's real targets of ``targets`` (B, T, the whole sequence's),
+    rescaled so that the cp ranks' mean is the mean over the whole sequence's real targets (the
+    counts are known here: every rank has all targets)."""
+    local = (local_targets(targets, cp, cp_rank) != IGNORE_INDEX).sum()
+    total = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    return torch.where(local > 0, loss * (local * cp / total), loss.new_zeros(()))
+
+
+def local_targets(targets: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
+    """(B, T / cp) the targets of this cp rank's tokens, from the whole sequence's (B, T)."""
+    return targets[:, local_token_index(targets.shape[1], cp, cp_rank, targets.device)]
+
+
+def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
 
 
 def apply_context_parallel(model: GPT, cp_group: dist.ProcessGroup | None) -> None:
@@ -144,5 +177,7 @@ def apply_context_parallel(model: GPT, cp_group: dist.ProcessGroup | None) -> No
     cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     for block in model.blocks.values():
         block.attn.core = ContextParallelCore(block.attn.core, cp_group, cp, rank)
+    for moe in moe_layers([model]):
+        moe.sum_over_sequence = functools.partial(_all_reduce_sum, group=cp_group)
     model.cp_group, model.cp, model.cp_rank = cp_group, cp, rank
     model.__class__ = type(f"ContextParallel{type(model).__name__}", (ContextParallelGPT, type(model)), {})

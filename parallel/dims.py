@@ -19,8 +19,10 @@ needs: the ranks of this node (intra) and the ranks holding the same local index
 (inter). Ranks are assumed node-major, as torchrun assigns them when every node runs the same
 number of processes: global rank = node_rank * local_world_size + local_rank.
 
-Expert parallelism (parallel/ep.py) splits dp_shard into (edp, ep), ep inner: ``mesh_shape`` builds
-those two dimensions and ``build_mesh`` flattens them back into dp_shard for the dense weights.
+Expert parallelism (parallel/ep.py) is carved out of dp_shard x cp, cp inner: without cp, dp_shard is
+built as (edp, ep); with cp, ep must be a multiple of cp and dp_shard is built as (edp, ep_shard), so
+that ep = ep_shard x cp (one ep group spans whole cp groups). ``build_mesh`` flattens the pieces back
+into dp_shard / dp_shard_cp for the dense weights and into ep for the experts.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ FSDP_SHARD_CP = "dp_shard_cp"  # dp_shard and cp flattened into one mesh dimensi
 # flattened back into dp_shard for the dense parameters: ep ranks hold different experts, edp ranks
 # (the dp_shard ranks left after ep) hold the same experts and FSDP2 shards those over them.
 EXPERT_DIMS = ("edp", "ep")
+# With cp as well, ep = (ep_shard, cp) flattened: ep_shard is the part of dp_shard one ep group spans.
+EP_SHARD = "ep_shard"
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class ParallelDims:
     dp_shard: int = -1
     tp: int = 1
     cp: int = 1
-    ep: int = 1  # expert-parallel ranks, carved out of dp_shard (they are among its ranks)
+    ep: int = 1  # expert-parallel ranks, carved out of dp_shard x cp (a multiple of cp when cp > 1)
 
     def __post_init__(self) -> None:
         if self.device_index < 0:
@@ -85,13 +89,18 @@ class ParallelDims:
         if self.dp_shard < 1 or fixed * self.dp_shard != self.world_size:
             raise LayoutError(
                 f"parallel.pp={self.pp} x dp_replicate={self.dp_replicate} x {self._shard_text()} x "
-                f"cp={self.cp} x tp={self.tp} = {fixed * max(self.dp_shard, 0)} ranks, but {self.world_size} were "
+                f"tp={self.tp} = {fixed * max(self.dp_shard, 0)} ranks, but {self.world_size} were "
                 "launched; make the product equal the world size (dp_shard=-1 takes the ranks left over)"
             )
-        if self.dp_shard % self.ep:
-            raise LayoutError(f"parallel.ep={self.ep} must divide the {self.dp_shard} data-parallel shard ranks the "
-                              "layout leaves: the expert-parallel group is carved out of them; choose ep and "
-                              "parallel.dp_shard so that ep x dp_shard x the other degrees = the world size")
+        if self.ep > 1 and self.cp > 1 and self.ep % self.cp:
+            raise LayoutError(f"parallel.ep={self.ep} must be a multiple of parallel.cp={self.cp}: an expert-parallel "
+                              "group spans whole context-parallel groups (ep = cp x some data-parallel shard ranks)")
+        if self.dp_shard % self.ep_shard:
+            ranks = (f"dp_shard x cp = {self.dp_shard * self.cp}" if self.ep_shard != self.ep
+                     else f"{self.dp_shard} data-parallel shard")
+            raise LayoutError(f"parallel.ep={self.ep} must divide the {ranks} ranks the layout leaves: the "
+                              "expert-parallel group is carved out of them; choose ep and parallel.dp_shard so "
+                              "that ep x dp_shard x the other degrees = the world size")
         if self.tp > 1 and self.local_world_size % self.tp:
             raise LayoutError(
                 f"parallel.tp={self.tp} must divide the {self.local_world_size} ranks per node: tensor-parallel "
@@ -99,9 +108,12 @@ class ParallelDims:
             )
 
     def _shard_text(self) -> str:
-        if self.ep > 1 and self.dp_shard % self.ep == 0:
-            return f"dp_shard={self.dp_shard // self.ep} x ep={self.ep}"
-        return f"dp_shard={self.dp_shard}"
+        """dp_shard x (ep) x cp in the config's words (its dp_shard excludes the ep ranks)."""
+        if self.ep > 1 and self.cp > 1 and self.ep % self.cp == 0 and self.dp_shard % self.ep_shard == 0:
+            return f"dp_shard={self.edp} x ep={self.ep} (cp={self.cp} among the ep ranks)"
+        if self.ep > 1 and self.cp == 1 and self.dp_shard % self.ep == 0:
+            return f"dp_shard={self.edp} x ep={self.ep} x cp=1"
+        return f"dp_shard={self.dp_shard} x cp={self.cp}"
 
     def _check_launcher(self) -> None:
         if self.world_size < 1:
@@ -174,18 +186,39 @@ class ParallelDims:
         return self.coordinate("dp_replicate") * self.dp_shard + self.coordinate("dp_shard")
 
     @property
+    def ep_shard(self) -> int:
+        """Data-parallel shard ranks one expert-parallel group spans: ep, or ep / cp with cp (whose
+        ranks are the rest of the group)."""
+        return self.ep // self.cp if self.ep > 1 and self.cp > 1 else self.ep
+
+    @property
     def edp(self) -> int:
-        """Data-parallel shard ranks that hold the same experts (dp_shard / ep)."""
-        return self.dp_shard // self.ep
+        """Data-parallel shard ranks that hold the same experts (dp_shard x cp / ep)."""
+        return self.dp_shard // self.ep_shard
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert-parallel group (cp innermost, as ``build_mesh`` flattens it)."""
+        cp_rank = self.coordinate("cp") if self.ep > 1 and self.cp > 1 else 0
+        return (self.coordinate("dp_shard") % self.ep_shard) * (self.ep // self.ep_shard) + cp_rank
+
+    def _dp_shard_parts(self) -> dict[str, int]:
+        """The mesh dimensions dp_shard is built from: itself, or (edp, ep) / (edp, ep_shard) with ep."""
+        if self.ep == 1:
+            return {"dp_shard": self.dp_shard}
+        return {"edp": self.edp, "ep" if self.cp == 1 else EP_SHARD: self.ep_shard}
 
     def mesh_shape(self) -> dict[str, int]:
         """The mesh dimensions with more than one rank, outermost first; with ep > 1, dp_shard is
-        built as (edp, ep) and flattened back by ``build_mesh``."""
+        built from its parts (``_dp_shard_parts``) and flattened back by ``build_mesh``."""
         sizes = {name: getattr(self, name) for name in MESH_DIMS}
-        if self.ep > 1:
-            sizes = {k: v for name, size in sizes.items()
-                     for k, v in ({"edp": self.edp, "ep": self.ep} if name == "dp_shard" else {name: size}).items()}
+        sizes = {k: v for name, size in sizes.items()
+                 for k, v in (self._dp_shard_parts() if name == "dp_shard" else {name: size}).items()}
         return {name: size for name, size in sizes.items() if size > 1}
+
+    def _present(self, names) -> list[str]:
+        shape = self.mesh_shape()
+        return [name for name in names if name in shape]
 
     def build_mesh(self, device_type: str):
         """The run's DeviceMesh over the dimensions with more than one rank (None for one process).
@@ -199,26 +232,29 @@ class ParallelDims:
         if self.world_size == 1 or not shape:
             return None
         mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
-        if self.ep > 1 and self.edp > 1:  # the dense parameters shard over all dp_shard ranks
-            mesh["edp", "ep"]._flatten("dp_shard")
-        if self.dp_shard > 1 and self.cp > 1:  # FSDP2 shards over both (see fsdp_dims): one flat dimension
-            mesh["dp_shard", "cp"]._flatten(FSDP_SHARD_CP)
+        parts = self._present(self._dp_shard_parts())
+        if self.ep > 1 and self.cp == 1 and len(parts) == 2:  # the dense parameters shard over all dp_shard ranks
+            mesh[tuple(parts)]._flatten("dp_shard")
+        if parts and self.cp > 1:  # FSDP2 shards over both (see fsdp_dims): one flat dimension
+            mesh[(*parts, "cp")]._flatten(FSDP_SHARD_CP)
+        if self.ep > 1 and self.cp > 1:  # the expert-parallel group: (ep_shard, cp), or cp alone
+            mesh[tuple(self._present((EP_SHARD, "cp")))]._flatten("ep")
         return mesh
 
     def fsdp_dims(self) -> tuple[str, ...]:
         """The mesh dimensions FSDP2 shards (and averages gradients) over, replicate first: the
         data-parallel ones, with cp folded into the shard dimension, since cp ranks hold the same
         weights and see different tokens. Only those with more than one rank."""
-        shard = [name for name in ("dp_shard", "cp") if getattr(self, name) > 1]
-        if self.ep > 1 and self.edp == 1:  # dp_shard is the ep dimension itself
-            shard = ["ep" if name == "dp_shard" else name for name in shard]
+        parts = self._present(self._dp_shard_parts())
+        shard = ["dp_shard"] if len(parts) == 2 else parts  # with ep, dp_shard may be one of its parts
+        shard += ["cp"] if self.cp > 1 else []
         names = ["dp_replicate"] if self.dp_replicate > 1 else []
-        return tuple(names + ([FSDP_SHARD_CP] if len(shard) == 2 else shard))
+        return tuple(names + ([FSDP_SHARD_CP] if len(shard) >= 2 else shard))
 
     def expert_fsdp_dims(self) -> tuple[str, ...]:
         """The mesh dimensions FSDP2 shards expert parameters over (ep > 1): the data-parallel ranks
-        that hold the same experts, replicate first; empty when there are none (experts then stay
-        whole on their ep rank)."""
+        that hold the same experts, replicate first (cp ranks never: they are inside the ep group);
+        empty when there are none (experts then stay whole on their ep rank)."""
         return tuple(name for name, size in (("dp_replicate", self.dp_replicate), ("edp", self.edp)) if size > 1)
 
     @property

@@ -3,7 +3,15 @@
 Applied in place to a built GPT over the ``ep`` mesh dimension (``apply_expert_parallel``); the model
 code has one seam for it (``MoE.run_experts``). The ep group is carved out of the data-parallel shard
 ranks, as in torchtitan and Megatron-core: ep ranks read different batches, and each holds
-E / ep of the E experts (a contiguous block: rank r holds experts r*E/ep .. (r+1)*E/ep - 1). Per layer:
+E / ep of the E experts (a contiguous block: rank r holds experts r*E/ep .. (r+1)*E/ep - 1).
+
+With context parallelism the ep group is carved out of dp_shard x cp, as torchtitan does: routing is
+per token, so the cp ranks, which hold different chunks of the same sequences, are just more sources
+of tokens for the all-to-all, and ep can grow to dp_shard x cp (a long-context run with few
+data-parallel ranks still spreads its experts). An ep group spans whole cp groups, so ep must be a
+multiple of cp: ep = ep_shard x cp, ep_shard of the dp_shard ranks (``ParallelDims.ep_shard``). The
+other choice, ep out of dp_shard alone, would cap ep at dp_shard, which long-context runs keep small.
+Per layer:
 
     route, permute  on this rank's tokens, as in one process (model/moe.py): rows sorted by expert
     counts          all_to_all of the per-expert row counts (E,): each rank learns how many rows every
@@ -21,14 +29,21 @@ ranks: the mean over every token of the global batch. An expert weight's gradien
 from the tokens of all ep ranks (they were sent to it), so it is already a sum over ep ranks' losses;
 FSDP2 then averages it over the R / ep ranks holding the same expert (``ParallelDims.expert_fsdp_dims``).
 Scaling it by 1 / ep in backward makes that (1 / ep) * (ep / R) * sum over all R ranks = the same mean.
+With cp, R counts the cp ranks too (dp_shard x cp: FSDP2 averages the dense gradients over them) and
+each rank's loss is already rescaled by parallel/cp.py so that the mean over its cp group is the
+whole sequences' loss; the ep group holds cp ranks, the expert FSDP2 group none, so the same 1 / ep
+gives the one-process gradient.
 
 Expert weights become DTensors sharded on dim 0 over the ep mesh, with their global shape, so DCP
 checkpoints of any ep size load into any other (and into one process). FSDP2 shards them further
-over the expert-data-parallel ranks; with none left they stay whole on their ep rank.
+over the expert-data-parallel ranks; with none left they stay whole on their ep rank. With
+``parallel.init_on_meta`` the same steps run on meta tensors (slicing one allocates nothing), and
+parallel/fsdp.py's ``materialize`` then allocates and draws each rank's expert shard, with the
+global-shape init's std, as it does the dense weights' shards.
 
 Composition: pipeline stages apply it to their own layers (each stage's MoE layers exchange tokens
-within the stage's ep group). Experts are never tensor-split: MoE models refuse tensor parallelism,
-so ep x tp is refused with them; ep x cp and init_on_meta are refused too (training/config.py).
+within the stage's ep group); context parallelism as above. Experts are never tensor-split: MoE models
+refuse tensor parallelism, so ep x tp is refused with them.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def describe_layout(dims: ParallelDims, parallel_cfg: ParallelConfig, stages: li
     if dims.tp > 1:
         line += f"; tp {'with' if parallel_cfg.sequence_parallel else 'without'} sequence parallelism"
     if dims.ep > 1:
-        line += f"; ep rank {dims.coordinate('dp_shard') % dims.ep} of {dims.ep} holds 1/{dims.ep} of each MoE layer's experts"
+        line += f"; ep rank {dims.ep_rank} of {dims.ep} holds 1/{dims.ep} of each MoE layer's experts"
     if dims.cp > 1:
         line += f"; cp rank {dims.coordinate('cp')} of {dims.cp} holds sequence chunks {chunk_ids(dims.cp, dims.coordinate('cp'))}"
     if dims.pp > 1:

@@ -30,6 +30,13 @@ by their number), ``zero_bubble`` (interleaved, with the weight-gradient half of
 into the bubble). The step's ``train.grad_accum_steps`` micro-batches are the pipeline's
 micro-batches, and each micro-batch loss is scaled by 1/their number, so loss and gradients
 are those of the same run without a pipeline (the mean of the micro-batch losses).
+
+A stage after the first receives hidden states only, but its blocks may need what one process
+derives from the token ids: the document numbers of a document mask, and under context parallelism
+(each stage's attention gathers K/V over its cp group, parallel/cp.py) the whole sequence's length.
+Every pipeline rank holds the batch, so ``stage_inputs`` derives them on each, and the schedule
+passes them to every stage as keyword arguments, cut into the same micro-batches; under cp the last
+stage's loss is over this cp rank's targets, scaled as a context-parallel model scales it.
 """
 
 from __future__ import annotations
@@ -54,8 +61,9 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
-from model.gpt import GPT
+from model.gpt import GPT, document_ids
 from parallel.checkpoint import Staging, load_sharded, save_sharded, stage_sharded
+from parallel.cp import ContextParallelGPT, local_targets, scale_local_loss
 from parallel.engine import Engine
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
@@ -131,13 +139,33 @@ def build_pipeline(parts: list[GPT], stages: list[int], n_stages: int, schedule:
 
 
 def _loss_fn(parts: list[GPT]):
-    """The last stage's loss: the model's own loss op on its logits (mean over the micro-batch)."""
+    """The last stage's loss: the model's own loss op on its logits (mean over the micro-batch).
+    Under context parallelism the logits are this cp rank's tokens': the loss is over their
+    targets, scaled as a context-parallel model scales it (parallel/cp.py)."""
     ops = parts[0].ops
+    cp = parts[0] if isinstance(parts[0], ContextParallelGPT) else None
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        mine = targets if cp is None else local_targets(targets, cp.cp, cp.cp_rank)
+        out = ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), mine.reshape(-1))
+        return out if cp is None else scale_local_loss(out, targets, cp.cp, cp.cp_rank)
 
     return loss
+
+
+def stage_inputs(part: GPT, x: torch.Tensor) -> dict[str, object]:
+    """What every stage needs besides its input, derived from the token ids ``x`` as one process
+    derives it at the top of forward: the document numbers (document mask) and, under context
+    parallelism, the whole sequence's length. A stage after the first gets only hidden states (this
+    cp rank's chunks of them); every pipeline rank holds the batch, so each derives these itself,
+    and the schedule hands each stage its micro-batch's rows."""
+    inputs: dict[str, object] = {}
+    documents = document_ids(part.cfg, x)
+    if documents is not None:
+        inputs["documents"] = documents
+    if isinstance(part, ContextParallelGPT):
+        inputs["seq_len"] = x.shape[1]
+    return inputs
 
 
 def run_step(pipeline: Pipeline, x: torch.Tensor, y: torch.Tensor, *, train: bool) -> torch.Tensor:
@@ -147,7 +175,7 @@ def run_step(pipeline: Pipeline, x: torch.Tensor, y: torch.Tensor, *, train: boo
     args = (x,) if pipeline.has_first else ()
     target = y if pipeline.has_last else None
     run = pipeline.schedule.step if train else pipeline.schedule.eval
-    run(*args, target=target, losses=losses)
+    run(*args, target=target, losses=losses, **stage_inputs(pipeline.parts[0], x))
     device = x.device
     if losses:
         loss = torch.stack([full_value(m.detach()).float() for m in losses]).mean()

@@ -5,6 +5,7 @@ and of the tensor-, pipeline- and data-parallel layouts, side by side.
     python -m tools.bench_parallel --layouts tp,pp --strategies ""   # two layout rows only
     python -m tools.bench_parallel --with-3d                         # also pp x tp x fsdp on 8 ranks
     python -m tools.bench_parallel --strategies ddp,fsdp -- --model.n_layer=4 --precision.mode=bf16
+    python -m tools.bench_parallel --config configs/tiny-moe.yaml --strategies "" --layouts ep2,ep2_fsdp
 
 A thin command line over ``analysis/parallel_bench.py`` (its docstring says what is measured and
 how). Every row launches this module again under torchrun, one process per rank, in its hidden
@@ -21,18 +22,21 @@ from pathlib import Path
 from analysis.parallel_bench import (
     CP_NOTES,
     DEFAULT_LAYOUTS,
+    EP_NOTES,
     LAYOUTS,
     NOTES,
     STRATEGIES,
     Plan,
     comm_table,
     cp_table,
+    ep_table,
     measure_all,
     plot,
     run_rank,
     table,
     write_markdown,
 )
+from training.config import load_config
 
 
 def _names(choices) -> callable:
@@ -48,8 +52,9 @@ def _names(choices) -> callable:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         description="Loss after N steps, per-rank parameter/gradient/optimizer bytes and bytes sent per step for "
-        "ddp, fsdp and ZeRO 1-3 on N processes and for tp, pp, fsdp x tp, pp x fsdp (and pp x tp x fsdp, cp2, cp4) layouts, "
-        "against one process and the formulas. Config overrides go after '--' (e.g. -- --model.n_layer=4).")
+        "ddp, fsdp and ZeRO 1-3 on N processes and for tp, pp, fsdp x tp, pp x fsdp (and pp x tp x fsdp, cp2, cp4, and "
+        "with an MoE config ep2, ep2_fsdp) layouts, against one process and the formulas (ep: all-to-all bytes "
+        "per step). Config overrides go after '--' (e.g. -- --model.n_layer=4).")
     parser.add_argument("--config", default="configs/tiny.yaml", help="YAML config (default: configs/tiny.yaml)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per strategy run (default 2); the global batch "
                         "is micro-batch x nproc for every row")
@@ -81,9 +86,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     global_batch = args.micro_batch_size * args.nproc
     for key in args.layouts:
         layout = LAYOUTS[key]
-        if global_batch % (layout.dp_shard * layout.microbatches):
+        if global_batch % (layout.data_ranks * layout.microbatches):
             parser.error(f"layout {key} splits the global batch of {global_batch} (--micro-batch-size x --nproc) "
-                         f"over dp_shard={layout.dp_shard} x {layout.microbatches} micro-batches: make it divisible")
+                         f"over {layout.data_ranks} data-parallel ranks (dp_shard x ep) x {layout.microbatches} "
+                         "micro-batches: make it divisible")
+    experts = [key for key in args.layouts if LAYOUTS[key].ep > 1]
+    if experts and load_config(args.config, extra).model.moe_experts is None:
+        parser.error(f"layout {experts[0]} needs an MoE model: {args.config} has none (e.g. --config "
+                     "configs/tiny-moe.yaml)")
     if not args.strategies and not args.layouts:
         parser.error("nothing to measure: --strategies and --layouts are both empty")
     return args, extra
@@ -110,6 +120,11 @@ def main(argv: list[str]) -> int:
     if context:
         print(context)
         for note in CP_NOTES:
+            print("- " + note)
+    experts = ep_table(rows, markdown=False)
+    if experts:
+        print(experts)
+        for note in EP_NOTES:
             print("- " + note)
     for note in NOTES:
         print("- " + note)

@@ -12,7 +12,7 @@ Examples:
 Presets: 70b (h=8192, a=64, L=80, s=4096, b=4 on 64 GPUs), gpt3-175b (h=12288, a=96, L=96, s=2048),
 llama2-7b. Devices: H100, H200, A100 (common/hardware.py, with sources).
 
---plan searches dp_replicate x dp_shard x tp x pp (x ep for an MoE model) over any GPU count, the pipeline schedule and
+--plan searches dp_replicate x dp_shard x cp x tp x pp (x ep for an MoE model) over any GPU count, the pipeline schedule and
 virtual stages, the strategy, the recompute policy and the micro-batch, at a fixed global batch
 (sequences per step; default: micro-batch x grad-accum x data-parallel ranks of the job as given),
 and prints the best --top layouts one per line in the config's own words. Only layouts train.py accepts
@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     layout.add_argument("--pp-schedule", choices=est.PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     layout.add_argument("--pp-virtual-stages", type=int, help="model chunks per GPU (interleaved_1f1b, zero_bubble)")
     layout.add_argument("--sequence-parallel", choices=("true", "false"), help="default: true with tp > 1")
-    layout.add_argument("--ep", type=int, help="expert-parallel GPUs, carved out of dp_shard (MoE models, fsdp)")
+    layout.add_argument("--ep", type=int, help="expert-parallel GPUs, carved out of dp_shard x cp (a multiple of cp; MoE models, fsdp)")
     parser.add_argument("--plan", action="store_true", help="list the cheapest layouts that fit (see above)")
     parser.add_argument("--global-batch", type=int, help="--plan: sequences per optimizer step")
     parser.add_argument("--top", type=int, default=10, help="rows of --plan (default 10)")

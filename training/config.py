@@ -223,9 +223,6 @@ class JobConfig:
         if p.ep > 1 and m.moe_experts % p.ep:
             raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (each ep rank holds "
                               "moe_experts / ep of them)")
-        if p.ep > 1 and p.init_on_meta:
-            raise ConfigError(f"parallel.init_on_meta=true with parallel.ep={p.ep} is not supported: build the model "
-                              "whole (parallel.init_on_meta=false)")
         if p.tp > 1 and m.qk_norm:
             raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
         if p.tp > 1 and m.moe_experts is not None:

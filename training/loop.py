@@ -105,8 +105,10 @@ def read_flags(flags: list[bool | torch.Tensor]) -> list[bool]:
 
 
 def dp_all_reduce_sum(ctx: DistContext) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """Sums a tensor over this rank's data-parallel ranks (those holding the same layers); None: one."""
-    mesh = ctx.submesh("dp_replicate", "dp_shard")
+    """Sums a tensor over the ranks that hold the same layers and see different tokens: the
+    data-parallel ranks, with the ep and cp ranks among them (the dimensions FSDP2 averages over,
+    ``ParallelDims.fsdp_dims``); None: one."""
+    mesh = ctx.fsdp_mesh()
     if mesh is None:
         return None
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]

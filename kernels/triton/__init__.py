@@ -12,7 +12,7 @@ from types import ModuleType
 
 from common.errors import ConfigError
 
-OP_MODULES = ("layer_norm", "rms_norm", "bias_gelu", "swiglu", "cross_entropy", "rope")
+OP_MODULES = ("layer_norm", "rms_norm", "bias_gelu", "swiglu", "cross_entropy", "rope", "moe_permute")
 
 
 def load_op_modules() -> dict[str, ModuleType]:
@@ -20,10 +20,10 @@ def load_op_modules() -> dict[str, ModuleType]:
     # These files import triton at their top: only a run that asks for the Triton kernels pays
     # for (and needs) it.
     from kernels.triton import _common as common
-    from kernels.triton import bias_gelu, cross_entropy, layer_norm, rms_norm, rope, swiglu
+    from kernels.triton import bias_gelu, cross_entropy, layer_norm, moe_permute, rms_norm, rope, swiglu
 
     modules = {"layer_norm": layer_norm, "rms_norm": rms_norm, "bias_gelu": bias_gelu, "swiglu": swiglu,
-               "cross_entropy": cross_entropy, "rope": rope}
+               "cross_entropy": cross_entropy, "rope": rope, "moe_permute": moe_permute}
     assert tuple(modules) == OP_MODULES
     wanted = common.interpreter_active()
     if common.language_interpreted() != wanted:

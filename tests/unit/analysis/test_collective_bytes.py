@@ -122,3 +122,21 @@ def test_all_to_all_bytes_sent_by_hand():
 def test_every_priced_op_is_communication_to_the_trace_classifier():
     expected = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"}
     assert {name: communication_kind(name) in expected for name in PRICES} == dict.fromkeys(PRICES, True)
+
+
+def test_expert_parallel_all_to_alls_are_ep_and_its_other_collectives_data_parallel(world):
+    """(edp=2, ep=2) as build_mesh makes it, edp x ep flattened back into dp_shard for the dense weights:
+    only the all-to-alls on the ep group are expert traffic; FSDP2's collectives on the ep group (its
+    shard group when no edp ranks are left), on edp and on the flattened dp_shard are data parallel."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    mesh["edp", "ep"]._flatten("dp_shard")
+    ep = mesh["ep"].get_group()
+    with CommBytes() as counter:
+        dist.all_to_all_single(torch.empty(8, 4), x(), [3, 5], [6, 2], group=ep)  # rank 1 of ep keeps 2 rows
+        dist.all_gather_into_tensor(torch.empty(16, 4), x(), group=ep)
+        dist.reduce_scatter_tensor(torch.empty(2, 4), x(), group=mesh["dp_shard"].get_group())
+        dist.all_reduce(x(), group=mesh["edp"].get_group())
+        dist.all_reduce(x())  # the default group: outside the mesh, every rank data parallel
+    totals, detail = bytes_by_dimension(counter, mesh)
+    assert totals == {"ep": 6 * ROW, "dp": 1 / 2 * 256 + 3 / 4 * 128 + 2 * 1 / 2 * 128 + 2 * 3 / 4 * 128}
+    assert detail["ep all_to_all"] == [1, 6 * ROW] and detail["dp all_gather"] == [1, 128.0]

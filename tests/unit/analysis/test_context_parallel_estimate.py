@@ -72,12 +72,35 @@ def test_kv_gather_traffic_per_step():
     assert est.cp_comm_seconds(job())[1] == 0
 
 
+def test_cp_x_pp_sends_each_cp_ranks_tokens_between_stages_and_gathers_its_stages_layers():
+    j = job(cp=4, pp=2, world_size=8, grad_accum=2)
+    activation = 2 * (65536 // 4) * 2048  # bf16, a cp rank's tokens (b = 1), tp = 1
+    # one activation forward and its gradient back, per micro-batch, on NVLink (8 GPUs: one node)
+    assert est.pp_comm_seconds(j) == pytest.approx((2 * activation / (450e9 * 0.8), 2 * activation))
+    # each GPU's stage has 8 / 2 layers: a K/V all-gather and a reduce-scatter each
+    assert est.cp_comm_seconds(j)[1] == 2 * 4 * 3 / 4 * est.kv_gather_bytes(MODEL, 65536, 1, 2)
+    # The first stage's activations under 1f1b: pp = 2 micro-batches in flight, each keeping the
+    # stage's 4 layers (1/cp of the sequence plus the other ranks' K and V) and the embedding output.
+    s, cp = 65536, 4
+    layer = est.activation_bytes_per_layer(MODEL, s // cp, 1, "none", 2, attention="flash") + 2 * 2 * 512 * (s - s // cp)
+    assert est.activation_bytes_total(j, stage=0) == (2 * (4 * layer + activation), 0.0)
+
+
+def test_the_planner_proposes_cp_x_pp_where_it_fits():
+    plans = est.plan_layouts(MODEL, 65536, 8, H100, "bf16", global_batch=8, top=None, policies=("selective",),
+                             schedules=("1f1b",), micro_batches=(1,))
+    composed = [p for p in plans if p.job.cp > 1 and p.job.pp > 1]
+    assert {(p.job.pp, p.job.cp) for p in composed} >= {(2, 2), (2, 4)}
+    assert all(p.fits and est.trainer_refusal(p.job) is None for p in composed)  # and the trainer takes them
+    assert any("--parallel.pp=2" in " ".join(words) and "--parallel.cp=2" in " ".join(words)
+               for words in (est.layout_overrides(p.job) for p in composed))
+
+
 def test_the_planner_places_llama3_8b_at_128k_on_8_gpus_with_cp():
     cfg = load_config("configs/llama3-8b.yaml", ["--model.max_seq_len=131072", "--data.path=unused"])
     plans = est.plan_layouts(cfg.model, 131072, 8, H100, "bf16", global_batch=64, top=None, config=cfg)
     assert plans and plans[0].fits and plans[0].job.cp > 1
     assert plans[0].memory.total <= 80 * est.GIB
-    assert all(p.job.pp == 1 for p in plans if p.job.cp > 1)  # the trainer refuses cp x pp
     assert all(p.job.strategy == "fsdp" for p in plans if p.job.cp > 1)
     assert "--parallel.cp=" in " ".join(est.layout_overrides(plans[0].job))
     assert est.trainer_refusal(plans[0].job, cfg) is None

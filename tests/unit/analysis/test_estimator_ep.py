@@ -13,6 +13,7 @@ import pytest
 from analysis import estimator as est
 from common.hardware import DEVICES
 from model.config import ModelConfig
+from parallel.dims import ParallelDims
 from training.config import load_config
 
 H100 = DEVICES["H100"]
@@ -86,6 +87,26 @@ def test_experts_are_gathered_over_the_gpus_holding_them():
     expected = 1 / 2 * (2 * routed * per.param + routed * per.grad)
     assert est.estimate(job(4)).comm.expert_sharded == pytest.approx(expected)
     assert est.estimate(job(8)).comm.expert_sharded == 0  # one GPU per expert set: nothing to gather
+
+
+def test_ep_carved_out_of_dp_shard_x_cp_by_hand():
+    """With cp=2 on 8 GPUs, ep=4 spans 2 dp_shard GPUs x the cp pair (parallel/dims.py): the states
+    still shard 8 ways, the experts over the 8 / 4 = 2 GPUs holding the same ones (the trainer's
+    parallel.dp_shard), and a cp rank's all-to-alls carry only its half of each sequence's copies."""
+    both = job(4, cp=2)
+    assert (both.dp_shard, both.shard_group, both.config_dp_shard) == (4, 8, 2)
+    assert est.estimate_memory(both).states == pytest.approx(est.estimate_memory(job(1, cp=2)).states)
+    copies_bytes = 256 * 2 * 2 * 128 * 2 / 2
+    assert est.expert_all_to_all(both)[1] == pytest.approx(4 * 4 * 3 / 4 * copies_bytes)
+    per = est.STATE_BYTES["bf16_master"]
+    routed = ROUTED / 4  # per GPU; gathered twice and reduced once per micro-batch over the 2 GPUs holding them
+    assert est.estimate(both).comm.expert_sharded == pytest.approx(1 / 2 * (2 * routed * per.param + routed * per.grad))
+    assert est.trainer_refusal(both) is None
+    dims = ParallelDims(8, 8, 0, 0, **est.trainer_config(both).parallel.layout(1, 8))
+    assert (dims.ep, dims.cp, dims.edp) == (4, 2, 2)
+    assert est.expert_parallel_sizes(MOE, 2, "fsdp", cp=4) == [1, 4, 8]  # multiples of cp dividing dp_shard x cp
+    with pytest.raises(est.EstimatorError, match="ep=2 must be a multiple of cp=4"):
+        est.JobSpec(MOE, 256, 1, 8, "fsdp", ep=2, cp=4)
 
 
 def test_invalid_ep_is_one_line():

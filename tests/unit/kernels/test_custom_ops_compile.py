@@ -148,6 +148,11 @@ def _ce_targets(n: int, vocab: int) -> torch.Tensor:
     return targets
 
 
+def _moe_slots() -> torch.Tensor:
+    """8 of 5 tokens' 10 (token, choice) slots, in an expert order: slots 3 and 6 dropped."""
+    return torch.tensor([9, 0, 4, 2, 7, 1, 5, 8], device=DEVICE)
+
+
 # op field -> (inputs for a dtype, positions differentiated, the perfgpt ops its graph must hold)
 OP_CASES = {
     "layer_norm": (lambda d: [_randn(3, 5, 24, dtype=d), _randn(24, dtype=d, seed=1), _randn(24, dtype=d, seed=2),
@@ -163,6 +168,9 @@ OP_CASES = {
                       {"cross_entropy_fwd"}),
     "apply_rope": (lambda d: [_randn(2, 5, 3, 16, dtype=d, scale=2.0), *reference.rope_tables(7, 16, 1e4, DEVICE)],
                    [0], {"rope"}),
+    "moe_permute": (lambda d: [_randn(5, 24, dtype=d), _moe_slots(), 2], [0], {"moe_permute_fwd"}),
+    "moe_unpermute": (lambda d: [_randn(8, 24, dtype=d), _moe_slots(), _randn(5, 2, dtype=torch.float32, seed=1)],
+                      [0, 2], {"moe_unpermute_fwd"}),
 }
 
 
@@ -209,6 +217,7 @@ def test_the_registrations_pass_opcheck(ops):
     w, b = (_randn(24, dtype=torch.float32, seed=s).requires_grad_() for s in (2, 3))
     q = _randn(2, 4, 3, 16, dtype=torch.float32).requires_grad_()
     cos, sin = reference.rope_tables(5, 16, 1e4, DEVICE)
+    tokens = _randn(5, 24, dtype=torch.float32, seed=4).requires_grad_()  # 5 tokens, top-2: _moe_slots' 10 slots
     cases = [
         (modules["layer_norm"].layer_norm_fwd, (x, w, b, 1e-5, "tanh")),
         (modules["layer_norm"].layer_norm_fwd, (x, w, None, 1e-5, None)),
@@ -218,6 +227,9 @@ def test_the_registrations_pass_opcheck(ops):
         (modules["cross_entropy"].cross_entropy_fwd, (x, _ce_targets(4, 24), -100)),
         (modules["rope"].rope, (q, cos, sin, False)),
         (modules["rope"].rope_, (q.detach().clone(), cos, sin)),
+        (modules["moe_permute"].moe_permute_fwd, (tokens, _moe_slots(), 2)),
+        (modules["moe_permute"].moe_unpermute_fwd, (up[:3].repeat(3, 1)[:8], _moe_slots(), w[:10].view(5, 2), 5, 2)),
+        (modules["moe_permute"].moe_unpermute_fwd, (up[:3].repeat(3, 1)[:8], _moe_slots(), None, 5, 2)),
     ]
     for op, args in cases:
         results = torch.library.opcheck(op, args)

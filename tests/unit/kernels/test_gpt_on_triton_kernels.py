@@ -94,6 +94,28 @@ def test_loss_and_every_gradient_match_the_reference_model(norm, mlp):
     assert_fp32_loss_and_grads_match(loss, grads, ref_loss, ref_grads)
 
 
+@pytest.mark.parametrize("capacity", [0.0, 1.0])
+def test_moe_model_routes_its_tokens_through_the_permute_kernels(capacity):
+    """A MoE GPT (4 experts, top-2; dropless, and with capacity 1.0, which drops copies): loss and every
+    gradient, the router's included, equal the reference model's, with both routing kernels called."""
+    cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layer=1, n_head=2, d_model=32, mlp="swiglu", position="rope",
+                      moe_experts=4, moe_top_k=2, moe_d_ff=16, moe_capacity=capacity)
+    cfg.validate()
+    reference_model, kernel_model = twin_models(cfg)
+    calls = []
+    for name in ("moe_permute", "moe_unpermute"):
+        op = getattr(kernel_model.ops, name)
+        op.kernel = (lambda kernel, name: lambda *a: calls.append(name) or kernel(*a))(op.kernel, name)
+    idx, targets = batch(cfg)
+    ref_loss, ref_grads = loss_and_grads(reference_model, idx, targets)
+    loss, grads = loss_and_grads(kernel_model, idx, targets)
+    assert calls == ["moe_permute", "moe_unpermute"]
+    dropped = kernel_model.blocks["0"].mlp.stats.take_window()["dropped"].item()
+    assert (dropped > 0) == (capacity > 0), dropped  # the capacity case drops copies: their rows stay zero
+    assert_no_fallback(kernel_model)
+    assert_fp32_loss_and_grads_match(loss, grads, ref_loss, ref_grads)
+
+
 def test_bf16_model_error_is_within_twice_eager_bf16():
     """In bf16 the kernel model's loss may be off the fp32 loss by at most twice eager bf16's error."""
     cfg = tiny_config("rmsnorm", "swiglu")

@@ -78,6 +78,21 @@ VARIANTS = [
           stride_xb="i32", stride_xt="i32", stride_xh="i32", stride_yb="i32", stride_yt="i32", stride_yh="i32",
           stride_cos="i32", stride_sin="i32"),
      dict(INVERSE=True, BLOCK_H=32, BLOCK_HALF=64), 4),
+    ("moe_permute", "_permute_fwd_kernel",
+     dict(X="*bf16", SRC="*i64", OUT="*bf16", stride_x="i32", stride_out="i32", n_rows="i32", n_cols="i32"),
+     dict(BLOCK_M=16, BLOCK_N=256), 4),
+    ("moe_permute", "_sum_slots_kernel",
+     dict(ROWS="*bf16", POS="*i64", W="*fp32", OUT="*bf16", stride_rows="i32", stride_out="i32", n_tokens="i32",
+          n_cols="i32"),
+     dict(K=2, HAS_W=True, BLOCK_M=16, BLOCK_N=256), 4),
+    ("moe_permute", "_sum_slots_kernel",
+     dict(ROWS="*bf16", POS="*i64", W="*i64", OUT="*bf16", stride_rows="i32", stride_out="i32", n_tokens="i32",
+          n_cols="i32"),
+     dict(K=8, HAS_W=False, BLOCK_M=16, BLOCK_N=256), 4),
+    ("moe_permute", "_unpermute_bwd_kernel",
+     dict(DY="*bf16", Y="*bf16", SRC="*i64", W="*fp32", DROWS="*bf16", DW="*fp32", stride_dy="i32", stride_y="i32",
+          stride_drows="i32", n_rows="i32", n_cols="i32"),
+     dict(BLOCK_M=16, BLOCK_N=256), 4),
 ]
 
 

@@ -292,6 +292,57 @@ def test_apply_rope_strided_input_out_of_place(tk):
 
 
 # ---------------------------------------------------------------------------------------------
+# MoE token routing: 13 tokens (no power of two), top-2 of 4 experts, 40 columns (block=16 forces the
+# column loop). "dropped": every fifth kept copy removed, as a capacity limit does, so some tokens
+# keep one copy and token 0 none (its output row must be zero, its gradient zero).
+
+
+def routing_slots(n_tokens: int, top_k: int, n_experts: int, dropped: bool) -> torch.Tensor:
+    """Flat (token, choice) slots t*k + j sorted by expert, as model/moe.py's permute keeps them."""
+    scores = torch.rand(n_tokens, n_experts, generator=torch.Generator().manual_seed(4))
+    slots = torch.argsort(scores.topk(top_k, dim=-1).indices.flatten(), stable=True)
+    if dropped:
+        keep = (torch.arange(slots.numel()) % 5 != 3) & (slots // top_k != 0)
+        slots = slots[keep]
+    return slots.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dropped", [False, True])
+def test_moe_permute(tk, monkeypatch, dtype, dropped):
+    monkeypatch.setattr(tk["moe_permute"], "MAX_BLOCK_N", 16)
+    slots = routing_slots(13, 2, 4, dropped)
+    assert_matches_reference(lambda x: tk["moe_permute"].moe_permute(x, slots, 2),
+                             lambda x: reference.moe_permute(x, slots, 2), [randn(13, 40, dtype=dtype)], [0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dropped", [False, True])
+def test_moe_unpermute(tk, monkeypatch, dtype, dropped):
+    """Rows in the model's dtype, routing weights in fp32 (as the router makes them): both gradients."""
+    monkeypatch.setattr(tk["moe_permute"], "MAX_BLOCK_N", 16)
+    slots = routing_slots(13, 2, 4, dropped)
+    weights = torch.rand(13, 2, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    assert_matches_reference(tk["moe_permute"].moe_unpermute, reference.moe_unpermute,
+                             [randn(slots.numel(), 40, dtype=dtype), slots, weights], [0, 2])
+
+
+def test_moe_permute_then_unpermute_returns_each_kept_token_times_its_weights(tk):
+    """The round trip by hand: a token comes back times the sum of its kept copies' weights; its
+    gradient is the sum of its copies' weights too (token 0, all copies dropped, gets zero)."""
+    slots = routing_slots(13, 2, 4, dropped=True)
+    x = randn(13, 40).requires_grad_()
+    weights = torch.rand(13, 2, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    kept = torch.zeros(26, device=DEVICE).index_fill(0, slots, 1.0).view(13, 2)
+    factor = (weights * kept).sum(-1, keepdim=True)
+    out = tk["moe_permute"].moe_unpermute(tk["moe_permute"].moe_permute(x, slots, 2), slots, weights)
+    torch.testing.assert_close(out, x.detach() * factor, rtol=1e-6, atol=1e-6)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, factor.expand(13, 40), rtol=1e-6, atol=1e-6)
+    assert factor[0].item() == 0 and 0 < kept.sum() < 26
+
+
+# ---------------------------------------------------------------------------------------------
 # Registry: the choice per backend and device, and per-call fallbacks.
 
 
@@ -327,7 +378,8 @@ def test_registry_gives_triton_ops(tk, backend):
         pytest.skip("needs a CUDA device (auto picks Triton only on CUDA)")
     ops, reason = resolve_kernel_ops(backend, DEVICE)
     assert ops.backend == "triton" and "triton" in reason
-    for name in ("layer_norm", "layer_norm_gelu", "rms_norm", "bias_gelu", "swiglu", "cross_entropy", "apply_rope"):
+    for name in ("layer_norm", "layer_norm_gelu", "rms_norm", "bias_gelu", "swiglu", "cross_entropy", "apply_rope",
+                 "moe_permute", "moe_unpermute"):
         op = getattr(ops, name)
         assert isinstance(op, KernelWithFallback) and op.fallback is getattr(reference, name)
     x, w = randn(4, 16), randn(16, seed=1)
@@ -359,6 +411,10 @@ def test_fallback_is_logged_once_per_reason_and_gives_the_reference_answer(tk, c
         ("swiglu", lambda: (randn(2, 4), randn(1, 4)), "no broadcasting"),
         ("bias_gelu", lambda: (randn(2, 4), None, "sigmoid"), "approximate='sigmoid'"),
         ("layer_norm", lambda: (randn(2, 4), randn(5), None, 1e-5), "does not match"),
+        ("moe_permute", lambda: (randn(2, 3, 4), torch.arange(4, device=DEVICE), 2), "token rows"),
+        ("moe_permute", lambda: (randn(3, 4), torch.arange(4, device=DEVICE).int(), 2), "int64"),
+        ("moe_unpermute", lambda: (randn(3, 4), torch.arange(4, device=DEVICE), randn(2, 2)), "3 rows for 4 slots"),
+        ("moe_unpermute", lambda: (randn(0, 4), torch.arange(0, device=DEVICE), randn(2, 2)), "empty"),
     ],
 )
 def test_unsupported_calls_are_routed_to_the_reference(tk, op, args, reason_part):

@@ -5,8 +5,11 @@ from the same seed inside each worker: logits and loss of one forward (fp32, wit
 multi-head and grouped-query attention, the causal and the document mask; the gradients (a cp
 rank's gradients summed over its cp group are cp times the whole-sequence gradient, which is what
 FSDP2's average over dp x cp turns into the mean); and the build path's FSDP2 engine over cp, cp x
-dp_shard, cp x tp and cp with selective recompute trained for 10 steps (losses, gradient norms, validation loss), resumed bit for bit
-from its DCP checkpoint, and loaded into another cp size. One 4-rank launch runs all of it.
+dp_shard, cp x tp, cp with selective recompute and cp x pp (1f1b with the causal mask, interleaved
+1f1b with the document mask and per-document positions; GQA) trained for 10 steps (losses, gradient norms, validation loss, the
+first step's gradients and the weights after the last step), resumed bit for bit from its DCP
+checkpoint, and loaded into another cp size. A pipeline with the document mask and no cp checks
+that the document numbers reach the stages after the first. One 4-rank launch runs all of it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from parallel.cp import chunk_ids, local_token_index
 from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
 from tests.gloo import gloo_context, run_workers
+from tests.unit.parallel.test_tp_pp import full_grads, full_params
 from training.build import build_from_config
 from training.config import load_config
 from training.loop import evaluate
@@ -42,8 +46,16 @@ MICRO, STEPS, SAVE_AFTER, VAL = 2, 10, 6, 5
 TRAIN_MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "n_kv_head": 2,
                "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False}
 LAYOUTS = {"cp4": {"cp": 4}, "cp2_x_dp2": {"cp": 2, "dp_shard": 2}, "cp2_x_tp2": {"cp": 2, "tp": 2},
-           "cp4_selective_recompute": {"cp": 4}}
-RECOMPUTE = {"cp4_selective_recompute": "selective"}  # the core, K/V gather included, rebuilt in backward
+           "cp4_selective_recompute": {"cp": 4}, "cp2_x_pp2": {"cp": 2, "pp": 2},
+           "cp2_x_pp2_interleaved_document": {"cp": 2, "pp": 2, "pp_schedule": "interleaved_1f1b",
+                                              "pp_virtual_stages": 2},
+           "pp2_x_dp2_document": {"pp": 2, "dp_shard": 2}}
+DOCUMENT = {"attention_mask": "document", "eot_id": EOT, "document_positions": True}
+# Per layout, what its model (and the one-process run it is checked against) changes.
+MODEL_KEYS = {"cp4_selective_recompute": {"recompute": "selective"},  # the core, K/V gather included, rebuilt in backward
+              "cp2_x_pp2_interleaved_document": DOCUMENT | {"n_layer": 4}, "pp2_x_dp2_document": DOCUMENT}
+MESH_KEYS = ("pp", "dp_shard", "cp", "tp")  # the layout keys that shape the mesh (the rest: the parallel section's)
+PIPELINE_ACCUM = 2  # micro-batches per step of the pipelined layouts (pipeline micro-batches: >= pp)
 
 
 def model_cfg(name: str) -> ModelConfig:
@@ -89,8 +101,11 @@ def test_layouts_with_cp_are_validated_before_any_work():
     for strategy in ("ddp", "zero2"):
         with pytest.raises(ConfigError, match=f"parallel.cp=2 with parallel.strategy={strategy}"):
             load_config(None, ["--parallel.cp=2", f"--parallel.strategy={strategy}"])
-    with pytest.raises(ConfigError, match="parallel.cp=2 with parallel.pp=2"):
-        load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--parallel.strategy=fsdp"])
+    both = load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--train.grad_accum_steps=2"]).parallel
+    assert (both.cp, both.pp) == (2, 2)  # composed (parallel/pp.py passes every stage what cp needs)
+    with pytest.raises(ConfigError, match="parallel.pp_schedule=zero_bubble with parallel.cp=2"):
+        load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--parallel.pp_schedule=zero_bubble",
+                           "--parallel.pp_virtual_stages=2", "--model.n_layer=4", "--train.grad_accum_steps=2"])
     resolved, note = ParallelConfig(cp=2).for_data_parallel(1)
     assert resolved.strategy == "fsdp" and "parallel.cp=2" in note
 
@@ -127,16 +142,20 @@ def forward_and_grads(cp_rank_group, cp: int, name: str) -> dict:
     return {"loss": float(mean_loss / cp), "ref_loss": float(ref_loss), "logits_err": logits_err, "grad_err": grads}
 
 
-def job(recompute: str = "none", **parallel):
-    overrides = [f"--model.{k}={v}" for k, v in TRAIN_MODEL.items()] + [f"--model.recompute={recompute}"]
-    overrides += [f"--train.micro_batch_size={MICRO}", "--train.grad_accum_steps=1", "--optim.warmup_steps=1",
+def accum_of(layout: dict) -> int:
+    return PIPELINE_ACCUM if layout.get("pp", 1) > 1 else 1
+
+
+def job(name: str | None = None, accum: int = 1, **parallel):
+    overrides = [f"--model.{k}={v}" for k, v in (TRAIN_MODEL | MODEL_KEYS.get(name, {})).items()]
+    overrides += [f"--train.micro_batch_size={MICRO}", f"--train.grad_accum_steps={accum}", "--optim.warmup_steps=1",
                   "--optim.lr=1e-2", f"--train.max_steps={STEPS}"]
     return load_config(None, overrides + [f"--parallel.{k}={v}" for k, v in parallel.items()])
 
 
-def batches(step: int, dp_rank: int):
-    ids = tokens(100 * step + dp_rank, MICRO)
-    return iter([(ids[:, :-1], ids[:, 1:])])
+def batches(step: int, dp_rank: int, accum: int = 1):
+    micro = [tokens(100 * step + dp_rank + 10 * m, MICRO) for m in range(accum)]
+    return iter([(ids[:, :-1], ids[:, 1:]) for ids in micro])
 
 
 def val_source(dp_rank: int, dp_size: int) -> ValSource:
@@ -145,21 +164,26 @@ def val_source(dp_rank: int, dp_size: int) -> ValSource:
                      world_size=dp_size)
 
 
-def train(engine, ctx, cfg, steps: range) -> tuple[list[float], list[float]]:
+def train(engine, ctx, cfg, steps: range, grads: dict | None = None) -> tuple[list[float], list[float]]:
+    """Losses and gradient norms of ``steps``; ``grads`` gets the first step's whole gradients."""
     losses, norms = [], []
+    n = cfg.train.grad_accum_steps
     for step in steps:
-        loss, _ = engine.forward_backward_step(batches(step, ctx.dims.dp_rank), 1)
+        loss, _ = engine.forward_backward_step(batches(step, ctx.dims.dp_rank, n), n)
+        if grads is not None and step == steps[0]:
+            grads.update(full_grads(engine))
         norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
         losses.append(float(ctx.all_reduce_mean(loss.detach().clone())))
     return losses, norms
 
 
 def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
-    cfg = job(RECOMPUTE.get(name, "none"), **layout)
-    ctx = gloo_context(rank, world, **layout)
+    cfg = job(name, accum_of(layout), **layout)
+    ctx = gloo_context(rank, world, **{k: v for k, v in layout.items() if k in MESH_KEYS})
     cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
     engine = build_from_config(cfg, ctx).engine
-    losses, norms = train(engine, ctx, cfg, range(SAVE_AFTER))
+    grads = {}
+    losses, norms = train(engine, ctx, cfg, range(SAVE_AFTER), grads)
     path = Path(root) / name
     if rank == 0:
         path.mkdir(parents=True)
@@ -170,9 +194,10 @@ def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> d
     val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.dims.dp_size), VAL, ctx)
     fresh = build_from_config(cfg, ctx).engine
     fresh.load(path)
+    final = full_params(engine)
     resumed, _ = train(fresh, ctx, cfg, range(SAVE_AFTER, STEPS))
     return {"losses": losses + rest, "norms": norms + rest_norms, "resumed": resumed, "val": val,
-            "dp_size": ctx.dims.dp_size}
+            "dp_size": ctx.dims.dp_size, "grads": grads, "final": final, "resumed_final": full_params(fresh)}
 
 
 def cross_load(rank: int, world: int, root: str) -> list[float]:
@@ -197,18 +222,22 @@ def four_rank_worker(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def one_process(dp_sizes: list[int]) -> dict:
-    """Step i on the global batch of dp_sizes[i] data-parallel ranks, in one process."""
-    cfg = job()
+def one_process(dp_sizes: list[int], name: str | None = None, accum: int = 1) -> dict:
+    """Step i on the global batch of dp_sizes[i] data-parallel ranks (``accum`` micro-batches each),
+    in one process, with the model of layout ``name``."""
+    cfg = job(name)
     ctx = DistContext.single()
     engine = build_from_config(cfg, ctx).engine
-    losses, norms = [], []
+    losses, norms, grads = [], [], {}
     for step, dp_size in enumerate(dp_sizes):
-        both = iter([b for r in range(dp_size) for b in batches(step, r)])
-        loss, _ = engine.forward_backward_step(both, dp_size)
+        every = iter([b for r in range(dp_size) for b in batches(step, r, accum)])
+        loss, _ = engine.forward_backward_step(every, dp_size * accum)
+        if step == 0:
+            grads = full_grads(engine)
         norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
         losses.append(float(loss))
-    return {"losses": losses, "norms": norms, "val": evaluate(engine, val_source(0, 1), VAL, ctx)}
+    return {"losses": losses, "norms": norms, "val": evaluate(engine, val_source(0, 1), VAL, ctx), "grads": grads,
+            "final": full_params(engine)}
 
 
 @pytest.fixture(scope="module")
@@ -230,13 +259,26 @@ def test_cp_forward_and_gradients_equal_one_process(four_ranks, cp, name):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cp_training_equals_one_process(four_ranks, name):
-    ref = one_process([four_ranks[0]["train"][name]["dp_size"]] * STEPS)
+    ref = one_process([four_ranks[0]["train"][name]["dp_size"]] * STEPS, name, accum_of(LAYOUTS[name]))
+    grads, final = {}, {}  # by parameter name; a pipeline rank holds its stage's
     for rank_result in four_ranks:
         got = rank_result["train"][name]
         assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
         assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
         assert got["val"] == pytest.approx(ref["val"], abs=1e-5)
         assert got["resumed"] == got["losses"][SAVE_AFTER:], "resume under cp is not bit-exact"
+        for key, value in got["resumed_final"].items():
+            assert torch.equal(value, got["final"][key]), f"{key}: resumed weights differ"
+        grads.update(got["grads"])
+        final.update(got["final"])
+    assert set(grads) == set(ref["grads"]) and set(final) == set(ref["final"])
+    for key, grad in ref["grads"].items():  # the first step's
+        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: gradient of {key}")
+    # After every step. AdamW divides by sqrt(v): an entry whose gradients are near zero moves a
+    # step's worth on rounding-sized differences, so 10 steps of lr 1e-2 (weights move up to 0.1)
+    # agree to about 3e-5.
+    for key, weight in ref["final"].items():
+        torch.testing.assert_close(final[key], weight, rtol=1e-4, atol=1e-4, msg=f"{name}: {key} after training")
 
 
 def test_a_cp4_checkpoint_loads_into_cp2_x_dp2(four_ranks):
@@ -250,6 +292,7 @@ def test_a_cp4_checkpoint_loads_into_cp2_x_dp2(four_ranks):
 @pytest.mark.parametrize("args, message", [
     (["--parallel.cp=4", "--model.max_seq_len=100"], "parallel.cp=4 splits each sequence into 2 x cp = 8 equal chunks"),
     (["--parallel.cp=2", "--parallel.strategy=zero1"], "parallel.cp=2 with parallel.strategy=zero1 is not supported"),
+    (["--parallel.cp=4", "--parallel.ep=2", "--model.moe_experts=4"], "parallel.ep=2 with parallel.cp=4: an expert-"),
 ])
 def test_train_py_refuses_bad_cp_layouts_in_one_line(capsys, args, message):
     import train

@@ -1,14 +1,18 @@
 """Expert parallelism (parallel/ep.py) against one process.
 
 A dropless MoE GPT (with the Switch auxiliary loss and the z-loss on) trained for 10 steps by the
-build path under ep=2 on 2 ranks, ep=2 x dp_shard=2, ep=2 x pp=2 and dp_shard=4 without ep on 4 ranks:
-losses and gradient norms equal one process stepping on the same micro-batches (within 1e-5), and the
-first step's gradients, gathered whole, equal the one-process gradients parameter by parameter (but
-under pp, where a rank holds one stage and the norm over both stages is checked). Each layout
-resumes bit for bit from its DCP checkpoint; ep=2's checkpoint loads into one process (ep=1) and
-dp_shard=4's (ep=1) into ep=2 x dp_shard=2, each then training as the one-process reference does.
-The 2-rank launch also counts the token all-to-alls of one step under each recompute policy,
-against the estimator's count (analysis/estimator.py ``expert_exchanges``).
+build path under ep=2 on 2 ranks, ep=2 x dp_shard=2, ep=2 x pp=2, ep=4 x cp=2 (the ep group spans
+dp_shard and cp ranks), ep=2 x cp=2 x dp_shard=2 built on the meta device (init_on_meta; the ep
+group is the cp group, experts FSDP-sharded over dp_shard) and dp_shard=4 without ep on 4 ranks:
+losses and gradient norms equal one process stepping on the same micro-batches (within 1e-5), the
+first step's gradients and the last step's weights, gathered whole, equal the one-process ones
+parameter by parameter (but under pp, where a rank holds one stage and the norm over both stages is
+checked). The init_on_meta run is compared with one process started from its gathered init, and
+that init with one process's: the same constants, the same spread per weight, every expert drawn
+apart. Each layout resumes bit for bit from its DCP checkpoint; ep=2's checkpoint loads into one
+process (ep=1) and dp_shard=4's (ep=1) into ep=2 x dp_shard=2, each then training as the one-process
+reference does. The 2-rank launch also counts the token all-to-alls of one step under each
+recompute policy, against the estimator's count (analysis/estimator.py ``expert_exchanges``).
 One 2-rank and one 4-rank launch run all of it.
 """
 
@@ -34,10 +38,12 @@ from training.config import load_config
 SEQ, VOCAB, MICRO, STEPS, SAVE_AFTER = 16, 64, 2, 10, 6
 MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "mlp": "swiglu",
          "moe_experts": 4, "moe_top_k": 2, "moe_d_ff": 16, "moe_aux_loss": 0.01, "moe_z_loss": 0.001,
-         "tie_embeddings": False}
+         "tie_embeddings": False, "bias": False}  # a key bias has no gradient but float noise, which Adam amplifies
 LAYOUTS = {2: {"ep2": {"ep": 2}},
            4: {"ep2_x_dp2": {"ep": 2, "dp_shard": 2}, "dp4": {"dp_shard": 4, "strategy": "fsdp"},
-               "ep2_x_pp2": {"ep": 2, "pp": 2}}}
+               "ep2_x_pp2": {"ep": 2, "pp": 2}, "ep4_x_cp2": {"ep": 4, "cp": 2},
+               "ep2_x_cp2_x_dp2_meta": {"ep": 2, "cp": 2, "dp_shard": 2, "strategy": "fsdp",
+                                        "init_on_meta": "true"}}}
 ACCUM = 2  # micro-batches per step: a pipeline needs at least pp of them
 
 
@@ -87,12 +93,23 @@ def test_ep_layouts_are_validated_before_any_work():
     for strategy in ("ddp", "zero1", "zero3"):
         with pytest.raises(ConfigError, match=f"parallel.ep=2 with parallel.strategy={strategy}"):
             load_config(None, moe + ["--parallel.ep=2", f"--parallel.strategy={strategy}"])
-    with pytest.raises(ConfigError, match="parallel.ep=2 with parallel.cp=2"):
-        load_config(None, moe + ["--parallel.ep=2", "--parallel.cp=2", "--parallel.strategy=fsdp"])
-    with pytest.raises(ConfigError, match="parallel.init_on_meta=true with parallel.ep=2"):
-        load_config(None, moe + ["--parallel.ep=2", "--parallel.strategy=fsdp", "--parallel.init_on_meta=true"])
+    with pytest.raises(ConfigError, match="parallel.ep=2 with parallel.cp=4: .* ep must be a multiple of cp"):
+        load_config(None, moe + ["--parallel.ep=2", "--parallel.cp=4", "--parallel.strategy=fsdp"])
     cfg = load_config(None, moe + ["--parallel.ep=2", "--parallel.dp_shard=2"])
     assert cfg.parallel.layout(1, 4)["dp_shard"] == 4  # the dense weights shard over dp_shard x ep
+    # ep out of dp_shard x cp: ep=4 spans 2 dp_shard ranks x cp=2, and 2 ranks hold the same experts.
+    spans = load_config(None, moe + ["--parallel.ep=4", "--parallel.cp=2", "--parallel.dp_shard=2"]).parallel
+    assert spans.layout(1, 8)["dp_shard"] == 4
+    dims = ParallelDims(8, 8, 5, 5, **spans.layout(1, 8))
+    assert dims.mesh_shape() == {"edp": 2, "ep_shard": 2, "cp": 2}
+    assert (dims.fsdp_dims(), dims.expert_fsdp_dims(), dims.dp_rank, dims.ep_rank) == (("dp_shard_cp",), ("edp",), 2, 1)
+    ep_is_cp = ParallelDims(4, 4, 3, 3, ep=2, cp=2)
+    assert (ep_is_cp.mesh_shape(), ep_is_cp.fsdp_dims(), ep_is_cp.expert_fsdp_dims()) == ({"edp": 2, "cp": 2},
+                                                                                          ("dp_shard_cp",), ("edp",))
+    with pytest.raises(LayoutError, match=r"parallel.ep=4 must divide the dp_shard x cp = 6 ranks"):
+        ParallelDims(6, 6, 0, 0, ep=4, cp=2)
+    with pytest.raises(LayoutError, match="parallel.ep=2 must be a multiple of parallel.cp=4"):
+        ParallelDims(8, 8, 0, 0, ep=2, cp=4)
     resolved, note = cfg.parallel.for_data_parallel(4)
     assert resolved.strategy == "fsdp" and "parallel.ep=2" in note
 
@@ -119,14 +136,22 @@ def train(engine, ctx, cfg, steps: range, grads: dict | None = None) -> tuple[li
     return losses, norms
 
 
+def whole_state(model) -> dict[str, torch.Tensor]:
+    """Every weight and buffer, gathered whole (a collective under FSDP2)."""
+    return {name: full_value(t.detach()).clone() for name, t in model.state_dict().items()}
+
+
 def one_process(dp_sizes: list[int], steps: range | None = None, load: Path | None = None,
-                grads: dict | None = None) -> dict:
-    """Step i on the global batch of dp_sizes[i] data-parallel ranks, in one process (ep=1)."""
+                grads: dict | None = None, init: dict | None = None) -> dict:
+    """Step i on the global batch of dp_sizes[i] data-parallel ranks, in one process (ep=1), from
+    the seed's init, a checkpoint (``load``) or whole weights (``init``)."""
     cfg = job()
     ctx = DistContext.single()
     engine = build_from_config(cfg, ctx).engine
     if load is not None:
         engine.load(load)
+    if init is not None:
+        engine.module().load_state_dict(init)
     losses, norms = [], []
     for step in steps or range(len(dp_sizes)):
         dp_size = dp_sizes[step]
@@ -136,7 +161,7 @@ def one_process(dp_sizes: list[int], steps: range | None = None, load: Path | No
             grads.update(whole_grads(engine))
         norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
         losses.append(float(loss))
-    return {"losses": losses, "norms": norms}
+    return {"losses": losses, "norms": norms, "weights": whole_state(engine.module())}
 
 
 def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
@@ -144,12 +169,14 @@ def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> d
     ctx = context(rank, world, cfg)
     cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
     engine = build_from_config(cfg, ctx).engine
-    grads: dict | None = {} if ctx.dims.pp == 1 else None  # a pipeline rank holds one stage: its norm is checked
+    whole = ctx.dims.pp == 1  # a pipeline rank holds one stage: its norm is checked, not its weights
+    init = whole_state(engine.module()) if cfg.parallel.init_on_meta else None
+    grads: dict | None = {} if whole else None
     losses, norms = train(engine, ctx, cfg, range(SAVE_AFTER), grads)
     grad_err = {}
     if grads is not None:
         ref_grads: dict = {}
-        one_process([ctx.dims.dp_size], grads=ref_grads)
+        one_process([ctx.dims.dp_size], grads=ref_grads, init=init)
         grad_err = {k: float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads}
     path = Path(root) / name
     if rank == 0:
@@ -158,11 +185,14 @@ def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> d
     engine.save(path, rank)
     torch.distributed.barrier()
     rest, rest_norms = train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))
+    weights = whole_state(engine.module()) if whole else None
     fresh = build_from_config(cfg, ctx).engine
     fresh.load(path)
     resumed, _ = train(fresh, ctx, cfg, range(SAVE_AFTER, STEPS))
+    ep_mesh = ctx.submesh("ep")  # ParallelDims.ep_rank names this rank's experts as the mesh does
+    ep_rank_ok = ep_mesh is None or ep_mesh.get_local_rank() == ctx.dims.ep_rank
     return {"losses": losses + rest, "norms": norms + rest_norms, "resumed": resumed, "grad_err": grad_err,
-            "dp_size": ctx.dims.dp_size}
+            "dp_size": ctx.dims.dp_size, "init": init, "weights": weights, "ep_rank_ok": ep_rank_ok}
 
 
 RECOMPUTE_POLICIES = ("none", "selective", "full", "every_k", "op_selective")
@@ -228,18 +258,49 @@ def reference(dp_size: int) -> dict:
     return one_process([dp_size] * STEPS)
 
 
-@pytest.mark.parametrize("world,name", [(2, "ep2"), (4, "ep2_x_dp2"), (4, "dp4"), (4, "ep2_x_pp2")])
+@pytest.mark.parametrize("world,name", [(2, "ep2"), (4, "ep2_x_dp2"), (4, "dp4"), (4, "ep2_x_pp2"),
+                                        (4, "ep4_x_cp2"), (4, "ep2_x_cp2_x_dp2_meta")])
 def test_ep_training_equals_one_process(launches, world, name):
     ranks = launches["ranks"][world]
-    ref = reference(ranks[0][name]["dp_size"])
+    init = ranks[0][name]["init"]  # init_on_meta: one process starts from the weights the ranks drew
+    ref = reference(ranks[0][name]["dp_size"]) if init is None else one_process([ranks[0][name]["dp_size"]] * STEPS,
+                                                                                 init=init)
     for rank_result in ranks:
         got = rank_result[name]
+        assert got["ep_rank_ok"]
         assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
         assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
         if name != "ep2_x_pp2":
             worst = max(got["grad_err"].items(), key=lambda kv: kv[1])
             assert worst[1] < 1e-6, worst
+            # Adam divides by sqrt(v): float noise in a near-zero gradient moves a weight by up to lr
+            # (1e-2) a step, so weights agree less closely than losses; a wrong update is ~lr off.
+            weight_err = {k: float((got["weights"][k] - w).abs().max()) for k, w in ref["weights"].items()}
+            worst = max(weight_err.items(), key=lambda kv: kv[1])
+            assert worst[1] < 1e-4, worst
         assert got["resumed"] == got["losses"][SAVE_AFTER:], f"resume under {name} is not bit-exact"
+
+
+def test_init_on_meta_with_ep_draws_like_one_process(launches):
+    """Built on meta, sharded (ep x cp x dp_shard), then initialised shard by shard: the whole weights
+    are one process's init in everything but the random draws, which keep its spread, and no two
+    experts (held by different ranks) repeat each other's draws."""
+    ranks = launches["ranks"][4]
+    init = ranks[0]["ep2_x_cp2_x_dp2_meta"]["init"]
+    for rank_result in ranks[1:]:
+        assert all(torch.equal(rank_result["ep2_x_cp2_x_dp2_meta"]["init"][k], v) for k, v in init.items())
+    ref = whole_state(build_from_config(job(), DistContext.single()).model)
+    assert init.keys() == ref.keys()
+    for name, want in ref.items():
+        got = init[name]
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        if want.numel() < 2 or float(want.std()) == 0:  # constants: norms, biases
+            assert torch.equal(got, want), name
+        else:
+            assert float(got.std()) == pytest.approx(float(want.std()), rel=0.1), name
+        if name.endswith(("w_up", "w_down", "w_gate")):
+            experts = got.flatten(1)
+            assert all(not torch.equal(experts[i], experts[j]) for i in range(len(experts)) for j in range(i)), name
 
 
 def test_an_ep2_checkpoint_loads_into_one_process(launches):

@@ -1,6 +1,7 @@
-"""A MoE GPT under DDP, FSDP2 and a 2-stage pipeline on 2 gloo ranks trains as one process does: the
-same losses (the auxiliary losses reach every stage's routers), and the same aux-loss-free routing
-bias, the loads summed over the data-parallel ranks before each update."""
+"""A MoE GPT under DDP, FSDP2, expert parallelism (ep=2, and ep=2 over cp=2) and a 2-stage pipeline
+on 2 gloo ranks trains as one process does: the same losses (the auxiliary losses reach every
+stage's routers), and the same aux-loss-free routing bias, the loads summed over the data-parallel
+ranks (ep and cp ranks among them) before each update."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ OVERRIDES = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--m
              "--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_d_ff=16", "--model.moe_z_loss=0.001",
              f"--model.moe_bias_update_rate={RATE}", "--train.micro_batch_size=2"]
 PIPELINE = ["--parallel.pp=2", "--train.grad_accum_steps=2", "--model.moe_bias_update_rate=0"]
+# The micro-batches each rank runs: ep ranks are data-parallel ranks; the cp pair runs both, each its chunks.
+EXPERT_LAYOUTS = {"ep2": (["--parallel.ep=2"], lambda rank: [rank]),
+                  "ep2_x_cp2": (["--parallel.ep=2", "--parallel.cp=2", "--train.grad_accum_steps=2"],
+                                lambda rank: [0, 1])}
 
 
 def global_batches():
@@ -39,7 +44,7 @@ def train(cfg, ctx: DistContext, micro: list[int]) -> tuple[list[float], list[li
         out = train_step(built.engine, iter([parts[i] for i in micro]), len(micro), LR)
         update_expert_bias(layers, RATE, reduce)
         loss = out.loss.detach().clone()
-        losses.append(float(ctx.all_reduce_mean(loss) if ctx.dims.dp_size > 1 else loss))
+        losses.append(float(ctx.all_reduce_mean(loss) if ctx.dims.dp_size * ctx.dims.cp > 1 else loss))
         biases.append([b for m in layers if m.expert_bias is not None for b in m.expert_bias.tolist()])
     return losses, biases
 
@@ -49,6 +54,10 @@ def _worker(rank: int, world_size: int) -> dict:
     for strategy in ("ddp", "fsdp"):
         cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + [f"--parallel.strategy={strategy}"])
         results[strategy] = train(cfg, init_distributed("cpu", cfg.parallel), [rank])
+    for name, (layout, micro) in EXPERT_LAYOUTS.items():
+        cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + layout)
+        cfg.parallel, _ = cfg.parallel.for_data_parallel(2)
+        results[name] = train(cfg, init_distributed("cpu", cfg.parallel), micro(rank))
     # two pipeline stages, one layer each; both micro-batches go through both (no routing bias:
     # refused with pipelines, see test_routing_bias_with_a_pipeline_is_refused)
     cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + PIPELINE)
@@ -68,7 +77,7 @@ def test_moe_under_ddp_fsdp_and_pp_matches_one_process(ranks):
     losses, biases = train(cfg, DistContext.single(), [0, 1])
     assert any(b != 0 for b in biases[-1])  # the bias moved
     for rank in ranks:
-        for strategy in ("ddp", "fsdp"):
+        for strategy in ("ddp", "fsdp", *EXPERT_LAYOUTS):
             got_losses, got_biases = rank[strategy]
             assert got_losses == pytest.approx(losses, abs=1e-5), strategy
             assert got_biases == biases, strategy  # sign steps of the summed load: exactly equal
