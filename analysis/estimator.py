@@ -107,24 +107,36 @@ def _dense_mlp_activation_elements(cfg: ModelConfig, f: int) -> int:
     return 2 * f  # GELU input and GELU output
 
 
-def _moe_activation_elements(cfg: ModelConfig) -> float:
-    """Per token in a MoE layer: each of its top-k copies keeps its permuted input row, its expert's
-    hidden activations and its output row; the router keeps fp32 logits and scores (E each), the
-    dispatch int64 slot and expert indices (k each); the shared experts keep a dense MLP's."""
+def _moe_activation_elements(cfg: ModelConfig, dtype_bytes: int) -> float:
+    """Per token in a MoE layer, in activations of ``dtype_bytes``: each of its top-k copies keeps its
+    permuted input row, its expert's hidden activations and its output row; the router keeps fp32
+    logits and scores (E each), the dispatch int64 slot and expert indices (k each), whatever the
+    activation dtype; the shared experts keep a dense MLP's."""
     k, f, e = cfg.moe_top_k, cfg.expert_d_ff, cfg.moe_experts
     copies = k * (2 * cfg.d_model + _dense_mlp_activation_elements(cfg, f))
-    router_and_dispatch = 2 * e * 2 + 2 * k * 4  # in 2-byte elements: fp32 logits and scores, int64 indices
+    router_and_dispatch = (2 * e * 4 + 2 * k * 8) / dtype_bytes  # their bytes, as activation elements
     shared = cfg.moe_shared_experts * f
     return copies + router_and_dispatch + (_dense_mlp_activation_elements(cfg, shared) if shared else 0)
 
 
-def _mlp_activation_elements(cfg: ModelConfig) -> float:
-    """Elements per token saved inside the MLP between its two matmuls (a MoE model: the mean over layers)."""
+def _mlp_activation_elements(cfg: ModelConfig, dtype_bytes: int) -> float:
+    """Elements per token saved inside the MLP between its two matmuls (a MoE model: the mean over
+    layers), in activations of ``dtype_bytes``."""
     dense = _dense_mlp_activation_elements(cfg, cfg.d_ff)
     if cfg.moe_experts is None:
         return dense
     moe = cfg.n_moe_layers
-    return (moe * _moe_activation_elements(cfg) + (cfg.n_layer - moe) * dense) / cfg.n_layer
+    return (moe * _moe_activation_elements(cfg, dtype_bytes) + (cfg.n_layer - moe) * dense) / cfg.n_layer
+
+
+def _mlp_hidden_width(cfg: ModelConfig) -> float:
+    """Hidden units one token runs through in an MLP (a MoE model: the mean over layers; a MoE layer:
+    its top-k experts and the shared ones)."""
+    if cfg.moe_experts is None:
+        return cfg.d_ff
+    moe = cfg.n_moe_layers
+    active = (cfg.moe_top_k + cfg.moe_shared_experts) * cfg.expert_d_ff
+    return (moe * active + (cfg.n_layer - moe) * cfg.d_ff) / cfg.n_layer
 
 
 def _moe_activation_share(cfg: ModelConfig, elements: float) -> float:
@@ -213,12 +225,12 @@ def activation_bytes_per_layer(
         + h  # QKV matmul input
         + h  # MLP first matmul input
     )
-    moe = _moe_activation_share(model_cfg, _moe_activation_elements(model_cfg)) if model_cfg.moe_experts else 0.0
+    moe = _moe_activation_share(model_cfg, _moe_activation_elements(model_cfg, p)) if model_cfg.moe_experts else 0.0
     outside += moe
     inside = (
         h + 2 * kv  # Q and K (for QK^T) and V (for @V)
         + h  # output projection input
-        + _mlp_activation_elements(model_cfg) - moe
+        + _mlp_activation_elements(model_cfg, p) - moe
     )
     masks = 2 * m * tokens * h if with_dropout else 0  # after attention and after the MLP: outside
     core = 0.0 if policy == "selective" else scores
@@ -317,7 +329,7 @@ def saved_bytes_per_layer(
         norm = norm_input + 2 * 4 * n  # fp32 mean and rstd
     else:
         norm = norm_input + 4 * n * h + 4 * n  # x * rsqrt(mean(x^2)) in fp32, and the rsqrt
-    mlp = p * n * h + p * n * _mlp_activation_elements(cfg)  # first matmul input + activations
+    mlp = p * n * h + p * n * _mlp_activation_elements(cfg, p)  # first matmul input + activations
     resid_masks = 2 * mask * n * h if dropout else 0
 
     core_inputs = qkv_out + rotated_qk + rope_tables  # q, k, v are views of the qkv output
@@ -1083,6 +1095,8 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
     read and a write each way and a 1-byte mask. Inside (split over tp): the MLP activation, GELU
     forward 2*d_ff (read, write) and backward 3*d_ff; SwiGLU 3*d_ff and 5*d_ff; rotary embeddings
     read and write q and k both ways, 2*(d + kv_dim) each way. FP8 adds the casts of the weights.
+    In a MoE layer the activation runs on each token's top-k experts and the shared ones
+    (``_mlp_hidden_width``); the permutation's gathers are not counted.
     """
     cfg, p, t = job.model, job.activation_dtype_bytes, job.tp
     tokens = job.local_seq_len * job.micro_batch
@@ -1092,7 +1106,8 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
         outside_fwd += 2 * (2 * d * p + d)
         outside_bwd += 2 * (2 * d * p + d)
     act_fwd, act_bwd = (3, 5) if cfg.mlp == "swiglu" else (2, 3)
-    inside_fwd, inside_bwd = act_fwd * cfg.d_ff * p, act_bwd * cfg.d_ff * p
+    width = _mlp_hidden_width(cfg)
+    inside_fwd, inside_bwd = act_fwd * width * p, act_bwd * width * p
     if cfg.position == "rope":
         inside_fwd += 2 * (d + cfg.kv_dim) * p
         inside_bwd += 2 * (d + cfg.kv_dim) * p
@@ -1415,14 +1430,30 @@ def stage_state_bytes(job: JobSpec, n_params: float) -> StateBytes:
     return StateBytes(dense.param + experts.param, dense.grad + experts.grad, dense.optimizer + experts.optimizer)
 
 
+def expert_exchanges(job: JobSpec) -> float:
+    """All-to-alls of token rows per micro-batch on a stage (the mean stage): per MoE layer the
+    dispatch and the combine in forward and their gradients in backward (4), and the forward's two
+    again in backward for a layer whose forward is recomputed. That is every layer under ``full``, and
+    under ``op_selective`` too (its policy caches the GEMM and attention outputs only, so the
+    collectives run again); under ``every_k`` the MoE layers whose 1-based index k divides."""
+    cfg = job.model
+    if job.policy in ("full", "op_selective"):
+        recomputed = cfg.n_moe_layers
+    elif job.policy == "every_k":
+        k = cfg.recompute_every_k
+        recomputed = sum(1 for i in range(cfg.n_layer) if cfg.is_moe_layer(i) and (i + 1) % k == 0)
+    else:
+        recomputed = 0
+    return (4 * cfg.n_moe_layers + 2 * recomputed) / job.pp
+
+
 def expert_all_to_all(job: JobSpec) -> tuple[float, float]:
     """(seconds, bytes sent per GPU) of one micro-batch's expert-parallel all-to-alls on a stage.
 
-    Per MoE layer four exchanges of the micro-batch's top-k token copies (dispatch and combine in
-    forward, their gradients in backward), six when the layer is recomputed in full; each GPU keeps
-    the 1/ep of its copies routed to its own experts (balanced routing) and sends the rest. An
-    all-to-all is modelled as an all-gather of the same bytes (``collective_seconds``); across nodes
-    it is slower than that (many small messages), which this does not count.
+    ``expert_exchanges`` of them, each of the micro-batch's top-k token copies (d values each);
+    each GPU keeps the 1/ep of its copies routed to its own experts (balanced routing) and sends the
+    rest. An all-to-all is modelled as an all-gather of the same bytes (``collective_seconds``);
+    across nodes it is slower than that (many small messages), which this does not count.
     """
     cfg = job.model
     if job.ep == 1:
@@ -1431,8 +1462,7 @@ def expert_all_to_all(job: JobSpec) -> tuple[float, float]:
     # parallelism, all of them without; a cp rank routes its chunks only.
     copies = job.seq_len * job.micro_batch * cfg.moe_top_k / ((job.tp if job.sp else 1) * job.cp)
     nbytes = copies * cfg.d_model * job.activation_dtype_bytes
-    moe_layers = cfg.n_moe_layers / job.pp
-    count = (6 if job.policy == "full" else 4) * moe_layers
+    count = expert_exchanges(job)
     one = collective_seconds(nbytes, job.ep, job.device, job.assumptions.link_fraction,
                              ranks_per_node=_per_node(job, job.tp, job.ep))
     return count * one, count * (job.ep - 1) / job.ep * nbytes

@@ -744,7 +744,7 @@ def _ratio_text(ratios: list[float]) -> str:
 
 
 EP_NOTES = [
-    "Expert parallelism (configs/tiny-moe.yaml, dropless top-2 routing): all-to-all bytes are what a rank sent "
+    "Expert parallelism (configs/tiny-moe.yaml, dropless top-k routing): all-to-all bytes are what a rank sent "
     "over the ep group in each step (dispatch and combine in forward, their gradients in backward, plus the "
     "per-expert counts each forward exchanges), measured by the same counter in every step, since the routing "
     "changes step by step; the steps' spread is over all steps of the run. Formula: "
@@ -760,7 +760,7 @@ EP_NOTES = [
     "fullest rank is above the formula whenever the router favours one rank's experts. At ep=2 the two ranks of a "
     "group send the same bytes (each one's dispatch is the other's combine), so fullest and mean agree; the mean "
     "rank's ratio is the share of token copies that left their rank over (ep-1)/ep. The per-expert counts add "
-    "(ep-1)/ep x E x 8 bytes per MoE layer and forward (128 bytes a step for tiny-moe at ep=2), which the formula "
+    "(ep-1)/ep x E x 8 bytes per MoE layer and forward, which the formula "
     "leaves out.",
     "Loss: the Switch auxiliary loss is computed over each micro-batch's tokens, so B sequences on each of two "
     "ranks and 2B in the single process give different (equally valid) losses; run with "

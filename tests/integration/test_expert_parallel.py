@@ -2,7 +2,7 @@
 
 ``torchrun --nproc_per_node=4 train.py --config configs/tiny-moe.yaml --parallel.ep=2
 --parallel.dp_shard=2`` (shortened to a few steps): four data-parallel ranks for the dense weights,
-each MoE layer's 8 experts split 4 + 4 over the two ranks of each ep group, the experts' weights
+each MoE layer's 16 experts split 8 + 8 over the two ranks of each ep group, the experts' weights
 sharded over the two ranks holding the same experts. The loader gives the four ranks every fourth
 window, so a step reads the windows one process with micro-batch 4B reads. The Switch auxiliary loss
 is off here: it is computed over the tokens of one micro-batch, so B tokens on each of four ranks and

@@ -8,8 +8,11 @@ import torch
 from parallel.checkpoint import safe_torch_load
 from tests.conftest import read_metrics, run_train, step_losses, tiny_overrides
 from tools import sample as sample_tool
+from training.config import load_config
 
 TINY_MOE = "configs/tiny-moe.yaml"
+MODEL = load_config(TINY_MOE, []).model
+EXPERTS, TOP_K = MODEL.moe_experts, MODEL.moe_top_k
 
 
 def test_tiny_moe_trains_logs_its_router_resumes_exactly_and_samples(tmp_path, corpus_cache, capsys):
@@ -27,10 +30,10 @@ def test_tiny_moe_trains_logs_its_router_resumes_exactly_and_samples(tmp_path, c
         assert row["moe_aux_loss"] > 0
         assert 0.0 <= row["moe_dropped_frac"] < 1.0
         loads = [row[f"moe_load_max_mean/{i}"] for i in range(2)]
-        assert all(1.0 <= v <= 8 / 2 for v in loads)  # between balanced and all on top-k experts
+        assert all(1.0 <= v <= EXPERTS / TOP_K for v in loads)  # between balanced and all on top-k experts
     state = safe_torch_load(full / "checkpoints" / "step_00000006" / "model_optim.pt")["model"]
     bias = state["blocks.0.mlp.expert_bias"]
-    assert bias.shape == (8,) and bias.abs().sum() > 0  # it moved, and it is saved
+    assert bias.shape == (EXPERTS,) and bias.abs().sum() > 0  # it moved, and it is saved
 
     resumed = run_train(["--config", TINY_MOE, "--resume", str(full / "checkpoints" / "step_00000003"),
                          *tiny_overrides(split, corpus_cache, **common)])

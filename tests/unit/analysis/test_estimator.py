@@ -333,7 +333,25 @@ def test_moe_memory_holds_every_expert_and_the_activations_of_top_k():
     dense_job = dataclasses.replace(job, model=dense)
     saved = est.activation_bytes_per_layer(moe, 64, 2, "none", 2) - est.activation_bytes_per_layer(dense, 64, 2, "none", 2)
     assert saved == 2 * 64 * 2 * (per_token - 4 * 128)  # bytes x tokens x (moe - dense) elements
+    # fp32 activations: the router's fp32 scores and int64 indices keep their bytes, the rest doubles
+    saved_fp32 = est.activation_bytes_per_layer(moe, 64, 2, "none", 4) - est.activation_bytes_per_layer(dense, 64, 2,
+                                                                                                       "none", 4)
+    assert saved_fp32 == 64 * 2 * (4 * (2 * (2 * 64 + 4 * 32) - 4 * 128) + 2 * 8 * 4 + 2 * 2 * 8)
     assert est.estimate_memory(dense_job).params < est.estimate_memory(job).params
+
+
+def test_moe_element_wise_work_is_its_active_widths():
+    """The MLP activation of a MoE layer runs on a token's top-k experts and shared experts: the same
+    element-wise bytes as the dense MLP as wide as they are together, not the config's dense d_ff."""
+    dense = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=2, d_model=64, mlp="swiglu", d_ff=512)
+    moe = dataclasses.replace(dense, moe_experts=8, moe_top_k=2, moe_d_ff=32, moe_shared_experts=1)
+    twin = dataclasses.replace(dense, d_ff=(2 + 1) * 32)
+    job = est.JobSpec(moe, seq_len=64, micro_batch=2, world_size=1, strategy="none", policy="none", precision="bf16")
+    assert est._elementwise_bytes(job) == est._elementwise_bytes(dataclasses.replace(job, model=twin))
+    half = dataclasses.replace(moe, moe_first_dense=1)  # layer 0 dense (512 wide), layer 1 MoE (96)
+    mean = dataclasses.replace(dense, d_ff=(512 + 96) // 2)
+    assert est._elementwise_bytes(dataclasses.replace(job, model=half)) == est._elementwise_bytes(
+        dataclasses.replace(job, model=mean))
 
 
 @pytest.mark.parametrize("extra", [{}, {"moe_shared_experts": 1, "moe_first_dense": 1}])

@@ -5,6 +5,7 @@ parallelism), and the planner proposing ep for Mixtral 8x7B on 64 H100s in words
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 
 import pytest
@@ -58,6 +59,24 @@ def test_all_to_all_bytes_by_hand():
     result = est.estimate(job(4, grad_accum=3))
     assert result.comm.expert_all_to_all == pytest.approx(3 * 4 * 4 * 3 / 4 * copies_bytes)
     assert result.time.ep_comm_s > 0 and result.time.step_s > est.estimate(job(1, grad_accum=3)).time.step_s - 1
+
+
+def test_recomputed_layers_exchange_their_tokens_again():
+    """A layer whose forward runs again in backward runs its dispatch and combine again: all four
+    MoE layers under full and op_selective (6 exchanges each), every second one under every_k with
+    k=2 (layers 2 and 4), none under selective. tests/unit/parallel/test_ep.py counts the trainer's."""
+    def exchanges(policy: str, **model) -> float:
+        cfg = dataclasses.replace(MOE, **model)
+        return est.expert_exchanges(est.JobSpec(cfg, 256, 2, 8, "fsdp", policy, "bf16_master", H100, ep=2))
+
+    assert exchanges("none") == exchanges("selective") == exchanges("offload") == 4 * 4
+    assert exchanges("full") == exchanges("op_selective") == 6 * 4
+    assert exchanges("every_k") == 4 * 4 + 2 * 2
+    assert exchanges("every_k", recompute_every_k=3) == 4 * 4 + 2 * 1
+    assert exchanges("every_k", moe_every=2) == 4 * 2 + 2 * 2  # MoE layers 2 and 4, both recomputed
+    copies_bytes = 256 * 2 * 2 * 128 * 2
+    op = est.JobSpec(MOE, 256, 2, 8, "fsdp", "op_selective", "bf16_master", H100, ep=2)
+    assert est.expert_all_to_all(op)[1] == pytest.approx(6 * 4 * 1 / 2 * copies_bytes)
 
 
 def test_experts_are_gathered_over_the_gpus_holding_them():
@@ -118,7 +137,7 @@ def test_moe_layers_are_not_tensor_split():
                              norm="rmsnorm", position="rope", bias=False, dropout=0.0, d_ff=64)
     twin_one, twin_two = act(dense_twin, 256, 2, "none"), act(dense_twin, 256, 2, "none", tp=2)
     # what tp=2 saves without sequence parallelism: the attention share of the tensor-parallel region only
-    mlp_inside = 2 * 256 * 2 * est._mlp_activation_elements(dense_twin)
+    mlp_inside = 2 * 256 * 2 * est._mlp_activation_elements(dense_twin, 2)
     assert one - two == pytest.approx((twin_one - twin_two) - mlp_inside / 2)
 
 

@@ -275,6 +275,30 @@ def test_the_gpt_is_the_same_with_either_expert_backend():
     torch.testing.assert_close(out["grouped_mm"], out["loop"], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("experts,top_k,width", [(8, 2, 32), (16, 4, 16)])
+def test_routed_scale_top_k_gives_the_dense_twins_output_scale_at_init(experts, top_k, width):
+    """Renormalised top-k weights average the k experts' outputs (each ~1/k), so at init a MoE MLP's
+    output is ~1/k the size of the dense MLP as wide as the k experts together, and with AdamW its
+    output moves ~1/k as fast. moe_routed_scale = top_k (configs/tiny-moe.yaml) sums them instead:
+    the dense twin's scale. Measured over three seeds' weights on the same tokens."""
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(0))
+
+    def output_std(cfg: ModelConfig) -> float:
+        stds = []
+        for seed in range(3):
+            torch.manual_seed(seed)
+            stds.append(GPT(cfg).blocks["0"].mlp(x).std().item())
+        return sum(stds) / len(stds)
+
+    base = dict(vocab_size=64, max_seq_len=16, n_layer=1, n_head=2, d_model=64, mlp="swiglu")
+    dense = output_std(ModelConfig(**base, d_ff=top_k * width))
+    averaged = output_std(ModelConfig(**base, moe_experts=experts, moe_top_k=top_k, moe_d_ff=width))
+    summed = output_std(ModelConfig(**base, moe_experts=experts, moe_top_k=top_k, moe_d_ff=width,
+                                    moe_routed_scale=float(top_k)))
+    assert averaged / dense == pytest.approx(1 / top_k, rel=0.1)
+    assert summed / dense == pytest.approx(1.0, rel=0.1)
+
+
 # --------------------------------------------------------------------------- structure and counts
 
 
@@ -323,7 +347,7 @@ def test_bad_moe_keys_are_one_line_config_errors(kw, message):
 def test_bad_moe_key_exits_2_with_one_line(capsys):
     import train
 
-    code = train.main(["--config", "configs/tiny-moe.yaml", "--model.moe_top_k=9"])
+    code = train.main(["--config", "configs/tiny-moe.yaml", "--model.moe_top_k=17"])
     assert code == 2
     err = capsys.readouterr().err.strip()
-    assert err == "config error: model.moe_top_k=9 must be between 1 and model.moe_experts=8"
+    assert err == "config error: model.moe_top_k=17 must be between 1 and model.moe_experts=16"

@@ -13,11 +13,14 @@ init_on_meta run is compared with one process started from its gathered init, an
 process's: the same constants, the same spread per weight, every expert drawn apart. Each layout
 resumes bit for bit from its DCP checkpoint; ep=2's checkpoint loads into one process (ep=1) and
 dp_shard=4's (ep=1) into ep=2 x dp_shard=2, each then training as the one-process reference does.
+The 2-rank launch also counts the token all-to-alls of one step under each recompute policy, against
+the estimator's count (analysis/estimator.py ``expert_exchanges``).
 One 2-rank and one 4-rank launch run all of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tempfile
 from pathlib import Path
@@ -195,8 +198,41 @@ def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> d
             "dp_size": ctx.dims.dp_size, "init": init, "weights": weights, "ep_rank_ok": ep_rank_ok}
 
 
+RECOMPUTE_POLICIES = ("none", "selective", "full", "every_k", "op_selective")
+
+
+def row_exchanges(rank: int, world: int) -> dict[str, int]:
+    """All-to-alls of token rows (not the per-expert counts, which are 1-D) in one step's forward and
+    backward under ep=2, per recompute policy: what the estimator's ``expert_exchanges`` counts."""
+    calls = []
+    original = torch.distributed.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        if input.dim() > 1:
+            calls.append(input.shape)
+        return original(output, input, *args, **kwargs)
+
+    out = {}
+    torch.distributed.all_to_all_single = counting
+    try:
+        for policy in RECOMPUTE_POLICIES:
+            cfg = job(ep=2)
+            cfg.model = dataclasses.replace(cfg.model, recompute=policy, recompute_every_k=2)
+            ctx = context(rank, world, cfg)
+            cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+            engine = build_from_config(cfg, ctx).engine
+            calls.clear()
+            engine.forward_backward_step(iter(micro_batches(0, ctx.dims.dp_rank)), ACCUM)
+            out[policy] = len(calls)
+    finally:
+        torch.distributed.all_to_all_single = original
+    return out
+
+
 def two_rank_worker(rank: int, world: int, root: str) -> dict:
-    return {name: train_layout(rank, world, name, layout, root) for name, layout in LAYOUTS[2].items()}
+    out = {name: train_layout(rank, world, name, layout, root) for name, layout in LAYOUTS[2].items()}
+    out["row_exchanges"] = row_exchanges(rank, world)
+    return out
 
 
 def four_rank_worker(rank: int, world: int, root: str) -> dict:
@@ -278,3 +314,16 @@ def test_an_ep1_checkpoint_loads_into_ep2_x_dp2(launches):
     ref = reference(4)
     for rank_result in launches["ranks"][4]:
         assert rank_result["dp4_into_ep2_x_dp2"] == pytest.approx(ref["losses"][SAVE_AFTER:], abs=1e-5)
+
+
+@pytest.mark.parametrize("policy", RECOMPUTE_POLICIES)
+def test_the_estimator_counts_the_all_to_alls_the_trainer_runs(launches, policy):
+    """One step of ACCUM micro-batches: the estimator's exchanges per micro-batch, times ACCUM, equal
+    the row all-to-alls each rank ran (recomputed layers run their dispatch and combine again)."""
+    from analysis import estimator as est
+    from common.hardware import DEVICES
+
+    cfg = dataclasses.replace(job(ep=2).model, recompute=policy, recompute_every_k=2)
+    spec = est.JobSpec(cfg, SEQ, MICRO, 2, "fsdp", policy, "fp32", DEVICES["H100"], grad_accum=ACCUM, ep=2)
+    for rank_result in launches["ranks"][2]:
+        assert rank_result["row_exchanges"][policy] == ACCUM * est.expert_exchanges(spec)
