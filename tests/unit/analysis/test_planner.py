@@ -404,6 +404,7 @@ def test_estimate_plan_still_serves_data_parallel_configs_and_takes_layouts():
 # --------------------------------------------------------------------------- the planner proposes what the trainer runs
 
 
+@pytest.mark.slow  # the planner's search for every config: ~1 minute in all
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_layout_the_planner_prints_for_a_config_passes_the_trainers_validation(path):
     """Every layout the planner proposes passes the trainer's whole JobConfig.validate, and the ones it
