@@ -84,3 +84,13 @@ def data_parallel_engine(model, parallel_cfg, ctx, mode: str = "fp32", **optim):
 
     policy = precision_policy(PrecisionConfig(mode=mode), parallel_cfg.strategy)
     return apply_data_parallel(model, parallel_cfg, ctx, policy, OptimConfig(**optim))
+
+
+def save_on_every_rank(engine, path, rank: int) -> None:
+    """``engine`` saved to the directory ``path`` (rank 0 makes it) by every worker, a collective:
+    no rank goes on before every shard is written."""
+    if rank == 0:
+        path.mkdir(parents=True)
+    dist.barrier()
+    engine.save(path, rank)
+    dist.barrier()

@@ -29,7 +29,7 @@ from parallel.config import ParallelConfig
 from parallel.cp import chunk_ids, local_token_index
 from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
-from tests.gloo import gloo_context, run_workers
+from tests.gloo import gloo_context, run_workers, save_on_every_rank
 from tests.unit.parallel.test_tp_pp import full_grads, full_params
 from training.build import build_from_config
 from training.config import load_config
@@ -189,11 +189,7 @@ def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> d
     grads = {}
     losses, norms = train(engine, ctx, cfg, range(SAVE_AFTER), grads)
     path = Path(root) / name
-    if rank == 0:
-        path.mkdir(parents=True)
-    torch.distributed.barrier()
-    engine.save(path, rank)
-    torch.distributed.barrier()
+    save_on_every_rank(engine, path, rank)
     rest, rest_norms = train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))
     val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.dims.dp_size), VAL, ctx)
     fresh = build_from_config(cfg, ctx).engine

@@ -33,7 +33,7 @@ from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
 from parallel.ep import by_expert_order
 from parallel.values import full_value
-from tests.gloo import gloo_context, run_workers
+from tests.gloo import gloo_context, run_workers, save_on_every_rank
 from training.build import build_from_config
 from training.config import load_config
 
@@ -182,11 +182,7 @@ def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> d
         one_process([ctx.dims.dp_size], grads=ref_grads, init=init)
         grad_err = {k: float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads}
     path = Path(root) / name
-    if rank == 0:
-        path.mkdir(parents=True)
-    torch.distributed.barrier()
-    engine.save(path, rank)
-    torch.distributed.barrier()
+    save_on_every_rank(engine, path, rank)
     rest, rest_norms = train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))
     weights = whole_state(engine.module()) if whole else None
     fresh = build_from_config(cfg, ctx).engine

@@ -24,7 +24,7 @@ from parallel.checkpoint import read_verified_metadata, save_sharded
 from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
 from tests.conftest import read_metrics, run_torchrun, run_train, tiny_overrides
-from tests.gloo import gloo_context, run_workers
+from tests.gloo import gloo_context, run_workers, save_on_every_rank
 from training.build import build_from_config
 from training.config import load_config
 from training.loop import evaluate
@@ -135,11 +135,7 @@ def run_layout(rank: int, world: int, name: str, parallel: dict, ckpt_root: str)
     engine = build_from_config(cfg, ctx).engine
     losses, norms, grads = train_steps(engine, range(SAVE_AFTER), ctx, cfg, record_grads=True)
     path = Path(ckpt_root) / name
-    if rank == 0:
-        path.mkdir(parents=True)
-    torch.distributed.barrier()
-    engine.save(path, rank)
-    torch.distributed.barrier()
+    save_on_every_rank(engine, path, rank)
     saved = full_params(engine)
     rest, rest_norms, _ = train_steps(engine, range(SAVE_AFTER, STEPS), ctx, cfg)
     val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.dims.dp_size), VAL, ctx)
