@@ -84,7 +84,7 @@ from model.moe import moe_layers
 from parallel.config import ParallelConfig
 from parallel.distributed import DistContext, init_distributed, shutdown_distributed
 from parallel.optim import lr_at
-from parallel.pp import PipelineEngine, stage_ids
+from parallel.pp import stage_ids
 from parallel.zero import ZeroEngine
 from training.build import build_batches, build_from_config
 from training.config import JobConfig, load_config
@@ -244,10 +244,10 @@ def record_optimizer(engine, ledger: StorageLedger) -> None:
         _add_inner_optimizer(ds_optimizer.optimizer, ledger, with_state=True)
         return
     # A pipeline rank steps one optimizer per stage it holds.
-    for stepper in engine.steppers if isinstance(engine, PipelineEngine) else [engine]:
-        _add_inner_optimizer(stepper.optimizer, ledger, with_state=True)
-        if getattr(stepper, "masters", None) is not None:  # ZeRO keeps its masters inside DeepSpeed
-            for m in stepper.masters.masters:
+    for part in engine.optimized_parts():
+        _add_inner_optimizer(part.optimizer, ledger, with_state=True)
+        if part.masters is not None:
+            for m in part.masters.masters:
                 ledger.add("optimizer", m)
 
 

@@ -113,7 +113,8 @@ def ours(cfg: JobConfig, device: torch.device, pool: list[Batch], mode: str) -> 
     built = build_from_config(cfg, DistContext.single(device))
     engine, accum, lr = built.engine, cfg.train.grad_accum_steps, cfg.optim.lr
     step = lambda batch: train_step(engine, iter(batch), accum, lr).loss  # noqa: E731
-    return Side(OURS, mode, step, engine.optimizer, pool), built.model, built.policy
+    [part] = engine.optimized_parts()  # one process: one module, one optimizer
+    return Side(OURS, mode, step, part.optimizer, pool), built.model, built.policy
 
 
 def peer_model(cfg: JobConfig, initial: dict[str, torch.Tensor], device: torch.device, gelu: str) -> nn.Module:

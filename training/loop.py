@@ -301,8 +301,7 @@ class TrainingLoop:
         engine.mark_phase = self.phases.mark
         self.hosts: list[str] = []
         self.background = ckpt.BackgroundSave()  # checkpoint.async_save: the write in flight, if any
-        roots = [s.model for s in engine.steppers] if hasattr(engine, "steppers") else [engine.module()]
-        self.moe = moe_layers(roots)  # this rank's MoE layers: router metrics, aux-loss-free bias
+        self.moe = moe_layers([engine.module()])  # this rank's MoE layers: router metrics, aux-loss-free bias
         self.load_sum = router_load_sum(ctx)
 
     # ----------------------------------------------------------------- checkpoints

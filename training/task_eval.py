@@ -130,8 +130,7 @@ def _gathered_zero3(module: nn.Module) -> contextlib.AbstractContextManager:
 
 def autocast_of(engine: Engine, device: torch.device):
     """The training forward's autocast (no FP8 context: the copy's layers are plain)."""
-    policy = getattr(engine, "policy", None)
-    dtype = getattr(policy, "autocast_dtype", None)
+    dtype = engine.policy.autocast_dtype
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
