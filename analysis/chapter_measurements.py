@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 
-from analysis import recompute_bench
+from analysis import data_bench, recompute_bench
 from common.measure import interleaved, peak_bytes, provenance, summarize
-from data import bench as data_bench
 from model.attention import AttentionCore
 from model.config import RECOMPUTE_POLICIES, ModelConfig
 from model.gpt import GPT
@@ -214,7 +213,7 @@ DATA_GRID = data_bench.GridOptions(mb=2, seq_len=1024, batch_sizes=[8], workers=
 
 
 def run_data_benchmark(markdown: Path, plot: Path) -> list[Path]:
-    """The data-loader benchmark (data/bench.py) at the small DATA_GRID scale, written to ``markdown``
+    """The data-loader benchmark (analysis/data_bench.py) at the small DATA_GRID scale, written to ``markdown``
     (with its rows as JSON next to it) and ``plot``."""
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"))
     tiny = data_bench.ConsumerModel("tiny", cfg.model, cfg.data.seq_len or cfg.model.max_seq_len,

@@ -60,7 +60,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from analysis.collective_bytes import CommBytes, bytes_by_dimension
 from analysis.estimator import (
@@ -79,6 +78,7 @@ from analysis.estimator import (
 from common.fields import choices
 from common.measure import provenance, summarize
 from common.report import markdown_table, new_figure, save_figure, text_table, write_results
+from common.values import local_shard
 from model.flops import count_parameters
 from model.moe import moe_layers
 from parallel.config import ParallelConfig
@@ -180,8 +180,7 @@ class StorageLedger:
     def add(self, category: str, tensor) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
             return
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        storage = local.untyped_storage()
+        storage = local_shard(tensor).untyped_storage()
         key = storage.data_ptr()
         if storage.nbytes() == 0 or key in self.owner:
             return
@@ -425,9 +424,8 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
             return t
-        local = t._local_tensor if isinstance(t, DTensor) else t  # a tensor-parallel shard: its local storage
         try:
-            storage = local.untyped_storage()
+            storage = local_shard(t).untyped_storage()  # a tensor-parallel shard: its local storage
             self.seen[storage.data_ptr()] = storage.nbytes()
         except RuntimeError:  # a wrapper subclass with no storage of its own (counted through its inner tensors)
             pass

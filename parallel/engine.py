@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common.errors import CheckpointError
+from common.values import full_value, loss_parallel_context
 from parallel.checkpoint import (
     FULL_STATE_FILE,
     Staging,
@@ -45,7 +46,6 @@ from parallel.checkpoint import (
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
 from parallel.step import OptimizedPart, OptimizerStep, StepResult
-from parallel.values import full_value, loss_parallel_context
 
 
 class Engine(abc.ABC):

@@ -66,12 +66,12 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
+from common.values import full_value, local_shard
 from model.gpt import GPT, document_ids
 from parallel.cp import ContextParallelGPT, local_targets, scale_local_loss
 from parallel.engine import ShardedEngine
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
-from parallel.values import full_value, local_shard
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from common.values import full_value, is_dtensor, local_shard
 from parallel.optim import OptimConfig, build_adamw, decay_groups
 from parallel.precision import MasterWeights, PrecisionPolicy
-from parallel.values import full_value, is_dtensor, local_shard
 
 
 @dataclass

@@ -43,11 +43,11 @@ import torch
 import torch.nn as nn
 
 from common.errors import CapabilityError, CheckpointError, ConfigError
+from parallel.api_floors import install_floor
 from parallel.config import ParallelConfig
 from parallel.engine import Engine, unwrap
 from parallel.optim import OptimConfig, build_adamw, decay_groups
 from parallel.precision import PrecisionPolicy
-from parallel.requirements import install_floor
 from parallel.step import OptimizedPart, StepResult, set_lr
 
 CHECKPOINT_TAG = "deepspeed"

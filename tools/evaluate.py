@@ -20,7 +20,7 @@ for any rank count on either side. Bits per byte divide the summed loss (in bits
 bytes of the predicted tokens' text (data.tokenizer.token_byte_lengths).
 
 With ``--tasks`` the harness (``pip install -e '.[eval]'``) scores the model through perfgpt's own
-backend (training/harness.py: the source's tokenizer, batched requests, the KV cache for
+backend (training/lm_eval_backend.py: the source's tokenizer, batched requests, the KV cache for
 generation) and prints its table; under torchrun each rank takes a share of the requests. Task
 names are the harness's (its datasets download on first use) or those of the task YAML files in
 ``--task-dir``; a YAML path works too.
@@ -45,7 +45,7 @@ from data.loader import build_data
 from data.tokenizer import build_tokenizer, token_byte_lengths
 from training.config import load_config
 from training.model_io import load_source
-from training.task_eval import import_harness
+from training.task_eval import import_lm_eval_backend
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -128,12 +128,12 @@ def score_tasks(args: argparse.Namespace, overrides: list[str]) -> dict | None:
         raise ConfigError("--tasks needs at least one task name")
     if args.limit is not None and args.limit < 1 or args.num_fewshot is not None and args.num_fewshot < 0:
         raise ConfigError("--limit must be >= 1 and --num-fewshot >= 0")
-    harness = import_harness("--tasks")
-    tasks = harness.load_tasks(names, args.task_dir)  # before the model loads: a bad name costs nothing
+    backend = import_lm_eval_backend("--tasks")
+    tasks = backend.load_tasks(names, args.task_dir)  # before the model loads: a bad name costs nothing
     batch_size = 8 if args.batch_size is None else args.batch_size  # harness requests per batch
-    lm = harness.PerfGPTLM(str(args.source), tokenizer=args.tokenizer, batch_size=batch_size,
+    lm = backend.PerfGPTLM(str(args.source), tokenizer=args.tokenizer, batch_size=batch_size,
                            device=args.device, dtype=args.dtype, max_gen_toks=args.max_gen_toks)
-    return harness.run_tasks(lm, tasks, limit=args.limit, num_fewshot=args.num_fewshot)
+    return backend.run_tasks(lm, tasks, limit=args.limit, num_fewshot=args.num_fewshot)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,11 +178,11 @@ def write_json(path: Path, body: dict) -> int:
 def print_scores(args: argparse.Namespace, results: dict | None) -> int:
     if results is None:  # not rank 0: rank 0 prints
         return 0
-    harness = import_harness("--tasks")  # imported already by score_tasks
-    print(f"{args.source}\n{harness.results_table(results)}")
+    backend = import_lm_eval_backend("--tasks")  # imported already by score_tasks
+    print(f"{args.source}\n{backend.results_table(results)}")
     if args.json:
         return write_json(args.json, {"source": str(args.source), "ranks": max(1, int(os.environ.get("WORLD_SIZE", "1"))),
-                                      "scores": harness.scores(results), "n_samples": results.get("n-samples", {}),
+                                      "scores": backend.scores(results), "n_samples": results.get("n-samples", {}),
                                       "n_shot": results.get("n-shot", {}), "versions": results.get("versions", {})})
     return 0
 

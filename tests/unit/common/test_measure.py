@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from analysis import kernel_bench
 from common.errors import CapabilityError, ConfigError, DataError
 from common.measure import (
     NO_DIFFERENCE,
@@ -27,7 +28,6 @@ from common.measure import (
     summarize,
 )
 from common.report import read_results, rows_path, write_results
-from kernels import bench as kernel_bench
 from kernels import reference
 
 CPU = torch.device("cpu")
