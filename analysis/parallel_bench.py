@@ -86,7 +86,7 @@ from parallel.distributed import DistContext, init_distributed, shutdown_distrib
 from parallel.optim import lr_at
 from parallel.pp import stage_ids
 from parallel.zero import ZeroEngine
-from training.build import build_batches, build_from_config
+from training.build import build_from_config, resolve_job
 from training.config import JobConfig, load_config
 from training.loop import train_step
 
@@ -473,11 +473,11 @@ def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) ->
     cfg = load_config(config, overrides)
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
-        cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)  # as train.py does
-        built = build_from_config(cfg, ctx)
+        job = resolve_job(cfg, ctx)  # as train.py resolves it
+        cfg, batches = job.cfg, job.batches
+        built = build_from_config(cfg, ctx, job.initial_state)
         n_params = sum(p.numel() for p in built.model.parameters())  # unique tensors: a tied weight once
         engine = built.engine
-        _, batches = build_batches(cfg, ctx)
         engine.train(True)
         losses, ledger, saved = [], StorageLedger(), SavedActivations()
         experts = ExpertTraffic(ctx, _model_of(engine), cfg) if cfg.parallel.ep > 1 else None

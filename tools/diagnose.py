@@ -34,7 +34,7 @@ from common.measure import speedup
 from common.report import text_table
 from model.flops import flops_per_token
 from parallel.distributed import init_distributed, shutdown_distributed
-from training.build import build_batches, build_from_config
+from training.build import build_from_config, resolve_job
 from training.config import JobConfig, load_config, parse_known_overrides
 from training.loop import train_step
 
@@ -56,10 +56,11 @@ class Trainer:
     """One built job and its data, stepping as the training loop does."""
 
     def __init__(self, cfg: JobConfig, ctx):
-        self.cfg, self.ctx = cfg, ctx
-        built = build_from_config(cfg, ctx)
+        job = resolve_job(cfg, ctx)  # as train.py resolves it
+        self.cfg, self.ctx = job.cfg, ctx
+        built = build_from_config(job.cfg, ctx, job.initial_state)
         self.engine, self.attention = built.engine, _attention_of(built.notes)
-        self.data, self.batches = build_batches(cfg, ctx)
+        self.data, self.batches = job.data, job.batches
 
     def steps(self, n: int) -> tuple[float, float]:
         """Wall seconds and data-wait seconds of ``n`` steps."""
@@ -148,8 +149,8 @@ def diagnose(args: argparse.Namespace, overrides: list[str]) -> list[str]:
         raise ValueError(f"--memory-budget-gib must be a finite number of GiB > 0 (got {budget})")
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
-        cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
         trainer = Trainer(cfg, ctx)
+        cfg = trainer.cfg
         try:
             trainer.steps(args.warmup)
             if ctx.device.type == "cuda":

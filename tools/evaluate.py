@@ -43,7 +43,7 @@ from common.errors import USER_FACING_ERRORS, ConfigError
 from data.bundle import IGNORE_INDEX
 from data.loader import build_data
 from data.tokenizer import build_tokenizer, token_byte_lengths
-from training.config import load_config
+from training.config import RUN_CONFIG_FILE, load_config
 from training.model_io import load_source
 from training.task_eval import import_lm_eval_backend
 
@@ -72,8 +72,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 def run_config(source: Path) -> Path | None:
     """The config.yaml train.py wrote into the run directory that holds ``source``, if any."""
     for parent in [source, *source.parents][:4]:
-        if (parent / "config.yaml").is_file():
-            return parent / "config.yaml"
+        if (parent / RUN_CONFIG_FILE).is_file():
+            return parent / RUN_CONFIG_FILE
     return None
 
 

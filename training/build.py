@@ -1,4 +1,5 @@
-"""A job config to the objects that train: the engine (through parallel/'s one build path) and data.
+"""A job config to the objects that train: the resolved configuration, the engine (through
+parallel/'s one build path) and the data.
 
 train.py and the tools that train call these, so a benchmark measures exactly what a run
 runs. Each section goes only to the code that owns it.
@@ -6,7 +7,7 @@ runs. Each section goes only to the code that owns it.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 import torch
@@ -18,6 +19,46 @@ from model.config import ModelConfig
 from parallel.distributed import DistContext
 from parallel.parallelize import Built, build_training
 from training.config import JobConfig
+from training.model_io import with_initial_weights
+
+
+@dataclass
+class Job:
+    """A run's configuration with every value resolved (what ``config.yaml`` records and the run
+    uses), and what resolving it opened: the data and the initial weights."""
+
+    cfg: JobConfig
+    data: DataBundle
+    batches: DevicePrefetcher  # the training batches, already on the device
+    initial_state: dict[str, torch.Tensor] | None = None  # model.init_from's weights
+    notes: list[str] = field(default_factory=list)  # what resolving changed, one log line each
+    warnings: list[str] = field(default_factory=list)  # changes the user should hear about
+
+
+def resolve_job(cfg: JobConfig, ctx: DistContext) -> Job:
+    """Every value a run takes from somewhere other than its config file, decided here and only
+    here, in the order they depend on each other, before anything is written or the model built:
+
+    1. model.init_from: the architecture of the source (its weights come along)
+    2. optim.warmup_steps: the warm-up a run of train.max_steps steps uses (``OptimConfig.for_run``)
+    3. parallel.strategy: none on several data-parallel ranks trains them as DDP or FSDP2
+    4. the data, opened for the resolved model and ranks; a document mask's model.eot_id from it
+
+    A bad value anywhere is a one-line error here, with nothing written yet.
+    """
+    notes, warnings, initial_state = [], [], None
+    if cfg.model.init_from:
+        cfg, source, note = with_initial_weights(cfg)
+        notes.append(note)
+        initial_state = source.state
+    optim, note = cfg.optim.for_run(cfg.train.max_steps)
+    warnings += [note] if note else []
+    parallel, note = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    notes += [note] if note else []
+    cfg = replace(cfg, optim=optim, parallel=parallel)
+    data, batches = build_batches(cfg, ctx)
+    cfg = replace(cfg, model=with_document_eot(cfg.model, data.eot_id))
+    return Job(cfg, data, batches, initial_state, notes, warnings)
 
 
 def build_from_config(cfg: JobConfig, ctx: DistContext, initial_state: Mapping[str, torch.Tensor] | None = None) -> Built:
