@@ -139,7 +139,8 @@ def measure_precision_modes(
         model.zero_grad(set_to_none=True)
         saved[variant] = counted["bytes"]
     # warm-up already done above, with the saved-bytes count
-    samples = interleaved({v: (lambda v=v: step(v)) for v in PRECISION_VARIANTS}, rounds, warmup=0, device=device)
+    samples = interleaved({v: (lambda v=v: step(v)) for v in PRECISION_VARIANTS}, rounds, warmup=0, device=device,
+                          progress="precision modes")
     tokens = seq_len * micro_batch
     seconds = {v: summarize(s).median for v, s in samples.items()}
     return {
@@ -185,7 +186,7 @@ def measure_attention(
     }
     if device.type == "cuda":
         steps = {name: (lambda core=core: core(q, k, v).sum().backward()) for name, core in cores.items()}
-        samples = interleaved(steps, rounds, warmup=1, device=device)
+        samples = interleaved(steps, rounds, warmup=1, device=device, progress="attention backends")
         result["seconds"] = {name: summarize(s).median for name, s in samples.items()}
         result["speedup"] = result["seconds"]["reference"] / result["seconds"]["sdpa"]
         result["peak_bytes"] = {name: peak_bytes(fn, device) for name, fn in steps.items()}

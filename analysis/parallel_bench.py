@@ -77,6 +77,7 @@ from analysis.estimator import (
 )
 from common.fields import choices
 from common.measure import provenance, summarize
+from common.progress import Progress
 from common.report import markdown_table, new_figure, save_figure, text_table, write_results
 from common.values import local_shard
 from model.flops import count_parameters
@@ -620,8 +621,9 @@ def measure_row(run: Launch, plan: Plan, work: Path, reference: Row | None) -> R
     )
 
 
-def measure_all(plan: Plan) -> tuple[list[Row], dict]:
-    """Every row of the plan: the strategies after their single process, then the layouts after theirs."""
+def measure_all(plan: Plan, progress: Progress | None = None) -> tuple[list[Row], dict]:
+    """Every row of the plan: the strategies after their single process, then the layouts after theirs;
+    ``progress`` counts the launches (``launch_count``)."""
     precision = load_config(plan.config, [*DEFAULT_OVERRIDES, *plan.overrides]).precision.mode
     global_batch = plan.global_batch
     single = ["--parallel.strategy=none", f"--train.micro_batch_size={global_batch}", "--train.grad_accum_steps=1"]
@@ -630,21 +632,33 @@ def measure_all(plan: Plan) -> tuple[list[Row], dict]:
     # The single-process rows see the whole global batch in one micro-batch.
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+
+        def measured(run: Launch, reference: Row | None) -> Row:
+            row = measure_row(run, plan, work, reference)
+            if progress is not None:
+                progress.update()
+            return row
+
         if plan.strategies:
-            reference = measure_row(Launch("single process", 1, single), plan, work, None)
+            reference = measured(Launch("single process", 1, single), None)
             rows.append(reference)
             for strategy in plan.strategies:
                 run = Launch(strategy, plan.nproc, [f"--parallel.strategy={strategy}",
                                                    f"--train.micro_batch_size={plan.micro_batch_size}"])
-                rows.append(measure_row(run, plan, work, reference))
+                rows.append(measured(run, reference))
         if plan.layouts:
-            reference = measure_row(Launch("single process, untied", 1, [*single, UNTIED]), plan, work, None)
+            reference = measured(Launch("single process, untied", 1, [*single, UNTIED]), None)
             rows.append(reference)
             for key in plan.layouts:
                 layout = LAYOUTS[key]
-                rows.append(measure_row(Launch(layout.label, layout.ranks, [*layout.overrides(global_batch), UNTIED]),
-                                        plan, work, reference))
+                rows.append(measured(Launch(layout.label, layout.ranks, [*layout.overrides(global_batch), UNTIED]),
+                                     reference))
     return rows, info
+
+
+def launch_count(plan: Plan) -> int:
+    """The launches ``measure_all`` makes: each group of rows after its single-process reference."""
+    return (1 + len(plan.strategies) if plan.strategies else 0) + (1 + len(plan.layouts) if plan.layouts else 0)
 
 
 # --------------------------------------------------------------------------- output

@@ -230,7 +230,8 @@ def measure(sides: list[Side], rounds: int, steps: int, warmup: int, device: tor
     def run(side: Side) -> Callable[[], None]:
         return lambda: [side.step() for _ in range(steps)]
 
-    samples = interleaved({side.label: run(side) for side in sides}, rounds, warmup=0, device=device)
+    samples = interleaved({side.label: run(side) for side in sides}, rounds, warmup=0, device=device,
+                          progress="bench_peers: timed rounds")
     return {label: [s / steps for s in seconds] for label, seconds in samples.items()}
 
 

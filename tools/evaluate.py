@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common.errors import USER_FACING_ERRORS, ConfigError
+from common.progress import track
 from data.bundle import IGNORE_INDEX
 from data.loader import build_data
 from data.tokenizer import build_tokenizer, token_byte_lengths
@@ -107,8 +108,10 @@ def evaluate(args: argparse.Namespace, overrides: list[str]) -> dict:
     device = torch.device(args.device)
     model = source.build(device)
     sums = torch.zeros(4, dtype=torch.float64)  # nats, targets, bytes, sequences
+    batches = track(data.val.batches(sequences), data.val.num_batches(sequences), f"evaluate {args.split}", "batch",
+                    enabled=rank == 0)
     with torch.no_grad():
-        for x, y in data.val.batches(sequences):
+        for x, y in batches:
             real = y[y != IGNORE_INDEX]  # padding rows (ValSource) are not counted
             logits = model(x.to(device))
             nats = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum",

@@ -136,3 +136,22 @@ def test_results_are_written_as_markdown_with_their_rows_as_strict_json(tmp_path
     rows_path(md).write_text('{"rows": 3}')
     with pytest.raises(DataError, match="not a results file"):
         read_results(rows_path(md))
+
+
+def test_interleaved_counts_every_call_in_its_progress(monkeypatch):
+    import common.measure as measure
+
+    made = []
+
+    class Counted(measure.Progress):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(measure, "Progress", Counted)
+    calls = []
+    measure.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, warmup=1,
+                        progress="two variants")
+    measure.interleaved({"a": lambda: None}, rounds=2)
+    assert [(p.total, p.done, p.desc, p.enabled) for p in made] == [(8, 8, "two variants", True), (3, 3, "", False)]
+    assert calls == ["a", "b"] * 4
