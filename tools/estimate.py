@@ -275,7 +275,7 @@ def scaling_main(args: argparse.Namespace, overrides: list[str], cfg: JobConfig 
         per_gpu = job.micro_batch * job.grad_accum
     if args.gpus_per_node:
         device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
-    with Progress(2 * len(args.scaling), "estimate --scaling: planner runs", "run") as progress:
+    with Progress(2 * len(args.scaling), "estimate --scaling", "planner run") as progress:
         weak, strong = scaling.scaling_curves(model, seq_len, device, precision, args.scaling, per_gpu, config=cfg,
                                               progress=progress)
     headers, rows = scaling.table(weak, strong)
