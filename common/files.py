@@ -26,7 +26,7 @@ def name_problem(rel: object) -> str | None:
     """Why ``rel``, a name a folder's own description lists, is not a plain relative path inside
     that folder (None when it is). Looks at the string alone."""
     if not isinstance(rel, str):
-        return f"is a {type(rel).__name__}, not a file name"
+        return f"is not a string ({type(rel).__name__}), so not a file name"
     if not rel or "\0" in rel or "\\" in rel:
         return "is not a file name"
     if PurePosixPath(rel).is_absolute():
@@ -42,7 +42,13 @@ def member_problem(root: Path, file: Path) -> str | None:
     real = file.resolve(strict=True)
     if not real.is_relative_to(root.resolve(strict=True)):
         return f"leads out of the folder through a symbolic link (to {real})"
-    kind = _kind(os.stat(real).st_mode)
+    return kind_problem(real)
+
+
+def kind_problem(file: Path) -> str | None:
+    """Why the existing ``file`` (symbolic links followed) is not a regular file, or None. Missing:
+    FileNotFoundError."""
+    kind = _kind(os.stat(file).st_mode)
     return None if kind == "regular file" else f"is a {kind}, not a regular file"
 
 
