@@ -13,8 +13,10 @@ The functions return or raise plain one-line reasons; callers put them in their 
 
 from __future__ import annotations
 
+import errno as errno_codes
 import json
 import os
+import resource
 import stat
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -90,6 +92,28 @@ def read_json(file: Path, max_bytes: int = JSON_MAX_BYTES) -> Any:
         raise ValueError(f"{file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
     except RecursionError:
         raise ValueError(f"{file} nests JSON arrays or objects too deeply to read") from None
+
+
+def os_error_words(exc: OSError) -> str:
+    """The error as words with its errno name and no path: 'no space left on device (ENOSPC)'.
+    EFBIG (a write past the process's file-size limit, ``ulimit -f``) names the limit too."""
+    code = errno_codes.errorcode.get(exc.errno or 0, "")
+    if exc.errno == errno_codes.EFBIG:
+        return f"{os.strerror(errno_codes.EFBIG)} (EFBIG){file_size_limit_note()}"
+    reason = (exc.strerror or str(exc) or type(exc).__name__).rstrip(".")
+    reason = reason[:1].lower() + reason[1:]
+    return f"{reason} ({code})" if code else reason
+
+
+def file_size_limit() -> int | None:
+    """The process's file-size limit in bytes (``ulimit -f``), or None when there is none."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def file_size_limit_note() -> str:
+    limit = file_size_limit()
+    return "" if limit is None else f": the process's file-size limit (ulimit -f) is {limit:,} bytes"
 
 
 def short_repr(value: object, limit: int = 80) -> str:

@@ -55,7 +55,16 @@ import numpy as np
 import torch
 
 from common.errors import CheckpointError
-from common.files import member_problem, name_problem, open_regular, read_json, short_repr
+from common.files import (
+    file_size_limit,
+    file_size_limit_note,
+    member_problem,
+    name_problem,
+    open_regular,
+    os_error_words,
+    read_json,
+    short_repr,
+)
 from parallel.checkpoint import Staging, host_copy
 
 # 2: the model stores qkv rows grouped per key/value head, a separate SwiGLU gate and the MLP bias
@@ -179,11 +188,11 @@ def ensure_writable_dir(path: Path, key: str, *, rank: int = 0, world_size: int 
 
 def _os_error_text(exc: OSError, fallback: Path, *, own_path: bool = True) -> str:
     where = (exc.filename if own_path else None) or fallback
-    code = errno_codes.errorcode.get(exc.errno or 0, "")
     if exc.errno == errno_codes.ENOSPC:
         return f"no space left on device (ENOSPC) writing {where}"
-    reason = exc.strerror or str(exc) or type(exc).__name__
-    return f"{reason.rstrip('.').lower()} ({code}) at {where}" if code else f"{reason} at {where}"
+    if exc.errno == errno_codes.EFBIG:
+        return f"{os.strerror(errno_codes.EFBIG)} (EFBIG) writing {where}{file_size_limit_note()}"
+    return f"{os_error_words(exc)} at {where}"
 
 
 def _write_failure(exc: BaseException, directory: Path) -> str:
@@ -198,6 +207,9 @@ def _write_failure(exc: BaseException, directory: Path) -> str:
     os_error = _find_os_error(exc)
     if os_error is not None:
         return _os_error_text(os_error, directory)
+    cut = _cut_at_size_limit(directory)
+    if cut is not None:  # torch says "unexpected pos": the file stopped at the process's file-size limit
+        return _os_error_text(OSError(errno_codes.EFBIG, os.strerror(errno_codes.EFBIG), str(cut)), directory)
     probe = directory / ".write-probe"
     try:
         with open(probe, "wb") as f:
@@ -216,6 +228,20 @@ def _write_failure(exc: BaseException, directory: Path) -> str:
         pass
     lines = str(exc).strip().splitlines()
     return f"writing {directory} failed: {(lines[0] if lines else type(exc).__name__)[:200]}"
+
+
+def _cut_at_size_limit(directory: Path) -> Path | None:
+    """A file under ``directory`` that has reached the process's file-size limit (``ulimit -f``),
+    where a write past it failed with EFBIG; None without a limit or such a file."""
+    limit = file_size_limit()
+    if limit is None:
+        return None
+    with contextlib.suppress(OSError):
+        for dirpath, _, names in os.walk(directory):
+            for name in names:
+                if os.lstat(os.path.join(dirpath, name)).st_size >= limit:
+                    return Path(dirpath) / name
+    return None
 
 
 def _find_os_error(exc: BaseException) -> OSError | None:
