@@ -162,7 +162,8 @@ class HarnessConfig:
     interval: int = doc(1000, "run harness.tasks every N steps and after the last one")
     limit: int | None = doc(None, "at most this many examples per task (null: all of them)")
     num_fewshot: int | None = doc(None, "few-shot examples per prompt (null: each task's own default, else 0)")
-    task_dir: str = doc("", "a directory of task YAML files searched before the harness's own (e.g. tests/harness_tasks)")
+    task_dir: str = doc("", "a directory of task YAML files searched before the harness's own (e.g. "
+                        "tests/harness_tasks); a task's '!function' runs Python from it: use folders you trust")
     batch_size: int = doc(8, "harness requests per forward pass on each rank")
 
     def validate(self) -> None:
