@@ -296,6 +296,8 @@ BAD_SHAPES = {
                        "not a byte count"),
     "step as text": (lambda meta: {**meta, "step": "four"}, "'step' is a JSON string, not number"),
     "layout as a list": (lambda meta: {**meta, "layout": [1, 1]}, "'layout' is a JSON array, not object"),
+    "a renamed model key's section as a number": (lambda meta: {**meta, "model": {"moe_top_k": 2, "moe": 5}},
+                                                  "'model' section does not have the shape of a model config"),
     "nested 100,000 deep": (None, "nests JSON arrays or objects too deeply"),
 }
 
