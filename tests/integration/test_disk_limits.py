@@ -16,23 +16,14 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT, can_mount_tmpfs, tiny_overrides
 
 TINY = "configs/tiny.yaml"
-
-
-def _can_mount_tmpfs() -> bool:
-    if not shutil.which("unshare"):
-        return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
-                           capture_output=True)
-    return probe.returncode == 0
 
 
 # Inside the namespace: mount the small disk on the run folder, fill all but two pages of it (one
@@ -52,7 +43,7 @@ exit $rc
 '''
 
 
-@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare -rm and tmpfs mounts (user namespaces)")
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs unshare -rm and tmpfs mounts (user namespaces)")
 @pytest.mark.timeout(300)
 def test_a_run_folder_that_fills_up_loses_no_step_and_no_checkpoint(tmp_path, corpus_cache):
     run_dir, ckpt_dir, log, after = tmp_path / "run", tmp_path / "ckpt", tmp_path / "train.log", tmp_path / "after"
