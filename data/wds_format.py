@@ -140,17 +140,22 @@ def iter_shard_samples(path: str, skip: int, expected: int | None = None):
     at a cut on a member boundary, so a damaged shard just looks shorter. ``expected`` (the count
     in meta.json) turns that into a DataError once the shard is exhausted.
     """
+    with open(path, "rb") as stream:  # opened here: webdataset's gopen would also accept pipe: URLs
+        yield from iter_tar_samples(stream, path, skip, expected)
+
+
+def iter_tar_samples(stream, url: str, skip: int = 0, expected: int | None = None):
+    """``iter_shard_samples`` over an open binary stream (a file, or a shard fetched into memory)."""
     tariterators = import_webdataset().tariterators
     count = 0
-    with open(path, "rb") as stream:  # opened here: webdataset's gopen would also accept pipe: URLs
-        files = tariterators.tar_file_expander([{"url": path, "stream": stream}])
-        for index, sample in enumerate(tariterators.group_by_keys(files)):
-            count = index + 1
-            if index >= skip:
-                yield sample
+    files = tariterators.tar_file_expander([{"url": url, "stream": stream}])
+    for index, sample in enumerate(tariterators.group_by_keys(files)):
+        count = index + 1
+        if index >= skip:
+            yield sample
     if expected is not None and count != expected:
         raise DataError(
-            f"{path}: WebDataset shard holds {count} readable sample(s), meta.json records {expected}: "
+            f"{url}: WebDataset shard holds {count} readable sample(s), meta.json records {expected}: "
             f"{'truncated or corrupt' if count < expected else 'not the shard meta.json describes'}; re-run "
             f"tools/prepare_data.py, or set data.on_bad_shard=skip to read past it"
         )
