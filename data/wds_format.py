@@ -41,9 +41,12 @@ def import_webdataset():
 class TokenSampleWriter:
     """Packs a stream of documents into fixed windows of ``seq_len + 1`` tokens and writes shards.
 
-    A shard is closed when it holds ``samples_per_shard`` samples (``shard_closed`` then says so
-    once) or on ``flush()``; ``state()`` after either is everything a resumed writer needs
-    (``state=`` to the constructor), so preparation can continue after an interruption.
+    A shard is closed when it holds ``samples_per_shard`` samples (``shard_closed`` then says so)
+    or on ``flush()``; ``state()`` after either is everything a resumed writer needs (``state=``
+    to the constructor), so preparation can continue after an interruption. A document whose
+    windows run past a full shard leaves the rest in the carried tokens until the next document
+    (or ``close()``), so that a closed shard is a point to resume from without cutting the next
+    shard short: the bytes are those of writing every window at once.
     """
 
     def __init__(self, directory: str | os.PathLike, *, seq_len: int, vocab_size: int, samples_per_shard: int,
@@ -77,15 +80,18 @@ class TokenSampleWriter:
         self._pending.append(doc)
         self._pending_tokens += doc.size
         if self._pending_tokens >= self.seq_len + 1:
-            self._flush_windows()
+            self._flush_windows(stop_at_shard_end=True)
 
-    def _flush_windows(self) -> None:
+    def _flush_windows(self, stop_at_shard_end: bool) -> None:
         tokens = np.concatenate(self._pending)
         T = self.seq_len
-        count = (tokens.size - 1) // T
-        for k in range(count):
-            self._write_sample(tokens[k * T : k * T + T + 1])
-        rest = tokens[count * T :]  # the last token of the last window starts the next one
+        count, written = (tokens.size - 1) // T, 0
+        while written < count:
+            self._write_sample(tokens[written * T : written * T + T + 1])
+            written += 1
+            if stop_at_shard_end and self._tar is None:
+                break  # the sample filled its shard
+        rest = tokens[written * T :]  # the last token of the last window starts the next one
         self._pending, self._pending_tokens = [rest], rest.size
 
     def _write_sample(self, window: np.ndarray) -> None:
@@ -118,6 +124,8 @@ class TokenSampleWriter:
 
     def close(self) -> tuple[list[dict], int]:
         """Finish the shards; returns their meta entries and the count of tail tokens dropped."""
+        if self._pending_tokens >= self.seq_len + 1:
+            self._flush_windows(stop_at_shard_end=False)
         dropped = self._pending_tokens if self._pending_tokens > 1 else 0
         self.flush()
         entries = [
