@@ -104,11 +104,7 @@ class MmapSource:
     def __init__(self, name: str, index: int, location: str, *, seq_len: int, seed: int, vocab_size: int,
                  verify: str, on_bad_shard: str, eval_split: str, policy: RemotePolicy, cache_dir: str):
         self.name, self.index, self.seq_len, self.seed, self.vocab_size = name, index, seq_len, seed, vocab_size
-        meta, text = read_meta(location, RemoteReader(policy))
-        if meta.format != "mmap":
-            raise DataError(f"source {name}: {location} holds a {meta.format} dataset; set its format: {meta.format}")
-        _check_split(name, meta, eval_split)
-        _check_vocab(name, meta, vocab_size)
+        meta, text = open_prepared(name, location, "mmap", eval_split, vocab_size, policy)
         self.tokenizer = tokenizer_identity(meta)
         self.location, self.skipped = location, []
         if is_url(location):
@@ -168,11 +164,7 @@ class WebDatasetSource:
                  eval_split: str, policy: RemotePolicy):
         self.name, self.index, self.seq_len, self.seed, self.vocab_size = name, index, seq_len, seed, vocab_size
         self.location, self.policy = location, policy
-        meta, _ = read_meta(location, RemoteReader(policy))
-        if meta.format != "webdataset":
-            raise DataError(f"source {name}: {location} holds a {meta.format} dataset; set its format: {meta.format}")
-        _check_split(name, meta, eval_split)
-        _check_vocab(name, meta, vocab_size)
+        meta, _ = open_prepared(name, location, "webdataset", eval_split, vocab_size, policy)
         self.tokenizer = tokenizer_identity(meta)
         prepared = int(meta.extra["seq_len"])
         if seq_len > prepared:
@@ -256,14 +248,17 @@ def _entry_tokens(meta: DatasetMeta, split: str) -> list[int]:
         raise DataError(f"{meta.root}/{META_FILE}: a {split} shard entry has no token count; prepare it again") from None
 
 
-def _check_split(name: str, meta: DatasetMeta, split: str) -> None:
-    for needed in ("train", split):
+def open_prepared(name: str, location: str, fmt: str, eval_split: str, vocab_size: int,
+                  policy: RemotePolicy) -> tuple[DatasetMeta, str]:
+    """A prepared dataset's meta.json (and its text), checked: its format, its splits, its vocabulary."""
+    meta, text = read_meta(location, RemoteReader(policy))
+    if meta.format != fmt:
+        raise DataError(f"source {name}: {location} holds a {meta.format} dataset; set its format: {meta.format}")
+    for needed in ("train", eval_split):
         if needed not in meta.splits:
             raise DataError(f"source {name}: {meta.root} has no split {needed!r}; its splits: "
                             f"{', '.join(sorted(meta.splits))}")
-
-
-def _check_vocab(name: str, meta: DatasetMeta, vocab_size: int) -> None:
     if meta.vocab_size > vocab_size:
         raise DataError(f"source {name}: tokenizer {meta.tokenizer} of {meta.root} has {meta.vocab_size} ids but "
                         f"model.vocab_size={vocab_size}; set model.vocab_size >= {meta.vocab_size}")
+    return meta, text
