@@ -71,6 +71,10 @@ class MixturePlan:
     def weights_by_name(self, step: int) -> dict[str, float]:
         return dict(zip(self.names, self.weights_at(step).tolist()))
 
+    def configured_weights(self) -> dict[str, float]:
+        """The sources' own weights (normalised), before any schedule entry."""
+        return dict(zip(self.names, self.base))
+
     def _choices(self, step: int) -> np.ndarray:
         """The source index of each of ``step``'s samples (int64, ``samples_per_step`` of them)."""
         rng = np.random.default_rng([self.seed, MIXTURE_TAG, step])

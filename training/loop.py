@@ -105,7 +105,7 @@ def evaluate_data(engine: Engine, data, n_sequences: int, ctx: DistContext) -> d
     if not data.val_sources:
         return {"val_loss": evaluate(engine, data.val, n_sequences, ctx)}
     losses = {name: evaluate(engine, val, n_sequences, ctx) for name, val in data.val_sources.items()}
-    weights = data.mixture.weights_by_name(0) if data.mixture is not None else {k: 1 / len(losses) for k in losses}
+    weights = data.mixture.configured_weights() if data.mixture is not None else {k: 1 / len(losses) for k in losses}
     metrics = {"val_loss": sum(weights[name] * loss for name, loss in losses.items())}
     return metrics | {f"val_loss/{name}": loss for name, loss in losses.items()}
 
