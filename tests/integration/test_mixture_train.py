@@ -13,7 +13,7 @@ import pytest
 from data.prepare import PrepareOptions, prepare
 from tests.conftest import ROOT, read_metrics, run_torchrun, run_train, step_losses, tiny_overrides
 
-COMMON = {"train.max_steps": 4, "checkpoint.interval": 2, "checkpoint.keep_last": 0, "checkpoint.save_final": "false",
+COMMON = {"train.max_steps": 4, "checkpoint.interval": 2, "checkpoint.keep_last": 0, "checkpoint.save_final": "true",
           "train.eval_interval": 4, "train.eval_sequences": 8, "optim.warmup_steps": 1}
 
 
@@ -57,6 +57,13 @@ def test_a_mixture_logs_per_source_validation_and_reads(two_ranks):
     code, docs = last(rows, "val_loss/code"), last(rows, "val_loss/docs")
     assert val == pytest.approx(0.75 * code + 0.25 * docs, rel=1e-9)  # weighted by the configured weights
     assert "data: mixture of 2 source(s), 4 samples/step" in out and "(code " in out
+    # tools/evaluate.py on the final checkpoint gives the same figures, source by source
+    from tools.evaluate import main as evaluate
+
+    assert evaluate([str(run_dir), "--json", str(run_dir / "evaluate.json")]) == 0
+    result = json.loads((run_dir / "evaluate.json").read_text())
+    assert result["loss"] == pytest.approx(val, abs=1e-5)
+    assert result["sources"]["docs"]["loss"] == pytest.approx(docs, abs=1e-5)
     samples = last(rows, "data/code/samples") + last(rows, "data/docs/samples")
     assert samples == 4 * 4  # every sample of every rank and step, counted once
     assert last(rows, "data/docs/tokens") == last(rows, "data/docs/samples") * 64
