@@ -445,8 +445,8 @@ class TrainingLoop:
             while s.step < t.max_steps:
                 lr = lr_at(s.step, **schedule)
                 outcome = train_step(self.engine, self.batches, t.grad_accum_steps, lr)
-                if cfg.model.moe_bias_update_rate:
-                    update_expert_bias(self.moe, cfg.model.moe_bias_update_rate, self.load_sum)
+                if cfg.model.moe.bias_update_rate:
+                    update_expert_bias(self.moe, cfg.model.moe.bias_update_rate, self.load_sum)
                 window.add(outcome, self.engine.comm_stats())
                 s.step += 1
                 self.phases.step_done(s.step)
@@ -545,13 +545,12 @@ class TrainingLoop:
         if self.stragglers:  # one all-gather of a float per log interval
             times = gather_floats(self.ctx, own_time_per_step(self.phases.take_window(), window.steps))
             metrics["rank_own_time_s"] = times
-            straggler = find_straggler(times, t.straggler_threshold)
+            straggler = find_straggler(times, t.straggler_threshold, t.straggler_min_gap_s)
         metrics.update(take_moe_metrics(self.moe))  # this rank's layers, as this rank routed its batches
         metrics.update(self.data.position_metrics(self.batches.state_dict()))  # a mixture: read per source
         self.log.log(s.step, metrics, format_line(s.step, t.max_steps, metrics, window.steps))
         if straggler is not None and self.ctx.is_main:
-            self.log.warn(describe_straggler(s.step, *straggler, metrics["rank_own_time_s"], self.hosts,
-                                             t.straggler_threshold))
+            self.log.warn(describe_straggler(s.step, straggler, metrics["rank_own_time_s"], self.hosts))
         alarms.on_log(s.step, metrics["grad_norm"], result.loss_scale)
         if metrics["data_wait_frac"] > t.data_wait_warn:
             self.log.warn(f"step {s.step}: {metrics['data_wait_frac']:.0%} of step time spent waiting for data "
