@@ -277,6 +277,15 @@ def tables(result: MixtureBenchResult) -> list[tuple[str, list[str], list[list[s
 
 
 TITLE = "Three-source mixture loader vs model consumption"
+NOTES = [
+    "first batch s: building the stream and its first batch, which fetches and decodes one shard of each "
+    "WebDataset source (over HTTP for http-wds). A stream fetches the next shard of a source when it reaches it, "
+    "so a long run pays about that much once per shard of each source; the timed rounds and training steps "
+    "after the first batch may include none, and the data wait of a long run is higher by about first batch s "
+    "divided by the training time a shard lasts.",
+    "Every rate was taken on a shared machine (the load average is in the first heading): absolute rates are "
+    "low and wide, the loader-to-consumption ratios and the shares are the point.",
+]
 
 
 def markdown(result: MixtureBenchResult, where: dict, command: str | None = None) -> str:
@@ -285,6 +294,7 @@ def markdown(result: MixtureBenchResult, where: dict, command: str | None = None
         lines += [f"Command: `{command}`", ""]
     for heading, head, rows in tables(result):
         lines += [f"### {heading}", "", markdown_table(head, rows, left=1), ""]
+    lines += ["### Notes", ""] + [f"- {note}" for note in NOTES] + [""]
     return "\n".join(lines)
 
 
