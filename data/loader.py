@@ -70,7 +70,7 @@ def build_data(
     the train split as the training stream, ``eval_split`` as the validation source. A mixture
     (``data.sources``, ``data/mixture.py``) draws its steps of ``micro_batch_size x grad_accum_steps
     x world_size`` samples; ``val_limit`` caps the validation windows a streaming source reads
-    ahead (the run's validation set size)."""
+    ahead: the run's validation set size (0: 1000)."""
     if seq_len < 1 or micro_batch_size < 1 or grad_accum_steps < 1:
         raise DataError(f"seq_len, micro_batch_size and grad_accum_steps must be >= 1, got {seq_len}, "
                         f"{micro_batch_size} and {grad_accum_steps}")
