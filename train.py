@@ -123,7 +123,8 @@ def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_
     log.info(data.description)
     if cfg.train.eval_interval:
         key = "train.eval_sequences" if cfg.train.eval_sequences else "train.eval_steps x train.micro_batch_size"
-        log.info(data.val.describe(cfg.train.validation_sequences, key))
+        for val in data.val_sources.values() or [data.val]:
+            log.info(val.describe(cfg.train.validation_sequences, key))
     # The harness tasks load before the first step (a bad name stops the run there).
     tasks = TaskEvaluator(cfg, ctx, data.tokenizer, data.eot_id) if cfg.harness.tasks else None
 

@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from common.errors import CheckpointError
 from data.bundle import IGNORE_INDEX
 from model.moe import moe_layers, take_moe_metrics, update_expert_bias
 from parallel.checkpoint import safe_torch_load
@@ -95,6 +96,23 @@ def evaluate(engine: Engine, val, n_sequences: int, ctx: DistContext) -> float:
     """
     sums = ctx.all_reduce_mean(validation_sums(engine, val, n_sequences, ctx.device))
     return float(sums[0] / sums[1].clamp(min=1))
+
+
+def evaluate_data(engine: Engine, data, n_sequences: int, ctx: DistContext) -> dict[str, float]:
+    """``val_loss`` over the data's validation set; for a mixture, each source's as ``val_loss/<name>``
+    and ``val_loss`` their mean weighted by the sources' configured weights (fixed for the run, so
+    the curve stays comparable across schedule changes). Collectives: every rank calls it alike."""
+    if not data.val_sources:
+        return {"val_loss": evaluate(engine, data.val, n_sequences, ctx)}
+    losses = {name: evaluate(engine, val, n_sequences, ctx) for name, val in data.val_sources.items()}
+    weights = data.mixture.configured_weights() if data.mixture is not None else {k: 1 / len(losses) for k in losses}
+    metrics = {"val_loss": sum(weights[name] * loss for name, loss in losses.items())}
+    return metrics | {f"val_loss/{name}": loss for name, loss in losses.items()}
+
+
+def describe_validation(step: int, metrics: dict[str, float]) -> str:
+    parts = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in metrics.items() if k.startswith("val_loss/")]
+    return f"step {step}: val_loss {metrics['val_loss']:.4f}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def read_flags(flags: list[bool | torch.Tensor]) -> list[bool]:
@@ -225,6 +243,9 @@ def format_line(step: int, max_steps: int, m: dict, n_steps: int) -> str:
     if "comm_bytes_sent" in m:
         line += (f" | comm {m['comm_bytes_sent'] / 2**20:.2f} MiB/step sent vs "
                  f"{m['comm_bytes_uncompressed'] / 2**20:.2f} uncompressed")
+    shares = {k.split("/")[1]: v for k, v in m.items() if k.startswith("data/") and k.endswith("/share")}
+    if shares:
+        line += " | read " + " ".join(f"{name} {share:.0%}" for name, share in shares.items())
     return line
 
 
@@ -326,7 +347,7 @@ class TrainingLoop:
                            cfg.checkpoint.keep_last, healthy=self.state.healthy, device=ctx.device,
                            extra_meta={"model": to_dict(cfg.model), "schedule": cfg.lr_schedule(),
                                        "layout": self.layout(), "tokenizer": self.data.tokenizer,
-                                       "eot_id": self.data.eot_id})
+                                       "tokenizer_sha256": self.data.tokenizer_sha256, "eot_id": self.data.eot_id})
         if background:
             self.background.start(job, lambda d, staging: self.engine.stage_save(d, ctx.rank, staging), rank_state,
                                   self.engine.local_weights())
@@ -372,14 +393,22 @@ class TrainingLoop:
                                          layout=self.layout(), reshard=reshard)
         ckpt.check_schedule(path, meta, cfg.lr_schedule(), allow_change=cfg.checkpoint.allow_schedule_change,
                             warn=warn)
+        check_tokenizer(path, meta, self.data)
         self.engine.load(path)
         if reshard:
-            # Per-rank data positions and RNG states belong to the saved layout's ranks; the model,
-            # optimizer and schedule carry over, the stream starts again (said, not silent).
+            # RNG states belong to the saved layout's ranks; the model, optimizer and schedule carry
+            # over. A mixture's stream state is the same on every rank and means the same in any
+            # layout, so it continues; another stream's per-rank position does not map, and it
+            # starts again (said, not silent).
             self.state.step = int(meta["step"])
-            log.warn(f"resume: resharded {path} (saved with {meta.get('world_size')} rank(s), layout "
-                     f"{meta.get('layout')}) into {ctx.world_size} rank(s), layout {self.layout()}; the data "
-                     f"stream restarts at its first batch")
+            moved = (f"resume: resharded {path} (saved with {meta.get('world_size')} rank(s), layout "
+                     f"{meta.get('layout')}) into {ctx.world_size} rank(s), layout {self.layout()}")
+            if self.batches.layout_free:
+                self.batches.load_state_dict(safe_torch_load(path / "rank_00000.pt")["data"])
+                log.info(f"{moved}; the data stream continues where it stopped (its order does not depend on the "
+                         f"layout)")
+            else:
+                log.warn(f"{moved}; the data stream restarts at its first batch")
         else:
             state = safe_torch_load(path / f"rank_{ctx.rank:05d}.pt")
             self.batches.load_state_dict(state["data"])
@@ -437,9 +466,10 @@ class TrainingLoop:
                     self.finish_background_save(wait=False)
                 if t.eval_interval and (s.step % t.eval_interval == 0 or s.step == t.max_steps):
                     with self.phases.slow("evaluation"):
-                        s.last_val = evaluate(self.engine, self.data.val, t.validation_sequences, ctx)
-                    log.log(s.step, {"val_loss": s.last_val})
-                    log.info(f"step {s.step}: val_loss {s.last_val:.4f}")
+                        val = evaluate_data(self.engine, self.data, t.validation_sequences, ctx)
+                    s.last_val = val["val_loss"]
+                    log.log(s.step, val)
+                    log.info(describe_validation(s.step, val))
                     window.restart_clock()
                 if self.tasks is not None and self.tasks.due(s.step):
                     with self.phases.slow("harness tasks"):
@@ -517,6 +547,7 @@ class TrainingLoop:
             metrics["rank_own_time_s"] = times
             straggler = find_straggler(times, t.straggler_threshold, t.straggler_min_gap_s)
         metrics.update(take_moe_metrics(self.moe))  # this rank's layers, as this rank routed its batches
+        metrics.update(self.data.position_metrics(self.batches.state_dict()))  # a mixture: read per source
         self.log.log(s.step, metrics, format_line(s.step, t.max_steps, metrics, window.steps))
         if straggler is not None and self.ctx.is_main:
             self.log.warn(describe_straggler(s.step, straggler, metrics["rank_own_time_s"], self.hosts))
@@ -566,6 +597,18 @@ class TrainingLoop:
             self.log.info(f"stopped by {signal_name(signum)} at step {step}: not saved; --resume continues from "
                           f"{latest if latest is not None else 'step 0 (no checkpoint)'}")
         return exit_code(signum)
+
+
+def check_tokenizer(path: Path, meta: dict, data) -> None:
+    """A checkpoint trained on one tokenizer continued on data from another would read every id as
+    a different token: refuse in one line (checkpoints and datasets that record none are not checked)."""
+    saved, saved_hash = meta.get("tokenizer"), meta.get("tokenizer_sha256")
+    if not saved or not data.tokenizer:
+        return
+    same = saved_hash == data.tokenizer_sha256 if saved_hash and data.tokenizer_sha256 else saved == data.tokenizer
+    if not same:
+        raise CheckpointError(f"{path} was trained with tokenizer {saved} and this run's data uses {data.tokenizer}: "
+                              f"its ids mean other tokens; train on data prepared with {saved}, or start a new run")
 
 
 def restart_note() -> str:
