@@ -25,6 +25,7 @@ from common.hardware import peak_tflops_for
 from model.flops import FLOPS_CONVENTION, count_parameters, flops_per_token
 from parallel.distributed import DistContext, env_rank_tag, init_distributed, shutdown_distributed
 from parallel.nccl import apply_flight_recorder_env
+from parallel.parallelize import check_parameters_fit
 from training import checkpoint as ckpt
 from training.build import build_batches, build_from_config, with_document_eot
 from training.config import JobConfig, describe_fields, dump_yaml, load_config, parse_known_overrides, to_dict
@@ -71,6 +72,8 @@ def run(cfg: JobConfig, stop_request: StopRequest) -> int:
         recorder_note = apply_flight_recorder_env(str(run_dir_of(cfg) / "flight_recorder" / "rank_"))
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
+        # Before the run folder and the data: a model that cannot fit is refused with nothing written.
+        check_parameters_fit(cfg.model, ctx.device, ctx.world_size, cfg.parallel.init_on_meta)
         cfg.parallel, note = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
         run_dir = prepare_run_dir(cfg, ctx)
         with RunLogger(run_dir, cfg.logging, is_main=ctx.is_main, tag=ctx.tag, max_steps=cfg.train.max_steps,

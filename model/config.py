@@ -225,6 +225,12 @@ class ModelConfig:
             if not math.isfinite(value) or value < 0 or (key == "routed_scale" and value == 0):
                 bound = "> 0" if key == "routed_scale" else ">= 0"
                 raise ConfigError(f"model.moe.{key} must be a finite number {bound} (got {value})")
+        if moe.capacity > e / moe.top_k:
+            # From e / top_k on the capacity is every token, so nothing is dropped; far above it the
+            # slot count stops being a finite integer.
+            raise ConfigError(f"model.moe.capacity={moe.capacity:g} is above model.moe.experts / model.moe.top_k = "
+                              f"{e / moe.top_k:g}, from where an expert takes every token routed to it and none is "
+                              "dropped; use at most that, or 0 for dropless")
         if self.n_moe_layers == 0:
             raise ConfigError(f"no layer is MoE: model.moe.first_dense={moe.first_dense} and model.moe.every="
                               f"{moe.every} leave none of the {self.n_layer} layers; lower them")
