@@ -28,7 +28,15 @@ from parallel.nccl import apply_flight_recorder_env
 from parallel.parallelize import check_parameters_fit
 from training import checkpoint as ckpt
 from training.build import build_batches, build_from_config, with_document_eot
-from training.config import JobConfig, describe_fields, dump_yaml, load_config, parse_known_overrides, to_dict
+from training.config import (
+    JobConfig,
+    describe_fields,
+    dump_yaml,
+    explicit_keys,
+    load_config,
+    parse_known_overrides,
+    to_dict,
+)
 from training.loop import Throughput, TrainingLoop
 from training.metrics import RunLogger
 from training.model_io import with_initial_weights
@@ -50,21 +58,22 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parse_known_overrides(parser, argv)
 
 
-def resolve_config(args: argparse.Namespace, overrides: list[str]) -> JobConfig:
+def resolve_config(args: argparse.Namespace, overrides: list[str]) -> tuple[JobConfig, frozenset[str]]:
+    """The run's config, and the keys the file and the command line set explicitly."""
     if args.resume is not None:
         overrides = overrides + [f"--checkpoint.resume={args.resume}"]
     if args.profile:
         overrides = overrides + ["--train.profile=true"]
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides), explicit_keys(args.config, overrides)
 
 
 # --------------------------------------------------------------------------- the run
 
 
-def run(cfg: JobConfig, stop_request: StopRequest) -> int:
+def run(cfg: JobConfig, stop_request: StopRequest, explicit: frozenset[str] = frozenset()) -> int:
     source, source_note = None, None
     if cfg.model.init_from:  # before anything starts: a bad source is a one-line error
-        cfg, source, source_note = with_initial_weights(cfg)
+        cfg, source, source_note = with_initial_weights(cfg, explicit)
     # The warm-up this run uses goes into config.yaml and the checkpoints' schedule record.
     cfg.optim, warmup_note = cfg.optim.for_run(cfg.train.max_steps)
     recorder_note = None
@@ -189,11 +198,11 @@ def main(argv: list[str]) -> int:
         return 0
     tag = env_rank_tag()  # under torchrun every rank prints its own line: say which one
     try:
-        cfg = resolve_config(args, overrides)
+        cfg, explicit = resolve_config(args, overrides)
         # From here a signal never raises inside set-up code: it exits at once until the first
         # step, and from then on finishes the step and saves (training/signals.py).
         with StopRequest(tag) as stop_request:
-            return run(cfg, stop_request)
+            return run(cfg, stop_request, explicit)
     except USER_FACING_ERRORS as exc:
         kind = "config error" if isinstance(exc, ConfigError) else "error"
         print(f"{tag}{kind}: {exc}", file=sys.stderr)

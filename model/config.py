@@ -10,8 +10,8 @@ and the weights training starts from (``init_from``). How the model is sharded i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Literal, Mapping
 
 from common.errors import ConfigError
 from common.fields import choices, doc
@@ -132,6 +132,15 @@ class ModelConfig:
         for part in key.split("."):
             value = getattr(value, part)
         return value
+
+    def with_values(self, values: Mapping[str, Any]) -> ModelConfig:
+        """A copy with these keys set (dotted for the nested section: ``{"moe.top_k": 2}``)."""
+        top = {k: v for k, v in values.items() if "." not in k}
+        moe = {k.removeprefix("moe."): v for k, v in values.items() if k.startswith("moe.")}
+        unknown = set(values) - set(top) - {f"moe.{k}" for k in moe}
+        if unknown:
+            raise KeyError(f"no model key {sorted(unknown)[0]!r}")
+        return replace(self, **top, moe=replace(self.moe, **moe))
 
     @property
     def expert_d_ff(self) -> int:
