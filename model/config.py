@@ -43,7 +43,8 @@ class MoEConfig:
     )
     capacity: float = doc(
         0.0, "capacity factor: each expert takes at most ceil(factor * tokens * top_k / experts) token copies "
-        "and drops the rest (0: dropless)"
+        "and drops the rest (0: dropless); tokens: one micro-batch, each rank's own under data and expert "
+        "parallelism, the whole sequences under context parallelism"
     )
     backend: Literal["auto", "grouped_mm", "loop"] = doc(
         "auto", "expert GEMMs: torch._grouped_mm, or one GEMM per expert; auto picks grouped_mm where it runs"

@@ -22,7 +22,11 @@ Routing follows the published recipes:
   moved after each optimizer step by ``rate * sign(mean load - load)`` (``update_expert_bias``).
 - capacity: with factor c > 0 each expert takes at most ceil(c * T * k / E) token copies, the
   earliest tokens first; the rest are dropped (that slot contributes nothing, the residual
-  stream carries the token on). c = 0 is dropless.
+  stream carries the token on). c = 0 is dropless. T is one forward's micro-batch: under context
+  parallelism its whole sequences (the cp ranks count together, so they keep what one process
+  keeps); under expert or data parallelism each rank's own micro-batch (one process whose
+  micro-batches are the ranks' batches); under tensor parallelism with sequence parallelism each
+  rank's slice of it.
 
 Expert GEMMs run through ``torch._grouped_mm`` where this torch, device, dtype and shape allow
 (``select_expert_backend`` says why not), else one GEMM per expert over the sorted tokens.
@@ -122,9 +126,13 @@ class Dispatch:
 
 
 def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: int | None,
-            ops: KernelOps = REFERENCE_OPS) -> tuple[torch.Tensor, Dispatch]:
+            ops: KernelOps = REFERENCE_OPS, earlier: torch.Tensor | None = None) -> tuple[torch.Tensor, Dispatch]:
     """x (T, C) -> one row per kept (token, expert) assignment, sorted by expert: (A, C).
-    The gather itself is ``ops.moe_permute`` (a Triton kernel or its PyTorch twin)."""
+    The gather itself is ``ops.moe_permute`` (a Triton kernel or its PyTorch twin).
+
+    ``earlier`` (T, k): per assignment, the assignments to the same expert that other ranks hold
+    and that come before it in the whole batch's token order (context parallelism: ``MoE.earlier_elsewhere``);
+    capacity then keeps the copies one process would keep."""
     k = experts.shape[1]
     flat = experts.flatten()  # (T*k,)
     slots = torch.argsort(flat, stable=True)  # stable: earlier tokens come first within an expert
@@ -133,8 +141,10 @@ def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: in
     if capacity is not None:
         starts = torch.cumsum(routed, 0) - routed
         position = torch.arange(slots.numel(), device=x.device) - starts[flat[slots]]
+        if earlier is not None:
+            position = position + earlier.flatten()[slots]
         slots = slots[position < capacity]
-        counts = routed.clamp(max=capacity)
+        counts = routed.clamp(max=capacity) if earlier is None else torch.bincount(flat[slots], minlength=n_experts)
     return ops.moe_permute(x, slots, k), Dispatch(slots, counts, routed)
 
 
@@ -279,6 +289,10 @@ class MoE(nn.Module):
         # slices), the mean over all of them of a per-token mean: the balancing losses are the
         # whole batch's, as in one process. None: this rank holds every token.
         self.token_mean: TokenMean | None = None
+        # Where other ranks hold chunks of these sequences (context parallelism, parallel/cp.py):
+        # (this rank's experts (B, s, k)) -> (``permute``'s ``earlier``, the tokens of the whole
+        # sequences), so capacity is counted over whole sequences, as in one process.
+        self.earlier_elsewhere: Callable[[torch.Tensor], tuple[torch.Tensor, int]] | None = None
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -294,8 +308,11 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (T, C), T = B * seq
         routing = route(self.router(x), self.top_k, self.scoring, self.renormalize, self.routed_scale,
                         self.expert_bias)
-        capacity = expert_capacity(x.shape[0], self.top_k, self.n_experts, self.capacity_factor)
-        rows, dispatch = permute(x, routing.experts, self.n_experts, capacity, self.ops)
+        earlier, n_tokens = None, x.shape[0]
+        if self.capacity_factor and self.earlier_elsewhere is not None:
+            earlier, n_tokens = self.earlier_elsewhere(routing.experts.view(*shape[:-1], self.top_k))
+        capacity = expert_capacity(n_tokens, self.top_k, self.n_experts, self.capacity_factor)
+        rows, dispatch = permute(x, routing.experts, self.n_experts, capacity, self.ops, earlier)
         rows = self.run_experts(rows, dispatch.counts)
         y = self.drop(unpermute(rows, dispatch, routing.weights, self.ops))
         if self.shared is not None:
