@@ -34,9 +34,10 @@ Expert GEMMs run through ``torch._grouped_mm`` where this torch, device, dtype a
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -235,8 +236,11 @@ class RouterStats:
     def __init__(self) -> None:
         self.window: dict[str, torch.Tensor] = {}
         self.since_update: torch.Tensor | None = None
+        self.paused = False  # forwards that route no micro-batch (``router_stats_paused``)
 
     def add(self, dispatch: Dispatch, aux: torch.Tensor | None) -> None:
+        if self.paused:
+            return
         routed = dispatch.routed.detach()
         add = {"routed": routed, "dropped": (routed - dispatch.counts).sum(),
                "aux": aux.detach().float() if aux is not None else routed.new_zeros((), dtype=torch.float32),
@@ -352,6 +356,20 @@ def moe_layers(modules: Iterable[nn.Module]) -> list[MoE]:
     return found
 
 
+@contextlib.contextmanager
+def router_stats_paused(module: nn.Module) -> Iterator[None]:
+    """Forwards inside leave the router statistics of ``module``'s MoE layers alone: passes that
+    route no micro-batch (a pipeline stage's shape inference on placeholder tensors, parallel/pp.py)."""
+    layers = moe_layers([module])
+    for m in layers:
+        m.stats.paused = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.stats.paused = False
+
+
 def take_aux_loss(modules: Iterable[nn.Module]) -> torch.Tensor | None:
     """The sum of the auxiliary losses the layers set in this forward (and forget them)."""
     total = None
@@ -422,22 +440,47 @@ def update_expert_bias(layers: list[MoE], rate: float,
         m.expert_bias.add_(s.to(m.expert_bias.dtype))
 
 
-def take_moe_metrics(layers: list[MoE]) -> dict[str, float]:
-    """The log window's router metrics (one host sync), and a fresh window.
+def take_router_table(layers: list[MoE], n_layers: int, n_experts: int, device: torch.device | str = "cpu"
+                      ) -> torch.Tensor:
+    """The log windows of ``layers`` as one (n_layers, E + 3) float64 table, and fresh windows.
+
+    Row i, for the layer with ``layer_idx`` i: the token copies routed to each expert, the copies
+    dropped by capacity, the summed auxiliary loss and the forwards counted; zeros for a layer this
+    rank does not hold or did not run. The tables of ranks that route other tokens add up to the
+    table of one process routing them all (``router_metrics`` reads only ratios, which ranks routing
+    the same tokens leave unchanged); float64 keeps the counts exact.
+    """
+    table = torch.zeros(n_layers, n_experts + 3, dtype=torch.float64, device=device)
+    for m in layers:
+        w = m.stats.take_window()
+        if w:
+            table[m.layer_idx] = torch.cat([w["routed"].double(), w["dropped"].double().view(1),
+                                            w["aux"].double().view(1), w["forwards"].double().view(1)])
+    return table
+
+
+def router_metrics(table: torch.Tensor) -> dict[str, float]:
+    """The log's router metrics from a ``take_router_table`` table (one host sync).
 
     ``moe_aux_loss``: the weighted auxiliary loss per forward, summed over layers;
     ``moe_load_max_mean/<layer>``: max over experts of tokens routed / the mean, per layer (1.0 =
     balanced, E / k = all tokens on k experts); ``moe_dropped_frac``: copies dropped by capacity.
     """
-    windows = [(i, m.stats.take_window()) for i, m in enumerate(layers)]
-    windows = [(i, w) for i, w in windows if w]
-    if not windows:
+    rows = [(i, r) for i, r in enumerate(table.tolist()) if r[-1] > 0]  # layers that ran
+    if not rows:
         return {}
-    rows = torch.stack([torch.cat([w["routed"].max().float().view(1), w["routed"].float().mean().view(1),
-                                   w["dropped"].float().view(1), w["routed"].sum().float().view(1),
-                                   (w["aux"] / w["forwards"]).view(1)]) for _, w in windows]).tolist()
-    metrics = {"moe_aux_loss": sum(r[4] for r in rows),
-               "moe_dropped_frac": sum(r[2] for r in rows) / max(sum(r[3] for r in rows), 1.0)}
-    for (i, _), r in zip(windows, rows):
-        metrics[f"moe_load_max_mean/{layers[i].layer_idx}"] = r[0] / r[1] if r[1] else float("nan")
+    routed = [r[:-3] for _, r in rows]
+    metrics = {"moe_aux_loss": sum(r[-2] / r[-1] for _, r in rows),
+               "moe_dropped_frac": sum(r[-3] for _, r in rows) / max(sum(sum(c) for c in routed), 1.0)}
+    for (i, _), counts in zip(rows, routed):
+        mean = sum(counts) / len(counts)
+        metrics[f"moe_load_max_mean/{i}"] = max(counts) / mean if mean else float("nan")
     return metrics
+
+
+def take_moe_metrics(layers: list[MoE]) -> dict[str, float]:
+    """``router_metrics`` of the windows of these layers alone (one process), and fresh windows."""
+    if not layers:
+        return {}
+    n_layers = max(m.layer_idx for m in layers) + 1
+    return router_metrics(take_router_table(layers, n_layers, layers[0].n_experts, layers[0].router.weight.device))
