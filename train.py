@@ -35,6 +35,7 @@ from training.config import (
     JobConfig,
     describe_fields,
     dump_yaml,
+    explicit_keys,
     load_config,
     parse_known_overrides,
     to_dict,
@@ -59,18 +60,19 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parse_known_overrides(parser, argv)
 
 
-def resolve_config(args: argparse.Namespace, overrides: list[str]) -> JobConfig:
+def resolve_config(args: argparse.Namespace, overrides: list[str]) -> tuple[JobConfig, frozenset[str]]:
+    """The run's config, and the keys the file and the command line set explicitly."""
     if args.resume is not None:
         overrides = overrides + [f"--checkpoint.resume={args.resume}"]
     if args.profile:
         overrides = overrides + ["--train.profile=true"]
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides), explicit_keys(args.config, overrides)
 
 
 # --------------------------------------------------------------------------- the run
 
 
-def run(cfg: JobConfig, stop_request: StopRequest) -> int:
+def run(cfg: JobConfig, stop_request: StopRequest, explicit: frozenset[str] = frozenset()) -> int:
     recorder_note = None
     if cfg.parallel.flight_recorder:  # read by the process group when it starts
         recorder_note = apply_flight_recorder_env(str(run_dir_of(cfg) / "flight_recorder" / "rank_"))
@@ -78,7 +80,7 @@ def run(cfg: JobConfig, stop_request: StopRequest) -> int:
     try:
         configure_logging(ctx.tag, main=ctx.is_main)  # what opening the data says, before the run's logger
         # Resolved first, then written and logged: config.yaml is the configuration the run uses.
-        job = resolve_job(cfg, ctx)
+        job = resolve_job(cfg, ctx, explicit)
         run_dir = prepare_run_dir(job.cfg, ctx)
         with RunLogger(run_dir, job.cfg.logging, is_main=ctx.is_main, tag=ctx.tag, max_steps=job.cfg.train.max_steps,
                        config_dict=to_dict(job.cfg)) as log:
@@ -124,7 +126,8 @@ def train(job: Job, ctx: DistContext, run_dir: Path, log: RunLogger, stop_reques
     log.info(data.description)
     if cfg.train.eval_interval:
         key = "train.eval_sequences" if cfg.train.eval_sequences else "train.eval_steps x train.micro_batch_size"
-        log.info(data.val.describe(cfg.train.validation_sequences, key))
+        for val in data.val_sources.values() or [data.val]:
+            log.info(val.describe(cfg.train.validation_sequences, key))
     # The harness tasks load before the first step (a bad name stops the run there).
     tasks = TaskEvaluator(cfg, ctx, data.tokenizer, data.eot_id) if cfg.harness.tasks else None
 
@@ -138,13 +141,13 @@ def train(job: Job, ctx: DistContext, run_dir: Path, log: RunLogger, stop_reques
 def describe_run(cfg: JobConfig, ctx: DistContext, run_dir: Path) -> list[str]:
     """The start of the log: where the run is, what it trains for how long, and the file that holds
     every resolved key (the model, layout and data lines follow once they are built)."""
-    t = cfg.train
+    t, d = cfg.train, cfg.data
+    data = f"a mixture of {len(d.sources)} sources" if d.sources else f"{d.format} {d.path}".rstrip()
     return [
         f"perfgpt: run {cfg.name} in {run_dir} | world {ctx.world_size} ({ctx.backend or 'single process'}) "
         f"| device {ctx.device} | precision {cfg.precision.mode} | strategy {cfg.parallel.strategy}",
         f"train: {t.max_steps:,} steps of {t.grad_accum_steps} micro-batch(es) x {t.micro_batch_size} sequences x "
-        f"{cfg.seq_len} tokens per data-parallel rank | data {cfg.data.format} | resolved config: "
-        f"{run_dir / RUN_CONFIG_FILE}",
+        f"{cfg.seq_len} tokens per data-parallel rank | data {data} | resolved config: {run_dir / RUN_CONFIG_FILE}",
     ]
 
 
@@ -200,11 +203,11 @@ def main(argv: list[str]) -> int:
         return 0
     tag = env_rank_tag()  # under torchrun every rank prints its own line: say which one
     try:
-        cfg = resolve_config(args, overrides)
+        cfg, explicit = resolve_config(args, overrides)
         # From here a signal never raises inside set-up code: it exits at once until the first
         # step, and from then on finishes the step and saves (training/signals.py).
         with StopRequest(tag) as stop_request:
-            return run(cfg, stop_request)
+            return run(cfg, stop_request, explicit)
     except USER_FACING_ERRORS as exc:
         kind = "config error" if isinstance(exc, ConfigError) else "error"
         print(f"{tag}{kind}: {exc}", file=sys.stderr)

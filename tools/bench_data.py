@@ -78,12 +78,8 @@ def grid_options(args: argparse.Namespace) -> data_bench.GridOptions:
 
 def consumer_models(models: str) -> list[data_bench.ConsumerModel]:
     """Each config's model, sequence length and micro-batch, read through the job config."""
-    out = []
-    for path in [m.strip() for m in models.split(",") if m.strip()]:
-        cfg = load_config(path)
-        out.append(data_bench.ConsumerModel(Path(path).stem, cfg.model, cfg.data.seq_len or cfg.model.max_seq_len,
-                                            cfg.train.micro_batch_size))
-    return out
+    return [data_bench.consumer_from_config(path, load_config(path))
+            for path in [m.strip() for m in models.split(",") if m.strip()]]
 
 
 def main(argv=None) -> int:

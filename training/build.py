@@ -8,7 +8,7 @@ runs. Each section goes only to the code that owns it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Collection, Mapping
 
 import torch
 
@@ -17,7 +17,7 @@ from data.loader import DataBundle, build_data
 from data.prefetch import DevicePrefetcher
 from model.config import ModelConfig
 from parallel.distributed import DistContext
-from parallel.parallelize import Built, build_training
+from parallel.parallelize import Built, build_training, check_parameters_fit
 from training.config import JobConfig
 from training.model_io import with_initial_weights
 
@@ -35,22 +35,25 @@ class Job:
     warnings: list[str] = field(default_factory=list)  # changes the user should hear about
 
 
-def resolve_job(cfg: JobConfig, ctx: DistContext) -> Job:
+def resolve_job(cfg: JobConfig, ctx: DistContext, explicit: Collection[str] = ()) -> Job:
     """Every value a run takes from somewhere other than its config file, decided here and only
     here, in the order they depend on each other, before anything is written or the model built:
 
-    1. model.init_from: the architecture of the source (its weights come along)
+    1. model.init_from: the architecture of the source (its weights come along); ``explicit``, the
+       keys the file and the command line set (``training.config.explicit_keys``), must agree with it
     2. optim.warmup_steps: the warm-up a run of train.max_steps steps uses (``OptimConfig.for_run``)
     3. parallel.strategy: none on several data-parallel ranks trains them as DDP or FSDP2
     4. the data, opened for the resolved model and ranks; a document mask's model.eot_id from it
 
-    A bad value anywhere is a one-line error here, with nothing written yet.
+    A bad value anywhere is a one-line error here, with nothing written yet; so is a model whose
+    parameters alone cannot fit this device (checked once its architecture is known, before the data).
     """
     notes, warnings, initial_state = [], [], None
     if cfg.model.init_from:
-        cfg, source, note = with_initial_weights(cfg)
+        cfg, source, note = with_initial_weights(cfg, explicit)
         notes.append(note)
         initial_state = source.state
+    check_parameters_fit(cfg.model, ctx.device, ctx.world_size, cfg.parallel.init_on_meta)
     optim, note = cfg.optim.for_run(cfg.train.max_steps)
     warnings += [note] if note else []
     parallel, note = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
@@ -80,7 +83,8 @@ def build_batches(cfg: JobConfig, ctx: DistContext) -> tuple[DataBundle, DeviceP
     """
     t = cfg.train
     data = build_data(cfg.data, seq_len=cfg.seq_len, micro_batch_size=t.micro_batch_size, seed=t.seed,
-                      rank=ctx.dims.dp_rank, world_size=ctx.dims.dp_size, vocab_size=cfg.model.vocab_size)
+                      rank=ctx.dims.dp_rank, world_size=ctx.dims.dp_size, vocab_size=cfg.model.vocab_size,
+                      grad_accum_steps=t.grad_accum_steps, val_limit=t.validation_sequences)
     return data, DevicePrefetcher(data.train, ctx.device)
 
 
