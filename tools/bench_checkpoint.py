@@ -16,6 +16,7 @@ after ``--`` apply to every row.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> int:
                                    Path(work), args.timeout, extra))
     print(table(rows, markdown=False))
     if args.markdown:
-        for path in write_markdown(rows, f"python -m tools.bench_checkpoint {' '.join(argv)}", args.rounds,
+        for path in write_markdown(rows, f"python -m tools.bench_checkpoint {shlex.join(argv)}", args.rounds,
                                    args.markdown):
             print(f"wrote {path}")
     return 0

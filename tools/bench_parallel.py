@@ -16,6 +16,7 @@ stem), which tools/reproduce.py reads.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -129,7 +130,7 @@ def main(argv: list[str]) -> int:
     for note in NOTES:
         print("- " + note)
     if args.markdown:
-        write_markdown(rows, title, args.nproc, f"python -m tools.bench_parallel {' '.join(argv)}", args.markdown)
+        write_markdown(rows, title, args.nproc, f"python -m tools.bench_parallel {shlex.join(argv)}", args.markdown)
     if args.plot:
         plot(rows, args.plot)
     return 0 if all(r.status == "ok" for r in rows) else 1
