@@ -153,11 +153,11 @@ def describe_model(cfg: JobConfig, ctx: DistContext) -> list[str]:
         f"flops: {flops_per_token(m, seq_len) / 1e6:.2f} MFLOP/token, convention {FLOPS_CONVENTION}",
         verdict,
     ]
-    if m.moe_experts is not None:
+    if m.moe.experts is not None:
         lines.insert(1, f"moe: {count_parameters(m) / 1e6:.2f}M total, {count_parameters(m, active=True) / 1e6:.2f}M "
-                        f"active per token; {m.n_moe_layers} of {m.n_layer} layers route to {m.moe_top_k} of "
-                        f"{m.moe_experts} experts (width {m.expert_d_ff}) + {m.moe_shared_experts} shared, "
-                        f"{m.moe_router} router, capacity {m.moe_capacity or 'dropless'}")
+                        f"active per token; {m.n_moe_layers} of {m.n_layer} layers route to {m.moe.top_k} of "
+                        f"{m.moe.experts} experts (width {m.expert_d_ff}) + {m.moe.shared_experts} shared, "
+                        f"{m.moe.router} router, capacity {m.moe.capacity or 'dropless'}")
     return lines
 
 

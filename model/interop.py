@@ -19,13 +19,13 @@ goes through the plain [all q | all k | all v] order first (``_canonical`` / ``_
   real and imaginary parts, HF's ``rotate_half``; ``kernels.reference.apply_rope``), so q/k
   weights are copied without a permutation. Llama has no residual dropout; ``attention_dropout``
   carries ``model.dropout``.
-- Mixtral and Qwen3-MoE (a model with ``model.moe_experts``): Llama's attention and norms, a
+- Mixtral and Qwen3-MoE (a model with ``model.moe.experts``): Llama's attention and norms, a
   softmax router (``gate``) and per-expert SwiGLU weights, written per expert as on the Hub
   (Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen3-MoE ``mlp.experts.{e}.gate/up/down_proj``)
   and stacked into ``w_gate``/``w_up`` (E, d, f) and ``w_down`` (E, f, d), transposed. Qwen3-MoE
   adds per-head query/key norms (``model.qk_norm``), a head width of its own, optional weight
   renormalisation (``norm_topk_prob``) and dense layers (``mlp_only_layers`` as a prefix,
-  ``decoder_sparse_step``). Both run dropless: a ``model.moe_capacity`` only applies in perfgpt.
+  ``decoder_sparse_step``). Both run dropless: a ``model.moe.capacity`` only applies in perfgpt.
 Anything else (e.g. learned positions with SwiGLU, GQA in the GPT-2 layout, bias on only some
 layers, shared experts, a sigmoid router, sliding-window attention, attention sinks or expert
 biases) is refused with one line naming the key.
@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from common.errors import InteropError
-from model.config import ModelConfig
+from model.config import ModelConfig, MoEConfig
 from model.gpt import GPT, group_qkv, split_qkv
 
 State = dict[str, torch.Tensor]
@@ -58,8 +58,8 @@ HF_ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL:
                     QWEN3_MOE: "Qwen3MoeForCausalLM"}
 # What both MoE layouts require of a perfgpt MoE model, and why.
 MOE_NEEDS = (("position", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("bias", False),
-             ("moe_router", "softmax"), ("moe_routed_scale", 1.0), ("moe_shared_experts", 0),
-             ("moe_bias_update_rate", 0.0))
+             ("moe.router", "softmax"), ("moe.routed_scale", 1.0), ("moe.shared_experts", 0),
+             ("moe.bias_update_rate", 0.0))
 # What each layout requires of a perfgpt model: (config key, required value).
 LAYOUT_NEEDS = {
     GPT2: (("position", "learned"), ("norm", "layernorm"), ("mlp", "gelu")),
@@ -82,11 +82,11 @@ def hf_layout(cfg: ModelConfig) -> str:
         raise InteropError(
             f"model.layers={cfg.layers}: export from a model.layers=torch build (TE names its weights differently)"
         )
-    if cfg.moe_experts is not None:
+    if cfg.moe.experts is not None:
         return _moe_layout(cfg)
     if cfg.qk_norm:
         raise InteropError("model.qk_norm=true: of the Hugging Face layouts perfgpt writes, only Qwen3-MoE has "
-                           "query/key norms (it needs model.moe_experts)")
+                           "query/key norms (it needs model.moe.experts)")
     misses = {layout: [k for k, v in needs if getattr(cfg, k) != v] for layout, needs in LAYOUT_NEEDS.items()}
     layout = min(misses, key=lambda name: len(misses[name]))
     if misses[layout]:
@@ -110,17 +110,17 @@ def _other(layout: str) -> str:
 
 def _moe_layout(cfg: ModelConfig) -> str:
     for key, value in MOE_NEEDS:
-        if getattr(cfg, key) != value:
-            why = {"moe_bias_update_rate": " (the aux-loss-free routing bias has no place in them)",
-                   "moe_shared_experts": " (they have no shared experts)"}.get(key, "")
-            raise InteropError(f"model.{key}={getattr(cfg, key)}: the Mixtral and Qwen3-MoE layouts need "
+        if cfg.value_of(key) != value:
+            why = {"moe.bias_update_rate": " (the aux-loss-free routing bias has no place in them)",
+                   "moe.shared_experts": " (they have no shared experts)"}.get(key, "")
+            raise InteropError(f"model.{key}={cfg.value_of(key)}: the Mixtral and Qwen3-MoE layouts need "
                                f"model.{key}={value}{why}")
     if cfg.qk_norm:
         return QWEN3_MOE
-    for key, value in (("moe_renormalize", True), ("moe_every", 1), ("moe_first_dense", 0)):
-        if getattr(cfg, key) != value:
-            raise InteropError(f"model.{key}={getattr(cfg, key)} with model.qk_norm=false: Mixtral needs "
-                               f"model.{key}={value}, Qwen3-MoE (which has it) needs model.qk_norm=true")
+    for key, value in (("renormalize", True), ("every", 1), ("first_dense", 0)):
+        if getattr(cfg.moe, key) != value:
+            raise InteropError(f"model.moe.{key}={getattr(cfg.moe, key)} with model.qk_norm=false: Mixtral needs "
+                               f"model.moe.{key}={value}, Qwen3-MoE (which has it) needs model.qk_norm=true")
     return MIXTRAL
 
 
@@ -181,7 +181,7 @@ def _expert_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...]]]:
         if cfg.is_moe_layer(i):
             theirs = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}.experts"
             for ours, name in parts:
-                yield f"blocks.{i}.mlp.{ours}", tuple(f"{theirs}.{e}.{name}.weight" for e in range(cfg.moe_experts))
+                yield f"blocks.{i}.mlp.{ours}", tuple(f"{theirs}.{e}.{name}.weight" for e in range(cfg.moe.experts))
 
 
 # --------------------------------------------------------------------------- perfgpt -> HF
@@ -221,14 +221,14 @@ def to_hf_config(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> di
 
 
 def _moe_hf_config(cfg: ModelConfig, layout: str) -> dict[str, Any]:
-    common = {"num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": cfg.moe_aux_loss,
+    common = {"num_experts_per_tok": cfg.moe.top_k, "router_aux_loss_coef": cfg.moe.aux_loss,
               "output_router_logits": False, "sliding_window": None}
     if layout == MIXTRAL:
-        return common | {"intermediate_size": cfg.expert_d_ff, "num_local_experts": cfg.moe_experts,
+        return common | {"intermediate_size": cfg.expert_d_ff, "num_local_experts": cfg.moe.experts,
                          "router_jitter_noise": 0.0}
-    return common | {"moe_intermediate_size": cfg.expert_d_ff, "num_experts": cfg.moe_experts,
-                     "norm_topk_prob": cfg.moe_renormalize, "decoder_sparse_step": cfg.moe_every,
-                     "mlp_only_layers": list(range(cfg.moe_first_dense)), "use_sliding_window": False}
+    return common | {"moe_intermediate_size": cfg.expert_d_ff, "num_experts": cfg.moe.experts,
+                     "norm_topk_prob": cfg.moe.renormalize, "decoder_sparse_step": cfg.moe.every,
+                     "mlp_only_layers": list(range(cfg.moe.first_dense)), "use_sliding_window": False}
 
 
 def to_hf_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> State:
@@ -390,17 +390,18 @@ def _from_moe_config(c: Mapping[str, Any], layout: str) -> ModelConfig:
     experts = c.get("num_experts", c.get("num_local_experts"))
     if not isinstance(experts, int) or isinstance(experts, bool):
         raise InteropError(f"config.json num_experts={experts!r} must be an integer")
-    moe = {"moe_experts": experts, "moe_top_k": c.get("num_experts_per_tok", 2), "moe_router": "softmax",
-           "moe_aux_loss": float(c.get("router_aux_loss_coef", 0.01))}
+    moe = MoEConfig(experts=experts, top_k=c.get("num_experts_per_tok", 2), router="softmax",
+                    aux_loss=float(c.get("router_aux_loss_coef", 0.01)))
     if layout == MIXTRAL:
-        return dataclasses.replace(base, moe_d_ff=None, **moe)  # the experts are intermediate_size wide
+        return dataclasses.replace(base, moe=moe)  # the experts are intermediate_size wide (moe.d_ff unset)
     dense = c.get("mlp_only_layers") or []
     if list(dense) != list(range(len(dense))):
         raise InteropError(f"config.json mlp_only_layers={dense}: perfgpt's dense layers are the first k "
-                           "(model.moe_first_dense)")
-    return dataclasses.replace(base, moe_d_ff=c.get("moe_intermediate_size", 768), qk_norm=True,
-                               moe_renormalize=bool(c.get("norm_topk_prob", False)),
-                               moe_every=c.get("decoder_sparse_step", 1), moe_first_dense=len(dense), **moe)
+                           "(model.moe.first_dense)")
+    moe = dataclasses.replace(moe, d_ff=c.get("moe_intermediate_size", 768),
+                              renormalize=bool(c.get("norm_topk_prob", False)), every=c.get("decoder_sparse_step", 1),
+                              first_dense=len(dense))
+    return dataclasses.replace(base, qk_norm=True, moe=moe)
 
 
 def _refuse_if(c: Mapping[str, Any], key: str, value: Any, why: str) -> None:

@@ -14,7 +14,7 @@ leading expert dimension, so sharding experts is slicing that dimension.
 Routing follows the published recipes:
 - scoring: softmax over experts (Switch, Mixtral, Qwen-MoE) or per-expert sigmoid (DeepSeek-V3);
   the chosen experts' scores are the weights, optionally renormalised to sum to 1 over the top-k,
-  then multiplied by ``moe_routed_scale``.
+  then multiplied by ``model.moe.routed_scale``.
 - load balancing: the Switch/GShard auxiliary loss ``E * sum_i f_i * P_i`` (f_i: fraction of the
   T*k assignments given to expert i, P_i: expert i's mean normalised score; 1.0 at perfect
   balance), the ST-MoE router z-loss ``mean(logsumexp(logits)^2)``, and DeepSeek-V3's
@@ -167,14 +167,14 @@ def grouped_mm_unusable(device: torch.device, dtype: torch.dtype, widths: Iterab
 
 def select_expert_backend(requested: str, device: torch.device, dtype: torch.dtype, cfg: ModelConfig
                           ) -> tuple[str, str]:
-    """Resolve model.moe_backend to ``grouped_mm`` or ``loop``, with a log line saying why."""
+    """Resolve model.moe.backend to ``grouped_mm`` or ``loop``, with a log line saying why."""
     why = grouped_mm_unusable(device, dtype, (cfg.d_model, cfg.expert_d_ff))
     if requested == "auto":
         if why is None:
             return "grouped_mm", "experts: grouped_mm (auto: torch._grouped_mm runs this device, dtype and shape)"
         return "loop", f"experts: loop, one GEMM per expert (auto: grouped_mm not used because {why})"
     if requested == "grouped_mm" and why is not None:
-        raise CapabilityError(f"model.moe_backend=grouped_mm cannot run: {why}; use model.moe_backend=loop or auto")
+        raise CapabilityError(f"model.moe.backend=grouped_mm cannot run: {why}; use model.moe.backend=loop or auto")
     return requested, f"experts: {requested} (requested)"
 
 
@@ -249,21 +249,21 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ops: KernelOps, backend: str = "loop", shared: nn.Module | None = None,
                  layer_idx: int = 0):
-        """``shared``: the always-on experts, one dense MLP of width moe_shared_experts * expert_d_ff."""
+        """``shared``: the always-on experts, one dense MLP of width moe.shared_experts * expert_d_ff."""
         super().__init__()
         if backend not in EXPERT_BACKENDS:
             raise ValueError(f"unknown expert backend {backend!r}; choose one of {EXPERT_BACKENDS}")
-        e, d, f = cfg.moe_experts, cfg.d_model, cfg.expert_d_ff
-        self.n_experts, self.top_k, self.ops, self.backend = e, cfg.moe_top_k, ops, backend
-        self.scoring, self.renormalize, self.routed_scale = cfg.moe_router, cfg.moe_renormalize, cfg.moe_routed_scale
-        self.aux_coef, self.z_coef, self.capacity_factor = cfg.moe_aux_loss, cfg.moe_z_loss, cfg.moe_capacity
+        e, d, f = cfg.moe.experts, cfg.d_model, cfg.expert_d_ff
+        self.n_experts, self.top_k, self.ops, self.backend = e, cfg.moe.top_k, ops, backend
+        self.scoring, self.renormalize, self.routed_scale = cfg.moe.router, cfg.moe.renormalize, cfg.moe.routed_scale
+        self.aux_coef, self.z_coef, self.capacity_factor = cfg.moe.aux_loss, cfg.moe.z_loss, cfg.moe.capacity
         self.gelu_approximate = "tanh" if cfg.gelu == "tanh" else "none"
         self.router = nn.Linear(d, e, bias=False)
         # Stacked (E, in, out): x @ w[e] per expert, the layout torch._grouped_mm takes as it is.
         self.w_gate = nn.Parameter(torch.empty(e, d, f)) if cfg.mlp == "swiglu" else None
         self.w_up = nn.Parameter(torch.empty(e, d, f))
         self.w_down = nn.Parameter(torch.empty(e, f, d))
-        if cfg.moe_bias_update_rate > 0:  # state of the run, so saved with the weights
+        if cfg.moe.bias_update_rate > 0:  # state of the run, so saved with the weights
             self.register_buffer("expert_bias", torch.zeros(e))
         else:
             self.expert_bias = None

@@ -173,9 +173,9 @@ def choose_attention(model_cfg: ModelConfig, device: torch.device, policy: Preci
 def choose_expert_backend(model_cfg: ModelConfig, device: torch.device, policy: PrecisionPolicy
                           ) -> tuple[str, str | None]:
     """How MoE layers run their expert GEMMs here, and one line saying why (None for a dense model)."""
-    if model_cfg.moe_experts is None:
+    if model_cfg.moe.experts is None:
         return "loop", None
-    return select_expert_backend(model_cfg.moe_backend, device, policy.compute_dtype, model_cfg)
+    return select_expert_backend(model_cfg.moe.backend, device, policy.compute_dtype, model_cfg)
 
 
 def apply_compile(model: nn.Module, enabled: bool, mode: str, compile_loss: bool) -> None:

@@ -88,7 +88,7 @@ def evaluate(args: argparse.Namespace, overrides: list[str]) -> dict:
     config = args.config or run_config(args.source)
     if config is None:
         raise ConfigError(f"{args.source} is not inside a run directory; pass --config with the dataset's data section")
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, saved=args.config is None)  # a run's own config.yaml may predate a rename
     batch_size = cfg.train.micro_batch_size if args.batch_size is None else args.batch_size
     sequences = cfg.train.validation_sequences if args.sequences is None else args.sequences
     if batch_size < 1 or sequences < 0:

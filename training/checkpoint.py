@@ -55,7 +55,9 @@ import numpy as np
 import torch
 
 from common.errors import CheckpointError
+from model.config import ModelConfig
 from parallel.checkpoint import Staging, host_copy
+from training.config import upgrade_renamed
 
 # 2: the model stores qkv rows grouped per key/value head, a separate SwiGLU gate and the MLP bias
 # inside fc (model/gpt.py), so version-1 weights would load into the new shapes with the wrong
@@ -745,13 +747,24 @@ def read_checkpoint_meta(path: Path, world_size: int, strategy: str, model: dict
     if not reshard:
         _check_same_layout(path, meta, world_size, strategy, layout)
     saved_model = meta.get("model")
+    if isinstance(saved_model, dict):  # written before a key was renamed: read under today's names
+        meta["model"] = saved_model = upgrade_renamed(ModelConfig, saved_model)
     if model is not None and saved_model is not None and saved_model != model:
-        diff = [f"model.{k}: {saved_model.get(k)!r} -> {model.get(k)!r}" for k in model if saved_model.get(k) != model.get(k)]
+        saved_keys, keys = _dotted(saved_model), _dotted(model)
+        diff = [f"model.{k}: {saved_keys.get(k)!r} -> {v!r}" for k, v in keys.items() if saved_keys.get(k) != v]
         raise CheckpointError(f"{path} does not match the model of this run ({'; '.join(diff[:3])})")
     reason = incomplete_reason(path)  # after the cheaper mismatches, which need no look at the files
     if reason is not None:
         raise CheckpointError(f"{path} is not a complete checkpoint: {reason}; resume from another one")
     return meta
+
+
+def _dotted(section: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config section's keys, nested sections flattened to dotted keys (``moe.top_k``)."""
+    out = {}
+    for key, value in section.items():
+        out.update(_dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
 
 
 def _check_same_layout(path: Path, meta: dict[str, Any], world_size: int, strategy: str,

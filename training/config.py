@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import yaml
 
@@ -217,12 +217,12 @@ class JobConfig:
     def _validate_model_parallel(self) -> None:
         """What tensor and pipeline parallelism need from the model, the batch and the precision."""
         m, p, t = self.model, self.parallel, self.train
-        if p.ep > 1 and m.moe_experts is None:
-            raise ConfigError(f"parallel.ep={p.ep} shards routed experts, but the model has none: set model.moe_experts "
+        if p.ep > 1 and m.moe.experts is None:
+            raise ConfigError(f"parallel.ep={p.ep} shards routed experts, but the model has none: set model.moe.experts "
                               "or parallel.ep=1")
-        if p.ep > 1 and m.moe_experts % p.ep:
-            raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (each ep rank holds "
-                              "moe_experts / ep of them)")
+        if p.ep > 1 and m.moe.experts % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.experts={m.moe.experts} (each ep rank holds "
+                              "moe.experts / ep of them)")
         if p.tp > 1 and m.qk_norm:
             raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
         if p.tp > 1:
@@ -243,11 +243,11 @@ class JobConfig:
                 raise ConfigError(f"train.compile=true with model.recompute={m.recompute} under parallel.tp > 1 "
                                   "fails in torch's compiler; use model.recompute=op_selective (or offload), "
                                   "or train.compile=false")
-        if p.pp > 1 and m.moe_experts is not None and m.moe_bias_update_rate:
+        if p.pp > 1 and m.moe.experts is not None and m.moe.bias_update_rate:
             # torch's pipeline stages run an extra forward on their first step to infer shapes, whose
             # routing would count in the load the bias moves by (and differ from one process).
-            raise ConfigError(f"model.moe_bias_update_rate={m.moe_bias_update_rate} with parallel.pp={p.pp} is not "
-                              "supported; balance with model.moe_aux_loss under pipeline parallelism")
+            raise ConfigError(f"model.moe.bias_update_rate={m.moe.bias_update_rate} with parallel.pp={p.pp} is not "
+                              "supported; balance with model.moe.aux_loss under pipeline parallelism")
         if p.pp > 1:
             stages = p.pp * p.pp_virtual_stages
             if m.n_layer % stages:
@@ -360,8 +360,10 @@ class JobConfig:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
-    """YAML file (optional) then ``--section.key=value`` overrides, then validation."""
+def load_config(path: str | Path | None, overrides: list[str] = (), *, saved: bool = False) -> JobConfig:
+    """YAML file (optional) then ``--section.key=value`` overrides, then validation. ``saved``: the
+    file is one a run wrote (its ``config.yaml``), so keys renamed since are read under their new names
+    (``upgrade_renamed``) where a user's config is told to rename them."""
     raw: dict[str, Any] = {}
     name = "run"
     if path is not None:
@@ -376,7 +378,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig
             raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a mapping of sections, got {type(loaded).__name__}")
-        raw = loaded or {}
+        raw = upgrade_renamed(JobConfig, loaded or {}) if saved else (loaded or {})
         name = path.stem
     raw.setdefault("name", name)
     for item in overrides:
@@ -417,25 +419,18 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         node[keys[-1]] = text
 
 
-# Keys that were renamed: a config that still uses the old name is told the new one. Activation
-# recompute had checkpoint-words, which clashed with checkpoint.* (saving and loading).
-RENAMED_KEYS = {
-    "model.checkpointing": "model.recompute",
-    "model.checkpoint_every_k": "model.recompute_every_k",
-}
-
-
 def from_dict(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
-    renamed = [RENAMED_KEYS[prefix + key] for key in unknown if prefix + key in RENAMED_KEYS]
-    if renamed:
-        old = next(k for k, v in RENAMED_KEYS.items() if v == renamed[0])
-        raise ConfigError(f"{old} is now called {renamed[0]} (activation recompute; checkpoint.* is saving "
-                          f"checkpoints): rename the key in the config or the override")
+    renamed = getattr(cls, "renamed_keys", {})  # a section's old key names: old -> (new, why)
+    for key in unknown:
+        if key in renamed:
+            new, why = renamed[key]
+            raise ConfigError(f"{prefix}{key} is now called {prefix}{new} ({why}): rename the key in the config "
+                              "or the override")
     if unknown:
         raise ConfigError(
             f"unknown key {prefix}{unknown[0]}; valid keys{' in ' + prefix.rstrip('.') if prefix else ''}: "
@@ -445,6 +440,27 @@ def from_dict(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     for key, value in raw.items():
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
     return cls(**kwargs)
+
+
+def upgrade_renamed(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A section of ``cls`` as a run saved it (checkpoint metadata, an export, a run's config.yaml),
+    with keys renamed since then moved to their new names (``renamed_keys`` of each section, nested
+    sections included), so what older runs wrote stays readable."""
+    out = dict(raw)
+    for old, (new, _why) in getattr(cls, "renamed_keys", {}).items():
+        if old not in out:
+            continue
+        *path, leaf = new.split(".")
+        node = out
+        for part in path:
+            node[part] = dict(node.get(part) or {})
+            node = node[part]
+        node.setdefault(leaf, out.pop(old))
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]) and isinstance(out.get(f.name), Mapping):
+            out[f.name] = upgrade_renamed(hints[f.name], out[f.name])
+    return out
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:

@@ -416,8 +416,8 @@ class TrainingLoop:
             while s.step < t.max_steps:
                 lr = lr_at(s.step, **schedule)
                 outcome = train_step(self.engine, self.batches, t.grad_accum_steps, lr)
-                if cfg.model.moe_bias_update_rate:
-                    update_expert_bias(self.moe, cfg.model.moe_bias_update_rate, self.load_sum)
+                if cfg.model.moe.bias_update_rate:
+                    update_expert_bias(self.moe, cfg.model.moe.bias_update_rate, self.load_sum)
                 window.add(outcome, self.engine.comm_stats())
                 s.step += 1
                 self.phases.step_done(s.step)

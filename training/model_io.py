@@ -31,7 +31,7 @@ from model.interop import CONFIG_FILE, check_state_dict, read_hf_dir, read_nanog
 from parallel.checkpoint import FULL_STATE_FILE, has_sharded_state, read_model_weights, safe_torch_load
 from parallel.zero import CHECKPOINT_TAG, read_zero_model_weights
 from training import checkpoint as ckpt
-from training.config import JobConfig, from_dict, to_dict
+from training.config import JobConfig, from_dict, to_dict, upgrade_renamed
 
 FORMATS = ("hf", "safetensors")
 # What the weights fix; the other model keys (dropout, attention backend, recompute, init) stay the run's.
@@ -130,8 +130,10 @@ def read_checkpoint(step_dir: Path, warn: ckpt.Warn | None = None, *, verify: bo
 
 
 def model_config(raw: Mapping[str, Any], where: str) -> ModelConfig:
+    """The model config a checkpoint or an export recorded; keys renamed since it was written
+    (``ModelConfig.renamed_keys``) are read under their new names."""
     try:
-        return from_dict(ModelConfig, dict(raw), "model.")
+        return from_dict(ModelConfig, upgrade_renamed(ModelConfig, raw), "model.")
     except Exception as exc:  # noqa: BLE001 -- a config this code cannot build, whatever the reason
         raise CheckpointError(f"{where}: its model config does not build here: {exc}") from None
 

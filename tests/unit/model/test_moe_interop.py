@@ -9,7 +9,7 @@ import torch
 
 from common.errors import InteropError
 from model import interop
-from model.config import ModelConfig
+from model.config import ModelConfig, MoEConfig
 from tests.unit.model.test_interop import VOCAB, round_trip
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (the dev extra)")
@@ -47,7 +47,7 @@ def hf_qwen3_moe(seed: int = 0, norm_topk_prob: bool = True, mlp_only_layers=(),
 def test_mixtral_round_trip(tmp_path):
     round_trip(hf_mixtral(), tmp_path)
     cfg = interop.read_hf_dir(tmp_path / "out")[0]
-    assert (cfg.moe_experts, cfg.moe_top_k, cfg.expert_d_ff, cfg.moe_renormalize, cfg.qk_norm) == (4, 2, 24, True, False)
+    assert (cfg.moe.experts, cfg.moe.top_k, cfg.expert_d_ff, cfg.moe.renormalize, cfg.qk_norm) == (4, 2, 24, True, False)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["model_type"] == "mixtral" and config["num_local_experts"] == 4
 
@@ -57,20 +57,20 @@ def test_qwen3_moe_round_trip(tmp_path, norm_topk_prob, mlp_only_layers, head_di
     round_trip(hf_qwen3_moe(norm_topk_prob=norm_topk_prob, mlp_only_layers=mlp_only_layers, head_dim=head_dim),
                tmp_path)
     cfg = interop.read_hf_dir(tmp_path / "out")[0]
-    assert (cfg.qk_norm, cfg.head_dim, cfg.moe_renormalize) == (True, head_dim, norm_topk_prob)
+    assert (cfg.qk_norm, cfg.head_dim, cfg.moe.renormalize) == (True, head_dim, norm_topk_prob)
     assert [cfg.is_moe_layer(i) for i in range(3)] == [i not in mlp_only_layers for i in range(3)]
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3_moe"
 
 
 def test_export_refuses_moe_models_no_hf_layout_expresses():
     base = dict(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=32, norm="rmsnorm", mlp="swiglu", position="rope",
-                bias=False, moe_experts=4)
-    for changes, needle in [({"moe_router": "sigmoid"}, "model.moe_router=sigmoid"),
-                            ({"moe_shared_experts": 1}, "model.moe_shared_experts=1"),
-                            ({"moe_bias_update_rate": 0.001}, "model.moe_bias_update_rate=0.001"),
-                            ({"moe_every": 2}, "model.moe_every=2 with model.qk_norm=false")]:
+                bias=False)
+    for changes, needle in [({"router": "sigmoid"}, "model.moe.router=sigmoid"),
+                            ({"shared_experts": 1}, "model.moe.shared_experts=1"),
+                            ({"bias_update_rate": 0.001}, "model.moe.bias_update_rate=0.001"),
+                            ({"every": 2}, "model.moe.every=2 with model.qk_norm=false")]:
         with pytest.raises(InteropError, match=needle) as err:
-            interop.hf_layout(ModelConfig(**(base | changes)))
+            interop.hf_layout(ModelConfig(**base, moe=MoEConfig(experts=4, **changes)))
         assert "\n" not in str(err.value)
 
 
@@ -102,8 +102,8 @@ def test_sample_cli_on_a_moe_model_equals_transformers_generate(tmp_path, capsys
     from training.model_io import ModelSource, write_export
 
     cfg = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, norm="rmsnorm",
-                      mlp="swiglu", position="rope", tie_embeddings=False, bias=False, moe_experts=4, moe_top_k=2,
-                      moe_d_ff=16, qk_norm=qwen, attention_head_dim=16 if qwen else None)
+                      mlp="swiglu", position="rope", tie_embeddings=False, bias=False,
+                      moe=MoEConfig(experts=4, top_k=2, d_ff=16), qk_norm=qwen, attention_head_dim=16 if qwen else None)
     torch.manual_seed(3)
     write_export(ModelSource(cfg, GPT(cfg).state_dict(), "byte", None, "test"), tmp_path / "hf", "hf")
     prompt = "def f(x):"

@@ -292,7 +292,7 @@ def test_a_cp4_checkpoint_loads_into_cp2_x_dp2(four_ranks):
 @pytest.mark.parametrize("args, message", [
     (["--parallel.cp=4", "--model.max_seq_len=100"], "parallel.cp=4 splits each sequence into 2 x cp = 8 equal chunks"),
     (["--parallel.cp=2", "--parallel.strategy=zero1"], "parallel.cp=2 with parallel.strategy=zero1 is not supported"),
-    (["--parallel.cp=4", "--parallel.ep=2", "--model.moe_experts=4"], "parallel.ep=2 with parallel.cp=4: an expert-"),
+    (["--parallel.cp=4", "--parallel.ep=2", "--model.moe.experts=4"], "parallel.ep=2 with parallel.cp=4: an expert-"),
 ])
 def test_train_py_refuses_bad_cp_layouts_in_one_line(capsys, args, message):
     import train

@@ -39,7 +39,7 @@ from training.config import load_config
 
 SEQ, VOCAB, MICRO, STEPS, SAVE_AFTER = 16, 64, 2, 10, 6
 MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "mlp": "swiglu",
-         "moe_experts": 4, "moe_top_k": 2, "moe_d_ff": 16, "moe_aux_loss": 0.01, "moe_z_loss": 0.001,
+         "moe.experts": 4, "moe.top_k": 2, "moe.d_ff": 16, "moe.aux_loss": 0.01, "moe.z_loss": 0.001,
          "tie_embeddings": False, "bias": False}  # a key bias has no gradient but float noise, which Adam amplifies
 LAYOUTS = {2: {"ep2": {"ep": 2}, "tp2": {"tp": 2},
                "tp2_no_sp": {"tp": 2, "sequence_parallel": False, "loss_parallel": False}},
@@ -89,7 +89,7 @@ def test_ep_layouts_are_validated_before_any_work():
     with pytest.raises(LayoutError, match="parallel.ep=4 must divide the 6 data-parallel shard ranks"):
         ParallelDims(6, 6, 0, 0, ep=4)
     moe = [f"--model.{k}={v}" for k, v in MODEL.items()]
-    with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide model.moe_experts=4"):
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide model.moe.experts=4"):
         load_config(None, moe + ["--parallel.ep=3"])
     with pytest.raises(ConfigError, match="parallel.ep=2 shards routed experts, but the model has none"):
         load_config(None, ["--parallel.ep=2"])
