@@ -390,3 +390,29 @@ def test_the_commands_are_found():
 def test_the_dry_run_rejects_what_would_not_run(text, error, monkeypatch):
     with pytest.raises(Exception, match=re.escape(error)):
         dry_run(Command("test", text), monkeypatch)
+
+
+# ----------------------------------------------------------------------------- commands the results record
+
+
+def test_benchmarks_record_the_command_as_it_was_typed(monkeypatch, tmp_path):
+    """The 'Command:' line of a results file runs as written: an empty argument (--strategies '')
+    stays quoted instead of vanishing and shifting the next flag into its place, a value with a space
+    stays one argument."""
+    from tools import bench_checkpoint, bench_parallel
+
+    recorded = []
+    monkeypatch.setattr(bench_parallel, "measure_all", lambda plan: ([], {"precision": "fp32", "global_batch": 8}))
+    for name in ("table", "comm_table", "cp_table", "ep_table"):
+        monkeypatch.setattr(bench_parallel, name, lambda rows, markdown: "")
+    monkeypatch.setattr(bench_parallel, "write_markdown", lambda rows, title, nproc, command, path: recorded.append(command))
+    argv = ["--strategies", "", "--layouts", "cp2", "--markdown", str(tmp_path / "p.md")]
+    bench_parallel.main(argv)
+    assert shlex.split(recorded[-1]) == ["python", "-m", "tools.bench_parallel", *argv]
+
+    monkeypatch.setattr(bench_checkpoint, "launch", lambda *args: None)
+    monkeypatch.setattr(bench_checkpoint, "table", lambda rows, markdown: "")
+    monkeypatch.setattr(bench_checkpoint, "write_markdown", lambda rows, command, rounds, path: recorded.append(command) or [])
+    argv = ["--rounds", "1", "--markdown", str(tmp_path / "c.md"), "--", "--name=two words"]
+    bench_checkpoint.main(argv)
+    assert shlex.split(recorded[-1]) == ["python", "-m", "tools.bench_checkpoint", *argv]
