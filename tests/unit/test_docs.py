@@ -130,7 +130,10 @@ def test_named_files_and_tests_exist(page):
 
 # ----------------------------------------------------------------------------- commands
 
-PROGRAMS = ("python", "torchrun", "pip", "bash", "tools/profile.sh", "export", *NOT_DRY_RUN)
+# Shell built-ins and utilities around the commands (a server in the background, a filter): nothing of
+# the project to check in them.
+SHELL_UTILITIES = ("export", "kill", "sleep", "grep")
+PROGRAMS = ("python", "torchrun", "pip", "bash", "tools/profile.sh", *SHELL_UTILITIES, *NOT_DRY_RUN)
 
 
 @dataclass(frozen=True)
@@ -314,7 +317,7 @@ def dry_run(command: Command, monkeypatch) -> None:
     tokens = shlex.split(command.text, comments=True)
     parts = [[]]
     for token in tokens:
-        if token == "&&":
+        if token in ("&&", "&", ";", "|"):
             parts.append([])
         else:
             parts[-1].append(token)
@@ -325,7 +328,7 @@ def dry_run(command: Command, monkeypatch) -> None:
         for key in NOT_DRY_RUN:
             if shlex.join(words).startswith(key):
                 return
-        if program == "export":
+        if program in SHELL_UTILITIES:
             continue
         if program == "pip":
             dry_run_pip(argv)
