@@ -405,7 +405,7 @@ def test_benchmarks_record_the_command_as_it_was_typed(monkeypatch, tmp_path):
     from tools import bench_checkpoint, bench_parallel
 
     recorded = []
-    monkeypatch.setattr(bench_parallel, "measure_all", lambda plan: ([], {"precision": "fp32", "global_batch": 8}))
+    monkeypatch.setattr(bench_parallel, "measure_all", lambda plan, progress=None: ([], {"precision": "fp32", "global_batch": 8}))
     for name in ("table", "comm_table", "cp_table", "ep_table"):
         monkeypatch.setattr(bench_parallel, name, lambda rows, markdown: "")
     monkeypatch.setattr(bench_parallel, "write_markdown", lambda rows, title, nproc, command, path: recorded.append(command))
