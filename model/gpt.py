@@ -284,6 +284,9 @@ class GPT(nn.Module):
         aux = take_aux_loss(self.blocks.modules())
         if self.lm_head is None:
             return x if aux is None else with_aux_gradient(x, aux)
+        if targets is not None and self.ops.head_loss is not None:  # kernels.loss_chunk_tokens: no whole logits
+            loss = self.ops.head_loss(self.norm_f(x), self.lm_head.weight, targets)
+            return loss if aux is None else join_aux_gradient(loss, aux)
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits if aux is None else with_aux_gradient(logits, aux)

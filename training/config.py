@@ -233,6 +233,16 @@ class JobConfig:
                               "moe.experts / ep of them)")
         if p.tp > 1 and m.qk_norm:
             raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
+        chunks = self.kernels.loss_chunk_tokens
+        if chunks < 0:
+            raise ConfigError(f"kernels.loss_chunk_tokens must be >= 0 (got {chunks}; 0 computes the whole logits)")
+        if chunks and p.tp > 1:
+            raise ConfigError(f"kernels.loss_chunk_tokens={chunks} with parallel.tp={p.tp}: the head is split over "
+                              "the vocabulary there; parallel.loss_parallel=true (the default) already never "
+                              "gathers the logits whole: set kernels.loss_chunk_tokens=0")
+        if chunks and p.pp > 1:
+            raise ConfigError(f"kernels.loss_chunk_tokens={chunks} with parallel.pp={p.pp}: the pipeline's last "
+                              "stage computes the loss from the whole logits; set kernels.loss_chunk_tokens=0")
         if p.tp > 1:
             for key, value in (("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("d_ff", m.d_ff),
                                ("vocab_size", m.vocab_size)):
