@@ -281,7 +281,9 @@ class GPT(nn.Module):
         # MoE load-balancing losses of this forward's blocks (training only). With targets they join
         # the loss's gradient but not its value, so the loss logged stays the language-model loss;
         # without (a pipeline stage's output) the output carries their gradient back.
-        aux = take_aux_loss(self.blocks.modules())
+        # Only a training forward sets them: generation and evaluation skip the walk over every module
+        # (per generated token, it cost as much as a block's attention on a small model).
+        aux = take_aux_loss(self.blocks.modules()) if self.training and torch.is_grad_enabled() else None
         if self.lm_head is None:
             return x if aux is None else with_aux_gradient(x, aux)
         if targets is not None and self.ops.head_loss is not None:  # kernels.loss_chunk_tokens: no whole logits
