@@ -280,6 +280,10 @@ class JobConfig:
             if p.pp_schedule == "zero_bubble" and t.compile:
                 raise ConfigError("parallel.pp_schedule=zero_bubble splits each backward in two, which "
                                   "torch.compile'd blocks do not support; set train.compile=false or another schedule")
+            if p.pp_schedule == "zero_bubble" and m.recompute == "op_selective":
+                raise ConfigError("parallel.pp_schedule=zero_bubble with model.recompute=op_selective: the schedule "
+                                  "runs each backward in two passes and torch's selective checkpoint allows one; use "
+                                  "model.recompute=selective, full, every_k or offload, or another schedule")
         if p.cp > 1:
             self._validate_context_parallel()
         if p.tp > 1 or p.pp > 1:
