@@ -11,17 +11,14 @@ a custom op with its autograd formula, and a compiled model is one graph:
   (``common.measure.check_against_fp32``);
 - with compiled Triton each op is a ``torch.library.triton_op``, which AOTAutograd replaces by
   the kernels themselves (``triton_kernel_wrapper_functional`` nodes) so that Inductor schedules
-  them. A CPU machine cannot launch them, but it can trace them: a subprocess with
-  TRITON_INTERPRET unset and a Hopper target named on paper (as tests/unit/kernels/test_sm90_compile.py
-  does) traces every op forward and backward with fake tensors and checks that no ``perfgpt``
-  op is left, only kernels. On a CUDA machine the in-process tests run that path for real.
+  them. A CPU machine cannot launch them, but it can trace them in a subprocess
+  (tests/integration/kernels/test_custom_ops_compile.py). On a CUDA machine the in-process tests
+  run that path for real.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -234,85 +231,3 @@ def test_the_registrations_pass_opcheck(ops):
     for op, args in cases:
         results = torch.library.opcheck(op, args)
         assert all(r == "SUCCESS" for r in results.values()), (op, results)
-
-
-# ------------------------------------------------------------------------------------ compiled Triton, traced on CPU
-
-TRACE_FOR_HOPPER = r"""
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from functorch.compile import aot_function, make_boxed_func
-from torch._subclasses.fake_tensor import FakeTensorMode
-
-
-class HopperOnPaper:
-    # What torch's kernel-mutation analysis asks Triton for: the target to lower the kernels to.
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-triton.runtime.driver.set_active(HopperOnPaper())
-from kernels import reference
-from kernels.registry import TRITON_OPS
-from kernels.triton import _common, load_op_modules
-from tests.unit.kernels.test_custom_ops_compile import OP_CASES
-
-assert not _common.INTERPRETED
-modules = load_op_modules()
-graphs = []
-
-
-def capture(gm, inputs):
-    graphs.append(gm)
-    return make_boxed_func(gm)
-
-
-def report(what, gm):
-    # The graph Inductor would get calls the kernels, and no perfgpt op is left opaque.
-    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-    kernels = [t for t in targets if "triton_kernel_wrapper_functional" in t]
-    left = [t for t in targets if t.startswith("perfgpt.")]
-    assert kernels and not left, (what, targets)
-    print(f"{what}: {len(kernels)} kernel(s)", flush=True)
-
-
-for field, (module, function) in TRITON_OPS.items():
-    graphs.clear()
-
-    make_args, positions, _ = OP_CASES[field]
-    real_args = make_args(torch.bfloat16)
-    with FakeTensorMode() as fake:
-        args = [fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in real_args]
-        for i in positions:
-            args[i].requires_grad_()
-        out = aot_function(getattr(modules[module], function), fw_compiler=capture, bw_compiler=capture)(*args)
-        out.float().sum().backward()
-    assert len(graphs) == 2, (field, len(graphs))
-    for kind, gm in zip(("forward", "backward"), graphs):
-        report(f"{field} {kind}", gm)
-
-
-def rotate_q_in_place(q, cos, sin):
-    modules["rope"].rope_(q, cos, sin)
-    return q
-
-
-graphs = []
-real_args = OP_CASES["apply_rope"][0](torch.bfloat16)
-with FakeTensorMode() as fake:
-    aot_function(rotate_q_in_place, fw_compiler=capture)(*[fake.from_tensor(a) for a in real_args])
-report("rope_ forward", graphs[0])
-"""
-
-
-@pytest.mark.timeout(300)
-def test_compiled_triton_ops_decompose_into_their_kernels_for_inductor():
-    if "nvidia" not in getattr(triton.backends, "backends", {}):
-        pytest.skip("needs triton's NVIDIA backend to lower the kernels for the mutation analysis")
-    # "0", not unset: importing this file in the subprocess must not switch the interpreter on.
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns when it is unset; 1 is the GPU default
-    proc = subprocess.run([sys.executable, "-c", TRACE_FOR_HOPPER], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count(" kernel(s)") == 2 * len(TRITON_OPS) + 1, proc.stdout
