@@ -24,6 +24,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# One intra-op thread for what runs in this process: the tests' tensors are tiny, so a second thread
+# saves little on a quiet machine, while on a loaded one OpenMP's waiting threads burn the CPU share
+# (test_gpt.py's two overfit tests: 16 s of CPU with one thread, 92 s with two, at load 9).
+torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
     # Triton reads this when triton.language is first imported, and `import torch._dynamo` already
@@ -50,15 +54,24 @@ def _argv(args) -> list[str]:
 
 
 def _is_launch(argv: list[str]) -> bool:
-    """A command that starts a Python interpreter or a shell script (not a compiler Inductor calls)."""
+    """A command that starts a Python interpreter or a shell script, unless torch's compiler starts it
+    for itself (Inductor's compile workers and its ``python -c`` probes of the CPU's vector units)."""
     if not argv:
         return False
     program = Path(argv[0].split()[0]).name
     if program in ("bash", "sh") or program.endswith(".sh"):
         return True
-    # Python running a script, a module or a program text (Inductor's compile workers are not launches)
     runs_code = any(a in ("-m", "-c") or a.endswith(".py") for a in argv[1:])
-    return program.startswith("python") and runs_code and not any("torch._inductor" in a for a in argv)
+    return program.startswith("python") and runs_code and not _called_from("torch._inductor")
+
+
+def _called_from(package: str) -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(package):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @pytest.fixture(scope="module", autouse=True)
