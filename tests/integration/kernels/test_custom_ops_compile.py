@@ -1,10 +1,16 @@
-"""With compiled Triton each ``perfgpt::`` op is a ``torch.library.triton_op``, which AOTAutograd
-replaces by the kernels themselves (``triton_kernel_wrapper_functional`` nodes) so that Inductor
-schedules them. A CPU machine cannot launch them, but it can trace them: a subprocess with
-TRITON_INTERPRET unset and a Hopper target named on paper (as tests/integration/kernels/test_sm90_compile.py
-does) traces every op forward and backward with fake tensors and checks that no ``perfgpt`` op is
-left, only kernels. The interpreted ops under torch.compile, in this process:
-tests/unit/kernels/test_custom_ops_compile.py (whose op cases the subprocess traces).
+"""The ``perfgpt::`` custom ops under torch.compile, the parts that take tens of seconds here:
+
+- the tiny GPT on the Triton ops compiled whole (``fullgraph=True``): one graph through the ops,
+  and the compiled loss and gradients within the eager kernels' tolerance of the reference model;
+- with compiled Triton each op is a ``torch.library.triton_op``, which AOTAutograd replaces by the
+  kernels themselves (``triton_kernel_wrapper_functional`` nodes) so that Inductor schedules them.
+  A CPU machine cannot launch them, but it can trace them: a subprocess with TRITON_INTERPRET
+  unset and a Hopper target named on paper (as tests/integration/kernels/test_sm90_compile.py
+  does) traces every op forward and backward with fake tensors and checks that no ``perfgpt`` op
+  is left, only kernels.
+
+Each op compiled alone, in the interpreter: tests/unit/kernels/test_custom_ops_compile.py (whose
+op cases the subprocess traces, and whose compile helpers these tests use).
 """
 
 from __future__ import annotations
@@ -15,12 +21,64 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
 
-from kernels.registry import TRITON_OPS  # noqa: E402
+from kernels.registry import REFERENCE_OPS, TRITON_OPS  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from model.gpt import GPT  # noqa: E402
+from tests.unit.kernels.test_custom_ops_compile import (  # noqa: E402
+    DEVICE,
+    assert_no_fallback,
+    assert_one_graph_through_the_ops,
+    compile_counting_breaks,
+    ops,  # noqa: F401 -- the module fixture the tests take
+)
+from tests.unit.kernels.test_gpt_on_triton_kernels import assert_fp32_loss_and_grads_match  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
+
+
+def tiny_twins(norm: str, mlp: str, kernel_ops) -> tuple[GPT, GPT, ModelConfig]:
+    cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=2, d_model=32, norm=norm, mlp=mlp,
+                      position="rope")
+    cfg.validate()
+    torch.manual_seed(0)
+    reference_model = GPT(cfg, REFERENCE_OPS).to(DEVICE)
+    with torch.no_grad():
+        for p in reference_model.parameters():  # norms and biases away from 1 and 0: every path carries weight
+            p.add_(0.1 * torch.randn_like(p))
+    kernel_model = GPT(cfg, kernel_ops).to(DEVICE)
+    kernel_model.load_state_dict(reference_model.state_dict())
+    return reference_model, kernel_model, cfg
+
+
+def loss_and_grads(model, idx, targets, forward=None):
+    model.zero_grad(set_to_none=True)
+    loss = (model if forward is None else forward)(idx, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("norm,mlp,expected_ops", [
+    ("layernorm", "gelu", {"layer_norm_fwd", "bias_gelu_fwd", "rope", "cross_entropy_fwd"}),
+    ("rmsnorm", "swiglu", {"rms_norm_fwd", "swiglu_fwd", "rope", "cross_entropy_fwd"}),
+])
+def test_compiled_gpt_on_the_triton_ops_is_one_graph_and_matches_the_reference(ops, norm, mlp, expected_ops):
+    reference_model, kernel_model, cfg = tiny_twins(norm, mlp, ops)
+    generator = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), generator=generator).to(DEVICE)
+    targets = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), generator=generator).to(DEVICE)
+    targets[0, :3] = -100
+    compiled, backend = compile_counting_breaks(kernel_model)
+    loss, grads = loss_and_grads(kernel_model, idx, targets, forward=compiled)
+    assert_one_graph_through_the_ops(backend, expected_ops)
+    assert_no_fallback(ops)
+    ref_loss, ref_grads = loss_and_grads(reference_model, idx, targets)
+    assert_fp32_loss_and_grads_match(loss, grads, ref_loss, ref_grads)  # the tolerance of the eager kernels
+
 
 
 TRACE_FOR_HOPPER = r"""

@@ -6,9 +6,10 @@ a custom op with its autograd formula, and a compiled model is one graph:
 
 - in the interpreter (TRITON_INTERPRET=1, this CPU session) each op is an opaque
   ``torch.library.custom_op`` node with a fake (shape) implementation; the tests here compile
-  the tiny GPT and every op with ``fullgraph=True``, count graph breaks, check that the ops are
-  in the graph, and hold the compiled results to the kernels' tolerance rule
-  (``common.measure.check_against_fp32``);
+  every op with ``fullgraph=True``, count graph breaks, check that the ops are in the graph, and
+  hold the compiled results to the kernels' tolerance rule (``common.measure.check_against_fp32``);
+  the tiny GPT compiled whole (tens of seconds here) is in
+  tests/integration/kernels/test_custom_ops_compile.py;
 - with compiled Triton each op is a ``torch.library.triton_op``, which AOTAutograd replaces by
   the kernels themselves (``triton_kernel_wrapper_functional`` nodes) so that Inductor schedules
   them. A CPU machine cannot launch them, but it can trace them in a subprocess
@@ -34,10 +35,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 from common.measure import check_against_fp32  # noqa: E402
 from kernels import reference  # noqa: E402
-from kernels.registry import REFERENCE_OPS, TRITON_OPS, resolve_kernel_ops  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from tests.unit.kernels.test_gpt_on_triton_kernels import assert_fp32_loss_and_grads_match  # noqa: E402
+from kernels.registry import TRITON_OPS, resolve_kernel_ops  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -86,49 +84,6 @@ def assert_no_fallback(kernel_ops) -> None:
     for name in TRITON_OPS:
         op = getattr(kernel_ops, name)
         assert not op.logged_reasons, f"{name} fell back to the reference: {op.logged_reasons}"
-
-
-# ------------------------------------------------------------------------------------ the model
-
-
-def tiny_twins(norm: str, mlp: str, kernel_ops) -> tuple[GPT, GPT, ModelConfig]:
-    cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=2, d_model=32, norm=norm, mlp=mlp,
-                      position="rope")
-    cfg.validate()
-    torch.manual_seed(0)
-    reference_model = GPT(cfg, REFERENCE_OPS).to(DEVICE)
-    with torch.no_grad():
-        for p in reference_model.parameters():  # norms and biases away from 1 and 0: every path carries weight
-            p.add_(0.1 * torch.randn_like(p))
-    kernel_model = GPT(cfg, kernel_ops).to(DEVICE)
-    kernel_model.load_state_dict(reference_model.state_dict())
-    return reference_model, kernel_model, cfg
-
-
-def loss_and_grads(model, idx, targets, forward=None):
-    model.zero_grad(set_to_none=True)
-    loss = (model if forward is None else forward)(idx, targets)
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("norm,mlp,expected_ops", [
-    ("layernorm", "gelu", {"layer_norm_fwd", "bias_gelu_fwd", "rope", "cross_entropy_fwd"}),
-    ("rmsnorm", "swiglu", {"rms_norm_fwd", "swiglu_fwd", "rope", "cross_entropy_fwd"}),
-])
-def test_compiled_gpt_on_the_triton_ops_is_one_graph_and_matches_the_reference(ops, norm, mlp, expected_ops):
-    reference_model, kernel_model, cfg = tiny_twins(norm, mlp, ops)
-    generator = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), generator=generator).to(DEVICE)
-    targets = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), generator=generator).to(DEVICE)
-    targets[0, :3] = -100
-    compiled, backend = compile_counting_breaks(kernel_model)
-    loss, grads = loss_and_grads(kernel_model, idx, targets, forward=compiled)
-    assert_one_graph_through_the_ops(backend, expected_ops)
-    assert_no_fallback(ops)
-    ref_loss, ref_grads = loss_and_grads(reference_model, idx, targets)
-    assert_fp32_loss_and_grads_match(loss, grads, ref_loss, ref_grads)  # the tolerance of the eager kernels
 
 
 # ------------------------------------------------------------------------------------ every op
