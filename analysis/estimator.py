@@ -112,10 +112,10 @@ def _moe_activation_elements(cfg: ModelConfig, dtype_bytes: int) -> float:
     permuted input row, its expert's hidden activations and its output row; the router keeps fp32
     logits and scores (E each), the dispatch int64 slot and expert indices (k each), whatever the
     activation dtype; the shared experts keep a dense MLP's."""
-    k, f, e = cfg.moe_top_k, cfg.expert_d_ff, cfg.moe_experts
+    k, f, e = cfg.moe.top_k, cfg.expert_d_ff, cfg.moe.experts
     copies = k * (2 * cfg.d_model + _dense_mlp_activation_elements(cfg, f))
     router_and_dispatch = (2 * e * 4 + 2 * k * 8) / dtype_bytes  # their bytes, as activation elements
-    shared = cfg.moe_shared_experts * f
+    shared = cfg.moe.shared_experts * f
     return copies + router_and_dispatch + (_dense_mlp_activation_elements(cfg, shared) if shared else 0)
 
 
@@ -123,7 +123,7 @@ def _mlp_activation_elements(cfg: ModelConfig, dtype_bytes: int) -> float:
     """Elements per token saved inside the MLP between its two matmuls (a MoE model: the mean over
     layers), in activations of ``dtype_bytes``."""
     dense = _dense_mlp_activation_elements(cfg, cfg.d_ff)
-    if cfg.moe_experts is None:
+    if cfg.moe.experts is None:
         return dense
     moe = cfg.n_moe_layers
     return (moe * _moe_activation_elements(cfg, dtype_bytes) + (cfg.n_layer - moe) * dense) / cfg.n_layer
@@ -132,27 +132,27 @@ def _mlp_activation_elements(cfg: ModelConfig, dtype_bytes: int) -> float:
 def _mlp_hidden_width(cfg: ModelConfig) -> float:
     """Hidden units one token runs through in an MLP (a MoE model: the mean over layers; a MoE layer:
     its top-k experts and the shared ones)."""
-    if cfg.moe_experts is None:
+    if cfg.moe.experts is None:
         return cfg.d_ff
     moe = cfg.n_moe_layers
-    active = (cfg.moe_top_k + cfg.moe_shared_experts) * cfg.expert_d_ff
+    active = (cfg.moe.top_k + cfg.moe.shared_experts) * cfg.expert_d_ff
     return (moe * active + (cfg.n_layer - moe) * cfg.d_ff) / cfg.n_layer
 
 
 def _moe_activation_share(cfg: ModelConfig, elements: float) -> float:
     """A MoE layer's ``elements`` per token, as the mean over layers does (0 for a dense model)."""
-    return 0.0 if cfg.moe_experts is None else cfg.n_moe_layers * elements / cfg.n_layer
+    return 0.0 if cfg.moe.experts is None else cfg.n_moe_layers * elements / cfg.n_layer
 
 
 def _moe_matmul_output_elements(cfg: ModelConfig) -> float:
     """Per token in a MoE layer: its top-k copies' and the shared experts' first matmul outputs."""
     gated = 2 if cfg.mlp == "swiglu" else 1
-    return (cfg.moe_top_k + cfg.moe_shared_experts) * gated * cfg.expert_d_ff
+    return (cfg.moe.top_k + cfg.moe.shared_experts) * gated * cfg.expert_d_ff
 
 
 def _mlp_matmul_output_elements(cfg: ModelConfig) -> float:
     dense = (2 if cfg.mlp == "swiglu" else 1) * cfg.d_ff
-    if cfg.moe_experts is None:
+    if cfg.moe.experts is None:
         return dense
     moe = cfg.n_moe_layers
     return (moe * _moe_matmul_output_elements(cfg) + (cfg.n_layer - moe) * dense) / cfg.n_layer
@@ -214,7 +214,7 @@ def activation_bytes_per_layer(
     # A MoE layer is not tensor-split (replicated over the tp GPUs, parallel/tp.py): its activations
     # lie outside the TP region, on s/t positions per GPU only with sequence parallelism.
     if policy == "op_selective":
-        moe = _moe_activation_share(model_cfg, _moe_matmul_output_elements(model_cfg)) if model_cfg.moe_experts else 0.0
+        moe = _moe_activation_share(model_cfg, _moe_matmul_output_elements(model_cfg)) if model_cfg.moe.experts else 0.0
         outside = h + h + h + moe  # block input, projection output, MLP output (+ MoE layers' matmul outputs)
         inside = (h + 2 * kv) + h + _mlp_matmul_output_elements(model_cfg) - moe  # qkv, core output, fc
         core_extra = 4.0 * a * s * b if attention == "flash" else p * a * s * s * b  # lse, or the QK^T bmm output
@@ -225,7 +225,7 @@ def activation_bytes_per_layer(
         + h  # QKV matmul input
         + h  # MLP first matmul input
     )
-    moe = _moe_activation_share(model_cfg, _moe_activation_elements(model_cfg, p)) if model_cfg.moe_experts else 0.0
+    moe = _moe_activation_share(model_cfg, _moe_activation_elements(model_cfg, p)) if model_cfg.moe.experts else 0.0
     outside += moe
     inside = (
         h + 2 * kv  # Q and K (for QK^T) and V (for @V)
@@ -442,7 +442,7 @@ def block_parameters_per_gpu(cfg: ModelConfig, tp: int = 1) -> float:
         return block
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     out_bias = cfg.d_model if cfg.bias else 0
-    moe_share = cfg.n_moe_layers / cfg.n_layer if cfg.moe_experts is not None else 0.0
+    moe_share = cfg.n_moe_layers / cfg.n_layer if cfg.moe.experts is not None else 0.0
     mlp_whole = moe_share * (moe_parameters(cfg) if moe_share else 0) + (1 - moe_share) * out_bias
     whole = 2 * norm + out_bias + mlp_whole
     return (block - whole) / tp + whole
@@ -650,8 +650,8 @@ class JobSpec:
         if self.ep < 1:
             raise EstimatorError(f"ep must be >= 1 (got {self.ep})")
         if self.ep > 1:
-            if cfg.moe_experts is None or cfg.moe_experts % self.ep:
-                raise EstimatorError(f"ep={self.ep} must divide the model's routed experts ({cfg.moe_experts})")
+            if cfg.moe.experts is None or cfg.moe.experts % self.ep:
+                raise EstimatorError(f"ep={self.ep} must divide the model's routed experts ({cfg.moe.experts})")
             if self.cp > 1 and self.ep % self.cp:
                 raise EstimatorError(f"ep={self.ep} must be a multiple of cp={self.cp}: an expert-parallel group spans "
                                      "whole context-parallel groups")
@@ -1007,14 +1007,14 @@ def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1, moe_split: int = 1) 
     d, f = cfg.d_model, cfg.d_ff
     gated = 2 if cfg.mlp == "swiglu" else 1
     gemms = [(tokens, d, (cfg.q_dim + 2 * cfg.kv_dim) / tp), (tokens, cfg.q_dim / tp, d)]
-    moe_share = cfg.n_moe_layers / cfg.n_layer if cfg.moe_experts is not None else 0.0
+    moe_share = cfg.n_moe_layers / cfg.n_layer if cfg.moe.experts is not None else 0.0
     if moe_share < 1:
         dense = tokens * (1 - moe_share)
         gemms += [(dense, d, gated * f / tp), (dense, f / tp, d)]
     if moe_share > 0:
-        routed, fe, shared = tokens * moe_share / moe_split, cfg.expert_d_ff, cfg.moe_shared_experts * cfg.expert_d_ff
-        per_expert = routed * cfg.moe_top_k / cfg.moe_experts
-        gemms += [(routed, d, cfg.moe_experts)] + [(per_expert, d, gated * fe), (per_expert, fe, d)] * cfg.moe_experts
+        routed, fe, shared = tokens * moe_share / moe_split, cfg.expert_d_ff, cfg.moe.shared_experts * cfg.expert_d_ff
+        per_expert = routed * cfg.moe.top_k / cfg.moe.experts
+        gemms += [(routed, d, cfg.moe.experts)] + [(per_expert, d, gated * fe), (per_expert, fe, d)] * cfg.moe.experts
         if shared:
             gemms += [(routed, d, gated * shared), (routed, shared, d)]
     return gemms
@@ -1407,10 +1407,10 @@ def memory_problems(job: JobSpec, memory: MemoryEstimate) -> tuple[str, ...]:
 def routed_parameters_per_block(cfg: ModelConfig) -> float:
     """The routed experts' weights of one block, as ``block_parameters_per_gpu`` averages blocks
     (shared experts and the router are dense: every GPU holds them)."""
-    if cfg.moe_experts is None:
+    if cfg.moe.experts is None:
         return 0.0
     matrices = 3 if cfg.mlp == "swiglu" else 2
-    return cfg.n_moe_layers * cfg.moe_experts * matrices * cfg.d_model * cfg.expert_d_ff / cfg.n_layer
+    return cfg.n_moe_layers * cfg.moe.experts * matrices * cfg.d_model * cfg.expert_d_ff / cfg.n_layer
 
 
 def stage_routed_parameters(job: JobSpec) -> float:
@@ -1460,7 +1460,7 @@ def expert_all_to_all(job: JobSpec) -> tuple[float, float]:
         return 0.0, 0.0
     # Each tp GPU exchanges the copies of the positions it routes: its own s/t under sequence
     # parallelism, all of them without; a cp rank routes its chunks only.
-    copies = job.seq_len * job.micro_batch * cfg.moe_top_k / ((job.tp if job.sp else 1) * job.cp)
+    copies = job.seq_len * job.micro_batch * cfg.moe.top_k / ((job.tp if job.sp else 1) * job.cp)
     nbytes = copies * cfg.d_model * job.activation_dtype_bytes
     count = expert_exchanges(job)
     one = collective_seconds(nbytes, job.ep, job.device, job.assumptions.link_fraction,
@@ -1484,9 +1484,9 @@ def _dp_and_expert_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, floa
 def expert_parallel_sizes(model_cfg: ModelConfig, dp_shard: int, strategy: str, cp: int = 1) -> list[int]:
     """The ep degrees a job can use: 1, and with an MoE model under fsdp every divisor of dp_shard x cp
     that divides the routed experts and, with cp, is a multiple of cp (parallel/dims.py)."""
-    if model_cfg.moe_experts is None or strategy not in ("fsdp", "zero3"):
+    if model_cfg.moe.experts is None or strategy not in ("fsdp", "zero3"):
         return [1]
-    return [e for e in _divisors(dp_shard * cp) if model_cfg.moe_experts % e == 0 and (e == 1 or e % cp == 0)]
+    return [e for e in _divisors(dp_shard * cp) if model_cfg.moe.experts % e == 0 and (e == 1 or e % cp == 0)]
 
 
 # --------------------------------------------------------------------------- planning

@@ -18,15 +18,15 @@ from typing import Callable
 import torch
 
 from common.measure import RatioSummary, Summary, interleaved, speedup, summarize
-from model.config import ModelConfig
+from model.config import ModelConfig, MoEConfig
 from model.flops import count_parameters
 from model.gpt import GPT
 
 
 def dense_twin(cfg: ModelConfig) -> ModelConfig:
     """The dense GPT whose MLP is as wide as a token's experts together: the same active MLP weights."""
-    width = (cfg.moe_top_k + cfg.moe_shared_experts) * cfg.expert_d_ff
-    return dataclasses.replace(cfg, moe_experts=None, d_ff=width)
+    width = (cfg.moe.top_k + cfg.moe.shared_experts) * cfg.expert_d_ff
+    return dataclasses.replace(cfg, moe=MoEConfig(), d_ff=width)
 
 
 @dataclass(frozen=True)

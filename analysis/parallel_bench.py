@@ -764,7 +764,7 @@ EP_NOTES = [
     "leaves out.",
     "Loss: the Switch auxiliary loss is computed over each micro-batch's tokens, so B sequences on each of two "
     "ranks and 2B in the single process give different (equally valid) losses; run with "
-    "--model.moe_aux_loss=0 (after '--') the ep rows train the single process's losses.",
+    "--model.moe.aux_loss=0 (after '--') the ep rows train the single process's losses.",
 ]
 
 

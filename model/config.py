@@ -1,17 +1,71 @@
-"""ModelConfig: the architecture of the GPT, and nothing about how it is trained or sharded."""
+"""ModelConfig: the GPT's architecture (with its mixture-of-experts section, MoEConfig), and the
+choices that belong to the model's layers rather than to the optimizer, the data or the layout.
+
+Besides the shape of the network it holds three kinds of keys: which implementation runs each part
+(``attention``, ``layers``, ``moe.backend``: the same function either way), which activations the
+layers recompute in backward (``recompute``: memory for time in training, no change to the result),
+and the weights training starts from (``init_from``). How the model is sharded is parallel.*'s.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Literal, Mapping
 
 from common.errors import ConfigError
 from common.fields import choices, doc
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts (model/moe.py): which layers route tokens to experts, and how. Frozen, so a
+    config copied with ``dataclasses.replace`` never shares a section that one copy changes."""
+
+    experts: int | None = doc(None, "routed experts per MoE layer (null: a dense MLP in every layer)")
+    top_k: int = doc(2, "experts each token is routed to")
+    shared_experts: int = doc(0, "always-on shared experts (DeepSeek / Qwen2-MoE style), each moe.d_ff wide")
+    d_ff: int | None = doc(None, "hidden width of one expert (fine-grained experts); default: model.d_ff")
+    every: int = doc(1, "layer i (from 0) is MoE when (i + 1) % every == 0 (1: every layer, 2: every other)")
+    first_dense: int = doc(0, "the first k layers keep a dense MLP (DeepSeek's first_k_dense_replace)")
+    router: Literal["softmax", "sigmoid"] = doc(
+        "softmax", "router scoring: softmax over experts (Mixtral, Qwen) or per-expert sigmoid (DeepSeek-V3)"
+    )
+    renormalize: bool = doc(True, "rescale the top-k weights to sum to 1 (Mixtral: true; Qwen norm_topk_prob)")
+    routed_scale: float = doc(1.0, "the top-k weights are multiplied by this (DeepSeek-V3's routed_scaling_factor)")
+    aux_loss: float = doc(
+        0.01, "coefficient of the Switch load-balancing loss E*sum(f_i*P_i) added to the loss (0: off)"
+    )
+    z_loss: float = doc(0.0, "coefficient of the router z-loss mean(logsumexp(logits)^2) (ST-MoE; 0: off)")
+    bias_update_rate: float = doc(
+        0.0, "auxiliary-loss-free balancing (DeepSeek-V3): per-expert routing bias moved by this much per "
+        "step toward balance (e.g. 0.001; 0: off)"
+    )
+    capacity: float = doc(
+        0.0, "capacity factor: each expert takes at most ceil(factor * tokens * top_k / experts) token copies "
+        "and drops the rest (0: dropless); tokens: one micro-batch, each rank's own under data and expert "
+        "parallelism, the whole sequences under context parallelism"
+    )
+    backend: Literal["auto", "grouped_mm", "loop"] = doc(
+        "auto", "expert GEMMs: torch._grouped_mm, or one GEMM per expert; auto picks grouped_mm where it runs"
+    )
+
+
 @dataclass
 class ModelConfig:
+    """The model section (``model.*``); see the module docstring for what it holds besides the architecture."""
+
+    # Keys renamed since configs and checkpoints were first written: old key -> (new key, why), both
+    # under model. A config or override with an old name is told the new one in one line
+    # (training/config.py); a config saved under an old name (checkpoint metadata, exports,
+    # measurement files) is read under the new one.
+    renamed_keys: ClassVar[dict[str, tuple[str, str]]] = {
+        "checkpointing": ("recompute", "activation recompute; checkpoint.* is saving checkpoints"),
+        "checkpoint_every_k": ("recompute_every_k", "activation recompute; checkpoint.* is saving checkpoints"),
+        **{f"moe_{key}": (f"moe.{key}", "the mixture-of-experts keys are one section, model.moe")
+           for key in MoEConfig.__dataclass_fields__},
+    }
+
     vocab_size: int = doc(256, "vocabulary size (256 for the built-in byte-level tokenizer)")
     max_seq_len: int = doc(256, "longest sequence the model accepts (size of learned positions)")
     n_layer: int = doc(4, "transformer blocks")
@@ -60,34 +114,7 @@ class ModelConfig:
         "forward and recomputed in backward"
     )
     recompute_every_k: int = doc(2, "with recompute=every_k: recompute every k-th block")
-    moe_experts: int | None = doc(
-        None, "mixture of experts: routed experts per MoE layer (null: a dense MLP in every layer)"
-    )
-    moe_top_k: int = doc(2, "MoE: experts each token is routed to")
-    moe_shared_experts: int = doc(0, "MoE: always-on shared experts (DeepSeek / Qwen2-MoE style), each moe_d_ff wide")
-    moe_d_ff: int | None = doc(None, "MoE: hidden width of one expert (fine-grained experts); default: model.d_ff")
-    moe_every: int = doc(1, "MoE: layer i (from 0) is MoE when (i + 1) % moe_every == 0 (1: every layer, 2: every other)")
-    moe_first_dense: int = doc(0, "MoE: the first k layers keep a dense MLP (DeepSeek's first_k_dense_replace)")
-    moe_router: Literal["softmax", "sigmoid"] = doc(
-        "softmax", "MoE router scoring: softmax over experts (Mixtral, Qwen) or per-expert sigmoid (DeepSeek-V3)"
-    )
-    moe_renormalize: bool = doc(True, "MoE: rescale the top-k weights to sum to 1 (Mixtral: true; Qwen norm_topk_prob)")
-    moe_routed_scale: float = doc(1.0, "MoE: the top-k weights are multiplied by this (DeepSeek-V3's routed_scaling_factor)")
-    moe_aux_loss: float = doc(
-        0.01, "MoE: coefficient of the Switch load-balancing loss E*sum(f_i*P_i) added to the loss (0: off)"
-    )
-    moe_z_loss: float = doc(0.0, "MoE: coefficient of the router z-loss mean(logsumexp(logits)^2) (ST-MoE; 0: off)")
-    moe_bias_update_rate: float = doc(
-        0.0, "MoE: auxiliary-loss-free balancing (DeepSeek-V3): per-expert routing bias moved by this much per "
-        "step toward balance (e.g. 0.001; 0: off)"
-    )
-    moe_capacity: float = doc(
-        0.0, "MoE capacity factor: each expert takes at most ceil(factor * tokens * top_k / experts) token copies "
-        "and drops the rest (0: dropless)"
-    )
-    moe_backend: Literal["auto", "grouped_mm", "loop"] = doc(
-        "auto", "MoE expert GEMMs: torch._grouped_mm, or one GEMM per expert; auto picks grouped_mm where it runs"
-    )
+    moe: MoEConfig = field(default_factory=MoEConfig)
     init_from: str | None = doc(
         None, "start training from these weights: a Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory, a nanoGPT ckpt.pt, a "
         "perfgpt checkpoint or run directory, or a tools/export.py .safetensors; the architecture keys come from it"
@@ -100,15 +127,31 @@ class ModelConfig:
             else:
                 self.d_ff = 4 * self.d_model
 
+    def value_of(self, key: str) -> Any:
+        """The value of a key under model., dotted for the nested section (``"moe.top_k"``)."""
+        value = self
+        for part in key.split("."):
+            value = getattr(value, part)
+        return value
+
+    def with_values(self, values: Mapping[str, Any]) -> ModelConfig:
+        """A copy with these keys set (dotted for the nested section: ``{"moe.top_k": 2}``)."""
+        top = {k: v for k, v in values.items() if "." not in k}
+        moe = {k.removeprefix("moe."): v for k, v in values.items() if k.startswith("moe.")}
+        unknown = set(values) - set(top) - {f"moe.{k}" for k in moe}
+        if unknown:
+            raise KeyError(f"no model key {sorted(unknown)[0]!r}")
+        return replace(self, **top, moe=replace(self.moe, **moe))
+
     @property
     def expert_d_ff(self) -> int:
         """Hidden width of one routed (and of one shared) expert."""
-        return self.d_ff if self.moe_d_ff is None else self.moe_d_ff
+        return self.d_ff if self.moe.d_ff is None else self.moe.d_ff
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether block ``layer_idx`` has routed experts in place of its dense MLP."""
-        return (self.moe_experts is not None and layer_idx >= self.moe_first_dense
-                and (layer_idx + 1) % self.moe_every == 0)
+        return (self.moe.experts is not None and layer_idx >= self.moe.first_dense
+                and (layer_idx + 1) % self.moe.every == 0)
 
     @property
     def n_moe_layers(self) -> int:
@@ -148,7 +191,7 @@ class ModelConfig:
         if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
             raise ConfigError(
                 f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head} "
-                f"(choose one of {[k for k in range(1, self.n_head + 1) if self.n_head % k == 0]})"
+                f"(choose one of {[k for k in range(1, min(self.n_head, 1024) + 1) if self.n_head % k == 0]})"
             )
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(f"model.position=rope needs an even head dim; d_model/n_head={self.head_dim}")
@@ -171,38 +214,44 @@ class ModelConfig:
             raise ConfigError(f"model.eot_id={self.eot_id} is outside the vocabulary 0..{self.vocab_size - 1}")
         if self.recompute_every_k < 1:
             raise ConfigError("model.recompute_every_k must be >= 1")
-        if self.moe_experts is not None:
+        if self.moe.experts is not None:
             self._validate_moe()
 
     def _validate_moe(self) -> None:
-        e = self.moe_experts
+        moe, e = self.moe, self.moe.experts
         if e < 1:
-            raise ConfigError(f"model.moe_experts={e} must be >= 1 (or null for a dense model)")
-        if not 1 <= self.moe_top_k <= e:
-            raise ConfigError(f"model.moe_top_k={self.moe_top_k} must be between 1 and model.moe_experts={e}")
-        for key in ("moe_shared_experts", "moe_first_dense"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"model.{key} must be >= 0 (got {getattr(self, key)})")
-        if self.moe_every < 1:
-            raise ConfigError(f"model.moe_every must be >= 1 (got {self.moe_every})")
-        if self.moe_d_ff is not None and self.moe_d_ff < 1:
-            raise ConfigError(f"model.moe_d_ff must be >= 1 (got {self.moe_d_ff})")
-        for key in ("moe_routed_scale", "moe_aux_loss", "moe_z_loss", "moe_bias_update_rate", "moe_capacity"):
-            value = getattr(self, key)
-            if not math.isfinite(value) or value < 0 or (key == "moe_routed_scale" and value == 0):
-                bound = "> 0" if key == "moe_routed_scale" else ">= 0"
-                raise ConfigError(f"model.{key} must be a finite number {bound} (got {value})")
+            raise ConfigError(f"model.moe.experts={e} must be >= 1 (or null for a dense model)")
+        if not 1 <= moe.top_k <= e:
+            raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.experts={e}")
+        for key in ("shared_experts", "first_dense"):
+            if getattr(moe, key) < 0:
+                raise ConfigError(f"model.moe.{key} must be >= 0 (got {getattr(moe, key)})")
+        if moe.every < 1:
+            raise ConfigError(f"model.moe.every must be >= 1 (got {moe.every})")
+        if moe.d_ff is not None and moe.d_ff < 1:
+            raise ConfigError(f"model.moe.d_ff must be >= 1 (got {moe.d_ff})")
+        for key in ("routed_scale", "aux_loss", "z_loss", "bias_update_rate", "capacity"):
+            value = getattr(moe, key)
+            if not math.isfinite(value) or value < 0 or (key == "routed_scale" and value == 0):
+                bound = "> 0" if key == "routed_scale" else ">= 0"
+                raise ConfigError(f"model.moe.{key} must be a finite number {bound} (got {value})")
+        if moe.capacity > e / moe.top_k:
+            # From e / top_k on the capacity is every token, so nothing is dropped; far above it the
+            # slot count stops being a finite integer.
+            raise ConfigError(f"model.moe.capacity={moe.capacity:g} is above model.moe.experts / model.moe.top_k = "
+                              f"{e / moe.top_k:g}, from where an expert takes every token routed to it and none is "
+                              "dropped; use at most that, or 0 for dropless")
         if self.n_moe_layers == 0:
-            raise ConfigError(f"no layer is MoE: model.moe_first_dense={self.moe_first_dense} and model.moe_every="
-                              f"{self.moe_every} leave none of the {self.n_layer} layers; lower them")
+            raise ConfigError(f"no layer is MoE: model.moe.first_dense={moe.first_dense} and model.moe.every="
+                              f"{moe.every} leave none of the {self.n_layer} layers; lower them")
         if self.layers == "te":
-            raise ConfigError("model.moe_experts needs model.layers=torch (Transformer Engine blocks have a dense MLP)")
+            raise ConfigError("model.moe.experts needs model.layers=torch (Transformer Engine blocks have a dense MLP)")
 
     def gemm_dims(self) -> dict[str, int]:
         """Dimensions that appear in GEMMs of the transformer blocks (FP8 needs them % 16 == 0)."""
         dims = {"model.d_model": self.d_model, "model.d_ff": self.d_ff}
-        if self.moe_experts is not None:
-            dims["model.moe_d_ff (expert width)"] = self.expert_d_ff
+        if self.moe.experts is not None:
+            dims["model.moe.d_ff (expert width)"] = self.expert_d_ff
         if self.kv_heads != self.n_head or self.q_dim != self.d_model:  # the fused QKV GEMM's output width
             dims["(n_head + 2*n_kv_head) * head_dim"] = self.q_dim + 2 * self.kv_dim
         return dims

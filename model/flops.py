@@ -30,9 +30,9 @@ def mlp_parameters(cfg: ModelConfig, d_ff: int, bias: bool) -> int:
 
 def moe_parameters(cfg: ModelConfig, active: bool = False) -> int:
     """One MoE layer's MLP: router, routed experts (all, or the top-k one token runs), shared experts."""
-    routed = cfg.moe_top_k if active else cfg.moe_experts
-    shared = cfg.moe_shared_experts * cfg.expert_d_ff
-    return (cfg.d_model * cfg.moe_experts + routed * mlp_parameters(cfg, cfg.expert_d_ff, bias=False)
+    routed = cfg.moe.top_k if active else cfg.moe.experts
+    shared = cfg.moe.shared_experts * cfg.expert_d_ff
+    return (cfg.d_model * cfg.moe.experts + routed * mlp_parameters(cfg, cfg.expert_d_ff, bias=False)
             + (mlp_parameters(cfg, shared, cfg.bias) if shared else 0))
 
 

@@ -2,7 +2,7 @@
 
     tokens -> embedding (+ learned positions) -> n_layer x Block -> final norm -> LM head
     Block:  x + Attention(Norm(x)),  then  x + MLP(Norm(x))        (pre-norm)
-            the MLP is routed experts (model/moe.py) in the layers the model.moe_* keys pick
+            the MLP is routed experts (model/moe.py) in the layers the model.moe.* keys pick
 
 Nothing here knows about process groups, precision policies or checkpointing; those are
 applied to a built model from ``parallel/`` and ``training/``. Fast paths plug in through two
@@ -157,10 +157,10 @@ class MLP(nn.Module):
 
 
 def make_mlp(cfg: ModelConfig, ops: KernelOps, expert_backend: str, layer_idx: int) -> nn.Module:
-    """A block's MLP: dense, or routed experts (model/moe.py) in the layers the moe_* keys pick."""
+    """A block's MLP: dense, or routed experts (model/moe.py) in the layers the model.moe.* keys pick."""
     if not cfg.is_moe_layer(layer_idx):
         return MLP(cfg, ops)
-    width = cfg.moe_shared_experts * cfg.expert_d_ff
+    width = cfg.moe.shared_experts * cfg.expert_d_ff
     shared = MLP(dataclasses.replace(cfg, d_ff=width), ops) if width else None
     return MoE(cfg, ops, expert_backend, shared=shared, layer_idx=layer_idx)
 

@@ -25,12 +25,12 @@ class ParallelConfig:
     cp: int = doc(1, "context-parallel degree: every sequence split over this many ranks (2*cp load-balanced "
                   "chunks, keys and values all-gathered per layer; parallel/cp.py); needs strategy=fsdp or none")
     ep: int = doc(1, "expert-parallel degree: an MoE model's routed experts split over this many data-parallel "
-                  "ranks (each holds moe_experts / ep), tokens sent to their experts and back by all-to-all "
+                  "ranks (each holds model.moe.experts / ep), tokens sent to their experts and back by all-to-all "
                   "(parallel/ep.py). Carved out of data parallelism x cp: the dense weights shard over dp_shard x "
                   "ep ranks, the experts over dp_shard; with cp > 1 it must be a multiple of cp (an ep group spans "
                   "whole cp groups: dp_shard x ep ranks in all, the cp ranks among them); with tp, each tp rank "
                   "exchanges its own tokens in its ep group (experts replicated over tp); must divide "
-                  "model.moe_experts; needs strategy=fsdp or none")
+                  "model.moe.experts; needs strategy=fsdp or none")
     dp_replicate: int = doc(1, "data-parallel replicas; with strategy=fsdp the replicate dimension of HSDP "
                             "(across nodes)")
     dp_shard: int = doc(-1, "data-parallel ranks that shard the model (fsdp) or hold replicas (ddp, zero); "

@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, []).model
-        if cfg.moe_experts is None:
-            raise ConfigError(f"{args.config} has no MoE model (set model.moe_experts)")
+        if cfg.moe.experts is None:
+            raise ConfigError(f"{args.config} has no MoE model (set model.moe.experts)")
         for flag in ("batch", "seq_len", "rounds"):
             if getattr(args, flag) < 1:
                 raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_FACING_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    settings = (f"{args.config}: {cfg.moe_experts} experts, top-{cfg.moe_top_k}, width {cfg.expert_d_ff}; batch "
+    settings = (f"{args.config}: {cfg.moe.experts} experts, top-{cfg.moe.top_k}, width {cfg.expert_d_ff}; batch "
                 f"{args.batch} x {args.seq_len}, fp32, {args.rounds} interleaved rounds on {hardware_name(device)} "
                 f"({machine_load()})")
     rows = table_rows(variants)

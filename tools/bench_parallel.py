@@ -91,7 +91,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                          f"over {layout.data_ranks} data-parallel ranks (dp_shard x ep) x {layout.microbatches} "
                          "micro-batches: make it divisible")
     experts = [key for key in args.layouts if LAYOUTS[key].ep > 1]
-    if experts and load_config(args.config, extra).model.moe_experts is None:
+    if experts and load_config(args.config, extra).model.moe.experts is None:
         parser.error(f"layout {experts[0]} needs an MoE model: {args.config} has none (e.g. --config "
                      "configs/tiny-moe.yaml)")
     if not args.strategies and not args.layouts:

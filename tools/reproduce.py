@@ -34,7 +34,7 @@ from common.errors import USER_FACING_ERRORS
 from common.measure import hardware_name, resolve_device
 from common.report import read_results, rows_path
 from model.config import ModelConfig
-from training.config import RENAMED_KEYS
+from training.config import from_dict, upgrade_renamed
 
 GPU_RESULTS = "gpu_measurements.json"
 CPU_RESULTS = "cpu_measurements.json"
@@ -116,13 +116,8 @@ def read_measured_documents(out: Path) -> dict[str, dict]:
 
 def saved_model_config(fields: dict) -> ModelConfig:
     """The measured model's config as a measurement file saved it, with keys renamed since then
-    (training/config.py RENAMED_KEYS) read under their new names."""
-    fields = dict(fields)
-    for old, new in RENAMED_KEYS.items():
-        section, key = old.split(".", 1)
-        if section == "model" and key in fields:
-            fields[new.split(".", 1)[1]] = fields.pop(key)
-    return ModelConfig(**fields)
+    (``ModelConfig.renamed_keys``) read under their new names."""
+    return from_dict(ModelConfig, upgrade_renamed(ModelConfig, fields), "model.")
 
 
 def assemble(measurements: dict, device: torch.device, gpu_results: dict, out: Path) -> Measured:

@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import yaml
 
@@ -69,7 +69,12 @@ class TrainConfig:
     )
     straggler_threshold: float = doc(
         0.2, "every log interval, name the rank whose data+forward+optimizer time per step exceeds the median "
-        "rank's by more than this fraction (0.2: 20%); 0: off"
+        "of the other ranks' by more than this fraction (0.2: 20%) and by more than train.straggler_min_gap_s; "
+        "0: off"
+    )
+    straggler_min_gap_s: float = doc(
+        0.05, "the straggler report's second bar: the slow rank's own time per step must exceed the others' "
+        "median by more than this many seconds too, so that milliseconds of noise on short steps name no one"
     )
 
     @property
@@ -96,7 +101,7 @@ class TrainConfig:
         require_finite("train.data_wait_warn", self.data_wait_warn, ConfigError)
         if self.data_wait_warn < 0:
             raise ConfigError(f"train.data_wait_warn must be >= 0 (got {self.data_wait_warn})")
-        for key in ("hang_timeout_s", "hang_grace_s", "straggler_threshold"):
+        for key in ("hang_timeout_s", "hang_grace_s", "straggler_threshold", "straggler_min_gap_s"):
             require_finite(f"train.{key}", getattr(self, key), ConfigError)
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key} must be >= 0 (got {getattr(self, key)})")
@@ -162,7 +167,8 @@ class HarnessConfig:
     interval: int = doc(1000, "run harness.tasks every N steps and after the last one")
     limit: int | None = doc(None, "at most this many examples per task (null: all of them)")
     num_fewshot: int | None = doc(None, "few-shot examples per prompt (null: each task's own default, else 0)")
-    task_dir: str = doc("", "a directory of task YAML files searched before the harness's own (e.g. tests/harness_tasks)")
+    task_dir: str = doc("", "a directory of task YAML files searched before the harness's own (e.g. "
+                        "tests/harness_tasks); a task's '!function' runs Python from it: use folders you trust")
     batch_size: int = doc(8, "harness requests per forward pass on each rank")
 
     def validate(self) -> None:
@@ -217,12 +223,12 @@ class JobConfig:
     def _validate_model_parallel(self) -> None:
         """What tensor and pipeline parallelism need from the model, the batch and the precision."""
         m, p, t = self.model, self.parallel, self.train
-        if p.ep > 1 and m.moe_experts is None:
-            raise ConfigError(f"parallel.ep={p.ep} shards routed experts, but the model has none: set model.moe_experts "
+        if p.ep > 1 and m.moe.experts is None:
+            raise ConfigError(f"parallel.ep={p.ep} shards routed experts, but the model has none: set model.moe.experts "
                               "or parallel.ep=1")
-        if p.ep > 1 and m.moe_experts % p.ep:
-            raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (each ep rank holds "
-                              "moe_experts / ep of them)")
+        if p.ep > 1 and m.moe.experts % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.experts={m.moe.experts} (each ep rank holds "
+                              "moe.experts / ep of them)")
         if p.tp > 1 and m.qk_norm:
             raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
         if p.tp > 1:
@@ -243,11 +249,11 @@ class JobConfig:
                 raise ConfigError(f"train.compile=true with model.recompute={m.recompute} under parallel.tp > 1 "
                                   "fails in torch's compiler; use model.recompute=op_selective (or offload), "
                                   "or train.compile=false")
-        if p.pp > 1 and m.moe_experts is not None and m.moe_bias_update_rate:
+        if p.pp > 1 and m.moe.experts is not None and m.moe.bias_update_rate:
             # torch's pipeline stages run an extra forward on their first step to infer shapes, whose
             # routing would count in the load the bias moves by (and differ from one process).
-            raise ConfigError(f"model.moe_bias_update_rate={m.moe_bias_update_rate} with parallel.pp={p.pp} is not "
-                              "supported; balance with model.moe_aux_loss under pipeline parallelism")
+            raise ConfigError(f"model.moe.bias_update_rate={m.moe.bias_update_rate} with parallel.pp={p.pp} is not "
+                              "supported; balance with model.moe.aux_loss under pipeline parallelism")
         if p.pp > 1:
             stages = p.pp * p.pp_virtual_stages
             if m.n_layer % stages:
@@ -360,8 +366,27 @@ class JobConfig:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
-    """YAML file (optional) then ``--section.key=value`` overrides, then validation."""
+def load_config(path: str | Path | None, overrides: list[str] = (), *, saved: bool = False) -> JobConfig:
+    """YAML file (optional) then ``--section.key=value`` overrides, then validation. ``saved``: the
+    file is one a run wrote (its ``config.yaml``), so keys renamed since are read under their new names
+    (``upgrade_renamed``) where a user's config is told to rename them."""
+    cfg = from_dict(JobConfig, _raw_config(path, overrides, saved), prefix="")
+    cfg.validate()
+    return cfg
+
+
+def explicit_keys(path: str | Path | None, overrides: list[str] = ()) -> frozenset[str]:
+    """The dotted keys the YAML file and the overrides set, whatever their values: what a run asks
+    for explicitly, as against the defaults (a model.init_from source must agree with these)."""
+    def dotted(raw: Mapping[str, Any], prefix: str) -> list[str]:
+        return [k for key, value in raw.items()
+                for k in (dotted(value, f"{prefix}{key}.") if isinstance(value, Mapping) else [f"{prefix}{key}"])]
+
+    return frozenset(dotted(_raw_config(path, overrides, saved=False), ""))
+
+
+def _raw_config(path: str | Path | None, overrides: list[str], saved: bool) -> dict[str, Any]:
+    """The YAML file's mapping with the overrides applied, before types and validation."""
     raw: dict[str, Any] = {}
     name = "run"
     if path is not None:
@@ -376,14 +401,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig
             raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a mapping of sections, got {type(loaded).__name__}")
-        raw = loaded or {}
+        raw = upgrade_renamed(JobConfig, loaded or {}) if saved else (loaded or {})
         name = path.stem
     raw.setdefault("name", name)
     for item in overrides:
         _apply_override(raw, item)
-    cfg = from_dict(JobConfig, raw, prefix="")
-    cfg.validate()
-    return cfg
+    return raw
 
 
 def parse_known_overrides(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -417,25 +440,18 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         node[keys[-1]] = text
 
 
-# Keys that were renamed: a config that still uses the old name is told the new one. Activation
-# recompute had checkpoint-words, which clashed with checkpoint.* (saving and loading).
-RENAMED_KEYS = {
-    "model.checkpointing": "model.recompute",
-    "model.checkpoint_every_k": "model.recompute_every_k",
-}
-
-
 def from_dict(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
-    renamed = [RENAMED_KEYS[prefix + key] for key in unknown if prefix + key in RENAMED_KEYS]
-    if renamed:
-        old = next(k for k, v in RENAMED_KEYS.items() if v == renamed[0])
-        raise ConfigError(f"{old} is now called {renamed[0]} (activation recompute; checkpoint.* is saving "
-                          f"checkpoints): rename the key in the config or the override")
+    renamed = getattr(cls, "renamed_keys", {})  # a section's old key names: old -> (new, why)
+    for key in unknown:
+        if key in renamed:
+            new, why = renamed[key]
+            raise ConfigError(f"{prefix}{key} is now called {prefix}{new} ({why}): rename the key in the config "
+                              "or the override")
     if unknown:
         raise ConfigError(
             f"unknown key {prefix}{unknown[0]}; valid keys{' in ' + prefix.rstrip('.') if prefix else ''}: "
@@ -445,6 +461,27 @@ def from_dict(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     for key, value in raw.items():
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
     return cls(**kwargs)
+
+
+def upgrade_renamed(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A section of ``cls`` as a run saved it (checkpoint metadata, an export, a run's config.yaml),
+    with keys renamed since then moved to their new names (``renamed_keys`` of each section, nested
+    sections included), so what older runs wrote stays readable."""
+    out = dict(raw)
+    for old, (new, _why) in getattr(cls, "renamed_keys", {}).items():
+        if old not in out:
+            continue
+        *path, leaf = new.split(".")
+        node = out
+        for part in path:
+            node[part] = dict(node.get(part) or {})
+            node = node[part]
+        node.setdefault(leaf, out.pop(old))
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]) and isinstance(out.get(f.name), Mapping):
+            out[f.name] = upgrade_renamed(hints[f.name], out[f.name])
+    return out
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:

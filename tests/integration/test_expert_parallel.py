@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tests.conftest import torchrun_matches_one_process
 
-COMMON = {"train.max_steps": 3, "train.eval_interval": 3, "train.eval_sequences": 4, "model.moe_aux_loss": 0,
+COMMON = {"train.max_steps": 3, "train.eval_interval": 3, "train.eval_sequences": 4, "model.moe.aux_loss": 0,
           "checkpoint.save_final": "false", "checkpoint.interval": 0}
 
 

@@ -12,13 +12,13 @@ from training.config import load_config
 
 TINY_MOE = "configs/tiny-moe.yaml"
 MODEL = load_config(TINY_MOE, []).model
-EXPERTS, TOP_K = MODEL.moe_experts, MODEL.moe_top_k
+EXPERTS, TOP_K = MODEL.moe.experts, MODEL.moe.top_k
 
 
 def test_tiny_moe_trains_logs_its_router_resumes_exactly_and_samples(tmp_path, corpus_cache, capsys):
     common = {"train.max_steps": 6, "optim.decay_steps": 6, "checkpoint.interval": 3,
-              "model.moe_d_ff": 32, "model.moe_capacity": 1.0, "model.moe_bias_update_rate": 0.01,
-              "model.moe_z_loss": 0.001}
+              "model.moe.d_ff": 32, "model.moe.capacity": 1.0, "model.moe.bias_update_rate": 0.01,
+              "model.moe.z_loss": 0.001}
     full, split = tmp_path / "full", tmp_path / "split"
     proc = run_train(["--config", TINY_MOE, *tiny_overrides(full, corpus_cache, **common)])
     assert proc.returncode == 0, proc.stderr[-2000:]

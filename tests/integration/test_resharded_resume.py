@@ -70,7 +70,7 @@ def resume_into_one_process(tmp_path: Path, corpus_cache: str, config: str, over
 
 
 def test_an_ep2_checkpoint_resumes_in_one_process_as_under_ep2(tmp_path, corpus_cache):
-    resume_into_one_process(tmp_path, corpus_cache, "configs/tiny-moe.yaml", {"model.moe_aux_loss": 0},
+    resume_into_one_process(tmp_path, corpus_cache, "configs/tiny-moe.yaml", {"model.moe.aux_loss": 0},
                             ["--parallel.ep=2"], rank_batch=2, one_batch=4)
 
 

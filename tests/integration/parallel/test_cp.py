@@ -2,7 +2,8 @@
 
 The layouts' numbers are checked against a model that runs whole sequences in one process, built
 from the same seed inside each worker: logits and loss of one forward (fp32, within 1e-5) for
-multi-head and grouped-query attention, the causal and the document mask; the gradients (a cp
+multi-head and grouped-query attention, the causal and the document mask, and an MoE layer whose
+capacity drops copies (kept as one process keeps them over whole sequences); the gradients (a cp
 rank's gradients summed over its cp group are cp times the whole-sequence gradient, which is what
 FSDP2's average over dp x cp turns into the mean); and the build path's FSDP2 engine over cp, cp x
 dp_shard, cp x tp, cp with selective recompute and cp x pp (1f1b with the causal mask, interleaved
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from data.bundle import ValSource
-from model.config import ModelConfig
+from model.config import ModelConfig, MoEConfig
 from model.gpt import GPT
 from parallel.cp import local_token_index
 from parallel.distributed import DistContext
@@ -37,6 +38,8 @@ MODELS = {
     "gqa": {"n_kv_head": 2, "position": "rope", "norm": "rmsnorm", "mlp": "swiglu"},
     "gqa_document": {"n_kv_head": 2, "position": "rope", "attention_mask": "document", "eot_id": EOT},
     "mha_document_positions": {"attention_mask": "document", "eot_id": EOT, "document_positions": True},
+    # capacity 1.0 drops copies: each cp rank must keep the copies one process keeps over whole sequences
+    "moe_capacity": {"mlp": "swiglu", "moe": MoEConfig(experts=4, top_k=2, d_ff=16, capacity=1.0)},
 }
 MICRO, STEPS, SAVE_AFTER, VAL = 2, 10, 6, 5
 TRAIN_MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "n_kv_head": 2,
@@ -75,6 +78,7 @@ def tokens(seed: int, batch: int = 2) -> torch.Tensor:
 
 def forward_and_grads(cp_rank_group, cp: int, name: str) -> dict:
     """This rank's logits, loss and summed-over-cp gradients under cp, and the one-process ones."""
+    from model.moe import moe_layers, take_moe_metrics
     from parallel.cp import apply_context_parallel
 
     torch.manual_seed(0)
@@ -86,6 +90,7 @@ def forward_and_grads(cp_rank_group, cp: int, name: str) -> dict:
     x, y = ids[:, :-1], ids[:, 1:]
     ref_loss = whole(x, y)
     ref_loss.backward()
+    dropped = take_moe_metrics(moe_layers([whole])).get("moe_dropped_frac", 0.0)
     loss = split(x, y)
     loss.backward()
     rank = torch.distributed.get_rank(cp_rank_group)
@@ -99,7 +104,8 @@ def forward_and_grads(cp_rank_group, cp: int, name: str) -> dict:
     with torch.no_grad():
         index = local_token_index(SEQ, cp, rank)
         logits_err = float((split(x) - whole(x)[:, index]).abs().max())
-    return {"loss": float(mean_loss / cp), "ref_loss": float(ref_loss), "logits_err": logits_err, "grad_err": grads}
+    return {"loss": float(mean_loss / cp), "ref_loss": float(ref_loss), "logits_err": logits_err, "grad_err": grads,
+            "dropped": dropped}
 
 
 def accum_of(layout: dict) -> int:
@@ -211,6 +217,7 @@ def test_cp_forward_and_gradients_equal_one_process(four_ranks, cp, name):
         assert got["loss"] == pytest.approx(got["ref_loss"], abs=1e-5)
         worst = max(got["grad_err"].items(), key=lambda kv: kv[1])
         assert worst[1] < 1e-5, worst
+        assert (got["dropped"] > 0) == ("capacity" in name)  # the capacity model does drop copies
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

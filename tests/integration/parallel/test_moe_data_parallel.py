@@ -17,9 +17,9 @@ from training.loop import router_load_sum, train_step
 
 STEPS, RATE, LR = 4, 0.02, 1e-2
 OVERRIDES = ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", "--model.max_seq_len=16",
-             "--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_d_ff=16", "--model.moe_z_loss=0.001",
-             f"--model.moe_bias_update_rate={RATE}", "--train.micro_batch_size=2"]
-PIPELINE = ["--parallel.pp=2", "--train.grad_accum_steps=2", "--model.moe_bias_update_rate=0"]
+             "--model.moe.experts=4", "--model.moe.top_k=2", "--model.moe.d_ff=16", "--model.moe.z_loss=0.001",
+             f"--model.moe.bias_update_rate={RATE}", "--train.micro_batch_size=2"]
+PIPELINE = ["--parallel.pp=2", "--train.grad_accum_steps=2", "--model.moe.bias_update_rate=0"]
 # The micro-batches each rank runs: ep ranks are data-parallel ranks; the cp pair runs both, each its chunks.
 EXPERT_LAYOUTS = {"ep2": (["--parallel.ep=2"], lambda rank: [rank]),
                   "ep2_x_cp2": (["--parallel.ep=2", "--parallel.cp=2", "--train.grad_accum_steps=2"],
@@ -85,7 +85,7 @@ def test_moe_under_ddp_fsdp_ep_tp_and_pp_matches_one_process(ranks):
             assert got_losses == pytest.approx(losses, abs=1e-5), strategy
             assert got_biases == biases, strategy  # sign steps of the summed load: exactly equal
     # the auxiliary losses of both stages reach their routers as in one process
-    cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + ["--train.grad_accum_steps=2", "--model.moe_bias_update_rate=0"])
+    cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + ["--train.grad_accum_steps=2", "--model.moe.bias_update_rate=0"])
     losses = train(cfg, DistContext.single(), [0, 1])[0]
     for rank in ranks:
         assert rank["pp"][0] == pytest.approx(losses, abs=1e-5)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from parallel.checkpoint import safe_torch_load
-from tests.conftest import ROOT, run_train, tiny_overrides
+from tests.conftest import ROOT, can_mount_tmpfs, run_train, tiny_overrides
 from tests.unit.training.test_checkpoints import TINY, _save, _steps
 from training import checkpoint as ckpt
 
@@ -143,15 +143,7 @@ def test_an_unwritable_directory_fails_at_start_up_in_one_line(key, tmp_path, co
     assert "step 1/" not in proc.stdout  # before any training
 
 
-def _can_mount_tmpfs() -> bool:
-    if not shutil.which("unshare"):
-        return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
-                           capture_output=True)
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare -rm and tmpfs mounts (user namespaces)")
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs unshare -rm and tmpfs mounts (user namespaces)")
 @pytest.mark.parametrize("async_save", ["false", "true"])
 def test_a_really_full_disk_mid_run_is_named_and_the_previous_checkpoint_survives(async_save, tmp_path, corpus_cache):
     # A private 2 MiB tmpfs (mount namespace of this one command): one 1.5 MB checkpoint fits, a

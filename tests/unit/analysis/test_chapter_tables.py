@@ -245,3 +245,6 @@ def test_measurements_saved_before_a_key_was_renamed_still_load():
 
     cfg = saved_model_config({"n_layer": 2, "checkpointing": "full", "checkpoint_every_k": 3})
     assert (cfg.n_layer, cfg.recompute, cfg.recompute_every_k) == (2, "full", 3)
+    # and before the flat model.moe_* keys became the model.moe section
+    cfg = saved_model_config({"n_layer": 2, "moe_experts": 4, "moe_top_k": 1, "moe_backend": "loop"})
+    assert (cfg.moe.experts, cfg.moe.top_k, cfg.moe.backend, cfg.moe.d_ff) == (4, 1, "loop", None)

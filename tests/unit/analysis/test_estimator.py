@@ -10,7 +10,7 @@ import torch
 from analysis import estimator as est
 from analysis.chapter_measurements import count_saved_bytes
 from common.hardware import DEVICES, lookup_device, peak_tflops_for
-from model.config import ModelConfig
+from model.config import ModelConfig, MoEConfig
 from model.flops import block_parameters
 from model.gpt import GPT
 
@@ -326,7 +326,7 @@ def test_moe_memory_holds_every_expert_and_the_activations_of_top_k():
     """Model states count every expert (the optimizer steps them all); saved activations count the
     top-k copies of each token through the experts, the router's fp32 scores and the dispatch indices."""
     dense = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=2, d_model=64, mlp="swiglu", d_ff=128)
-    moe = dataclasses.replace(dense, moe_experts=8, moe_top_k=2, moe_d_ff=32)
+    moe = dataclasses.replace(dense, moe=MoEConfig(experts=8, top_k=2, d_ff=32))
     job = est.JobSpec(moe, seq_len=64, micro_batch=2, world_size=1, strategy="none", policy="none", precision="fp32")
     assert est.estimate_memory(job).params == est.count_parameters(moe) * 4
     per_token = 2 * (2 * 64 + 4 * 32) + 2 * 8 * 2 + 2 * 2 * 4  # copies, router scores, indices (2-byte units)
@@ -344,22 +344,22 @@ def test_moe_element_wise_work_is_its_active_widths():
     """The MLP activation of a MoE layer runs on a token's top-k experts and shared experts: the same
     element-wise bytes as the dense MLP as wide as they are together, not the config's dense d_ff."""
     dense = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=2, d_model=64, mlp="swiglu", d_ff=512)
-    moe = dataclasses.replace(dense, moe_experts=8, moe_top_k=2, moe_d_ff=32, moe_shared_experts=1)
+    moe = dataclasses.replace(dense, moe=MoEConfig(experts=8, top_k=2, d_ff=32, shared_experts=1))
     twin = dataclasses.replace(dense, d_ff=(2 + 1) * 32)
     job = est.JobSpec(moe, seq_len=64, micro_batch=2, world_size=1, strategy="none", policy="none", precision="bf16")
     assert est._elementwise_bytes(job) == est._elementwise_bytes(dataclasses.replace(job, model=twin))
-    half = dataclasses.replace(moe, moe_first_dense=1)  # layer 0 dense (512 wide), layer 1 MoE (96)
+    half = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, first_dense=1))  # layer 0 dense (512 wide), layer 1 MoE (96)
     mean = dataclasses.replace(dense, d_ff=(512 + 96) // 2)
     assert est._elementwise_bytes(dataclasses.replace(job, model=half)) == est._elementwise_bytes(
         dataclasses.replace(job, model=mean))
 
 
-@pytest.mark.parametrize("extra", [{}, {"moe_shared_experts": 1, "moe_first_dense": 1}])
+@pytest.mark.parametrize("extra", [{}, {"shared_experts": 1, "first_dense": 1}])
 def test_moe_layer_gemms_run_a_tokens_active_weights(extra):
     """Per token, the GEMMs of the mean layer multiply exactly the weights it runs: attention, the
     router, its top-k experts (and shared ones), the dense MLP in the dense layers' share."""
     cfg = ModelConfig(vocab_size=256, n_layer=4, n_head=4, n_kv_head=2, d_model=64, mlp="swiglu", norm="rmsnorm",
-                      bias=False, moe_experts=8, moe_top_k=2, moe_d_ff=32, **extra)
+                      bias=False, moe=MoEConfig(experts=8, top_k=2, d_ff=32, **extra))
     tokens = 1024
     flops = sum(m * k * n for m, k, n in est.layer_gemms(cfg, tokens))
     norms = 2 * cfg.d_model

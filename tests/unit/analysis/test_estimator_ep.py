@@ -12,15 +12,15 @@ import pytest
 
 from analysis import estimator as est
 from common.hardware import DEVICES
-from model.config import ModelConfig
+from model.config import ModelConfig, MoEConfig
 from parallel.dims import ParallelDims
 from training.config import load_config
 
 H100 = DEVICES["H100"]
 # 4 layers, every one MoE: 8 SwiGLU experts of width 64, top-2.
 MOE = ModelConfig(vocab_size=1024, max_seq_len=256, n_layer=4, n_head=4, d_model=128, mlp="swiglu", norm="rmsnorm",
-                  position="rope", bias=False, tie_embeddings=False, dropout=0.0, moe_experts=8, moe_top_k=2,
-                  moe_d_ff=64)
+                  position="rope", bias=False, tie_embeddings=False, dropout=0.0,
+                  moe=MoEConfig(experts=8, top_k=2, d_ff=64))
 ROUTED = 4 * 8 * 3 * 128 * 64  # layers x experts x matrices x d x f
 
 
@@ -64,7 +64,7 @@ def test_all_to_all_bytes_by_hand():
 def test_recomputed_layers_exchange_their_tokens_again():
     """A layer whose forward runs again in backward runs its dispatch and combine again: all four
     MoE layers under full and op_selective (6 exchanges each), every second one under every_k with
-    k=2 (layers 2 and 4), none under selective. tests/unit/parallel/test_ep.py counts the trainer's."""
+    k=2 (layers 2 and 4), none under selective. tests/integration/parallel/test_ep.py counts the trainer's."""
     def exchanges(policy: str, **model) -> float:
         cfg = dataclasses.replace(MOE, **model)
         return est.expert_exchanges(est.JobSpec(cfg, 256, 2, 8, "fsdp", policy, "bf16_master", H100, ep=2))
@@ -73,7 +73,7 @@ def test_recomputed_layers_exchange_their_tokens_again():
     assert exchanges("full") == exchanges("op_selective") == 6 * 4
     assert exchanges("every_k") == 4 * 4 + 2 * 2
     assert exchanges("every_k", recompute_every_k=3) == 4 * 4 + 2 * 1
-    assert exchanges("every_k", moe_every=2) == 4 * 2 + 2 * 2  # MoE layers 2 and 4, both recomputed
+    assert exchanges("every_k", moe=dataclasses.replace(MOE.moe, every=2)) == 4 * 2 + 2 * 2  # MoE layers 2 and 4, both recomputed
     copies_bytes = 256 * 2 * 2 * 128 * 2
     op = est.JobSpec(MOE, 256, 2, 8, "fsdp", "op_selective", "bf16_master", H100, ep=2)
     assert est.expert_all_to_all(op)[1] == pytest.approx(6 * 4 * 1 / 2 * copies_bytes)

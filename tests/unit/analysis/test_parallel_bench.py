@@ -84,8 +84,8 @@ def test_expert_parallel_all_to_all_formula_is_the_routed_bytes_under_balanced_r
     layout = parallel_bench.LAYOUTS["ep2"]
     assert layout.ranks == 2 and layout.strategy == "fsdp" and layout.data_ranks == 2
     cfg = load_config("configs/tiny-moe.yaml", [parallel_bench.UNTIED, *layout.overrides(8)])
-    layers, experts, row = cfg.model.n_layer, cfg.model.moe_experts, cfg.model.d_model * 4
-    copies = cfg.train.micro_batch_size * cfg.seq_len * cfg.model.moe_top_k
+    layers, experts, row = cfg.model.n_layer, cfg.model.moe.experts, cfg.model.d_model * 4
+    copies = cfg.train.micro_batch_size * cfg.seq_len * cfg.model.moe.top_k
     formula = parallel_bench.formula_all_to_all_bytes(cfg, 2)
     assert formula == layers * 4 * copies / 2 * row  # 4 MiB
     even = torch.full((2, layers, experts), copies // experts)
@@ -113,7 +113,7 @@ def test_expert_parallel_rows_split_the_experts_in_their_states_and_traffic():
     (no ranks left to shard them); ep2_fsdp: the experts' halves sharded over the 2 ranks holding them."""
     cfg = load_config("configs/tiny-moe.yaml", [parallel_bench.UNTIED, *parallel_bench.LAYOUTS["ep2"].overrides(8)])
     n = parallel_bench.rank_parameters(cfg, 0)
-    routed = cfg.model.n_layer * cfg.model.moe_experts * 3 * cfg.model.d_model * cfg.model.moe_d_ff
+    routed = cfg.model.n_layer * cfg.model.moe.experts * 3 * cfg.model.d_model * cfg.model.moe.d_ff
     assert parallel_bench.rank_routed_parameters(cfg, 0) == routed
     assert parallel_bench.formula_states(cfg, 0, 2)["params"] == pytest.approx((n - routed) * 4 / 2 + routed / 2 * 4)
     # FSDP2 gathers the dense weights twice and reduce-scatters their gradients; the experts travel not at all

@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="needs the triton package (pip install trit
 
 from common.measure import kernel_tolerance  # noqa: E402
 from kernels.registry import REFERENCE_OPS, TRITON_OPS, resolve_kernel_ops  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
+from model.config import ModelConfig, MoEConfig  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -101,7 +101,7 @@ def test_moe_model_routes_its_tokens_through_the_permute_kernels(capacity):
     """A MoE GPT (4 experts, top-2; dropless, and with capacity 1.0, which drops copies): loss and every
     gradient, the router's included, equal the reference model's, with both routing kernels called."""
     cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layer=1, n_head=2, d_model=32, mlp="swiglu", position="rope",
-                      moe_experts=4, moe_top_k=2, moe_d_ff=16, moe_capacity=capacity)
+                      moe=MoEConfig(experts=4, top_k=2, d_ff=16, capacity=capacity))
     cfg.validate()
     reference_model, kernel_model = twin_models(cfg)
     calls = []

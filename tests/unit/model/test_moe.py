@@ -10,7 +10,7 @@ import torch
 
 from common.errors import CapabilityError, ConfigError
 from kernels.registry import REFERENCE_OPS
-from model.config import ModelConfig
+from model.config import ModelConfig, MoEConfig
 from model.flops import count_parameters
 from model.gpt import GPT, MLP
 from model.moe import (
@@ -28,12 +28,12 @@ from model.moe import (
     unpermute,
     update_expert_bias,
 )
+from training.config import load_config
 
 
-def moe_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, max_seq_len=16, n_layer=2, n_head=2, d_model=32, mlp="swiglu", moe_experts=4,
-                moe_top_k=2, moe_d_ff=16)
-    cfg = ModelConfig(**(base | kw))
+def moe_cfg(moe: dict | None = None, **kw) -> ModelConfig:
+    base = dict(vocab_size=64, max_seq_len=16, n_layer=2, n_head=2, d_model=32, mlp="swiglu")
+    cfg = ModelConfig(**(base | kw), moe=MoEConfig(**(dict(experts=4, top_k=2, d_ff=16) | (moe or {}))))
     cfg.validate()
     return cfg
 
@@ -143,7 +143,7 @@ def test_the_layer_adds_its_weighted_losses_to_the_gradient_not_to_the_logged_lo
     losses, grads = {}, {}
     for coef in (0.0, 1.0, 2.0):
         torch.manual_seed(1)
-        model = GPT(moe_cfg(moe_aux_loss=coef))
+        model = GPT(moe_cfg(dict(aux_loss=coef)))
         loss = model(x, x)
         loss.backward()
         losses[coef], grads[coef] = loss.item(), model.blocks["0"].mlp.router.weight.grad.clone()
@@ -154,7 +154,7 @@ def test_the_layer_adds_its_weighted_losses_to_the_gradient_not_to_the_logged_lo
 
     # Without targets (a pipeline stage's output) the aux loss's gradient rides on the output.
     torch.manual_seed(1)
-    staged = GPT(moe_cfg(moe_aux_loss=1.0))
+    staged = GPT(moe_cfg(dict(aux_loss=1.0)))
     logits = staged(x)
     torch.nn.functional.cross_entropy(logits.view(-1, 64), x.view(-1)).backward()
     torch.testing.assert_close(staged.blocks["0"].mlp.router.weight.grad, grads[1.0])
@@ -170,7 +170,7 @@ def test_eval_forwards_set_no_aux_loss_and_count_nothing():
 
 def test_aux_free_bias_moves_toward_balance():
     torch.manual_seed(0)
-    cfg = moe_cfg(moe_router="sigmoid", moe_top_k=1, moe_aux_loss=0.0, moe_bias_update_rate=0.05, n_layer=1)
+    cfg = moe_cfg(dict(router="sigmoid", top_k=1, aux_loss=0.0, bias_update_rate=0.05), n_layer=1)
     layer = MoE(cfg, REFERENCE_OPS)
     layer.init_weights(0.02, 0.02)
     with torch.no_grad():
@@ -197,7 +197,7 @@ def test_aux_free_bias_moves_toward_balance():
 
 
 def test_bias_update_sums_the_load_over_ranks_first():
-    cfg = moe_cfg(moe_bias_update_rate=0.1, n_layer=1)
+    cfg = moe_cfg(dict(bias_update_rate=0.1), n_layer=1)
     layer = MoE(cfg, REFERENCE_OPS)
     layer.init_weights(0.02, 0.02)
     layer.stats.since_update = torch.tensor([3, 1, 0, 0])
@@ -209,7 +209,7 @@ def test_bias_update_sums_the_load_over_ranks_first():
 
 def test_router_metrics_report_load_and_dropped_fraction():
     torch.manual_seed(0)
-    cfg = moe_cfg(n_layer=1, moe_capacity=0.5, moe_top_k=1)
+    cfg = moe_cfg(dict(capacity=0.5, top_k=1), n_layer=1)
     model = GPT(cfg).train()
     model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
     layer = moe_layers([model])[0]
@@ -255,13 +255,13 @@ def test_grouped_gemm_runs_under_bf16_autocast_in_bf16():
 def test_expert_backend_is_chosen_by_capability_and_says_why():
     cpu = torch.device("cpu")
     assert select_expert_backend("auto", cpu, torch.float32, moe_cfg())[0] == "grouped_mm"
-    backend, note = select_expert_backend("auto", cpu, torch.float32, moe_cfg(moe_d_ff=6))
+    backend, note = select_expert_backend("auto", cpu, torch.float32, moe_cfg(dict(d_ff=6)))
     assert backend == "loop" and "multiples of 16 bytes" in note
-    backend, note = select_expert_backend("auto", cpu, torch.bfloat16, moe_cfg(moe_d_ff=4))  # 8 bytes
+    backend, note = select_expert_backend("auto", cpu, torch.bfloat16, moe_cfg(dict(d_ff=4)))  # 8 bytes
     assert backend == "loop"
     backend, note = select_expert_backend("auto", cpu, torch.float64, moe_cfg())
     assert backend == "loop" and "float64" in note
-    with pytest.raises(CapabilityError, match="moe_backend=grouped_mm cannot run"):
+    with pytest.raises(CapabilityError, match="moe.backend=grouped_mm cannot run"):
         select_expert_backend("grouped_mm", cpu, torch.float64, moe_cfg())
     assert select_expert_backend("loop", cpu, torch.float32, moe_cfg())[0] == "loop"
 
@@ -271,7 +271,7 @@ def test_the_gpt_is_the_same_with_either_expert_backend():
     out = {}
     for backend in ("grouped_mm", "loop"):
         torch.manual_seed(0)
-        out[backend] = GPT(moe_cfg(moe_shared_experts=1), expert_backend=backend)(x)
+        out[backend] = GPT(moe_cfg(dict(shared_experts=1)), expert_backend=backend)(x)
     torch.testing.assert_close(out["grouped_mm"], out["loop"], atol=1e-6, rtol=1e-6)
 
 
@@ -279,7 +279,7 @@ def test_the_gpt_is_the_same_with_either_expert_backend():
 def test_routed_scale_top_k_gives_the_dense_twins_output_scale_at_init(experts, top_k, width):
     """Renormalised top-k weights average the k experts' outputs (each ~1/k), so at init a MoE MLP's
     output is ~1/k the size of the dense MLP as wide as the k experts together, and with AdamW its
-    output moves ~1/k as fast. moe_routed_scale = top_k (configs/tiny-moe.yaml) sums them instead:
+    output moves ~1/k as fast. moe.routed_scale = top_k (configs/tiny-moe.yaml) sums them instead:
     the dense twin's scale. Measured over three seeds' weights on the same tokens."""
     x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(0))
 
@@ -292,9 +292,9 @@ def test_routed_scale_top_k_gives_the_dense_twins_output_scale_at_init(experts, 
 
     base = dict(vocab_size=64, max_seq_len=16, n_layer=1, n_head=2, d_model=64, mlp="swiglu")
     dense = output_std(ModelConfig(**base, d_ff=top_k * width))
-    averaged = output_std(ModelConfig(**base, moe_experts=experts, moe_top_k=top_k, moe_d_ff=width))
-    summed = output_std(ModelConfig(**base, moe_experts=experts, moe_top_k=top_k, moe_d_ff=width,
-                                    moe_routed_scale=float(top_k)))
+    averaged = output_std(ModelConfig(**base, moe=MoEConfig(experts=experts, top_k=top_k, d_ff=width)))
+    summed = output_std(ModelConfig(**base, moe=MoEConfig(experts=experts, top_k=top_k, d_ff=width,
+                                                          routed_scale=float(top_k))))
     assert averaged / dense == pytest.approx(1 / top_k, rel=0.1)
     assert summed / dense == pytest.approx(1.0, rel=0.1)
 
@@ -305,16 +305,16 @@ def test_routed_scale_top_k_gives_the_dense_twins_output_scale_at_init(experts, 
 def test_which_layers_are_moe():
     every = moe_cfg(n_layer=4)
     assert [every.is_moe_layer(i) for i in range(4)] == [True] * 4
-    other = moe_cfg(n_layer=4, moe_every=2)
+    other = moe_cfg(dict(every=2), n_layer=4)
     assert [other.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
-    first_dense = moe_cfg(n_layer=4, moe_first_dense=1)
+    first_dense = moe_cfg(dict(first_dense=1), n_layer=4)
     assert [first_dense.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     model = GPT(first_dense)
     assert isinstance(model.blocks["0"].mlp, MLP) and isinstance(model.blocks["1"].mlp, MoE)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(mlp="gelu", bias=True, moe_shared_experts=2),
-                                dict(moe_every=2, moe_bias_update_rate=0.01), dict(moe_first_dense=1, moe_top_k=1)])
+@pytest.mark.parametrize("kw", [dict(), dict(mlp="gelu", bias=True, moe=dict(shared_experts=2)),
+                                dict(moe=dict(every=2, bias_update_rate=0.01)), dict(moe=dict(first_dense=1, top_k=1))])
 def test_parameter_counts_match_the_built_model(kw):
     cfg = moe_cfg(**kw)
     model = GPT(cfg)
@@ -322,23 +322,25 @@ def test_parameter_counts_match_the_built_model(kw):
     # active: per MoE layer, the experts not among the top-k are left out
     per_expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * cfg.expert_d_ff
     layer = moe_layers([model])[0]
-    assert layer.w_up.numel() * (3 if cfg.mlp == "swiglu" else 2) == cfg.moe_experts * per_expert
+    assert layer.w_up.numel() * (3 if cfg.mlp == "swiglu" else 2) == cfg.moe.experts * per_expert
     assert count_parameters(cfg) - count_parameters(cfg, active=True) == (
-        cfg.n_moe_layers * (cfg.moe_experts - cfg.moe_top_k) * per_expert)
+        cfg.n_moe_layers * (cfg.moe.experts - cfg.moe.top_k) * per_expert)
 
 
 # --------------------------------------------------------------------------- bad input
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(moe_experts=4, moe_top_k=5), "model.moe_top_k=5 must be between 1 and model.moe_experts=4"),
-    (dict(moe_experts=0), "model.moe_experts=0 must be >= 1"),
-    (dict(moe_experts=4, moe_capacity=-1.0), "model.moe_capacity must be a finite number >= 0"),
-    (dict(moe_experts=4, moe_every=3, n_layer=2), "no layer is MoE"),
-    (dict(moe_experts=4, moe_routed_scale=0.0), "model.moe_routed_scale must be a finite number > 0"),
+    (dict(experts=4, top_k=5), "model.moe.top_k=5 must be between 1 and model.moe.experts=4"),
+    (dict(experts=0), "model.moe.experts=0 must be >= 1"),
+    (dict(experts=4, capacity=-1.0), "model.moe.capacity must be a finite number >= 0"),
+    (dict(experts=4, every=3), "no layer is MoE"),
+    (dict(experts=4, routed_scale=0.0), "model.moe.routed_scale must be a finite number > 0"),
+    (dict(experts=4, capacity=1e300), "model.moe.capacity=1e+300 is above model.moe.experts / model.moe.top_k = 2"),
+    (dict(experts=8, top_k=2, capacity=4.5), "model.moe.capacity=4.5 is above model.moe.experts / model.moe.top_k = 4"),
 ])
 def test_bad_moe_keys_are_one_line_config_errors(kw, message):
-    cfg = ModelConfig(**(dict(n_layer=2) | kw))
+    cfg = ModelConfig(n_layer=2, moe=MoEConfig(**kw))
     with pytest.raises(ConfigError) as err:
         cfg.validate()
     assert message in str(err.value) and "\n" not in str(err.value)
@@ -347,7 +349,51 @@ def test_bad_moe_keys_are_one_line_config_errors(kw, message):
 def test_bad_moe_key_exits_2_with_one_line(capsys):
     import train
 
-    code = train.main(["--config", "configs/tiny-moe.yaml", "--model.moe_top_k=17"])
+    code = train.main(["--config", "configs/tiny-moe.yaml", "--model.moe.top_k=17"])
     assert code == 2
     err = capsys.readouterr().err.strip()
-    assert err == "config error: model.moe_top_k=17 must be between 1 and model.moe_experts=16"
+    assert err == "config error: model.moe.top_k=17 must be between 1 and model.moe.experts=16"
+
+
+def test_from_a_capacity_of_experts_over_top_k_nothing_is_dropped():
+    """Why larger factors are refused: at experts / top_k the capacity is already every token (each
+    token sends an expert at most one copy), so no larger factor changes anything."""
+    for tokens, top_k, experts in [(7, 2, 4), (32, 1, 4), (1000, 3, 7), (5, 8, 8)]:
+        assert expert_capacity(tokens, top_k, experts, experts / top_k) >= tokens
+    moe_cfg(dict(capacity=2.0)).validate()  # 4 experts, top-2: the bound itself is accepted
+
+
+@pytest.fixture()
+def sixteen_gib(monkeypatch):
+    """The memory check against a 16 GiB device, whatever this machine has."""
+    from parallel import parallelize
+
+    monkeypatch.setattr(parallelize, "device_memory_bytes", lambda device: 16 * 2**30)
+
+
+def test_a_model_whose_experts_cannot_fit_is_refused_before_anything_is_written(tmp_path, capsys, sixteen_gib):
+    import train
+
+    run_dir = tmp_path / "run"
+    code = train.main(["--config", "configs/tiny-moe.yaml", "--model.moe.experts=1000000",
+                       f"--logging.run_dir={run_dir}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    # 4 MoE layers x 10^6 experts x 3 x 128 x 64 weights, 4 bytes each
+    assert err.startswith("config error: the model's 98.8B parameters (98.3B of them in 4 layers x "
+                          "model.moe.experts=1000000 experts of width 64) need 368.1 GiB (each rank builds them "
+                          "whole in fp32), more than the 16.0 GiB of cpu memory here; lower model.moe.experts"), err
+    assert not run_dir.exists()
+
+
+def test_the_memory_check_counts_a_sharded_share_when_built_on_meta(sixteen_gib):
+    from parallel.parallelize import check_parameters_fit
+
+    cpu = torch.device("cpu")
+    cfg = load_config("configs/tiny-moe.yaml", ["--model.moe.experts=1000000"]).model  # 98.8B parameters
+    with pytest.raises(ConfigError, match=r"need 368\.1 GiB \(each rank builds"):
+        check_parameters_fit(cfg, cpu, 64, init_on_meta=False)
+    check_parameters_fit(cfg, cpu, 64, init_on_meta=True)  # 2 bytes x 98.8B / 64 ranks: 2.9 GiB each
+    with pytest.raises(ConfigError, match=r"need 23\.0 GiB \(a 1/8 share of them in 16-bit floats"):
+        check_parameters_fit(cfg, cpu, 8, init_on_meta=True)
+    check_parameters_fit(load_config("configs/tiny-moe.yaml").model, cpu, 1, init_on_meta=False)

@@ -1,6 +1,7 @@
-"""Context parallelism's layout in one process: every cp rank gets the same attention work, and the
-layouts that cannot run are refused before any work, in one line. The layouts' numbers against one
-process, on gloo ranks: tests/integration/parallel/test_cp.py."""
+"""Context parallelism's layout in one process: every cp rank gets the same attention work, an MoE
+capacity over cp chunks keeps the copies one process keeps, and the layouts that cannot run are
+refused before any work, in one line. The layouts' numbers against one process, on gloo ranks:
+tests/integration/parallel/test_cp.py."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_layouts_with_cp_are_validated_before_any_work():
 @pytest.mark.parametrize("args, message", [
     (["--parallel.cp=4", "--model.max_seq_len=100"], "parallel.cp=4 splits each sequence into 2 x cp = 8 equal chunks"),
     (["--parallel.cp=2", "--parallel.strategy=zero1"], "parallel.cp=2 with parallel.strategy=zero1 is not supported"),
-    (["--parallel.cp=4", "--parallel.ep=2", "--model.moe_experts=4"], "parallel.ep=2 with parallel.cp=4: an expert-"),
+    (["--parallel.cp=4", "--parallel.ep=2", "--model.moe.experts=4"], "parallel.ep=2 with parallel.cp=4: an expert-"),
 ])
 def test_train_py_refuses_bad_cp_layouts_in_one_line(capsys, args, message):
     import train
@@ -63,3 +64,29 @@ def test_train_py_refuses_bad_cp_layouts_in_one_line(capsys, args, message):
     assert train.main(["--config", "configs/tiny.yaml", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_capacity_over_cp_chunks_keeps_the_copies_one_process_keeps():
+    """Every cp rank's kept (token, expert) copies, placed with the other ranks' per-chunk counts,
+    are one process's kept copies over the whole batch, for dropping capacities."""
+    from model.moe import expert_capacity, permute
+    from parallel.cp import chunk_expert_counts, earlier_from_counts
+
+    g = torch.Generator().manual_seed(0)
+    for cp, batch, seq, k, experts in [(2, 2, 16, 2, 4), (4, 3, 32, 1, 3), (2, 1, 8, 3, 5)]:
+        choice = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(batch * seq)]).view(batch, seq, k)
+        capacity = expert_capacity(batch * seq, k, experts, 0.7)
+        x = torch.arange(batch * seq, dtype=torch.float32)[:, None]  # each row says which token it is
+        _, whole = permute(x, choice.flatten(0, 1), experts, capacity)
+        expected = sorted(whole.slots.tolist())  # flat t * k + j over the whole batch
+        counts = torch.stack([chunk_expert_counts(choice[:, local_token_index(seq, cp, r)], experts)
+                              for r in range(cp)])
+        kept = []
+        for r in range(cp):
+            index = local_token_index(seq, cp, r)
+            mine = choice[:, index]  # (B, seq / cp, k)
+            earlier = earlier_from_counts(counts, mine, r)
+            _, part = permute(x[:batch * len(index)], mine.flatten(0, 1), experts, capacity, earlier=earlier)
+            token = (torch.arange(batch)[:, None] * seq + index).flatten()  # local token -> whole-batch token
+            kept += [int(token[s // k]) * k + s % k for s in part.slots.tolist()]
+        assert sorted(kept) == expected and len(expected) < batch * seq * k  # some copies were dropped

@@ -34,7 +34,7 @@ def test_ep_layouts_are_validated_before_any_work():
     with pytest.raises(LayoutError, match="parallel.ep=4 must divide the 6 data-parallel shard ranks"):
         ParallelDims(6, 6, 0, 0, ep=4)
     moe = [f"--model.{k}={v}" for k, v in MODEL.items()]
-    with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide model.moe_experts=4"):
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide model.moe.experts=4"):
         load_config(None, moe + ["--parallel.ep=3"])
     with pytest.raises(ConfigError, match="parallel.ep=2 shards routed experts, but the model has none"):
         load_config(None, ["--parallel.ep=2"])

@@ -14,6 +14,6 @@ from training.config import load_config
 def test_routing_bias_with_a_pipeline_is_refused():
     # torch's pipeline stages run one extra forward on their first step to infer shapes, which
     # would count in the load the bias moves by
-    with pytest.raises(ConfigError, match="model.moe_bias_update_rate=0.02 with parallel.pp=2") as err:
+    with pytest.raises(ConfigError, match="model.moe.bias_update_rate=0.02 with parallel.pp=2") as err:
         load_config("configs/tiny-moe.yaml", OVERRIDES + ["--parallel.pp=2", "--train.grad_accum_steps=2"])
     assert "\n" not in str(err.value)

@@ -104,7 +104,7 @@ def test_help_lists_every_key_with_help(capsys):
 
 @pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
 def test_every_shipped_config_parses_and_builds_on_meta(path):
-    overrides = [] if path.endswith("tiny.yaml") else ["--data.path=unused"]
+    overrides = [] if path.endswith(("tiny.yaml", "tiny-mixture.yaml")) else ["--data.path=unused"]
     cfg = load_config(path, overrides)
     with torch.device("meta"):
         model = GPT(cfg.model)
@@ -117,18 +117,35 @@ def test_on_and_off_stay_words_where_a_key_takes_them():
     assert load_config("configs/tiny.yaml", ["--optim.fused=off"]).optim.fused == "off"
 
 
-@pytest.mark.parametrize("old, new", [("model.checkpointing", "model.recompute"),
-                                      ("model.checkpoint_every_k", "model.recompute_every_k")])
-def test_a_renamed_key_names_its_new_name(tmp_path, old, new):
-    value = "full" if old.endswith("checkpointing") else 3
-    with pytest.raises(ConfigError, match=rf"^{re.escape(old)} is now called {re.escape(new)} "):
+@pytest.mark.parametrize("old, new, value", [("model.checkpointing", "model.recompute", "full"),
+                                             ("model.checkpoint_every_k", "model.recompute_every_k", 3),
+                                             ("model.moe_experts", "model.moe.experts", 8),
+                                             ("model.moe_capacity", "model.moe.capacity", 1.5),
+                                             ("model.moe_backend", "model.moe.backend", "loop")])
+def test_a_renamed_key_names_its_new_name(tmp_path, old, new, value):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(old)} is now called {re.escape(new)} ") as err:
         load_config(None, [f"--{old}={value}"])
+    assert "\n" not in str(err.value)
     section, key = old.split(".")
     path = tmp_path / "old.yaml"
     path.write_text(f"{section}:\n  {key}: {value}\n")
     with pytest.raises(ConfigError, match=rf"^{re.escape(old)} is now called {re.escape(new)} "):
         load_config(path)
-    assert getattr(load_config(None, [f"--{new}={value}"]).model, new.split(".")[1]) == value
+    assert load_config(None, [f"--{new}={value}"]).model.value_of(new.split(".", 1)[1]) == value
+    # a config.yaml a run wrote before the rename is read under the new name
+    assert load_config(path, saved=True).model.value_of(new.split(".", 1)[1]) == value
+
+
+def test_the_moe_section_reads_from_yaml_and_overrides_and_is_listed_in_help(tmp_path):
+    path = tmp_path / "moe.yaml"
+    path.write_text("model:\n  mlp: swiglu\n  moe:\n    experts: 16\n    top_k: 4\n")
+    cfg = load_config(path, ["--model.moe.experts=8", "--model.moe.capacity=1.25"])
+    assert (cfg.model.moe.experts, cfg.model.moe.top_k, cfg.model.moe.capacity) == (8, 4, 1.25)
+    with pytest.raises(ConfigError, match=r"^unknown key model\.moe\.expert; valid keys in model\.moe: experts, "):
+        load_config(None, ["--model.moe.expert=8"])
+    listed = [line.split("=", 1)[0] for line in describe_fields(JobConfig)]
+    assert "--model.moe.experts" in listed and "--model.moe.backend" in listed
+    assert not [key for key in listed if key.startswith("--model.moe_")]
 
 
 @pytest.mark.parametrize("overrides, message", [
