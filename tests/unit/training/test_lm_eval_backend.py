@@ -23,7 +23,7 @@ from model.generate import generate
 from model.gpt import GPT
 from tests.conftest import ROOT
 from tools import evaluate as evaluate_tool
-from training.harness import PerfGPTLM, cut_at_stop, load_tasks
+from training.lm_eval_backend import PerfGPTLM, cut_at_stop, load_tasks
 from training.model_io import ModelSource, write_export
 
 TASK_DIR = ROOT / "tests" / "harness_tasks"
@@ -125,7 +125,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, exported, monkeypatc
         return evaluate_tool.main([str(exported), *args])
 
     # (A name neither the task directory nor the harness knows is looked up in the harness's whole
-    # index: tests/integration/training/test_harness.py.)
+    # index: tests/integration/training/test_lm_eval_backend.py.)
     one_line_error(capsys, run("--tasks", str(broken_task_dir(tmp_path) / "broken.yaml")), "broken.yaml does not parse")
 
     torch.manual_seed(0)  # a Hugging Face directory of its own records no tokenizer

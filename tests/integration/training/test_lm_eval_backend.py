@@ -1,11 +1,11 @@
 """tools/evaluate.py --tasks with a name neither the task directory nor the harness knows: the name
 is looked up in the harness's whole index (about 12,000 task files, tens of seconds of CPU), and the
 one-line error also names the directory's file that does not parse. The other one-line errors of
---tasks: tests/unit/training/test_harness.py."""
+--tasks: tests/unit/training/test_lm_eval_backend.py."""
 
 from __future__ import annotations
 
-from tests.unit.training.test_harness import broken_task_dir, one_line_error, tiny_model
+from tests.unit.training.test_lm_eval_backend import broken_task_dir, one_line_error, tiny_model
 from tools import evaluate as evaluate_tool
 from training.model_io import ModelSource, write_export
 

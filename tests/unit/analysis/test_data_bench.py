@@ -1,11 +1,11 @@
 """tools/bench_data.py: the naive baseline yields the right windows. The CLI run as a user runs it:
-tests/integration/data/test_bench.py."""
+tests/integration/analysis/test_data_bench.py."""
 
 from pathlib import Path
 
 import numpy as np
 
-from data.bench import naive_stream
+from analysis.data_bench import naive_stream
 from data.config import DataConfig
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -23,5 +23,3 @@ def test_naive_baseline_packs_the_file_bytes_into_windows(tmp_path):
     assert x.tolist() == [tokens[0:4].tolist(), tokens[4:8].tolist()]
     assert y[0].tolist() == tokens[1:5].tolist()
     assert x2.tolist() == [tokens[8:12].tolist(), tokens[12:16].tolist()]
-
-
