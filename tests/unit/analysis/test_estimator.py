@@ -9,6 +9,7 @@ import torch
 
 from analysis import estimator as est
 from analysis.chapter_measurements import count_saved_bytes
+from analysis.estimator.time import _elementwise_bytes
 from common.hardware import DEVICES, lookup_device, peak_tflops_for
 from model.config import ModelConfig, MoEConfig
 from model.flops import block_parameters
@@ -347,10 +348,10 @@ def test_moe_element_wise_work_is_its_active_widths():
     moe = dataclasses.replace(dense, moe=MoEConfig(experts=8, top_k=2, d_ff=32, shared_experts=1))
     twin = dataclasses.replace(dense, d_ff=(2 + 1) * 32)
     job = est.JobSpec(moe, seq_len=64, micro_batch=2, world_size=1, strategy="none", policy="none", precision="bf16")
-    assert est._elementwise_bytes(job) == est._elementwise_bytes(dataclasses.replace(job, model=twin))
+    assert _elementwise_bytes(job) == _elementwise_bytes(dataclasses.replace(job, model=twin))
     half = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, first_dense=1))  # layer 0 dense (512 wide), layer 1 MoE (96)
     mean = dataclasses.replace(dense, d_ff=(512 + 96) // 2)
-    assert est._elementwise_bytes(dataclasses.replace(job, model=half)) == est._elementwise_bytes(
+    assert _elementwise_bytes(dataclasses.replace(job, model=half)) == _elementwise_bytes(
         dataclasses.replace(job, model=mean))
 
 

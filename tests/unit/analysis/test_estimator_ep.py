@@ -11,6 +11,7 @@ import io
 import pytest
 
 from analysis import estimator as est
+from analysis.estimator.activations import _mlp_activation_elements
 from common.hardware import DEVICES
 from model.config import ModelConfig, MoEConfig
 from parallel.dims import ParallelDims
@@ -137,7 +138,7 @@ def test_moe_layers_are_not_tensor_split():
                              norm="rmsnorm", position="rope", bias=False, dropout=0.0, d_ff=64)
     twin_one, twin_two = act(dense_twin, 256, 2, "none"), act(dense_twin, 256, 2, "none", tp=2)
     # what tp=2 saves without sequence parallelism: the attention share of the tensor-parallel region only
-    mlp_inside = 2 * 256 * 2 * est._mlp_activation_elements(dense_twin, 2)
+    mlp_inside = 2 * 256 * 2 * _mlp_activation_elements(dense_twin, 2)
     assert one - two == pytest.approx((twin_one - twin_two) - mlp_inside / 2)
 
 
