@@ -3,7 +3,7 @@
 What the tables say lives in ``analysis/chapter_tables.yaml``: each table's title, setup lines,
 columns and verdict notes, the chapter's claims quoted as printed (translated), and the templates of
 the cells. Each ``*_table`` function here computes the figures those templates name, from
-``analysis/estimator.py`` and ``common/hardware.py`` (analytic) and from the measurements of this
+``analysis/estimator/`` and ``common/hardware.py`` (analytic) and from the measurements of this
 run (``Measured``), and ``render`` fills them into a ``report.Table``. Verdicts say why a claim is
 wrong where it is, and docs/chapter_corrections.md lists each correction with the tests that
 establish it. A "measured here" cell holds either a measurement of this run or a figure read, at
@@ -336,7 +336,7 @@ def _planner_figures(p70) -> dict:
     h100 = DEVICES["H100"]
     global_batch = p70.micro_batch * p70.world_size
     plans = est.plan_layouts(p70.model, p70.seq_len, p70.world_size, h100, global_batch=global_batch, top=1)
-    data_parallel = sorted({plan.job.policy for plan in est.plan_fits(p70.model, p70.seq_len, p70.world_size, h100, top=None)})
+    data_parallel = sorted({plan.job.recompute for plan in est.plan_fits(p70.model, p70.seq_len, p70.world_size, h100, top=None)})
     # The preset keeps Korthikanti's dropout; the trainer's tensor parallelism trains without it.
     no_dropout = dataclasses.replace(p70.model, dropout=0.0)
     tp_plans = est.plan_layouts(no_dropout, p70.seq_len, p70.world_size, h100, global_batch=global_batch, top=1)
@@ -555,7 +555,7 @@ def priority_table(measured: Measured) -> Table:
 
     def job(**kw):
         base = dict(model=llama.model, seq_len=llama.seq_len, micro_batch=1, world_size=64, strategy="fsdp",
-                    policy="none", precision="bf16_master", device=h100)
+                    recompute="none", precision="bf16_master", device=h100)
         base.update(kw)
         return est.estimate(est.JobSpec(**base))
 

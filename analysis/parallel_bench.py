@@ -367,7 +367,7 @@ def _formula_job(cfg: JobConfig, dp_size: int) -> JobSpec:
     p = cfg.parallel
     n_stages = p.pp * p.pp_virtual_stages
     return JobSpec(model=cfg.model, seq_len=cfg.seq_len, micro_batch=cfg.train.micro_batch_size,
-                   world_size=dp_size * p.tp * n_stages * p.cp, strategy=p.strategy, policy=cfg.model.recompute,
+                   world_size=dp_size * p.tp * n_stages * p.cp, strategy=p.strategy, recompute=cfg.model.recompute,
                    precision=cfg.precision.mode, grad_accum=max(cfg.train.grad_accum_steps, n_stages), tp=p.tp,
                    pp=n_stages, sequence_parallel=p.sequence_parallel, cp=p.cp, ep=p.ep)
 

@@ -1,5 +1,6 @@
 """Analytic estimate of a training job: parameters, FLOPs, activation and model-state memory per
-GPU, communication, step time, MFU, and whether it fits (analysis/estimator.py explains the model).
+GPU, communication, step time, MFU, and whether it fits (the model: analysis/estimator/; its
+derivation: docs/estimator.md).
 
 Examples:
   python -m tools.estimate --preset 70b                          # the chapter's 70B activation example
@@ -57,7 +58,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--micro-batch", type=int, help="sequences per GPU per forward/backward")
     parser.add_argument("--grad-accum", type=int, help="micro-batches per step (the pipeline's under --pp)")
     parser.add_argument("--strategy", choices=est.STRATEGIES, help="default: the config's parallel.strategy, or fsdp")
-    parser.add_argument("--policy", choices=est.POLICIES, help="activation recompute (default: the config's, or none)")
+    parser.add_argument("--recompute", choices=est.RECOMPUTE_POLICIES,
+                        help="activation recompute policy, as model.recompute (default: the config's, or none)")
+    parser.add_argument("--policy", dest="recompute", choices=est.RECOMPUTE_POLICIES, help=argparse.SUPPRESS)  # old name
     parser.add_argument("--precision", choices=est.PRECISION_MODES, help="default: the config's, or bf16_master")
     layout = parser.add_argument_group("layout (default: the config's parallel section, or 1)")
     layout.add_argument("--tp", type=int, help="tensor-parallel GPUs (inside a node)")
@@ -118,13 +121,13 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
     if args.preset:
         p = est.preset(args.preset)
         model, seq_len, micro_batch, gpus, grad_accum = p.model, p.seq_len, p.micro_batch, p.world_size, 1
-        strategy, policy, precision, layout = "fsdp", "none", "bf16_master", {}
+        strategy, recompute, precision, layout = "fsdp", "none", "bf16_master", {}
         device = DEVICES[args.device or p.device]
     else:
         cfg = cfg or load_config(args.config, overrides)
         model, seq_len, micro_batch, gpus = cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 1
         grad_accum = cfg.train.grad_accum_steps
-        strategy, policy, precision = cfg.parallel.strategy, cfg.model.recompute, cfg.precision.mode
+        strategy, recompute, precision = cfg.parallel.strategy, cfg.model.recompute, cfg.precision.mode
         layout = _config_layout(cfg.parallel)
     if args.gpus_per_node:
         device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
@@ -149,7 +152,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         micro_batch=args.micro_batch or micro_batch,
         world_size=gpus,
         strategy=strategy,
-        policy=args.policy or policy,
+        recompute=args.recompute or recompute,
         precision=args.precision or precision,
         device=device,
         grad_accum=args.grad_accum or grad_accum,
@@ -176,23 +179,23 @@ def model_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
 
 
 def activation_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
-    """Per layer and per GPU for each policy, with the job's tensor/sequence parallelism."""
+    """Per layer and per GPU for each recompute policy, with the job's tensor/sequence parallelism."""
     cfg = job.model
     layers = cfg.n_layer // job.pp
     # a cp GPU holds seq_len / cp tokens of each sequence, and the keys and values gathered from the others
     args, kw = (job.local_seq_len, job.micro_batch), dict(attention=job.attention, tp=job.tp, sequence_parallel=job.sp)
     rows = []
-    for policy in est.POLICIES:
-        per_layer = (est.activation_bytes_per_layer(cfg, *args, policy, job.activation_dtype_bytes, **kw)
-                     + est.cp_attention_bytes_per_layer(job, policy))
-        extra = est.recompute_flops_per_token(cfg, job.seq_len, policy) / est.flops_per_token(cfg, job.seq_len)
-        if policy == "offload":  # nothing stays on the GPU; the none bytes go to host memory
+    for recompute in est.RECOMPUTE_POLICIES:
+        per_layer = (est.activation_bytes_per_layer(cfg, *args, recompute, job.activation_dtype_bytes, **kw)
+                     + est.cp_attention_bytes_per_layer(job, recompute))
+        extra = est.recompute_flops_per_token(cfg, job.seq_len, recompute) / est.flops_per_token(cfg, job.seq_len)
+        if recompute == "offload":  # nothing stays on the GPU; the none bytes go to host memory
             host = (est.activation_bytes_per_layer(cfg, *args, "none", job.activation_dtype_bytes, **kw)
                     + est.cp_attention_bytes_per_layer(job, "none"))
-            rows.append([policy, f"0 (host {human_bytes(host)})", f"0 (host {gib(host * layers)})", "0.0% + PCIe"])
+            rows.append([recompute, f"0 (host {human_bytes(host)})", f"0 (host {gib(host * layers)})", "0.0% + PCIe"])
             continue
-        rows.append([policy, human_bytes(per_layer), gib(per_layer * layers), f"{extra:.1%}"])
-    return ["policy", "per layer per GPU", f"x {layers} layers", "recompute FLOPs"], rows
+        rows.append([recompute, human_bytes(per_layer), gib(per_layer * layers), f"{extra:.1%}"])
+    return ["recompute", "per layer per GPU", f"x {layers} layers", "recompute FLOPs"], rows
 
 
 def _activation_title(job: est.JobSpec) -> str:
@@ -276,7 +279,7 @@ def scaling_main(args: argparse.Namespace, overrides: list[str], cfg: JobConfig 
              f"sequences of {seq_len} tokens per GPU per step, strong = {per_gpu * max(args.scaling)} per step")
     print(f"{title}\n" + text_table(headers, rows))
     print("\n".join(scaling.exposure_lines(weak, strong)))
-    print("Predictions of analysis/estimator.py (held-out error against published runs: "
+    print("Predictions of analysis/estimator (held-out error against published runs: "
           "docs/results/published_vs_estimator.md), the planner's cheapest layout at each count.")
     if args.plot:
         scaling.plot(weak, strong, args.plot, name)
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         sections = [
             ("Model", *model_section(job)),
             (_activation_title(job), *activation_section(job)),
-            (f"Per GPU on {job.world_size}x {job.device.name} (policy {job.policy}, micro-batch {job.micro_batch})",
+            (f"Per GPU on {job.world_size}x {job.device.name} (recompute {job.recompute}, micro-batch {job.micro_batch})",
              *strategy_section(job, cfg)),
         ]
         if job.pp > 1:
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         global_batch = args.global_batch or job.global_batch
         plan = plan_lines(job, global_batch, args.top, cfg) if args.plan else []
         layout = {key: getattr(job, key) for key in ("grad_accum", *LAYOUT_KEYS)}
-        verdict = est.fit_verdict(job.model, job.seq_len, job.micro_batch, job.world_size, job.strategy, job.policy,
+        verdict = est.fit_verdict(job.model, job.seq_len, job.micro_batch, job.world_size, job.strategy, job.recompute,
                                   job.precision, job.device.name, config=cfg, **layout)
     except (est.EstimatorError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -204,7 +204,7 @@ class JobConfig:
         """The checks a parallel layout must pass against the model, batch and precision of this job:
         the parallel section's own layout rules and every cross-section rule (tensor and pipeline
         parallelism, FP8, Transformer Engine, sequence length). ``validate`` runs them, and so does the
-        layout planner (analysis/estimator.py) on every layout it proposes, so it proposes only what
+        layout planner (analysis/estimator/) on every layout it proposes, so it proposes only what
         the trainer accepts."""
         self.parallel._validate_layout()
         self._validate_cross_sections()

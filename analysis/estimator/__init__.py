@@ -48,9 +48,9 @@ from analysis.estimator.job import (
     FITTED_PARAMETERS,
     GIB,
     MULTI_CHUNK_SCHEDULES,
-    POLICIES,
     PP_SCHEDULES,
     PRECISION_MODES,
+    RECOMPUTE_POLICIES,
     STATE_BYTES,
     STRATEGIES,
     Assumptions,
@@ -106,7 +106,7 @@ from model.flops import count_parameters, flops_per_token, matmul_parameters  # 
 
 __all__ = [
     "ACTIVATION_BYTES", "ATTENTION_BACKEND_KIND", "ATTENTION_KINDS", "FITTED_PARAMETERS", "GIB",
-    "MULTI_CHUNK_SCHEDULES", "POLICIES", "PP_SCHEDULES", "PRECISION_MODES", "STATE_BYTES", "STRATEGIES",
+    "MULTI_CHUNK_SCHEDULES", "RECOMPUTE_POLICIES", "PP_SCHEDULES", "PRECISION_MODES", "STATE_BYTES", "STRATEGIES",
     "Assumptions", "EstimatorError", "JobSpec", "StateBytes", "torch_microbatch_rule", "activation_bytes_per_layer",
     "korthikanti_bytes_per_layer", "saved_bytes_per_layer", "MemoryEstimate", "activation_bytes_total",
     "block_parameters_per_gpu", "cp_attention_bytes_per_layer", "estimate_memory", "model_state_bytes",

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from analysis.estimator.job import ATTENTION_BACKEND_KIND, ATTENTION_KINDS, POLICIES, EstimatorError, _check_choice
+from analysis.estimator.job import (
+    ATTENTION_BACKEND_KIND,
+    ATTENTION_KINDS,
+    RECOMPUTE_POLICIES,
+    EstimatorError,
+    _check_choice,
+)
 from model.config import ModelConfig
 
 
@@ -75,7 +81,7 @@ def activation_bytes_per_layer(
     model_cfg: ModelConfig,
     seq_len: int,
     micro_batch: int,
-    policy: str,
+    recompute: str,
     dtype_bytes: int = 2,
     dropout: bool | None = None,
     *,
@@ -94,7 +100,7 @@ def activation_bytes_per_layer(
     the tensor-parallel region are split over ``tp`` GPUs, and the rest too when
     ``sequence_parallel``. See the module docstring.
     """
-    _check_choice("policy", policy, POLICIES)
+    _check_choice("recompute", recompute, RECOMPUTE_POLICIES)
     attention = ATTENTION_BACKEND_KIND.get(attention, attention)
     _check_choice("attention", attention, ATTENTION_KINDS + tuple(ATTENTION_BACKEND_KIND))
     if tp < 1:
@@ -106,11 +112,11 @@ def activation_bytes_per_layer(
     tokens = s * b
     split = dict(tp=tp, sequence_parallel=sequence_parallel)
 
-    if policy == "full":
+    if recompute == "full":
         return _tp_split(p * tokens * h, 0, **split)  # the layer input lies outside the TP region
-    if policy == "offload":
+    if recompute == "offload":
         return 0.0
-    if policy == "every_k":
+    if recompute == "every_k":
         k = every_k or model_cfg.recompute_every_k
         kept = _checkpointed_layers(model_cfg.n_layer, k)
         full = activation_bytes_per_layer(model_cfg, s, b, "full", p, with_dropout, attention=attention, **split)
@@ -126,7 +132,7 @@ def activation_bytes_per_layer(
         scores = (2 * p + m if with_dropout else p) * a * s * s * b
     # A MoE layer is not tensor-split (replicated over the tp GPUs, parallel/tp.py): its activations
     # lie outside the TP region, on s/t positions per GPU only with sequence parallelism.
-    if policy == "op_selective":
+    if recompute == "op_selective":
         moe = _moe_activation_share(model_cfg, _moe_matmul_output_elements(model_cfg)) if model_cfg.moe.experts else 0.0
         outside = h + h + h + moe  # block input, projection output, MLP output (+ MoE layers' matmul outputs)
         inside = (h + 2 * kv) + h + _mlp_matmul_output_elements(model_cfg) - moe  # qkv, core output, fc
@@ -146,7 +152,7 @@ def activation_bytes_per_layer(
         + _mlp_activation_elements(model_cfg, p) - moe
     )
     masks = 2 * m * tokens * h if with_dropout else 0  # after attention and after the MLP: outside
-    core = 0.0 if policy == "selective" else scores
+    core = 0.0 if recompute == "selective" else scores
     return _tp_split(p * tokens * outside + masks, p * tokens * inside + core, **split)
 
 
@@ -158,7 +164,7 @@ def _tp_split(outside: float, inside: float, *, tp: int, sequence_parallel: bool
 
 
 def korthikanti_bytes_per_layer(
-    seq_len: int, micro_batch: int, hidden: int, heads: int, policy: str, tp: int = 1, sequence_parallel: bool = False
+    seq_len: int, micro_batch: int, hidden: int, heads: int, recompute: str, tp: int = 1, sequence_parallel: bool = False
 ) -> float:
     """The paper's closed forms (16-bit activations, dropout, 4h MLP), for checking the general one.
 
@@ -178,16 +184,16 @@ def korthikanti_bytes_per_layer(
             "selective": sbh * (10 + Fraction(24, t)),
             "full": 2 * sbh,
         }
-    if policy not in forms:
-        raise EstimatorError(f"policy={policy!r}: the paper gives none, selective and full only")
-    return float(forms[policy])
+    if recompute not in forms:
+        raise EstimatorError(f"recompute={recompute!r}: the paper gives none, selective and full only")
+    return float(forms[recompute])
 
 
 def saved_bytes_per_layer(
     model_cfg: ModelConfig,
     seq_len: int,
     micro_batch: int,
-    policy: str,
+    recompute: str,
     dtype_bytes: int = 4,
     *,
     attention: str = "sdpa",
@@ -205,7 +211,7 @@ def saved_bytes_per_layer(
     alive by checkpointing (block or core inputs) and tensors ``op_selective`` caches are
     counted, because they occupy memory just the same; ``offload`` counts what moves to the host.
     """
-    _check_choice("policy", policy, POLICIES)
+    _check_choice("recompute", recompute, RECOMPUTE_POLICIES)
     _check_choice("attention", attention, ("sdpa", "reference"))
     _check_choice("device", device, ("cpu", "cuda"))
     cfg = model_cfg
@@ -219,16 +225,16 @@ def saved_bytes_per_layer(
     rotated_qk = p * n * (h + kv) if cfg.position == "rope" else 0
     qkv_out = p * n * (h + 2 * kv)
 
-    if policy == "full":
+    if recompute == "full":
         return float(p * n * h + rope_tables)
-    if policy == "every_k":
+    if recompute == "every_k":
         k = every_k or cfg.recompute_every_k
         kept = _checkpointed_layers(cfg.n_layer, k)
         args = (cfg, s, b)
         full = saved_bytes_per_layer(*args, "full", p, attention=attention, device=device)
         none = saved_bytes_per_layer(*args, "none", p, attention=attention, device=device)
         return (kept * full + (cfg.n_layer - kept) * none) / cfg.n_layer
-    if policy == "op_selective":
+    if recompute == "op_selective":
         if fused:
             core = p * n * h + 4 * n * a  # SDPA output and log-sum-exp
         else:
@@ -252,7 +258,7 @@ def saved_bytes_per_layer(
     else:
         core = _unfused_core_bytes(p, n, h, a, s, b, attention, dropout, mask) + rope_tables
         proj_input = p * n * h  # the reshape after the core copies its output
-    if policy == "selective":
+    if recompute == "selective":
         # The checkpointed core keeps its inputs (views of the qkv output) and, for SDPA, its
         # output, which the projection saves anyway.
         core, proj_input = core_inputs, p * n * h

@@ -92,7 +92,7 @@ def tp_comm_seconds(job: JobSpec, stage: int = 0) -> tuple[float, float]:
                              ranks_per_node=_per_node(job, 1, t))
     layers = cfg.n_layer // job.pp
     recomputed = {"full": layers, "every_k": _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.pp}
-    count = 8 * layers + 4 * recomputed.get(job.policy, 0)
+    count = 8 * layers + 4 * recomputed.get(job.recompute, 0)
     count += 2 * (stage == 0) + 2 * (stage == job.pp - 1)
     return count * one, count * (t - 1) / t * activation
 
@@ -116,7 +116,7 @@ def cp_comm_seconds(job: JobSpec) -> tuple[float, float]:
     layers = cfg.n_layer // job.pp
     recomputed = {"selective": layers, "full": layers,
                   "every_k": _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.pp}
-    count = 2 * layers + recomputed.get(job.policy, 0)
+    count = 2 * layers + recomputed.get(job.recompute, 0)
     # cp groups sit inside tp on the mesh (dims.py): members tp ranks apart
     one = collective_seconds(nbytes, cp, job.device, job.assumptions.link_fraction,
                              ranks_per_node=_per_node(job, job.tp, cp))
@@ -197,9 +197,9 @@ def expert_exchanges(job: JobSpec) -> float:
     under ``op_selective`` too (its policy caches the GEMM and attention outputs only, so the
     collectives run again); under ``every_k`` the MoE layers whose 1-based index k divides."""
     cfg = job.model
-    if job.policy in ("full", "op_selective"):
+    if job.recompute in ("full", "op_selective"):
         recomputed = cfg.n_moe_layers
-    elif job.policy == "every_k":
+    elif job.recompute == "every_k":
         k = cfg.recompute_every_k
         recomputed = sum(1 for i in range(cfg.n_layer) if cfg.is_moe_layer(i) and (i + 1) % k == 0)
     else:

@@ -14,7 +14,6 @@ from parallel.precision import PrecisionConfig
 GIB = 2**30
 
 # The choices the trainer's config sections accept, read from them (never a second copy).
-POLICIES = RECOMPUTE_POLICIES
 STRATEGIES = choices(ParallelConfig, "strategy")
 PRECISION_MODES = choices(PrecisionConfig, "mode")
 PP_SCHEDULES = choices(ParallelConfig, "pp_schedule")
@@ -132,7 +131,7 @@ class JobSpec:
     micro_batch: int
     world_size: int = 1
     strategy: str = "fsdp"
-    policy: str = "none"
+    recompute: str = "none"
     precision: str = "bf16_master"
     device: DeviceSpec = field(default_factory=lambda: DEVICES["H100"])
     grad_accum: int = 1
@@ -151,7 +150,7 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
-        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("recompute", self.recompute, RECOMPUTE_POLICIES)
         _check_choice("precision", self.precision, PRECISION_MODES)
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         counts = ("seq_len", "micro_batch", "world_size", "grad_accum", "tp", "pp", "dp_replicate", "pp_virtual_stages",

@@ -137,14 +137,14 @@ class MemoryEstimate:
         return self.reserved + self.overhead
 
 
-def _layer_bytes(job: JobSpec, policy: str) -> float:
+def _layer_bytes(job: JobSpec, recompute: str) -> float:
     return activation_bytes_per_layer(
-        job.model, job.local_seq_len, job.micro_batch, policy, job.activation_dtype_bytes,
+        job.model, job.local_seq_len, job.micro_batch, recompute, job.activation_dtype_bytes,
         attention=job.attention, tp=job.tp, sequence_parallel=job.sp,
-    ) + cp_attention_bytes_per_layer(job, policy)
+    ) + cp_attention_bytes_per_layer(job, recompute)
 
 
-def cp_attention_bytes_per_layer(job: JobSpec, policy: str) -> float:
+def cp_attention_bytes_per_layer(job: JobSpec, recompute: str) -> float:
     """What a cp GPU's attention keeps beyond a layer of seq_len / cp tokens: the keys and values
     gathered from the other cp ranks (saved by the attention kernel), and with a materialized core
     the scores of its queries against those keys. Rank i's chunks i and 2cp-1-i (c = s / 2cp tokens
@@ -152,7 +152,7 @@ def cp_attention_bytes_per_layer(job: JobSpec, policy: str) -> float:
     tokens counts (s / cp)^2. Selective and full recompute rebuild the core, gather included, in
     backward; every_k keeps it in the layers it does not recompute."""
     cp, cfg = job.cp, job.model
-    if cp == 1 or policy in ("selective", "full", "offload"):
+    if cp == 1 or recompute in ("selective", "full", "offload"):
         return 0.0
     s, b, p = job.seq_len, job.micro_batch, job.activation_dtype_bytes
     kv = p * b * 2 * cfg.kv_dim * (s - s // cp)  # inside the tensor-parallel region: KV heads split over tp
@@ -162,7 +162,7 @@ def cp_attention_bytes_per_layer(job: JobSpec, policy: str) -> float:
         per_score = 2 * p + 1 if cfg.dropout > 0 else p
         scores = per_score * cfg.n_head * b * (c * c * (2 * cp + 1) - (s // cp) ** 2)
     extra = (kv + scores) / job.tp
-    if policy == "every_k":
+    if recompute == "every_k":
         kept = _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k)
         return extra * (cfg.n_layer - kept) / cfg.n_layer
     return extra
@@ -176,7 +176,7 @@ def _in_flight(job: JobSpec, stage: int) -> float:
 class _LayerActivations:
     """Per-layer bytes of a job, the same on every stage: computed once per estimate."""
 
-    kept: float  # what the policy keeps per layer and micro-batch (on the host for offload)
+    kept: float  # what the recompute policy keeps per layer and micro-batch (on the host for offload)
     rebuilt: float  # one layer's recompute (or reload) working set at the peak
     embeddings: float  # the embedding output, on the first stage
 
@@ -186,10 +186,10 @@ def _layer_activations(job: JobSpec) -> _LayerActivations:
     none = _layer_bytes(job, "none")
     embeddings = _tp_split(job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model, 0,
                            tp=job.tp, sequence_parallel=job.sp)
-    if job.policy == "offload":
+    if job.recompute == "offload":
         return _LayerActivations(none, none, embeddings)
-    kept = _layer_bytes(job, job.policy)
-    if job.policy == "every_k":
+    kept = _layer_bytes(job, job.recompute)
+    if job.recompute == "every_k":
         full = _layer_bytes(job, "full")
         rebuilt = none - full if _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) else 0.0
     else:
@@ -201,14 +201,14 @@ def activation_bytes_total(job: JobSpec, stage: int = 0, layer: _LayerActivation
     """(device bytes, host bytes) of saved activations on one GPU of ``stage``, with the recompute working set.
 
     Each in-flight micro-batch keeps the stage's L/p layers; recomputing (or reloading) a layer
-    during backward rebuilds what that layer dropped, on the device, so every policy but ``none``
+    during backward rebuilds what that layer dropped, on the device, so every recompute policy but ``none``
     adds that much for one layer at the peak. The first stage also keeps the embedding output.
     """
     layer = layer or _layer_activations(job)
     layers = job.model.n_layer // job.pp
     in_flight = _in_flight(job, stage)
     embeddings = layer.embeddings if stage == 0 else 0.0
-    if job.policy == "offload":
+    if job.recompute == "offload":
         return layer.rebuilt + in_flight * embeddings, in_flight * layers * layer.kept
     return in_flight * layers * layer.kept + layer.rebuilt + in_flight * embeddings, 0.0
 

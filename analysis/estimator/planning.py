@@ -7,9 +7,9 @@ import dataclasses
 
 from analysis.estimator.job import (
     MULTI_CHUNK_SCHEDULES,
-    POLICIES,
     PP_SCHEDULES,
     PRECISION_MODES,
+    RECOMPUTE_POLICIES,
     Assumptions,
     EstimatorError,
     JobSpec,
@@ -54,7 +54,7 @@ def trainer_config(job: JobSpec, base: JobConfig | None = None) -> JobConfig:
     )
     return dataclasses.replace(
         base,
-        model=dataclasses.replace(job.model, recompute=job.policy),
+        model=dataclasses.replace(job.model, recompute=job.recompute),
         data=dataclasses.replace(base.data, seq_len=job.seq_len),
         train=dataclasses.replace(base.train, micro_batch_size=job.micro_batch, grad_accum_steps=job.grad_accum),
         precision=dataclasses.replace(base.precision, mode=job.precision),
@@ -83,7 +83,7 @@ def layout_overrides(job: JobSpec) -> list[str]:
         words.append(f"--parallel.cp={job.cp}")
     if job.ep > 1:
         words.append(f"--parallel.ep={job.ep}")
-    return words + [f"--model.recompute={job.policy}", f"--train.micro_batch_size={job.micro_batch}",
+    return words + [f"--model.recompute={job.recompute}", f"--train.micro_batch_size={job.micro_batch}",
                     f"--train.grad_accum_steps={job.grad_accum}", f"--precision.mode={job.precision}"]
 
 
@@ -95,13 +95,13 @@ def plan_fits(
     precision: str = "bf16_master",
     *,
     strategies: tuple[str, ...] | None = None,
-    policies: tuple[str, ...] = POLICIES,
+    recomputes: tuple[str, ...] = RECOMPUTE_POLICIES,
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
     top: int | None = 10,
     assumptions: Assumptions | None = None,
     config: JobConfig | None = None,
 ) -> list[Estimate]:
-    """Combinations of strategy x checkpointing policy x micro-batch that fit, cheapest first.
+    """Combinations of strategy x recompute policy x micro-batch that fit, cheapest first.
 
     Cheapest = least predicted time per token (the cost of the run); ties go to less memory. Only
     what the trainer accepts (``trainer_refusal``; ``config`` is the job's own configuration, if any).
@@ -110,10 +110,10 @@ def plan_fits(
         strategies = ("none",) if world_size == 1 else PLANNER_STRATEGIES
     fitting = []
     for strategy in strategies:
-        for policy in policies:
+        for recompute in recomputes:
             for micro_batch in micro_batches:
                 job = JobSpec(
-                    model_cfg, seq_len, micro_batch, world_size, strategy, policy, precision, device,
+                    model_cfg, seq_len, micro_batch, world_size, strategy, recompute, precision, device,
                     assumptions=assumptions or Assumptions(),
                 )
                 if trainer_refusal(job, config):
@@ -185,7 +185,7 @@ def plan_layouts(
     *,
     global_batch: int,
     strategies: tuple[str, ...] | None = None,
-    policies: tuple[str, ...] = POLICIES,
+    recomputes: tuple[str, ...] = RECOMPUTE_POLICIES,
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
     schedules: tuple[str, ...] = PP_SCHEDULES,
     virtual_stages: tuple[int, ...] = (1, 2, 4),
@@ -217,7 +217,7 @@ def plan_layouts(
         for strategy, dp_replicate, ep in [(s_, r, e) for s_, r in _data_parallel_options(dp, strategies, cp)
                                            for e in expert_parallel_sizes(model_cfg, dp // r, s_, cp)]:
             for schedule, v in _pipeline_options(model_cfg, pp, schedules, virtual_stages):
-                for policy in policies:
+                for recompute in recomputes:
                     # Memory never shrinks as the micro-batch grows at a fixed global batch (GPipe
                     # holds b*m = b*per_rank/b sequences either way), so the first miss ends the row.
                     for micro_batch in sorted(b for b in micro_batches if per_rank % b == 0):
@@ -225,7 +225,7 @@ def plan_layouts(
                         if torch_microbatch_rule(schedule, pp, grad_accum):
                             continue
                         job = JobSpec(
-                            model_cfg, seq_len, micro_batch, world_size, strategy, policy, precision, device,
+                            model_cfg, seq_len, micro_batch, world_size, strategy, recompute, precision, device,
                             grad_accum, assumptions or Assumptions(), tp=tp, pp=pp, dp_replicate=dp_replicate,
                             pp_schedule=schedule, pp_virtual_stages=v, cp=cp, ep=ep,
                         )
@@ -272,7 +272,7 @@ def layout_words(job: JobSpec) -> str:
         words.append(f"sequence_parallel={'true' if job.sp else 'false'}")
     if job.cp > 1:
         words.append(f"cp={job.cp}")
-    words += [f"recompute={job.policy}", f"micro_batch={job.micro_batch}", f"grad_accum={job.grad_accum}"]
+    words += [f"recompute={job.recompute}", f"micro_batch={job.micro_batch}", f"grad_accum={job.grad_accum}"]
     return " ".join(words)
 
 
@@ -335,7 +335,7 @@ def fit_verdict(
     micro_batch_size: int,
     world_size: int,
     strategy: str,
-    policy: str,
+    recompute: str,
     precision_mode: str,
     device_name: str,
     config: JobConfig | None = None,
@@ -343,27 +343,28 @@ def fit_verdict(
 ) -> str:
     """One or two lines for the trainer's start-up log: does this job fit, and if not, what would.
 
-    ``layout``: any of JobSpec's grad_accum, tp, pp, dp_replicate, pp_schedule, pp_virtual_stages,
-    sequence_parallel. When the job does not fit, the cheapest layout that does at the same global
-    batch (``plan_layouts``, among what the trainer accepts with ``config``) is named in the
-    config's words.
+    ``layout``: JobSpec's other keywords (grad_accum, tp, pp, cp, ep, dp_replicate, pp_schedule,
+    pp_virtual_stages, sequence_parallel, fsdp_reshard_after_forward). On a device the table does not
+    know (a CPU) it says what the job would need per GPU; when the job does not fit, it names the
+    cheapest layout that does at the same global batch (``plan_layouts``, among what the trainer
+    accepts with ``config``) in the config's words, or the fewest GPUs that would hold it.
     """
     device = resolve_device(device_name)
     try:
         if device is None:
-            job = JobSpec(model_cfg, seq_len, micro_batch_size, world_size, strategy, policy, precision_mode, **layout)
+            job = JobSpec(model_cfg, seq_len, micro_batch_size, world_size, strategy, recompute, precision_mode, **layout)
             mem = estimate_memory(job)
             return (
                 f"fit check: no memory figures for device {device_name!r}; on a GPU this job would need "
                 f"~{gib(mem.total)} per GPU (model states {gib(mem.states)}, activations "
                 f"{gib(mem.activations + mem.logits)})"
             )
-        job = JobSpec(model_cfg, seq_len, micro_batch_size, world_size, strategy, policy, precision_mode, device, **layout)
+        job = JobSpec(model_cfg, seq_len, micro_batch_size, world_size, strategy, recompute, precision_mode, device, **layout)
     except EstimatorError as exc:
         return f"fit check skipped: {exc}"
     result = estimate(job)
     shape = f", tp={job.tp}, pp={job.pp}" if job.tp * job.pp > 1 else ""
-    head = f"{world_size}x {device.name}, {strategy}{shape}, recompute={policy}, micro-batch {micro_batch_size}, {precision_mode}"
+    head = f"{world_size}x {device.name}, {strategy}{shape}, recompute={recompute}, micro-batch {micro_batch_size}, {precision_mode}"
     if result.fits:
         return f"fit: yes, {describe_estimate(result)} ({head})"
     first = f"fit: NO, {result.problems[0]} ({head})"
@@ -377,4 +378,4 @@ def fit_verdict(
         f"at least {need} GPUs (smallest power of two: {smallest_power_of_two(need)})"
         if need else "more memory than any GPU count provides"
     )
-    return first + f"\n  nothing fits on {world_size} GPUs; fsdp + full checkpointing at micro-batch 1 needs {more}"
+    return first + f"\n  nothing fits on {world_size} GPUs; fsdp + full recompute at micro-batch 1 needs {more}"

@@ -15,7 +15,7 @@ from analysis.estimator.communication import (
     reshards_after_forward,
     tp_comm_seconds,
 )
-from analysis.estimator.job import POLICIES, PP_SCHEDULES, Assumptions, JobSpec, _check_choice
+from analysis.estimator.job import PP_SCHEDULES, RECOMPUTE_POLICIES, Assumptions, JobSpec, _check_choice
 from analysis.estimator.memory import _edge_stages, _layer_bytes, stage_parameters
 from common.hardware import DeviceSpec
 from model.config import ModelConfig
@@ -99,22 +99,22 @@ class TimeEstimate:
                 "bubble": self.bubble_s}
 
 
-def recompute_flops_per_token(model_cfg: ModelConfig, seq_len: int, policy: str, every_k: int | None = None) -> float:
-    """Extra forward FLOPs per token that a policy spends in backward (not part of MFU)."""
-    return sum(_recompute_flops_split(model_cfg, seq_len, policy, every_k))
+def recompute_flops_per_token(model_cfg: ModelConfig, seq_len: int, recompute: str, every_k: int | None = None) -> float:
+    """Extra forward FLOPs per token that a recompute policy spends in backward (not part of MFU)."""
+    return sum(_recompute_flops_split(model_cfg, seq_len, recompute, every_k))
 
 
-def _recompute_flops_split(model_cfg: ModelConfig, seq_len: int, policy: str, every_k: int | None = None) -> tuple[float, float]:
+def _recompute_flops_split(model_cfg: ModelConfig, seq_len: int, recompute: str, every_k: int | None = None) -> tuple[float, float]:
     """(GEMM FLOPs, attention-core FLOPs) recomputed per token."""
-    _check_choice("policy", policy, POLICIES)
+    _check_choice("recompute", recompute, RECOMPUTE_POLICIES)
     L, d = model_cfg.n_layer, model_cfg.d_model
     core = 4.0 * d * seq_len  # QK^T and @V forward, per layer per token (no causal halving)
     gemms = 2.0 * blocks_parameters(model_cfg, active=True) / L  # a token's experts only
-    if policy == "selective":
+    if recompute == "selective":
         return 0.0, L * core
-    if policy == "full":
+    if recompute == "full":
         return L * gemms, L * core
-    if policy == "every_k":
+    if recompute == "every_k":
         kept = _checkpointed_layers(L, every_k or model_cfg.recompute_every_k)
         return kept * gemms, kept * core
     return 0.0, 0.0  # none, offload; op_selective recomputes element-wise ops only (memory-bound, ~no FLOPs)
@@ -178,13 +178,13 @@ def _recompute_shares(job: JobSpec) -> tuple[float, float, float]:
     """Per layer, how much of its forward is run again in backward: (GEMMs and element-wise work of
     the whole layer, the attention core alone, element-wise work alone)."""
     cfg = job.model
-    if job.policy == "full":
+    if job.recompute == "full":
         return 1.0, 0.0, 0.0
-    if job.policy == "every_k":
+    if job.recompute == "every_k":
         return _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / cfg.n_layer, 0.0, 0.0
-    if job.policy == "selective":
+    if job.recompute == "selective":
         return 0.0, 1.0, 0.0
-    if job.policy == "op_selective":
+    if job.recompute == "op_selective":
         return 0.0, 0.0, 1.0
     return 0.0, 0.0, 0.0
 
@@ -366,7 +366,7 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
         hideable = 0.0
     exposed_dp = _exposed(dp_s, hideable, a)
     layers = job.model.n_layer // job.pp
-    offloaded = layers * _layer_bytes(job, "none") if job.policy == "offload" else 0.0
+    offloaded = layers * _layer_bytes(job, "none") if job.recompute == "offload" else 0.0
     offload = m * 2 * offloaded / (job.device.pcie_gb_s * 1e9 * a.link_fraction)
     peak = None if job.precision == "fp8" else _peak_tflops(job.device, job.precision)
     tokens = job.seq_len * job.micro_batch * m * job.dp

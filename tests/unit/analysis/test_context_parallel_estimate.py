@@ -1,4 +1,4 @@
-"""The estimator and planner with context parallelism (analysis/estimator.py), against hand counts."""
+"""The estimator and planner with context parallelism (analysis/estimator/), against hand counts."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ MODEL = ModelConfig(vocab_size=32000, max_seq_len=65536, n_layer=8, n_head=16, n
 
 
 def job(**changes) -> est.JobSpec:
-    base = dict(model=MODEL, seq_len=65536, micro_batch=1, world_size=8, strategy="fsdp", policy="none",
+    base = dict(model=MODEL, seq_len=65536, micro_batch=1, world_size=8, strategy="fsdp", recompute="none",
                 precision="bf16", device=H100)
     return est.JobSpec(**{**base, **changes})
 
@@ -39,9 +39,9 @@ def test_a_cp_layer_keeps_its_share_of_the_sequence_plus_the_gathered_keys_and_v
 
 
 def test_activation_memory_falls_about_one_over_cp():
-    one = est.estimate_memory(job(world_size=4, policy="selective"))
+    one = est.estimate_memory(job(world_size=4, recompute="selective"))
     for cp in (2, 4):
-        split = est.estimate_memory(job(world_size=4, cp=cp, policy="selective"))
+        split = est.estimate_memory(job(world_size=4, cp=cp, recompute="selective"))
         # Every layer keeps 1/cp (its core is recomputed, gather included); the layer being
         # recomputed holds the gathered K/V once at the peak.
         gathered = est.cp_attention_bytes_per_layer(job(world_size=4, cp=cp), "none")
@@ -67,7 +67,7 @@ def test_kv_gather_traffic_per_step():
     # a forward all-gather and a backward reduce-scatter per layer, each sending 3/4 of it
     assert sent == 2 * 8 * 3 / 4 * per_layer
     assert est.kv_gather_bytes(MODEL, 65536, 1, 2) == per_layer
-    full = est.cp_comm_seconds(dataclasses.replace(j, policy="full"))[1]
+    full = est.cp_comm_seconds(dataclasses.replace(j, recompute="full"))[1]
     assert full == pytest.approx(sent * 3 / 2)  # recompute gathers once more
     assert est.estimate(j).time.cp_comm_s == pytest.approx(3 * seconds)
     assert est.cp_comm_seconds(job())[1] == 0
@@ -88,7 +88,7 @@ def test_cp_x_pp_sends_each_cp_ranks_tokens_between_stages_and_gathers_its_stage
 
 
 def test_the_planner_proposes_cp_x_pp_where_it_fits():
-    plans = est.plan_layouts(MODEL, 65536, 8, H100, "bf16", global_batch=8, top=None, policies=("selective",),
+    plans = est.plan_layouts(MODEL, 65536, 8, H100, "bf16", global_batch=8, top=None, recomputes=("selective",),
                              schedules=("1f1b",), micro_batches=(1,))
     composed = [p for p in plans if p.job.cp > 1 and p.job.pp > 1]
     assert {(p.job.pp, p.job.cp) for p in composed} >= {(2, 2), (2, 4)}
@@ -129,7 +129,7 @@ def test_the_estimate_tool_takes_cp_and_shards_over_it(capsys):
     from tools import estimate
 
     args = ["--config", "configs/llama3-8b.yaml", "--model.max_seq_len=131072", "--data.path=unused", "--gpus", "8",
-            "--cp", "8", "--policy", "full"]
+            "--cp", "8", "--recompute", "full"]
     assert estimate.main(args) == 0
     out = capsys.readouterr().out
     assert "cp=8 (16,384 tokens per GPU)" in out

@@ -169,7 +169,7 @@ def test_compute_time_and_mfu_by_hand():
     assert result.time.step_s == pytest.approx(compute + L * elementwise + loss + optimizer)
     expected = t * est.flops_per_token(cfg, 4096) / (result.time.step_s * 989e12)
     assert result.time.mfu == pytest.approx(expected)
-    full = est.estimate(dataclasses.replace(job, policy="full"))
+    full = est.estimate(dataclasses.replace(job, recompute="full"))
     # full recompute runs every layer's GEMMs, attention and element-wise forward once more
     flash_full = 0.5 * 4 * t * t * d * (2 + 2.5) / (peak * a.attention_fraction)
     assert full.time.compute_s == pytest.approx(L * (4 * layer_gemms + flash_full) + 3 * gemm(t, d, V))
@@ -236,13 +236,13 @@ def test_planner_orders_cheapest_first_and_only_lists_fits():
     costs = [plan.time.seconds_per_token for plan in plans]
     assert costs == sorted(costs)
     # selective keeps 34*s*b*h*80 = 85 GiB even at b=1, so only full recompute fits
-    assert {plan.job.policy for plan in plans} == {"full"}
+    assert {plan.job.recompute for plan in plans} == {"full"}
     # more GPUs never remove options
     more = est.plan_fits(p.model, 4096, 256, H100, top=None)
     assert len(more) >= len(plans)
     # without stored scores, every_k (40 layers x 34*s*h bytes = 42.5 GiB at b=1) fits as well
     flash = est.plan_fits(dataclasses.replace(p.model, attention="sdpa"), 4096, 64, H100, top=None)
-    assert {"full", "every_k"} <= {plan.job.policy for plan in flash}
+    assert {"full", "every_k"} <= {plan.job.recompute for plan in flash}
 
 
 def test_planner_prefers_less_recompute_when_memory_allows():
@@ -250,9 +250,9 @@ def test_planner_prefers_less_recompute_when_memory_allows():
     # micro-batch whose larger GEMMs pay for op_selective's element-wise recompute: the GEMM-shape model.)
     cfg = est.preset("llama2-7b").model
     best = est.plan_fits(cfg, 4096, 8, H100, micro_batches=(1,), top=1)[0]
-    assert best.job.policy == "none"
+    assert best.job.recompute == "none"
     for policy in ("selective", "full", "op_selective"):
-        slower = est.plan_fits(cfg, 4096, 8, H100, policies=(policy,), micro_batches=(1,), top=1)[0]
+        slower = est.plan_fits(cfg, 4096, 8, H100, recomputes=(policy,), micro_batches=(1,), top=1)[0]
         assert slower.time.seconds_per_token > best.time.seconds_per_token
 
 
@@ -314,7 +314,7 @@ def test_every_policy_matches_bench_memory_exactly():
         causal_mask = s * s if backend == "reference" else 0
         unpaper = {"none": norm_stats + causal_mask, "selective": norm_stats, "full": 0, "op_selective": 0}
         unpaper["every_k"] = unpaper["none"] / 2  # of 2 layers, one is full (k=2), one keeps everything
-        for policy in est.POLICIES:
+        for policy in est.RECOMPUTE_POLICIES:
             row = bench.measure_saved_bytes(cfg, policy, s, b, backend, torch.float32, "cpu")
             measured = row["offloaded_bytes"] / cfg.n_layer if policy == "offload" else row["per_layer_bytes"]
             assert est.saved_bytes_per_layer(cfg, s, b, policy, 4, attention=backend) == measured, (backend, policy)
@@ -328,7 +328,7 @@ def test_moe_memory_holds_every_expert_and_the_activations_of_top_k():
     top-k copies of each token through the experts, the router's fp32 scores and the dispatch indices."""
     dense = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=2, d_model=64, mlp="swiglu", d_ff=128)
     moe = dataclasses.replace(dense, moe=MoEConfig(experts=8, top_k=2, d_ff=32))
-    job = est.JobSpec(moe, seq_len=64, micro_batch=2, world_size=1, strategy="none", policy="none", precision="fp32")
+    job = est.JobSpec(moe, seq_len=64, micro_batch=2, world_size=1, strategy="none", recompute="none", precision="fp32")
     assert est.estimate_memory(job).params == est.count_parameters(moe) * 4
     per_token = 2 * (2 * 64 + 4 * 32) + 2 * 8 * 2 + 2 * 2 * 4  # copies, router scores, indices (2-byte units)
     dense_job = dataclasses.replace(job, model=dense)
@@ -347,7 +347,7 @@ def test_moe_element_wise_work_is_its_active_widths():
     dense = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=2, d_model=64, mlp="swiglu", d_ff=512)
     moe = dataclasses.replace(dense, moe=MoEConfig(experts=8, top_k=2, d_ff=32, shared_experts=1))
     twin = dataclasses.replace(dense, d_ff=(2 + 1) * 32)
-    job = est.JobSpec(moe, seq_len=64, micro_batch=2, world_size=1, strategy="none", policy="none", precision="bf16")
+    job = est.JobSpec(moe, seq_len=64, micro_batch=2, world_size=1, strategy="none", recompute="none", precision="bf16")
     assert _elementwise_bytes(job) == _elementwise_bytes(dataclasses.replace(job, model=twin))
     half = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, first_dense=1))  # layer 0 dense (512 wide), layer 1 MoE (96)
     mean = dataclasses.replace(dense, d_ff=(512 + 96) // 2)

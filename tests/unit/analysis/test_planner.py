@@ -249,7 +249,7 @@ def test_tensor_parallel_and_pipeline_communication_by_hand():
     one = 7 / 8 * activation / (450e9 * 0.8)  # one all-gather or reduce-scatter over 8 GPUs on NVLink
     # 8 per layer (4 forward, 4 backward) x 8 layers, + 2 for the embedding on stage 0 / the LM head on stage 1
     assert est.tp_comm_seconds(job, 0)[0] == pytest.approx((8 * 8 + 2) * one)
-    full = dataclasses.replace(job, policy="full")
+    full = dataclasses.replace(job, recompute="full")
     assert est.tp_comm_seconds(full, 1)[0] == pytest.approx((12 * 8 + 2) * one)  # the recomputed forward's 4 more
     # stages sit on different nodes (16 GPUs > 8 per node): the sequence-split activation and its gradient over the NIC
     assert est.pp_comm_seconds(job) == pytest.approx((2 * activation / 8 / (50e9 * 0.8), 2 * activation / 8))
@@ -314,15 +314,15 @@ def test_planner_keeps_selective_recompute_for_a_70b_without_dropout_on_64_h100s
     # dropout 0.1) gets no tp layout; without dropout, tensor + sequence parallelism keeps selective recompute.
     plans = _plan_70b(dropout=0.0)
     best = plans[0].job
-    assert best.tp > 1 and best.sp and best.policy == "selective"
+    assert best.tp > 1 and best.sp and best.recompute == "selective"
     assert plans[0].fits and plans[0].memory.total <= 80 * GIB
     assert best.micro_batch * best.grad_accum * best.dp == 256
     costs = [plan.time.seconds_per_token for plan in plans]
     assert costs == sorted(costs)
     # data parallelism alone keeps nothing but full recompute (tests/unit/analysis/test_estimator.py), and neither does
     # any layout without tensor or pipeline parallelism here
-    assert all(plan.job.policy in ("full", "offload") for plan in plans if plan.job.tp == 1 and plan.job.pp == 1)
-    assert {plan.job.policy for plan in plans if plan.job.tp > 1} >= {"selective"}
+    assert all(plan.job.recompute in ("full", "offload") for plan in plans if plan.job.tp == 1 and plan.job.pp == 1)
+    assert {plan.job.recompute for plan in plans if plan.job.tp > 1} >= {"selective"}
     assert all(plan.job.tp == 1 for plan in _plan_70b())  # with the preset's dropout
 
 
@@ -330,7 +330,7 @@ def test_planner_searches_non_power_of_two_gpu_counts():
     # Korthikanti's 22B, untied and without dropout (what the trainer's pp and tp accept)
     cfg = paper_model(64, 6144, 48, tie_embeddings=False, dropout=0.0)
     for gpus in (48, 96):
-        plans = est.plan_layouts(cfg, 2048, gpus, H100, global_batch=192, policies=("selective", "full"),
+        plans = est.plan_layouts(cfg, 2048, gpus, H100, global_batch=192, recomputes=("selective", "full"),
                                  schedules=("1f1b",), top=None)
         layouts = {(plan.job.tp, plan.job.pp, plan.job.dp) for plan in plans}
         assert plans and all(tp * pp * dp == gpus for tp, pp, dp in layouts)
@@ -344,7 +344,7 @@ def test_planner_proposes_only_valid_layouts():
     sizes = est.model_parallel_sizes(cfg, 48, 8)
     assert {tp for tp, _ in sizes} == {1, 2, 4}
     assert {pp for _, pp in sizes} == {1, 2}  # divisors of 48 that divide 10
-    plans = est.plan_layouts(cfg, 2048, 48, H100, global_batch=96, policies=("selective",), top=None)
+    plans = est.plan_layouts(cfg, 2048, 48, H100, global_batch=96, recomputes=("selective",), top=None)
     assert plans
     for plan in plans:
         job = plan.job
@@ -397,7 +397,7 @@ def test_estimate_plan_still_serves_data_parallel_configs_and_takes_layouts():
     # a layout with tp and pp (the 70B preset trains with dropout, which the trainer's tp refuses: an error,
     # tested below; a config without dropout takes it)
     one = _run_estimate("--config", "configs/llama-7b.yaml", "--gpus", "16", "--tp", "8", "--pp", "2", "--grad-accum",
-                        "8", "--micro-batch", "1", "--policy", "selective", "--strategy", "fsdp")
+                        "8", "--micro-batch", "1", "--recompute", "selective", "--strategy", "fsdp")
     assert "tp=8 + SP" in one and "Pipeline: 2 stages of 16 layers, 1f1b" in one and "fit: yes" in one
 
 

@@ -14,7 +14,7 @@ process's: the same constants, the same spread per weight, every expert drawn ap
 resumes bit for bit from its DCP checkpoint; ep=2's checkpoint loads into one process (ep=1) and
 dp_shard=4's (ep=1) into ep=2 x dp_shard=2, each then training as the one-process reference does.
 The 2-rank launch also counts the token all-to-alls of one step under each recompute policy, against
-the estimator's count (analysis/estimator.py ``expert_exchanges``).
+the estimator's count (analysis/estimator/communication.py ``expert_exchanges``).
 One 2-rank and one 4-rank launch run all of it.
 """
 
