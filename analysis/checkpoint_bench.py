@@ -62,7 +62,7 @@ def run_rank(config: str, overrides: list[str], rounds: int, max_steps_during: i
     cfg = load_config(config, overrides)
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
-        cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+        cfg.parallel, _ = cfg.parallel.resolved(ctx.layout)
         engine = build_from_config(cfg, ctx).engine
         _, batches = build_batches(cfg, ctx)
         engine.train(True)

@@ -31,6 +31,7 @@ from common.hardware import SYSTEMS
 from common.report import new_figure, save_figure
 from model.config import ModelConfig
 from model.flops import count_parameters, flops_per_token
+from parallel.layout import LAYOUT_KEYS
 
 PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
 # What a row may publish, and which quantity each is a measure of.
@@ -73,7 +74,7 @@ class PublishedRow:
     gpus: int
     micro_batch: int
     global_batch: int
-    layout: dict[str, Any]  # JobSpec keywords: tp, pp, strategy, recompute, precision, schedule, overlaps
+    layout: dict[str, Any]  # the Layout's keys (strategy, tp, pp, schedule) and JobSpec's (recompute, precision, overlaps)
     published: dict[str, float]  # THROUGHPUT_KEYS and memory_gib, as printed
     role: str  # calibration | held-out | check
     cp: int = 1
@@ -97,8 +98,11 @@ class PublishedRow:
         return None
 
     def job(self, assumptions: est.Assumptions | None = None) -> est.JobSpec:
-        return est.JobSpec(self.model, self.seq_len, self.micro_batch, self.gpus, device=SYSTEMS[self.system].device,
-                           grad_accum=self.grad_accum, assumptions=assumptions or est.Assumptions(), **self.layout)
+        keys = {k: v for k, v in self.layout.items() if k in LAYOUT_KEYS}
+        rest = {k: v for k, v in self.layout.items() if k not in LAYOUT_KEYS}
+        return est.JobSpec(self.model, self.seq_len, self.micro_batch, est.layout_of(self.gpus, **keys),
+                           device=SYSTEMS[self.system].device, grad_accum=self.grad_accum,
+                           assumptions=assumptions or est.Assumptions(), **rest)
 
 
 def _load_source(path: Path) -> list[PublishedRow]:

@@ -148,7 +148,7 @@ def diagnose(args: argparse.Namespace, overrides: list[str]) -> list[str]:
         raise ValueError(f"--memory-budget-gib must be a finite number of GiB > 0 (got {budget})")
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
-        cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+        cfg.parallel, _ = cfg.parallel.resolved(ctx.layout)
         trainer = Trainer(cfg, ctx)
         try:
             trainer.steps(args.warmup)

@@ -390,12 +390,8 @@ class TrainingLoop:
         log.keep_rows_up_to(self.state.step)
 
     def layout(self) -> dict[str, int]:
-        """The parallel layout a checkpoint records (its shards and per-rank states depend on it)."""
-        d = self.ctx.dims
-        layout = {"tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
-                  "pp_virtual_stages": self.cfg.parallel.pp_virtual_stages if d.pp > 1 else 1}
-        # cp and ep absent at 1: checkpoints from before they existed match
-        return layout | ({"cp": d.cp} if d.cp > 1 else {}) | ({"ep": d.ep} if d.ep > 1 else {})
+        """The parallel layout a checkpoint records (``checkpoint.layout_record``)."""
+        return ckpt.layout_record(self.ctx.layout)
 
     # ----------------------------------------------------------------- the loop
 

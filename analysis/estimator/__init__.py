@@ -47,7 +47,6 @@ from analysis.estimator.job import (
     ATTENTION_KINDS,
     FITTED_PARAMETERS,
     GIB,
-    MULTI_CHUNK_SCHEDULES,
     PP_SCHEDULES,
     PRECISION_MODES,
     RECOMPUTE_POLICIES,
@@ -57,7 +56,7 @@ from analysis.estimator.job import (
     EstimatorError,
     JobSpec,
     StateBytes,
-    torch_microbatch_rule,
+    layout_of,
 )
 from analysis.estimator.memory import (
     MemoryEstimate,
@@ -80,6 +79,8 @@ from analysis.estimator.planning import (
     describe_plan,
     expert_parallel_sizes,
     fit_verdict,
+    job_of,
+    job_verdict,
     layout_overrides,
     layout_words,
     min_gpus_to_fit,
@@ -103,11 +104,12 @@ from analysis.estimator.time import (
     recompute_flops_per_token,
 )
 from model.flops import count_parameters, flops_per_token, matmul_parameters  # callers read them from here too
+from parallel.layout import Layout  # what a JobSpec's layout is
 
 __all__ = [
     "ACTIVATION_BYTES", "ATTENTION_BACKEND_KIND", "ATTENTION_KINDS", "FITTED_PARAMETERS", "GIB",
-    "MULTI_CHUNK_SCHEDULES", "RECOMPUTE_POLICIES", "PP_SCHEDULES", "PRECISION_MODES", "STATE_BYTES", "STRATEGIES",
-    "Assumptions", "EstimatorError", "JobSpec", "StateBytes", "torch_microbatch_rule", "activation_bytes_per_layer",
+    "RECOMPUTE_POLICIES", "PP_SCHEDULES", "PRECISION_MODES", "STATE_BYTES", "STRATEGIES",
+    "Assumptions", "EstimatorError", "JobSpec", "StateBytes", "layout_of", "activation_bytes_per_layer",
     "korthikanti_bytes_per_layer", "saved_bytes_per_layer", "MemoryEstimate", "activation_bytes_total",
     "block_parameters_per_gpu", "cp_attention_bytes_per_layer", "estimate_memory", "model_state_bytes",
     "pipeline_in_flight", "routed_parameters_per_block", "stage_memory", "stage_parameters",
@@ -116,8 +118,8 @@ __all__ = [
     "pp_comm_seconds", "reshards_after_forward", "tp_comm_seconds", "TimeEstimate", "bubble_fraction",
     "bubble_overhead", "estimate_time", "gemm_seconds", "layer_gemms", "recompute_flops_per_token", "Estimate",
     "describe_estimate", "estimate", "memory_problems", "CP_SEARCH_FROM", "PLANNER_STRATEGIES",
-    "context_parallel_sizes", "describe_plan", "expert_parallel_sizes", "fit_verdict", "layout_overrides",
+    "context_parallel_sizes", "describe_plan", "expert_parallel_sizes", "fit_verdict", "job_of", "job_verdict", "layout_overrides",
     "layout_words", "min_gpus_to_fit", "model_parallel_sizes", "plan_fits", "plan_layouts", "resolve_device",
     "smallest_power_of_two", "trainer_config", "trainer_refusal", "PRESET_NAMES", "Preset", "preset",
-    "count_parameters", "flops_per_token", "matmul_parameters",
+    "count_parameters", "flops_per_token", "matmul_parameters", "Layout",
 ]

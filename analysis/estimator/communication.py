@@ -83,17 +83,17 @@ def tp_comm_seconds(job: JobSpec, stage: int = 0) -> tuple[float, float]:
     backward; an all-reduce counts as two), 4 more for a layer recomputed in full; the embedding
     and the LM head one each way on their stages (module docstring).
     """
-    t = job.tp
+    t = job.layout.tp
     if t == 1:
         return 0.0, 0.0
     cfg = job.model
     activation = job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model
     one = collective_seconds(activation, t, job.device, job.assumptions.link_fraction,
                              ranks_per_node=_per_node(job, 1, t))
-    layers = cfg.n_layer // job.pp
-    recomputed = {"full": layers, "every_k": _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.pp}
+    layers = cfg.n_layer // job.layout.pp
+    recomputed = {"full": layers, "every_k": _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.layout.pp}
     count = 8 * layers + 4 * recomputed.get(job.recompute, 0)
-    count += 2 * (stage == 0) + 2 * (stage == job.pp - 1)
+    count += 2 * (stage == 0) + 2 * (stage == job.layout.pp - 1)
     return count * one, count * (t - 1) / t * activation
 
 
@@ -109,17 +109,17 @@ def cp_comm_seconds(job: JobSpec) -> tuple[float, float]:
     one all-gather of K and V forward and one reduce-scatter of their gradients backward, and one
     more all-gather for a layer whose core is recomputed (selective, full, every_k's layers). Counted
     as not overlapped with compute (the trainer issues them in line)."""
-    cp, cfg = job.cp, job.model
+    cp, cfg = job.layout.cp, job.model
     if cp == 1:
         return 0.0, 0.0
-    nbytes = kv_gather_bytes(cfg, job.seq_len, job.micro_batch, job.activation_dtype_bytes, job.tp)
-    layers = cfg.n_layer // job.pp
+    nbytes = kv_gather_bytes(cfg, job.seq_len, job.micro_batch, job.activation_dtype_bytes, job.layout.tp)
+    layers = cfg.n_layer // job.layout.pp
     recomputed = {"selective": layers, "full": layers,
-                  "every_k": _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.pp}
+                  "every_k": _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.layout.pp}
     count = 2 * layers + recomputed.get(job.recompute, 0)
     # cp groups sit inside tp on the mesh (dims.py): members tp ranks apart
     one = collective_seconds(nbytes, cp, job.device, job.assumptions.link_fraction,
-                             ranks_per_node=_per_node(job, job.tp, cp))
+                             ranks_per_node=_per_node(job, job.layout.tp, cp))
     return count * one, count * (cp - 1) / cp * nbytes
 
 
@@ -127,16 +127,16 @@ def pp_comm_seconds(job: JobSpec) -> tuple[float, float]:
     """(seconds, bytes sent per GPU) of one micro-batch's activations and gradients between stages:
     one of each per model chunk (``pp_virtual_stages`` of them on an interleaved GPU). Under context
     parallelism each cp rank sends its seq_len / cp tokens to the same cp rank of the next stage."""
-    if job.pp == 1:
+    if job.layout.pp == 1:
         return 0.0, 0.0
     cfg, frac = job.model, job.assumptions.link_fraction
     # Each tensor-parallel rank sends 1/t of the activation: its sequence shard under sequence
     # parallelism, or its slice of the replicated tensor (Megatron's scatter/gather, which re-gathers it
     # over NVLink on the receiving stage).
-    nbytes = job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model / job.tp
-    same_node = job.world_size <= job.device.gpus_per_node  # stages are the outermost mesh dimension
+    nbytes = job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model / job.layout.tp
+    same_node = job.layout.world_size <= job.device.gpus_per_node  # stages are the outermost mesh dimension
     link = job.device.nvlink_one_way_gb_s if same_node else job.device.network_gb_s
-    sent = 2 * job.pp_virtual_stages * nbytes
+    sent = 2 * job.layout.pp_virtual_stages * nbytes
     return sent / (link * 1e9 * frac), sent
 
 
@@ -149,7 +149,7 @@ def fsdp_collectives(job: JobSpec) -> tuple[int, int]:
     backward until the step ends; with reshard_after_forward every micro-batch's forward gathers again
     (m forwards + 1 backward gather), without it the first gather serves the whole step."""
     m = job.grad_accum
-    if job.pp == 1:
+    if job.layout.pp == 1:
         return (2 if job.fsdp_reshard_after_forward else 1) * m, m
     return (m + 1 if reshards_after_forward(job) else 1), 1
 
@@ -158,34 +158,32 @@ def reshards_after_forward(job: JobSpec) -> bool:
     """Whether the trainer's FSDP2 blocks free their gathered weights after forward: the setting,
     except in a zero_bubble pipeline, which keeps them for its weight-gradient pass
     (ParallelConfig.reshard_blocks_after_forward)."""
-    return job.fsdp_reshard_after_forward and not (job.pp > 1 and job.pp_schedule == "zero_bubble")
+    return job.fsdp_reshard_after_forward and not (job.layout.pp > 1 and job.layout.pp_schedule == "zero_bubble")
 
 
-def _dp_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, float]:
-    """Data-parallel traffic of one GPU holding ``n_params`` per step, and its time (before overlap)."""
+def _dp_comm(job: JobSpec, n_params: float, shard: int | None = None) -> tuple[CommVolume, float]:
+    """Data-parallel traffic of one GPU holding ``n_params`` per step, and its time (before overlap).
+    ``shard``: the GPUs that shard these parameters together (default: the dense weights', dp_shard x cp;
+    cp ranks average gradients with the data-parallel ones); HSDP replicates them dp_replicate times."""
     frac = job.assumptions.link_fraction
-    # cp ranks average gradients with the data-parallel ones (folded into the shard group)
-    if job.dp_replicate == 1:
-        volume = comm_volume(n_params, job.strategy, job.dp * job.cp, job.precision)
-        group = job.dp * job.cp
-    else:  # HSDP: FSDP inside dp_shard, then the reduced shard is all-reduced across replicas
-        shard = comm_volume(n_params, job.strategy, job.shard_group, job.precision)
-        grads = n_params * STATE_BYTES[job.precision].grad / job.shard_group
-        volume = dataclasses.replace(shard, replica_all_reduce=grads, replicas=job.dp_replicate)
-        group = job.shard_group
-    if job.strategy in ("zero3", "fsdp") and group > 1:
+    group = shard or job.layout.dp_shard_cp
+    volume = comm_volume(n_params, job.layout.strategy, group, job.precision)
+    if job.layout.dp_replicate > 1:  # HSDP: FSDP inside the shard group, then the reduced shard is all-reduced across replicas
+        grads = n_params * STATE_BYTES[job.precision].grad / group
+        volume = dataclasses.replace(volume, replica_all_reduce=grads, replicas=job.layout.dp_replicate)
+    if job.layout.strategy in ("zero3", "fsdp") and group > 1:
         gathers, scatters = fsdp_collectives(job)
         per = STATE_BYTES[job.precision]
         volume = dataclasses.replace(volume, all_gather=gathers * n_params * per.param,
                                      reduce_scatter=scatters * n_params * per.grad)
-    link = dict(ranks_per_node=_per_node(job, job.tp, group))
+    link = dict(ranks_per_node=_per_node(job, job.layout.tp, group))
     seconds = (
         2 * collective_seconds(volume.all_reduce, group, job.device, frac, **link)
         + collective_seconds(volume.reduce_scatter, group, job.device, frac, **link)
         + collective_seconds(volume.all_gather, group, job.device, frac, **link)
     )
     if volume.replicas > 1:
-        outer = dict(ranks_per_node=_per_node(job, job.tp * job.shard_group, volume.replicas))
+        outer = dict(ranks_per_node=_per_node(job, job.layout.tp * group, volume.replicas))
         seconds += 2 * collective_seconds(volume.replica_all_reduce, volume.replicas, job.device, frac, **outer)
     return volume, seconds
 
@@ -204,7 +202,7 @@ def expert_exchanges(job: JobSpec) -> float:
         recomputed = sum(1 for i in range(cfg.n_layer) if cfg.is_moe_layer(i) and (i + 1) % k == 0)
     else:
         recomputed = 0
-    return (4 * cfg.n_moe_layers + 2 * recomputed) / job.pp
+    return (4 * cfg.n_moe_layers + 2 * recomputed) / job.layout.pp
 
 
 def expert_all_to_all(job: JobSpec) -> tuple[float, float]:
@@ -216,26 +214,25 @@ def expert_all_to_all(job: JobSpec) -> tuple[float, float]:
     across nodes it is slower than that (many small messages), which this does not count.
     """
     cfg = job.model
-    if job.ep == 1:
+    if job.layout.ep == 1:
         return 0.0, 0.0
     # Each tp GPU exchanges the copies of the positions it routes: its own s/t under sequence
     # parallelism, all of them without; a cp rank routes its chunks only.
-    copies = job.seq_len * job.micro_batch * cfg.moe.top_k / ((job.tp if job.sp else 1) * job.cp)
+    copies = job.seq_len * job.micro_batch * cfg.moe.top_k / ((job.layout.tp if job.layout.sp else 1) * job.layout.cp)
     nbytes = copies * cfg.d_model * job.activation_dtype_bytes
     count = expert_exchanges(job)
-    one = collective_seconds(nbytes, job.ep, job.device, job.assumptions.link_fraction,
-                             ranks_per_node=_per_node(job, job.tp, job.ep))
-    return count * one, count * (job.ep - 1) / job.ep * nbytes
+    one = collective_seconds(nbytes, job.layout.ep, job.device, job.assumptions.link_fraction,
+                             ranks_per_node=_per_node(job, job.layout.tp, job.layout.ep))
+    return count * one, count * (job.layout.ep - 1) / job.layout.ep * nbytes
 
 
 def _dp_and_expert_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, float]:
     """``_dp_comm`` of a stage holding ``n_params``; with ep > 1 its routed experts travel apart, over
     the dp_shard / ep GPUs holding the same experts (each holding 1/ep of them)."""
-    if job.ep == 1:
+    if job.layout.ep == 1:
         return _dp_comm(job, n_params)
     routed = stage_routed_parameters(job)
     dense, dense_s = _dp_comm(job, n_params - routed)
     # The GPUs holding the same experts: the shard group over ep (cp ranks are inside the ep group).
-    expert_job = dataclasses.replace(job, world_size=job.world_size // job.ep, ep=1, cp=1)
-    experts, experts_s = _dp_comm(expert_job, routed / job.ep)
+    experts, experts_s = _dp_comm(job, routed / job.layout.ep, shard=job.layout.dp_shard_cp // job.layout.ep)
     return dataclasses.replace(dense, expert_sharded=experts.sent_per_gpu), dense_s + experts_s

@@ -140,7 +140,7 @@ class MemoryEstimate:
 def _layer_bytes(job: JobSpec, recompute: str) -> float:
     return activation_bytes_per_layer(
         job.model, job.local_seq_len, job.micro_batch, recompute, job.activation_dtype_bytes,
-        attention=job.attention, tp=job.tp, sequence_parallel=job.sp,
+        attention=job.attention, tp=job.layout.tp, sequence_parallel=job.layout.sp,
     ) + cp_attention_bytes_per_layer(job, recompute)
 
 
@@ -151,7 +151,7 @@ def cp_attention_bytes_per_layer(job: JobSpec, recompute: str) -> float:
     each) see (i + 1) c and (2cp - i) c keys: c^2 (2cp + 1) scores per head, where a layer of s / cp
     tokens counts (s / cp)^2. Selective and full recompute rebuild the core, gather included, in
     backward; every_k keeps it in the layers it does not recompute."""
-    cp, cfg = job.cp, job.model
+    cp, cfg = job.layout.cp, job.model
     if cp == 1 or recompute in ("selective", "full", "offload"):
         return 0.0
     s, b, p = job.seq_len, job.micro_batch, job.activation_dtype_bytes
@@ -161,7 +161,7 @@ def cp_attention_bytes_per_layer(job: JobSpec, recompute: str) -> float:
         c = s // (2 * cp)
         per_score = 2 * p + 1 if cfg.dropout > 0 else p
         scores = per_score * cfg.n_head * b * (c * c * (2 * cp + 1) - (s // cp) ** 2)
-    extra = (kv + scores) / job.tp
+    extra = (kv + scores) / job.layout.tp
     if recompute == "every_k":
         kept = _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k)
         return extra * (cfg.n_layer - kept) / cfg.n_layer
@@ -169,7 +169,7 @@ def cp_attention_bytes_per_layer(job: JobSpec, recompute: str) -> float:
 
 
 def _in_flight(job: JobSpec, stage: int) -> float:
-    return pipeline_in_flight(job.pp_schedule, job.pp, job.grad_accum, job.pp_virtual_stages, stage)
+    return pipeline_in_flight(job.layout.pp_schedule, job.layout.pp, job.grad_accum, job.layout.pp_virtual_stages, stage)
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def _layer_activations(job: JobSpec) -> _LayerActivations:
     cfg = job.model
     none = _layer_bytes(job, "none")
     embeddings = _tp_split(job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model, 0,
-                           tp=job.tp, sequence_parallel=job.sp)
+                           tp=job.layout.tp, sequence_parallel=job.layout.sp)
     if job.recompute == "offload":
         return _LayerActivations(none, none, embeddings)
     kept = _layer_bytes(job, job.recompute)
@@ -205,7 +205,7 @@ def activation_bytes_total(job: JobSpec, stage: int = 0, layer: _LayerActivation
     adds that much for one layer at the peak. The first stage also keeps the embedding output.
     """
     layer = layer or _layer_activations(job)
-    layers = job.model.n_layer // job.pp
+    layers = job.model.n_layer // job.layout.pp
     in_flight = _in_flight(job, stage)
     embeddings = layer.embeddings if stage == 0 else 0.0
     if job.recompute == "offload":
@@ -216,27 +216,27 @@ def activation_bytes_total(job: JobSpec, stage: int = 0, layer: _LayerActivation
 def _logits_bytes(job: JobSpec, stage: int | None = None) -> float:
     """fp32 log-probabilities the loss saves (per in-flight micro-batch), their fp32 gradient and the
     logits' gradient (one micro-batch at a time); vocab-parallel over tp; on the last stage only."""
-    last = job.pp - 1
+    last = job.layout.pp - 1
     if stage is not None and stage != last:
         return 0.0
-    tokens_vocab = job.local_seq_len * job.micro_batch * job.model.vocab_size / job.tp
+    tokens_vocab = job.local_seq_len * job.micro_batch * job.model.vocab_size / job.layout.tp
     return tokens_vocab * (4 * _in_flight(job, last) + 4 + job.activation_dtype_bytes)
 
 
 def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
-    if job.strategy not in ("zero3", "fsdp") or job.shard_group == 1:
+    if job.layout.strategy not in ("zero3", "fsdp") or job.layout.dp_shard_cp == 1:
         return 0.0
     per = STATE_BYTES[job.precision]
-    if job.pp > 1:  # pipelining keeps the stage gathered, and its gradients unreduced, until the last backward
-        held = stage_parameters(job.model, job.tp, job.pp, stage) - stage_routed_parameters(job) * (1 - 1 / job.ep)
+    if job.layout.pp > 1:  # pipelining keeps the stage gathered, and its gradients unreduced, until the last backward
+        held = stage_parameters(job.model, job.layout.tp, job.layout.pp, stage) - stage_routed_parameters(job) * (1 - 1 / job.layout.ep)
         return held * (per.param + per.grad)
-    block = block_parameters_per_gpu(job.model, job.tp) - routed_parameters_per_block(job.model) * (1 - 1 / job.ep)
+    block = block_parameters_per_gpu(job.model, job.layout.tp) - routed_parameters_per_block(job.model) * (1 - 1 / job.layout.ep)
     return job.assumptions.unsharded_layers * block * (per.param + per.grad)
 
 
 def stage_memory(job: JobSpec, stage: int, layer: _LayerActivations | None = None) -> MemoryEstimate:
     """Bytes per GPU of pipeline stage ``stage`` at its peak."""
-    n_params = stage_parameters(job.model, job.tp, job.pp, stage)
+    n_params = stage_parameters(job.model, job.layout.tp, job.layout.pp, stage)
     states = stage_state_bytes(job, n_params)
     device_acts, host_acts = activation_bytes_total(job, stage, layer)
     a = job.assumptions
@@ -260,7 +260,7 @@ def stage_memory(job: JobSpec, stage: int, layer: _LayerActivations | None = Non
 def _edge_stages(job: JobSpec) -> tuple[int, ...]:
     # A middle stage holds no more than the first (the same blocks, no embedding, no more micro-batches
     # in flight) and computes no more than the first or the last, so these two decide (tested).
-    return (0,) if job.pp == 1 else (0, job.pp - 1)
+    return (0,) if job.layout.pp == 1 else (0, job.layout.pp - 1)
 
 
 def estimate_memory(job: JobSpec) -> MemoryEstimate:
@@ -280,16 +280,16 @@ def routed_parameters_per_block(cfg: ModelConfig) -> float:
 
 def stage_routed_parameters(job: JobSpec) -> float:
     """Routed expert weights among a pipeline stage's parameters (before ep splits them)."""
-    return job.model.n_layer // job.pp * routed_parameters_per_block(job.model)
+    return job.model.n_layer // job.layout.pp * routed_parameters_per_block(job.model)
 
 
 def stage_state_bytes(job: JobSpec, n_params: float) -> StateBytes:
     """Model-state bytes per GPU of a stage holding ``n_params``: with ep > 1 the routed experts
     are split over ep GPUs and each split sharded over the dp_shard / ep GPUs holding it; the rest
     is sharded over the shard group as without ep (with cp, ep is carved out of the shard group, cp included)."""
-    if job.ep == 1:
-        return model_state_bytes(n_params, job.strategy, job.shard_group, job.precision)
+    if job.layout.ep == 1:
+        return model_state_bytes(n_params, job.layout.strategy, job.layout.dp_shard_cp, job.precision)
     routed = stage_routed_parameters(job)
-    dense = model_state_bytes(n_params - routed, job.strategy, job.shard_group, job.precision)
-    experts = model_state_bytes(routed / job.ep, job.strategy, job.shard_group // job.ep, job.precision)
+    dense = model_state_bytes(n_params - routed, job.layout.strategy, job.layout.dp_shard_cp, job.precision)
+    experts = model_state_bytes(routed / job.layout.ep, job.layout.strategy, job.layout.dp_shard_cp // job.layout.ep, job.precision)
     return StateBytes(dense.param + experts.param, dense.grad + experts.grad, dense.optimizer + experts.optimizer)

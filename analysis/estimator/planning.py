@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 from analysis.estimator.job import (
-    MULTI_CHUNK_SCHEDULES,
     PP_SCHEDULES,
     PRECISION_MODES,
     RECOMPUTE_POLICIES,
@@ -14,7 +13,7 @@ from analysis.estimator.job import (
     EstimatorError,
     JobSpec,
     _check_choice,
-    torch_microbatch_rule,
+    layout_of,
 )
 from analysis.estimator.memory import estimate_memory
 from analysis.estimator.step import Estimate, _estimate_with, describe_estimate, estimate, memory_problems
@@ -23,6 +22,7 @@ from common.errors import ConfigError
 from common.hardware import DEVICES, DeviceSpec, lookup_device
 from common.report import gib
 from model.config import ModelConfig
+from parallel.layout import LAYOUT_KEYS, MULTI_CHUNK_SCHEDULES, Layout, microbatch_problem
 from training.config import JobConfig
 
 # zero3 is modelled exactly like fsdp (both shard parameters, gradients and optimizer state), so
@@ -34,7 +34,7 @@ CP_SEARCH_FROM = 16384
 
 def expert_parallel_sizes(model_cfg: ModelConfig, dp_shard: int, strategy: str, cp: int = 1) -> list[int]:
     """The ep degrees a job can use: 1, and with an MoE model under fsdp every divisor of dp_shard x cp
-    that divides the routed experts and, with cp, is a multiple of cp (parallel/dims.py)."""
+    that divides the routed experts and, with cp, is a multiple of cp (parallel/layout.py)."""
     if model_cfg.moe.experts is None or strategy not in ("fsdp", "zero3"):
         return [1]
     return [e for e in _divisors(dp_shard * cp) if model_cfg.moe.experts % e == 0 and (e == 1 or e % cp == 0)]
@@ -45,12 +45,9 @@ def trainer_config(job: JobSpec, base: JobConfig | None = None) -> JobConfig:
     defaults) with the job's model, recompute policy, batch, precision and layout put in."""
     base = base or JobConfig()
     parallel = dataclasses.replace(
-        base.parallel, strategy=job.strategy, tp=job.tp, pp=job.pp, cp=job.cp, dp_replicate=job.dp_replicate,
-        pp_schedule=job.pp_schedule, pp_virtual_stages=job.pp_virtual_stages,
-        sequence_parallel=job.sp if job.tp > 1 else base.parallel.sequence_parallel,
+        base.parallel, **{key: getattr(job.layout, key) for key in LAYOUT_KEYS},
         fsdp_reshard_after_forward=job.fsdp_reshard_after_forward,
         fsdp_hybrid=False,  # HSDP is written as dp_replicate here
-        ep=job.ep, dp_shard=job.config_dp_shard,  # the config's dp_shard excludes the ep ranks
     )
     return dataclasses.replace(
         base,
@@ -72,19 +69,18 @@ def trainer_refusal(job: JobSpec, base: JobConfig | None = None) -> str | None:
     return None
 
 
+def job_of(config: JobConfig, layout: Layout, device: DeviceSpec | None = None) -> JobSpec:
+    """The job a trainer configuration runs on ``layout`` (the inverse of ``trainer_config``), on
+    ``device`` (default: an H100)."""
+    return JobSpec(config.model, config.seq_len, config.train.micro_batch_size, layout, config.model.recompute,
+                   config.precision.mode, device or DEVICES["H100"], config.train.grad_accum_steps,
+                   fsdp_reshard_after_forward=config.parallel.fsdp_reshard_after_forward)
+
+
 def layout_overrides(job: JobSpec) -> list[str]:
-    """The job's layout as the trainer's ``--section.key=value`` overrides (what ``layout_words`` says)."""
-    words = [f"--parallel.strategy={job.strategy}", f"--parallel.dp_replicate={job.dp_replicate}",
-             f"--parallel.dp_shard={job.config_dp_shard}", f"--parallel.tp={job.tp}", f"--parallel.pp={job.pp}",
-             f"--parallel.pp_schedule={job.pp_schedule}", f"--parallel.pp_virtual_stages={job.pp_virtual_stages}"]
-    if job.tp > 1:
-        words.append(f"--parallel.sequence_parallel={'true' if job.sp else 'false'}")
-    if job.cp > 1:
-        words.append(f"--parallel.cp={job.cp}")
-    if job.ep > 1:
-        words.append(f"--parallel.ep={job.ep}")
-    return words + [f"--model.recompute={job.recompute}", f"--train.micro_batch_size={job.micro_batch}",
-                    f"--train.grad_accum_steps={job.grad_accum}", f"--precision.mode={job.precision}"]
+    """The job as the trainer's ``--section.key=value`` overrides (what ``layout_words`` says)."""
+    return job.layout.overrides() + [f"--model.recompute={job.recompute}", f"--train.micro_batch_size={job.micro_batch}",
+                                     f"--train.grad_accum_steps={job.grad_accum}", f"--precision.mode={job.precision}"]
 
 
 def plan_fits(
@@ -112,10 +108,11 @@ def plan_fits(
     for strategy in strategies:
         for recompute in recomputes:
             for micro_batch in micro_batches:
-                job = JobSpec(
-                    model_cfg, seq_len, micro_batch, world_size, strategy, recompute, precision, device,
-                    assumptions=assumptions or Assumptions(),
-                )
+                try:
+                    job = JobSpec(model_cfg, seq_len, micro_batch, layout_of(world_size, strategy=strategy), recompute,
+                                  precision, device, assumptions=assumptions or Assumptions())
+                except EstimatorError:
+                    continue
                 if trainer_refusal(job, config):
                     continue
                 result = estimate(job)
@@ -217,26 +214,31 @@ def plan_layouts(
         for strategy, dp_replicate, ep in [(s_, r, e) for s_, r in _data_parallel_options(dp, strategies, cp)
                                            for e in expert_parallel_sizes(model_cfg, dp // r, s_, cp)]:
             for schedule, v in _pipeline_options(model_cfg, pp, schedules, virtual_stages):
+                try:
+                    layout = layout_of(world_size, strategy=strategy, dp_replicate=dp_replicate, cp=cp, tp=tp, pp=pp,
+                                       ep=ep, pp_schedule=schedule, pp_virtual_stages=v)
+                except EstimatorError:
+                    continue
                 for recompute in recomputes:
                     # Memory never shrinks as the micro-batch grows at a fixed global batch (GPipe
                     # holds b*m = b*per_rank/b sequences either way), so the first miss ends the row.
                     for micro_batch in sorted(b for b in micro_batches if per_rank % b == 0):
                         grad_accum = per_rank // micro_batch
-                        if torch_microbatch_rule(schedule, pp, grad_accum):
+                        if microbatch_problem(layout, grad_accum):
                             continue
-                        job = JobSpec(
-                            model_cfg, seq_len, micro_batch, world_size, strategy, recompute, precision, device,
-                            grad_accum, assumptions or Assumptions(), tp=tp, pp=pp, dp_replicate=dp_replicate,
-                            pp_schedule=schedule, pp_virtual_stages=v, cp=cp, ep=ep,
-                        )
+                        try:  # the layout's rules against the model (check_model) decide, as in the trainer
+                            job = JobSpec(model_cfg, seq_len, micro_batch, layout, recompute, precision, device,
+                                          grad_accum, assumptions or Assumptions())
+                        except EstimatorError:
+                            continue
                         if trainer_refusal(job, config):
                             continue
                         memory = estimate_memory(job)
                         if memory_problems(job, memory):
                             break
                         fitting.append(_estimate_with(job, memory))
-    fitting.sort(key=lambda e: (e.time.seconds_per_token, e.memory.total, e.job.dp_replicate, e.job.pp, e.job.tp,
-                                e.job.cp, e.job.ep))
+    fitting.sort(key=lambda e: (e.time.seconds_per_token, e.memory.total, e.job.layout.dp_replicate, e.job.layout.pp,
+                                e.job.layout.tp, e.job.layout.cp, e.job.layout.ep))
     return fitting if top is None else fitting[:top]
 
 
@@ -251,44 +253,25 @@ def context_parallel_sizes(seq_len: int, gpus: int) -> list[int]:
 
 
 def layout_words(job: JobSpec) -> str:
-    """The job in the config's own words, e.g. ``strategy=fsdp dp_shard=8 tp=8 pp=1 ...``.
-
-    Keys: parallel.{strategy, dp_replicate, dp_shard, tp, pp, ep, pp_schedule, pp_virtual_stages,
-    sequence_parallel}, model.recompute, train.micro_batch_size (micro_batch) and
-    train.grad_accum_steps (grad_accum). dp_replicate, the schedule and sequence_parallel are
-    named only where they apply.
-    """
-    words = [f"strategy={job.strategy}"]
-    if job.dp_replicate > 1:
-        words.append(f"dp_replicate={job.dp_replicate}")
-    words += [f"dp_shard={job.config_dp_shard}", f"tp={job.tp}", f"pp={job.pp}"]
-    if job.ep > 1:
-        words.append(f"ep={job.ep}")
-    if job.pp > 1:
-        words.append(f"pp_schedule={job.pp_schedule}")
-        if job.pp_virtual_stages > 1:
-            words.append(f"pp_virtual_stages={job.pp_virtual_stages}")
-    if job.tp > 1:
-        words.append(f"sequence_parallel={'true' if job.sp else 'false'}")
-    if job.cp > 1:
-        words.append(f"cp={job.cp}")
-    words += [f"recompute={job.recompute}", f"micro_batch={job.micro_batch}", f"grad_accum={job.grad_accum}"]
-    return " ".join(words)
+    """The job in the config's own words: the layout's (``Layout.describe``, e.g. ``strategy=fsdp
+    dp_shard=8 tp=8 pp=1``), then model.recompute, train.micro_batch_size (micro_batch) and
+    train.grad_accum_steps (grad_accum)."""
+    return f"{job.layout.describe()} recompute={job.recompute} micro_batch={job.micro_batch} grad_accum={job.grad_accum}"
 
 
 def describe_plan(result: Estimate) -> str:
     """One planner line: the layout in config words, then predicted memory, step time and MFU."""
     mem, t, job = result.memory, result.time, result.job
-    where = f" (stage {mem.stage})" if job.pp > 1 else ""
+    where = f" (stage {mem.stage})" if job.layout.pp > 1 else ""
     mfu = f", MFU {t.mfu:.0%}" if t.mfu is not None else ""
-    idle = bubble_fraction(job.pp_schedule, job.pp, job.grad_accum, job.pp_virtual_stages)
-    bubble = f", bubble {idle:.1%}" if job.pp > 1 else ""
+    idle = bubble_fraction(job.layout.pp_schedule, job.layout.pp, job.grad_accum, job.layout.pp_virtual_stages)
+    bubble = f", bubble {idle:.1%}" if job.layout.pp > 1 else ""
     return f"{layout_words(job)}: {gib(mem.total)}/GPU{where}, {t.step_s:,.3g} s/step{mfu}{bubble}"
 
 
 def _fits_on(model_cfg: ModelConfig, seq_len: int, device: DeviceSpec, precision: str, n: int) -> bool:
-    strategy = "none" if n == 1 else "fsdp"
-    return estimate(JobSpec(model_cfg, seq_len, 1, n, strategy, "full", precision, device)).fits
+    layout = Layout(n, strategy="none" if n == 1 else "fsdp")
+    return estimate(JobSpec(model_cfg, seq_len, 1, layout, "full", precision, device)).fits
 
 
 def min_gpus_to_fit(
@@ -329,53 +312,44 @@ def resolve_device(device_name: str) -> DeviceSpec | None:
     return DEVICES.get(device_name.upper()) or lookup_device(device_name)
 
 
-def fit_verdict(
-    model_cfg: ModelConfig,
-    seq_len: int,
-    micro_batch_size: int,
-    world_size: int,
-    strategy: str,
-    recompute: str,
-    precision_mode: str,
-    device_name: str,
-    config: JobConfig | None = None,
-    **layout,
-) -> str:
-    """One or two lines for the trainer's start-up log: does this job fit, and if not, what would.
-
-    ``layout``: JobSpec's other keywords (grad_accum, tp, pp, cp, ep, dp_replicate, pp_schedule,
-    pp_virtual_stages, sequence_parallel, fsdp_reshard_after_forward). On a device the table does not
-    know (a CPU) it says what the job would need per GPU; when the job does not fit, it names the
-    cheapest layout that does at the same global batch (``plan_layouts``, among what the trainer
-    accepts with ``config``) in the config's words, or the fewest GPUs that would hold it.
-    """
+def fit_verdict(config: JobConfig, layout: Layout, device_name: str) -> str:
+    """One or two lines for the trainer's start-up log: does the job of ``config`` on ``layout`` fit on
+    ``device_name`` GPUs (a table entry or a torch.cuda.get_device_name() string), and if not, what
+    would (``job_verdict``). On a device the table does not know (a CPU) it says what the job would
+    need per GPU."""
     device = resolve_device(device_name)
     try:
-        if device is None:
-            job = JobSpec(model_cfg, seq_len, micro_batch_size, world_size, strategy, recompute, precision_mode, **layout)
-            mem = estimate_memory(job)
-            return (
-                f"fit check: no memory figures for device {device_name!r}; on a GPU this job would need "
-                f"~{gib(mem.total)} per GPU (model states {gib(mem.states)}, activations "
-                f"{gib(mem.activations + mem.logits)})"
-            )
-        job = JobSpec(model_cfg, seq_len, micro_batch_size, world_size, strategy, recompute, precision_mode, device, **layout)
+        job = job_of(config, layout, device)
     except EstimatorError as exc:
         return f"fit check skipped: {exc}"
+    if device is None:
+        mem = estimate_memory(job)
+        return (
+            f"fit check: no memory figures for device {device_name!r}; on a GPU this job would need "
+            f"~{gib(mem.total)} per GPU (model states {gib(mem.states)}, activations "
+            f"{gib(mem.activations + mem.logits)})"
+        )
+    return job_verdict(job, config)
+
+
+def job_verdict(job: JobSpec, config: JobConfig | None = None) -> str:
+    """Does ``job`` fit on its device; if not, the cheapest layout that does at the same global batch
+    (``plan_layouts``, among what the trainer accepts with ``config``) in the config's words, or the
+    fewest GPUs that would hold it."""
     result = estimate(job)
-    shape = f", tp={job.tp}, pp={job.pp}" if job.tp * job.pp > 1 else ""
-    head = f"{world_size}x {device.name}, {strategy}{shape}, recompute={recompute}, micro-batch {micro_batch_size}, {precision_mode}"
+    world, device = job.layout.world_size, job.device
+    head = f"{world}x {device.name}, {job.layout.describe()}, recompute={job.recompute}, micro-batch {job.micro_batch}, {job.precision}"
     if result.fits:
         return f"fit: yes, {describe_estimate(result)} ({head})"
     first = f"fit: NO, {result.problems[0]} ({head})"
-    plans = plan_layouts(model_cfg, seq_len, world_size, device, precision_mode, global_batch=job.global_batch, top=1,
+    plans = plan_layouts(job.model, job.seq_len, world, device, job.precision, global_batch=job.global_batch, top=1,
                          config=config)
     if plans:
         same = f"same global batch: {job.global_batch} sequences"
         return first + f"\n  cheapest that fits: {describe_plan(plans[0])} ({same})"
-    need = min_gpus_to_fit(model_cfg, seq_len, device, precision_mode)
+    need = min_gpus_to_fit(job.model, job.seq_len, device, job.precision)
     more = (
         f"at least {need} GPUs (smallest power of two: {smallest_power_of_two(need)})"
         if need else "more memory than any GPU count provides"
     )
-    return first + f"\n  nothing fits on {world_size} GPUs; fsdp + full recompute at micro-batch 1 needs {more}"
+    return first + f"\n  nothing fits on {world} GPUs; fsdp + full recompute at micro-batch 1 needs {more}"

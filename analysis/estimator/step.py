@@ -53,7 +53,7 @@ def _estimate_with(job: JobSpec, memory: MemoryEstimate) -> Estimate:
 def memory_problems(job: JobSpec, memory: MemoryEstimate) -> tuple[str, ...]:
     """Why ``memory`` does not fit on ``job.device`` (empty when it does)."""
     problems = []
-    where = f" (pipeline stage {memory.stage})" if job.pp > 1 else ""
+    where = f" (pipeline stage {memory.stage})" if job.layout.pp > 1 else ""
     if memory.total > job.device.hbm_gib * GIB:
         problems.append(f"needs {gib(memory.total)} per GPU{where}, {job.device.name} has {job.device.hbm_gib:g} GiB")
     if memory.host > job.device.host_mem_gib * GIB:

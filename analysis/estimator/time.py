@@ -200,7 +200,7 @@ def _attention_seconds(job: JobSpec, forwards: float) -> tuple[float, float]:
     whole square as batched GEMMs (the head dim is their reduction dimension) and moves the s x s
     scores through memory: ``_score_traffic_bytes``.
     """
-    cfg, a, t = job.model, job.assumptions, job.tp
+    cfg, a, t = job.model, job.assumptions, job.layout.tp
     b, s, d = job.micro_batch, job.seq_len, cfg.d_model
     q = job.local_seq_len  # a cp GPU's queries, against every key: 1/cp of the square, balanced (parallel/cp.py)
     fwd_flops = 4.0 * b * q * s * d / t
@@ -252,7 +252,7 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
     In a MoE layer the activation runs on each token's top-k experts and the shared ones
     (``_mlp_hidden_width``); the permutation's gathers are not counted.
     """
-    cfg, p, t = job.model, job.activation_dtype_bytes, job.tp
+    cfg, p, t = job.model, job.activation_dtype_bytes, job.layout.tp
     tokens = job.local_seq_len * job.micro_batch
     d = cfg.d_model
     outside_fwd, outside_bwd = 10 * d * p, 12 * d * p
@@ -265,7 +265,7 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
     if cfg.position == "rope":
         inside_fwd += 2 * (d + cfg.kv_dim) * p
         inside_bwd += 2 * (d + cfg.kv_dim) * p
-    split = t if job.sp else 1
+    split = t if job.layout.sp else 1
     fwd = tokens * (outside_fwd / split + inside_fwd / t)
     bwd = tokens * (outside_bwd / split + inside_bwd / t)
     if job.precision == "fp8":
@@ -303,18 +303,18 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     memory-bound pass over the logits (16-bit logits written and read, fp32 log-probabilities written
     and read, 16-bit gradient written).
     """
-    cfg, a, t = job.model, job.assumptions, job.tp
+    cfg, a, t = job.model, job.assumptions, job.layout.tp
     tokens = job.local_seq_len * job.micro_batch
-    layers = cfg.n_layer // job.pp
+    layers = cfg.n_layer // job.layout.pp
     hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
     redo_layer, redo_core, redo_elementwise = _recompute_shares(job)
-    gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t, moe_split=t if job.sp else 1))
+    gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t, moe_split=t if job.layout.sp else 1))
     core, scores = _attention_seconds(job, 1 + redo_core + redo_layer)
     fwd_bytes, bwd_bytes = _elementwise_bytes(job)
     elementwise = (fwd_bytes * (1 + redo_layer + redo_elementwise) + bwd_bytes) * a.elementwise_scale / hbm
     compute = layers * (gemm * (3 + redo_layer) + core)
     memory_bound = layers * (elementwise + scores)
-    if stage == job.pp - 1:
+    if stage == job.layout.pp - 1:
         compute += 3 * gemm_seconds(job, tokens, cfg.d_model, cfg.vocab_size / t)
         p = job.activation_dtype_bytes
         memory_bound += tokens * cfg.vocab_size / t * (3 * p + 8) * a.elementwise_scale / hbm
@@ -337,7 +337,7 @@ def _optimizer_seconds(job: JobSpec, state_bytes: float) -> float:
 
 
 def _largest_stage_parameters(job: JobSpec) -> float:
-    return max(stage_parameters(job.model, job.tp, job.pp, i) for i in _edge_stages(job))
+    return max(stage_parameters(job.model, job.layout.tp, job.layout.pp, i) for i in _edge_stages(job))
 
 
 def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
@@ -354,9 +354,9 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
     slowest = max((_stage_microbatch(job, stage) for stage in _edge_stages(job)), key=lambda mb: mb.total)
     work = m * (slowest.compute + slowest.memory_bound)
     _, dp_s = _dp_and_expert_comm(job, _largest_stage_parameters(job))
-    if job.strategy in ("zero3", "fsdp") and job.pp == 1:
+    if job.layout.strategy in ("zero3", "fsdp") and job.layout.pp == 1:
         hideable = work  # every micro-batch's collectives run beside its own work
-    elif job.strategy in ("zero3", "fsdp"):
+    elif job.layout.strategy in ("zero3", "fsdp"):
         # gathers prefetch behind forwards (every micro-batch's with reshard_after_forward); the
         # reduce-scatter after the last backward shows
         hideable = (m if reshards_after_forward(job) else 1) * slowest.compute / 3
@@ -365,11 +365,11 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
     if not job.dp_overlap:
         hideable = 0.0
     exposed_dp = _exposed(dp_s, hideable, a)
-    layers = job.model.n_layer // job.pp
+    layers = job.model.n_layer // job.layout.pp
     offloaded = layers * _layer_bytes(job, "none") if job.recompute == "offload" else 0.0
     offload = m * 2 * offloaded / (job.device.pcie_gb_s * 1e9 * a.link_fraction)
     peak = None if job.precision == "fp8" else _peak_tflops(job.device, job.precision)
-    tokens = job.seq_len * job.micro_batch * m * job.dp
+    tokens = job.seq_len * job.micro_batch * m * job.layout.dp
     return TimeEstimate(
         compute_s=m * slowest.compute,
         comm_s=dp_s,
@@ -379,10 +379,10 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
         tokens_per_step=tokens,
         model_flops_per_step=flops_per_token(job.model, job.seq_len) * tokens,
         peak_tflops=peak,
-        world_size=job.world_size,
+        world_size=job.layout.world_size,
         tp_comm_s=m * slowest.tp,
         pp_comm_s=m * slowest.pp,
-        bubble_s=bubble_overhead(job.pp_schedule, job.pp, m, job.pp_virtual_stages) * m * slowest.total,
+        bubble_s=bubble_overhead(job.layout.pp_schedule, job.layout.pp, m, job.layout.pp_virtual_stages) * m * slowest.total,
         tp_exposed_s=m * slowest.tp_exposed,
         microbatch_s=slowest.total,
         cp_comm_s=m * slowest.cp,

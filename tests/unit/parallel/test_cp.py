@@ -20,15 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.errors import ConfigError, LayoutError
 from data.bundle import ValSource
 from model.attention import causal_mask
 from model.config import ModelConfig
 from model.gpt import GPT
-from parallel.config import ParallelConfig
 from parallel.cp import chunk_ids, local_token_index
 from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
+from parallel.layout import Layout
 from tests.gloo import gloo_context, run_workers, save_on_every_rank
 from tests.unit.parallel.test_tp_pp import full_grads, full_params
 from training.build import build_from_config
@@ -57,7 +56,6 @@ DOCUMENT = {"attention_mask": "document", "eot_id": EOT, "document_positions": T
 MODEL_KEYS = {"cp4_selective_recompute": {"recompute": "selective"},  # the core, K/V gather included, rebuilt in backward
               "cp2_x_pp2_interleaved_document": DOCUMENT | {"n_layer": 4},
               "cp2_x_pp2_zero_bubble_document": DOCUMENT | {"n_layer": 4}, "pp2_x_dp2_document": DOCUMENT}
-MESH_KEYS = ("pp", "dp_shard", "cp", "tp")  # the layout keys that shape the mesh (the rest: the parallel section's)
 PIPELINE_ACCUM = 2  # micro-batches per step of the pipelined layouts (pipeline micro-batches: >= pp)
 
 
@@ -92,26 +90,17 @@ def test_every_cp_rank_does_the_same_attention_work():
         assert sorted(held.tolist()) == list(range(seq))
 
 
-def test_layouts_with_cp_are_validated_before_any_work():
-    dims = ParallelDims(8, 8, 5, 5, cp=2, tp=2)
-    assert (dims.dp_shard, dims.coordinate("cp"), dims.coordinate("tp"), dims.dp_rank) == (2, 0, 1, 1)
+def test_cp_ranks_sit_inside_tp_and_join_the_shard_group():
+    dims = ParallelDims(8, 8, 5, 5, layout=Layout(8, cp=2, tp=2))
+    assert (dims.layout.dp_shard, dims.coordinate("cp"), dims.coordinate("tp"), dims.dp_rank) == (2, 0, 1, 1)
     assert dims.fsdp_dims() == ("dp_shard_cp",)
-    assert ParallelDims(4, 4, 0, 0, cp=4).fsdp_dims() == ("cp",)
-    with pytest.raises(LayoutError, match="parallel.cp=3"):
-        ParallelDims(4, 4, 0, 0, cp=3)
-    with pytest.raises(ConfigError, match=r"model.max_seq_len=20 must divide by 8"):
-        load_config(None, ["--parallel.cp=4", "--model.max_seq_len=20", "--parallel.strategy=fsdp"])
-    for strategy in ("ddp", "zero2"):
-        with pytest.raises(ConfigError, match=f"parallel.cp=2 with parallel.strategy={strategy}"):
-            load_config(None, ["--parallel.cp=2", f"--parallel.strategy={strategy}"])
+    assert ParallelDims(4, 4, 0, 0, layout=Layout(4, cp=4)).fsdp_dims() == ("cp",)
     both = load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--train.grad_accum_steps=2"]).parallel
     assert (both.cp, both.pp) == (2, 2)  # composed (parallel/pp.py passes every stage what cp needs)
     zero_bubble = load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--parallel.pp_schedule=zero_bubble",
                                      "--parallel.pp_virtual_stages=2", "--model.n_layer=4",
                                      "--train.grad_accum_steps=2"]).parallel
     assert zero_bubble.pp_schedule == "zero_bubble"  # its split backward under FSDP2: trained below
-    resolved, note = ParallelConfig(cp=2).for_data_parallel(1)
-    assert resolved.strategy == "fsdp" and "parallel.cp=2" in note
 
 
 # --------------------------------------------------------------------------- on 4 gloo ranks
@@ -183,29 +172,27 @@ def train(engine, ctx, cfg, steps: range, grads: dict | None = None) -> tuple[li
 
 def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
     cfg = job(name, accum_of(layout), **layout)
-    ctx = gloo_context(rank, world, **{k: v for k, v in layout.items() if k in MESH_KEYS})
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     grads = {}
     losses, norms = train(engine, ctx, cfg, range(SAVE_AFTER), grads)
     path = Path(root) / name
     save_on_every_rank(engine, path, rank)
     rest, rest_norms = train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))
-    val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.dims.dp_size), VAL, ctx)
+    val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.layout.dp), VAL, ctx)
     fresh = build_from_config(cfg, ctx).engine
     fresh.load(path)
     final = full_params(engine)
     resumed, _ = train(fresh, ctx, cfg, range(SAVE_AFTER, STEPS))
     return {"losses": losses + rest, "norms": norms + rest_norms, "resumed": resumed, "val": val,
-            "dp_size": ctx.dims.dp_size, "grads": grads, "final": final, "resumed_final": full_params(fresh)}
+            "dp_size": ctx.layout.dp, "grads": grads, "final": final, "resumed_final": full_params(fresh)}
 
 
 def cross_load(rank: int, world: int, root: str) -> list[float]:
     """cp=4's checkpoint loaded into cp=2 x dp_shard=2: the steps after it train as cp=2 x dp=2's do."""
     layout = LAYOUTS["cp2_x_dp2"]
     cfg = job(**layout)
-    ctx = gloo_context(rank, world, **layout)
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     engine.load(Path(root) / "cp4")
     return train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))[0]

@@ -433,3 +433,30 @@ def test_the_finite_check_is_collective_under_fsdp2_and_zero3(tmp_path):
         assert r["zero3_nan_in_padding"] == "saved", (rank, r)
         assert r["zero3_nan_on_rank1"].startswith("step 2: the model's weights hold NaN or inf"), (rank, r)
     assert _steps(tmp_path / "fsdp") == ["step_00000001"] and _steps(tmp_path / "zero3") == ["step_00000001"]
+
+
+# Layouts as an earlier version's config spelled them (its parallel.dp_shard left the ep ranks out), today's
+# words for the same ranks, and the layout its checkpoints recorded (meta.json "layout"), which counted them.
+EARLIER_LAYOUTS = [
+    (dict(ep=2, dp_shard=2), dict(ep=2, dp_shard=4), 4,
+     {"tp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 4, "pp_virtual_stages": 1, "ep": 2}),
+    (dict(ep=4, cp=2, dp_shard=2), dict(ep=4, cp=2, dp_shard=4), 8,
+     {"tp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 4, "pp_virtual_stages": 1, "cp": 2, "ep": 4}),
+    (dict(ep=2, cp=2, dp_shard=2), dict(ep=2, cp=2, dp_shard=2), 4,
+     {"tp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 2, "pp_virtual_stages": 1, "cp": 2, "ep": 2}),
+    (dict(ep=2, dp_replicate=2, dp_shard=2), dict(ep=2, dp_replicate=2, dp_shard=4), 8,
+     {"tp": 1, "pp": 1, "dp_replicate": 2, "dp_shard": 4, "pp_virtual_stages": 1, "ep": 2}),
+]
+
+
+@pytest.mark.parametrize("earlier, today, world, recorded", EARLIER_LAYOUTS)
+def test_checkpoints_of_the_earlier_dp_shard_match_the_same_ranks_in_todays_words(earlier, today, world, recorded):
+    from common.errors import LayoutError
+    from parallel.config import ParallelConfig
+    from parallel.layout import Layout
+
+    layout = Layout.of(ParallelConfig(strategy="fsdp", **today), world, world)
+    assert ckpt.layout_record(layout) == recorded  # resuming with today's words passes the layout check
+    if earlier != today:  # the earlier words no longer multiply to the world size: one line says how to count
+        with pytest.raises(LayoutError, match="dp_shard counts every data-parallel rank the dense weights shard over"):
+            Layout.of(ParallelConfig(strategy="fsdp", **earlier), world, world)
