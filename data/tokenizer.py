@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from common.errors import DataError
+from common.errors import ConfigError, DataError
 
 
 class Tokenizer(Protocol):
@@ -150,6 +150,18 @@ def build_tokenizer(spec: str) -> Tokenizer:
     if kind == "hf" and arg:
         return HFTokenizer(arg)
     raise DataError(f"unknown tokenizer {spec!r}; valid: byte, tiktoken:<encoding>, hf:<path/to/tokenizer.json>")
+
+
+def build_model_tokenizer(spec: str, vocab_size: int, hint: str) -> Tokenizer:
+    """The tokenizer ``spec`` for a model with ``vocab_size`` ids, refused (ConfigError) when it has
+    more ids than that: its ids past the vocabulary would index outside the embedding table. It is
+    not the tokenizer the model was trained with; ``hint`` says how to pass that one."""
+    tokenizer = build_tokenizer(spec)
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"tokenizer {spec} has {tokenizer.vocab_size:,} ids, more than the model's vocabulary of "
+                          f"{vocab_size:,} (model.vocab_size): it is not the tokenizer this model was trained with; "
+                          f"{hint}")
+    return tokenizer
 
 
 def token_byte_lengths(tokenizer: Tokenizer, vocab_size: int) -> np.ndarray:

@@ -181,7 +181,7 @@ class ModelConfig:
         if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
             raise ConfigError(
                 f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head} "
-                f"(choose one of {[k for k in range(1, self.n_head + 1) if self.n_head % k == 0]})"
+                f"(choose one of {[k for k in range(1, min(self.n_head, 1024) + 1) if self.n_head % k == 0]})"
             )
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(f"model.position=rope needs an even head dim; d_model/n_head={self.head_dim}")

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pickle
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -47,7 +48,9 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from common.errors import InteropError
+from common.files import kind_problem, name_problem, read_json, short_repr
 from model.config import ModelConfig, MoEConfig
+from model.flops import count_parameters
 from model.gpt import GPT, group_qkv, split_qkv
 
 State = dict[str, torch.Tensor]
@@ -295,24 +298,61 @@ def _stored(cfg: ModelConfig, state: State) -> State:
 HF_INT_FIELDS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner", "max_position_embeddings",
                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
                  "intermediate_size", "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
-                 "moe_intermediate_size", "decoder_sparse_step")  # eos/bos ids may be lists
+                 "moe_intermediate_size", "decoder_sparse_step")
+HF_ZERO_MEANS_DEFAULT = ("n_inner", "num_key_value_heads")  # 0 (or null): 4 x n_embd, num_attention_heads
 HF_FLOAT_FIELDS = ("layer_norm_epsilon", "rms_norm_eps", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                    "attention_dropout", "initializer_range", "rope_theta", "router_aux_loss_coef")
 HF_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob")
+HF_STR_FIELDS = ("model_type", "activation_function", "hidden_act")
+HF_OBJECT_FIELDS = ("rope_scaling", "rope_parameters")
+HF_TOKEN_FIELDS = ("eos_token_id", "bos_token_id")  # an id or a list of ids
+# Far above any real width, depth, vocabulary or context, and low enough that no product of a few
+# of them overflows a tensor's size.
+MAX_SIZE = 2**31 - 1
+# The most parameters a config may describe (2.8e14): beyond any model, and far below where a
+# tensor's byte count overflows int64 (a damaged n_embd of 1e30 would overflow inside torch).
+MAX_PARAMETERS = 2**48
 
 
 def check_hf_config_types(config: Any) -> None:
-    """InteropError naming the first field whose JSON type the readers cannot use."""
+    """InteropError naming the first field whose JSON type or range the readers cannot use."""
     if not isinstance(config, Mapping):
         raise InteropError(f"config.json holds a JSON {type(config).__name__}, not a JSON object of model settings")
-    for keys, ok, what in ((HF_INT_FIELDS, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-                           (HF_FLOAT_FIELDS, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-                            "a number"),
-                           (HF_BOOL_FIELDS, lambda v: isinstance(v, bool), "true or false")):
+    for key in HF_INT_FIELDS:
+        if config.get(key) is not None:
+            check_size(f"config.json {key}", config[key], low=0 if key in HF_ZERO_MEANS_DEFAULT else 1)
+    for keys, ok, what in ((HF_FLOAT_FIELDS, _is_finite_number, "a finite number"),
+                           (HF_BOOL_FIELDS, lambda v: isinstance(v, bool), "true or false"),
+                           (HF_STR_FIELDS, lambda v: isinstance(v, str), "a string"),
+                           (HF_OBJECT_FIELDS, lambda v: isinstance(v, Mapping), "an object (or null)"),
+                           (HF_TOKEN_FIELDS, _is_token_ids, "a token id or a list of them"),
+                           (("mlp_only_layers",), lambda v: isinstance(v, list) and all(_is_index(i) for i in v),
+                            "a list of layer indices")):
         for key in keys:
             value = config.get(key)
             if value is not None and not ok(value):
-                raise InteropError(f"config.json {key}={value!r} must be {what}")
+                raise InteropError(f"config.json {key}={short_repr(value)} must be {what}")
+
+
+def check_size(what: str, value: Any, low: int = 1) -> int:
+    """``value`` if it is an integer from ``low`` to MAX_SIZE, else InteropError naming ``what``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InteropError(f"{what}={short_repr(value)} must be an integer")
+    if not low <= value <= MAX_SIZE:
+        raise InteropError(f"{what}={short_repr(value)} must be between {low} and {MAX_SIZE}")
+    return value
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SIZE
+
+
+def _is_token_ids(value: Any) -> bool:
+    return _is_index(value) or isinstance(value, list) and all(_is_index(v) for v in value)
 
 
 def from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
@@ -353,10 +393,14 @@ def _from_gpt2_config(c: Mapping[str, Any]) -> ModelConfig:
 def _from_llama_config(c: Mapping[str, Any]) -> ModelConfig:
     if c.get("hidden_act", "silu") != "silu":
         raise InteropError(f"config.json hidden_act={c.get('hidden_act')!r}: perfgpt's SwiGLU uses silu")
+    for key in HF_OBJECT_FIELDS:  # both, where an older writer left rope_scaling beside rope_parameters
+        rope_type = (c.get(key) or {}).get("rope_type", (c.get(key) or {}).get("type", "default"))
+        if rope_type != "default":
+            raise InteropError(f"config.json rope type {short_repr(rope_type)}: perfgpt has plain rotary embeddings "
+                               "(no scaling)")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise InteropError(f"config.json rope type {rope_type!r}: perfgpt has plain rotary embeddings (no scaling)")
+    if not _is_finite_number(rope.get("rope_theta", 0.0)):
+        raise InteropError(f"config.json rope_theta={short_repr(rope['rope_theta'])} must be a finite number")
     if c.get("attention_bias", False) != c.get("mlp_bias", False):
         raise InteropError(
             f"config.json attention_bias={c.get('attention_bias', False)} with mlp_bias={c.get('mlp_bias', False)}: "
@@ -444,6 +488,12 @@ def from_nanogpt(checkpoint: Mapping[str, Any]) -> tuple[ModelConfig, State]:
     missing = [k for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size") if k not in args]
     if missing:
         raise InteropError(f"nanoGPT model_args lacks {missing[0]!r}")
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        check_size(f"nanoGPT model_args {key}", args[key])
+    if not isinstance(args["bias"], bool) or not _is_finite_number(args.get("dropout", 0.0)):
+        key = "bias" if not isinstance(args["bias"], bool) else "dropout"
+        raise InteropError(f"nanoGPT model_args {key}={short_repr(args[key])} must be "
+                           f"{'true or false' if key == 'bias' else 'a number'}")
     d = args["n_embd"]
     cfg = ModelConfig(
         vocab_size=args["vocab_size"], max_seq_len=args["block_size"], n_layer=args["n_layer"], n_head=args["n_head"],
@@ -510,6 +560,11 @@ def _more(keys: list[str]) -> str:
 
 def _meta_state(cfg: ModelConfig) -> State:
     """Every tensor the model of ``cfg`` has, with its shape, allocating nothing."""
+    n = count_parameters(cfg)
+    if n > MAX_PARAMETERS:
+        raise InteropError(f"the model config describes {n:.3g} parameters (vocab_size {cfg.vocab_size}, d_model "
+                           f"{cfg.d_model}, d_ff {cfg.d_ff}, n_layer {cfg.n_layer}), more than any model can hold "
+                           f"(at most {MAX_PARAMETERS:.3g}); its sizes are damaged")
     with torch.device("meta"):
         return GPT(cfg).state_dict()
 
@@ -544,29 +599,49 @@ def read_hf_dir(path: str | Path) -> tuple[ModelConfig, State]:
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise InteropError(f"{path} is not a Hugging Face model directory (no {CONFIG_FILE})")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise InteropError(f"{config_path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    return from_hf_state_dict(config, read_hf_weights(path))
+    return from_hf_state_dict(_read_json(config_path), read_hf_weights(path))
 
 
 def read_hf_weights(path: Path) -> State:
-    """Every tensor of model.safetensors / pytorch_model.bin in ``path``, sharded (with an index) or not."""
+    """Every tensor of model.safetensors / pytorch_model.bin in ``path``, sharded (with an index) or not.
+
+    The shards an index names must be files of ``path`` (no ``..``, no absolute path): the folder
+    holds the model. A name may be a symbolic link (the Hub's cache links each file of a snapshot
+    to its blob), and must lead to a regular file.
+    """
     for single, index, reader in ((SAFETENSORS_FILE, SAFETENSORS_INDEX, _read_safetensors),
                                   (BIN_FILE, BIN_INDEX, _read_bin)):
         if (path / single).is_file():
             return reader(path / single)
         if (path / index).is_file():
-            try:
-                shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError, AttributeError):
-                raise InteropError(f"{path / index} is not a weight index (no weight_map)") from None
             state: State = {}
-            for shard in shards:
+            for shard in _shards(path / index):
                 state.update(reader(path / shard))
             return state
     raise InteropError(f"{path} has no {SAFETENSORS_FILE}, {BIN_FILE} or their .index.json")
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard files a weight index names, each checked to be a plain name inside its folder."""
+    content = _read_json(index)
+    weight_map = content.get("weight_map") if isinstance(content, Mapping) else None
+    if not isinstance(weight_map, Mapping):
+        raise InteropError(f"{index} is not a weight index (no weight_map object)")
+    for tensor, shard in weight_map.items():
+        problem = name_problem(shard)
+        if problem is not None:
+            raise InteropError(f"{index} maps {short_repr(tensor)} to {short_repr(shard)}, which {problem}; refusing "
+                               "to read weights from outside the model folder")
+    return sorted(set(weight_map.values()))
+
+
+def _read_json(file: Path) -> Any:
+    try:
+        return read_json(file)
+    except ValueError as exc:
+        raise InteropError(str(exc)) from None
+    except OSError as exc:
+        raise InteropError(f"cannot read {file}: {exc.strerror or exc}") from None
 
 
 def _read_safetensors(file: Path) -> State:
@@ -580,8 +655,11 @@ def _read_bin(file: Path) -> State:
 
 
 def _read(file: Path, load: Callable[[], Any]) -> State:
-    if not file.is_file():
+    if not file.exists():
         raise InteropError(f"{file} is missing (named by the weight index)")
+    problem = kind_problem(file)
+    if problem is not None:
+        raise InteropError(f"{file} {problem}; refusing to read weights from it")
     try:
         state = load()
     except Exception as exc:  # a truncated or foreign file: any reader error means the same to the user

@@ -186,6 +186,18 @@ def run_torchrun(nproc: int, args: list[str], timeout: float = 300) -> subproces
     )
 
 
+def can_mount_tmpfs() -> bool:
+    """Whether ``unshare -rm`` may mount a private tmpfs here (user namespaces): the tests that fill
+    a real disk run inside one."""
+    import shutil
+
+    if not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
 def free_port() -> int:
     import socket
 

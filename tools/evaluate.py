@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     tasks = parser.add_argument_group("lm-evaluation-harness (pip install -e '.[eval]')")
     tasks.add_argument("--tasks", help="comma-separated harness task names or task YAML paths: score these instead")
-    tasks.add_argument("--task-dir", type=Path, help="a directory of task YAML files searched first")
+    tasks.add_argument("--task-dir", type=Path, help="a directory of task YAML files searched first (a task's "
+                       "'!function' runs Python from it: use folders you trust)")
     tasks.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's own)")
     tasks.add_argument("--limit", type=int, help="at most this many examples per task")
     tasks.add_argument("--tokenizer", help="byte | tiktoken:<encoding> | hf:<tokenizer.json> (default: the source's)")

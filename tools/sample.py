@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from common.errors import USER_FACING_ERRORS, ConfigError
-from data.tokenizer import build_tokenizer
+from data.tokenizer import build_model_tokenizer
 from model.generate import Sampling, generate
 from training.model_io import load_source
 
@@ -50,11 +50,7 @@ def sample(args: argparse.Namespace) -> list[tuple[str, str]]:
     if not spec:
         raise ConfigError(f"{args.source} does not record its tokenizer; pass --tokenizer (byte, tiktoken:<encoding> "
                           "or hf:<tokenizer.json>)")
-    tokenizer = build_tokenizer(spec)
-    if tokenizer.vocab_size > source.cfg.vocab_size:
-        raise ConfigError(f"tokenizer {spec} has {tokenizer.vocab_size:,} ids, more than the model's vocabulary of "
-                          f"{source.cfg.vocab_size:,} (model.vocab_size): it is not the tokenizer this model was "
-                          "trained with; pass the run's own --tokenizer")
+    tokenizer = build_model_tokenizer(spec, source.cfg.vocab_size, "pass the run's own --tokenizer")
     prompts = [tokenizer.encode(_prompt_text(p, i)).tolist() for i, p in enumerate(args.prompt, 1)]
     model = source.build(torch.device(args.device))
     sampling = Sampling(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -55,6 +55,16 @@ import numpy as np
 import torch
 
 from common.errors import CheckpointError
+from common.files import (
+    file_size_limit,
+    file_size_limit_note,
+    member_problem,
+    name_problem,
+    open_regular,
+    os_error_words,
+    read_json,
+    short_repr,
+)
 from model.config import ModelConfig
 from parallel.checkpoint import Staging, host_copy
 from parallel.layout import Layout
@@ -181,11 +191,11 @@ def ensure_writable_dir(path: Path, key: str, *, rank: int = 0, world_size: int 
 
 def _os_error_text(exc: OSError, fallback: Path, *, own_path: bool = True) -> str:
     where = (exc.filename if own_path else None) or fallback
-    code = errno_codes.errorcode.get(exc.errno or 0, "")
     if exc.errno == errno_codes.ENOSPC:
         return f"no space left on device (ENOSPC) writing {where}"
-    reason = exc.strerror or str(exc) or type(exc).__name__
-    return f"{reason.rstrip('.').lower()} ({code}) at {where}" if code else f"{reason} at {where}"
+    if exc.errno == errno_codes.EFBIG:
+        return f"{os.strerror(errno_codes.EFBIG)} (EFBIG) writing {where}{file_size_limit_note()}"
+    return f"{os_error_words(exc)} at {where}"
 
 
 def _write_failure(exc: BaseException, directory: Path) -> str:
@@ -200,6 +210,9 @@ def _write_failure(exc: BaseException, directory: Path) -> str:
     os_error = _find_os_error(exc)
     if os_error is not None:
         return _os_error_text(os_error, directory)
+    cut = _cut_at_size_limit(directory)
+    if cut is not None:  # torch says "unexpected pos": the file stopped at the process's file-size limit
+        return _os_error_text(OSError(errno_codes.EFBIG, os.strerror(errno_codes.EFBIG), str(cut)), directory)
     probe = directory / ".write-probe"
     try:
         with open(probe, "wb") as f:
@@ -218,6 +231,20 @@ def _write_failure(exc: BaseException, directory: Path) -> str:
         pass
     lines = str(exc).strip().splitlines()
     return f"writing {directory} failed: {(lines[0] if lines else type(exc).__name__)[:200]}"
+
+
+def _cut_at_size_limit(directory: Path) -> Path | None:
+    """A file under ``directory`` that has reached the process's file-size limit (``ulimit -f``),
+    where a write past it failed with EFBIG; None without a limit or such a file."""
+    limit = file_size_limit()
+    if limit is None:
+        return None
+    with contextlib.suppress(OSError):
+        for dirpath, _, names in os.walk(directory):
+            for name in names:
+                if os.lstat(os.path.join(dirpath, name)).st_size >= limit:
+                    return Path(dirpath) / name
+    return None
 
 
 def _find_os_error(exc: BaseException) -> OSError | None:
@@ -494,12 +521,18 @@ def _checkpoint_files(directory: Path) -> list[str]:
 _RANK_IN_NAME = re.compile(r"(?:^__|rank_)(\d+)")  # DCP's __<rank>_0.distcp, rank_<rank>.pt, DeepSpeed's *_rank_<r>_*
 
 
-def file_digest(path: Path, chunk: int = 8 << 20) -> str:
-    """SHA-256 of a file, read in chunks (hashlib releases the GIL on each, so a background
-    thread hashing does not stall the training thread)."""
+def file_digest(path: Path, chunk: int = 8 << 20, size: int | None = None) -> str:
+    """SHA-256 of a regular file, read in chunks (hashlib releases the GIL on each, so a background
+    thread hashing does not stall the training thread). With ``size``, a file holding more bytes
+    than that is refused (ValueError) after reading at most ``size`` + 1 of them."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
+    left = size
+    with open_regular(path) as f:
+        while block := f.read(chunk if left is None else min(chunk, left + 1)):
+            if left is not None:
+                left -= len(block)
+                if left < 0:
+                    raise ValueError(f"{path} holds more than the {size} bytes its meta.json records")
             h.update(block)
     return h.hexdigest()
 
@@ -544,28 +577,36 @@ def verify_contents(path: Path, warn: Warn | None = None, *, rank: int = 0, worl
     """None when every file of checkpoint ``path`` has the content its meta.json recorded, else one
     line naming the first damaged file. Each rank hashes its share (as at save time); collective
     when world_size > 1 under a process group. A checkpoint that records no checksums (saved by an
-    older perfgpt) passes, and ``warn`` hears so."""
-    sums = _meta_of(path).get("checksums")
-    if not isinstance(sums, dict) or not isinstance(sums.get("files"), dict):
+    older perfgpt) passes, and ``warn`` hears so. Only the regular files inside ``path`` that the
+    manifest lists with their sizes are opened (``_member_reason``), and none is read past its size."""
+    meta, reason = _read_meta(path)
+    if meta is not None and meta.get("checksums") is None:
         if warn:
             warn(f"{path} records no content checksums (saved before perfgpt wrote them); loading it without "
                  "checking its contents")
         return None
-    recorded: dict[str, str] = sums["files"]
     distributed = world_size > 1 and torch.distributed.is_initialized()
-    mine = sorted(rel for rel in recorded if not distributed or _writer_of(rel, world_size) == rank)
-    reason = None
-    for rel in mine:
-        file = path / rel
-        try:
-            ok = file_digest(file) == recorded[rel]
-        except OSError as exc:
-            reason = f"cannot read checkpoint file {file}: {_os_error_text(exc, file)}"
-            break
-        if not ok:
-            reason = (f"checkpoint file {file} does not match its recorded {sums.get('algorithm', CHECKSUM)} "
-                      "checksum (damaged after it was written)")
-            break
+    if meta is not None:
+        sums, sizes = meta["checksums"], meta.get("files") or {}
+        recorded: dict[str, str] = sums["files"]
+        mine = sorted(rel for rel in recorded if not distributed or _writer_of(rel, world_size) == rank)
+        for rel in mine:
+            reason = _member_reason(path, rel, sizes[rel])
+            if reason is not None:
+                break
+            file = path / rel
+            try:
+                ok = file_digest(file, size=sizes[rel]) == recorded[rel]
+            except OSError as exc:
+                reason = f"cannot read checkpoint file {file}: {_os_error_text(exc, file)}"
+                break
+            except ValueError as exc:
+                reason = f"cannot read checkpoint file {file}: {exc}"
+                break
+            if not ok:
+                reason = (f"checkpoint file {file} does not match its recorded {CHECKSUM} checksum (damaged after "
+                          "it was written)")
+                break
     if distributed:
         reasons: list[str | None] = [None] * world_size
         torch.distributed.all_gather_object(reasons, reason)
@@ -620,29 +661,119 @@ def _step_dirs(root: Path) -> list[Path]:
 
 
 def _meta_of(path: Path) -> dict[str, Any]:
+    """The checkpoint's meta.json, or {} when it cannot be used (``incomplete_reason`` says why)."""
+    return _read_meta(path)[0] or {}
+
+
+def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(meta.json of checkpoint ``path``, None), or (None, why it cannot be used).
+
+    meta.json is read as any file of a checkpoint is: a regular file inside it, of bounded size
+    and nesting; then its shape is checked (``_meta_shape_problem``), so that no reader meets a
+    list where it expects an object.
+    """
+    file = path / META
     try:
-        meta = json.loads((path / META).read_text())
-    except (OSError, ValueError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
+        problem = member_problem(path, file)
+        meta = read_json(file) if problem is None else None
+    except FileNotFoundError:
+        return None, f"no {META} in {path} (an interrupted save)"
+    except OSError as exc:
+        return None, f"cannot read {file}: {_os_error_text(exc, file)}"
+    except ValueError as exc:  # not a regular file, too large, not JSON
+        return None, str(exc)
+    except RuntimeError as exc:  # a symbolic-link loop (Python < 3.13)
+        return None, f"cannot read {file}: {exc}"
+    if problem is not None:
+        return None, f"{file} {problem}; refusing to read it"
+    problem = _meta_shape_problem(meta)
+    if problem is not None:
+        return None, f"{file} is damaged or was not written by perfgpt: {problem}"
+    return meta, None
+
+
+# What each meta.json key holds, where a reader relies on its type (new keys stay optional).
+_META_KEYS = {"format_version": int, "step": int, "world_size": int, "strategy": str, "healthy": bool,
+              "tokenizer": str, "eot_id": int, "layout": dict, "model": dict, "schedule": dict, "files": dict,
+              "checksums": dict}
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _meta_shape_problem(meta: Any) -> str | None:
+    """Why a parsed meta.json is not one a reader can rely on, or None: the types of its keys, a
+    file manifest of sizes, and content checksums only for files the manifest lists."""
+    if not isinstance(meta, dict):
+        return f"it holds a JSON {_json_type(meta)}, not an object"
+    for key, kind in _META_KEYS.items():
+        value = meta.get(key)
+        if value is not None and not (isinstance(value, kind) and (kind is bool or not isinstance(value, bool))):
+            return f"{key!r} is a JSON {_json_type(value)}, not {_json_type(kind())}"
+    if meta.get("model") is not None:
+        try:  # as read_checkpoint_meta reads it: keys renamed since, moved into their sections
+            upgrade_renamed(ModelConfig, meta["model"])
+        except (TypeError, ValueError):
+            return "its 'model' section does not have the shape of a model config"
+    files = meta.get("files") or {}
+    for rel, size in files.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"'files' gives {short_repr(rel)} the size {short_repr(size)}, not a byte count"
+    sums = meta.get("checksums")
+    if sums is None:
+        return None
+    if sums.get("algorithm", CHECKSUM) != CHECKSUM:
+        return f"its checksums are {short_repr(sums.get('algorithm'))}; this perfgpt checks {CHECKSUM}"
+    digests = sums.get("files")
+    if not isinstance(digests, dict):
+        return f"'checksums' holds a JSON {_json_type(digests)} of files, not an object"
+    for rel, digest in digests.items():
+        if rel not in files:
+            return f"'checksums' lists {short_repr(rel)}, which its file manifest ('files') does not"
+        if not isinstance(digest, str) or not _DIGEST.match(digest):
+            return f"the checksum of {short_repr(rel)} is {short_repr(digest)}, not a {CHECKSUM} digest"
+    return None
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true/false"
+    return {dict: "object", list: "array", str: "string", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _member_reason(path: Path, rel: Any, size: int) -> str | None:
+    """None when ``rel``, a file the manifest of checkpoint ``path`` lists, is a regular file inside
+    ``path`` of the recorded ``size``; else why not (missing, cut short, or a name that leads
+    elsewhere: ``..``, an absolute path, a symbolic link out, a FIFO or device)."""
+    problem = name_problem(rel)
+    if problem is not None:
+        return f"{path / META} lists {short_repr(rel)}, which {problem}; refusing to read it"
+    file = path / rel
+    try:
+        problem = member_problem(path, file)
+        actual = file.stat().st_size
+    except FileNotFoundError:
+        return f"checkpoint file missing: {file}"
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symbolic-link loop (Python < 3.13)
+        return f"cannot read checkpoint file {file}: {exc}"
+    if problem is not None:
+        return f"{path / META} lists {file}, which {problem}; refusing to read it"
+    if actual != size:
+        return f"cannot read checkpoint file {file}: {actual} bytes, {size} were written (damaged)"
+    return None
 
 
 def incomplete_reason(path: Path) -> str | None:
-    """None for a complete checkpoint directory, else why it is not one.
+    """None for a complete checkpoint directory, else why it is not one (or cannot be trusted to be).
 
     Checkpoints written before manifests existed count as complete when meta.json is there.
     """
-    if not (path / META).is_file():
-        return f"no {META} in {path} (an interrupted save)"
-    meta = _meta_of(path)
-    if not meta:
-        return f"{path / META} is not valid JSON"
+    meta, problem = _read_meta(path)
+    if problem is not None:
+        return problem
     for rel, size in (meta.get("files") or {}).items():
-        file = path / rel
-        if not file.is_file():
-            return f"checkpoint file missing: {file}"
-        if file.stat().st_size != size:
-            return f"cannot read checkpoint file {file}: {file.stat().st_size} bytes, {size} were written (damaged)"
+        problem = _member_reason(path, rel, size)
+        if problem is not None:
+            return problem
     return None
 
 
@@ -737,10 +868,9 @@ def read_checkpoint_meta(path: Path, world_size: int, strategy: str, model: dict
         raise CheckpointError(f"checkpoint not found: {path} (pass --resume latest or a step_XXXXXXXX directory)")
     if not meta_path.is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {META}); it may be an interrupted save")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError:
-        raise CheckpointError(f"{meta_path} is corrupt (not JSON)") from None
+    meta, problem = _read_meta(path)
+    if meta is None:
+        raise CheckpointError(f"{path} cannot be used: {problem}; use another checkpoint")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{meta_path}: checkpoint format version {meta.get('format_version')}, this code reads "
                               f"version {FORMAT_VERSION} only (its weight layout changed); resume with the perfgpt "

@@ -70,7 +70,12 @@ class TrainConfig:
     )
     straggler_threshold: float = doc(
         0.2, "every log interval, name the rank whose data+forward+optimizer time per step exceeds the median "
-        "rank's by more than this fraction (0.2: 20%); 0: off"
+        "of the other ranks' by more than this fraction (0.2: 20%) and by more than train.straggler_min_gap_s; "
+        "0: off"
+    )
+    straggler_min_gap_s: float = doc(
+        0.05, "the straggler report's second bar: the slow rank's own time per step must exceed the others' "
+        "median by more than this many seconds too, so that milliseconds of noise on short steps name no one"
     )
 
     @property
@@ -97,7 +102,7 @@ class TrainConfig:
         require_finite("train.data_wait_warn", self.data_wait_warn, ConfigError)
         if self.data_wait_warn < 0:
             raise ConfigError(f"train.data_wait_warn must be >= 0 (got {self.data_wait_warn})")
-        for key in ("hang_timeout_s", "hang_grace_s", "straggler_threshold"):
+        for key in ("hang_timeout_s", "hang_grace_s", "straggler_threshold", "straggler_min_gap_s"):
             require_finite(f"train.{key}", getattr(self, key), ConfigError)
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key} must be >= 0 (got {getattr(self, key)})")
@@ -163,7 +168,8 @@ class HarnessConfig:
     interval: int = doc(1000, "run harness.tasks every N steps and after the last one")
     limit: int | None = doc(None, "at most this many examples per task (null: all of them)")
     num_fewshot: int | None = doc(None, "few-shot examples per prompt (null: each task's own default, else 0)")
-    task_dir: str = doc("", "a directory of task YAML files searched before the harness's own (e.g. tests/harness_tasks)")
+    task_dir: str = doc("", "a directory of task YAML files searched before the harness's own (e.g. "
+                        "tests/harness_tasks); a task's '!function' runs Python from it: use folders you trust")
     batch_size: int = doc(8, "harness requests per forward pass on each rank")
 
     def validate(self) -> None:

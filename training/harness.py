@@ -46,7 +46,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 
 from common.errors import ConfigError
-from data.tokenizer import Tokenizer, build_tokenizer
+from data.tokenizer import Tokenizer, build_model_tokenizer
 from model.generate import Sampling, generate
 from model.gpt import GPT
 from training.model_io import load_source
@@ -80,11 +80,15 @@ class PerfGPTLM(TemplateLM):
                 raise ConfigError(f"{checkpoint} does not record its tokenizer; pass tokenizer=byte, "
                                   "tiktoken:<encoding> or hf:<tokenizer.json>")
             eot_id = source.eot_id if eot_id is None else eot_id
-            model = source.build(device or "cpu", DTYPES[dtype] if dtype != "float32" else None)
         elif not tokenizer:
             raise ConfigError("the perfgpt harness model needs the tokenizer its model was trained with")
+        # Before the model is built: ids past its vocabulary would index outside the embedding table.
+        self.tokenizer: Tokenizer = build_model_tokenizer(
+            tokenizer, (source.cfg if model is None else model.cfg).vocab_size,
+            "pass the run's own (--tokenizer, or tokenizer= in model_args)")
+        if model is None:
+            model = source.build(device or "cpu", DTYPES[dtype] if dtype != "float32" else None)
         self.model = model.eval()
-        self.tokenizer: Tokenizer = build_tokenizer(tokenizer)
         self.tokenizer_spec = tokenizer
         self._eot = int(self.tokenizer.eot_id if eot_id is None else eot_id)
         self._device = self.model.tok_emb.weight.device

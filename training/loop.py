@@ -511,12 +511,11 @@ class TrainingLoop:
         if self.stragglers:  # one all-gather of a float per log interval
             times = gather_floats(self.ctx, own_time_per_step(self.phases.take_window(), window.steps))
             metrics["rank_own_time_s"] = times
-            straggler = find_straggler(times, t.straggler_threshold)
+            straggler = find_straggler(times, t.straggler_threshold, t.straggler_min_gap_s)
         metrics.update(take_moe_metrics(self.moe))  # this rank's layers, as this rank routed its batches
         self.log.log(s.step, metrics, format_line(s.step, t.max_steps, metrics, window.steps))
         if straggler is not None and self.ctx.is_main:
-            self.log.warn(describe_straggler(s.step, *straggler, metrics["rank_own_time_s"], self.hosts,
-                                             t.straggler_threshold))
+            self.log.warn(describe_straggler(s.step, straggler, metrics["rank_own_time_s"], self.hosts))
         alarms.on_log(s.step, metrics["grad_norm"], result.loss_scale)
         if metrics["data_wait_frac"] > t.data_wait_warn:
             self.log.warn(f"step {s.step}: {metrics['data_wait_frac']:.0%} of step time spent waiting for data "

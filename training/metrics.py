@@ -1,12 +1,15 @@
 """Where a run's numbers go: the terminal (progress bar or plain lines), metrics.jsonl, wandb, TensorBoard.
 
-Only rank 0 writes files and summaries. Lines go through the project's one logging channel
+Only rank 0 writes files and summaries. A metrics.jsonl that cannot be written (a full disk, a
+file-size limit) does not end the run: ``JsonlSink`` says so once and keeps the rows until the
+file takes them again. Lines go through the project's one logging channel
 (``common/log.py``), which ``RunLogger`` points at the terminal with this rank's prefix: info from
 rank 0, warnings from every rank. wandb defaults to offline mode so a run never needs the network.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -15,10 +18,11 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from common.files import os_error_words
 from common.log import EVERY_RANK, configure_logging, get_logger, print_line
 
 
@@ -43,7 +47,7 @@ class RunLogger:
             configure_logging(tag, main=False, write=self._write)
             return
         if logging_cfg.jsonl:
-            self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+            self._jsonl = JsonlSink(run_dir / "metrics.jsonl", self.warn, self.info)
         interactive = sys.stderr.isatty()
         if logging_cfg.progress == "bar" or (logging_cfg.progress == "auto" and interactive):
             from tqdm import tqdm
@@ -86,10 +90,15 @@ class RunLogger:
         """
         if self._jsonl is None:
             return
-        path = Path(self._jsonl.name)
+        path = self._jsonl.path
         self._jsonl.close()
-        kept, dropped = rewrite_rows_up_to(path, step)
-        self._jsonl = open(path, "a", buffering=1)
+        try:
+            kept, dropped = rewrite_rows_up_to(path, step)
+        except OSError as exc:  # the old rows stay: a log file never stops the run (JsonlSink)
+            kept, dropped = 0, 0
+            self.warn(f"metrics: cannot drop the rows after step {step} from {path}: {os_error_words(exc)}; "
+                      "they stay, and the steps after it are logged again below them")
+        self._jsonl = JsonlSink(path, self.warn, self.info)
         if dropped:
             self.info(f"metrics: dropped {dropped} row(s) after step {step} from {path} "
                       f"(logged before the restart; {kept} kept)")
@@ -100,7 +109,7 @@ class RunLogger:
         metrics = finite_or_none(metrics)
         record = {"step": step, "time": time.time(), **metrics}
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+            self._jsonl.append(step, json.dumps(record, allow_nan=False))
         numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
@@ -132,6 +141,83 @@ class RunLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class JsonlSink:
+    """metrics.jsonl, appended one whole row at a time; a failed write holds the rows instead of
+    ending the run.
+
+    Each row goes out in one ``os.write`` on an O_APPEND descriptor. When a write fails (ENOSPC,
+    EFBIG under a file-size limit, EIO) or stops part-way, the file is cut back to where the row
+    began, so it never holds a torn row, and the row stays in memory with the ones after it (at
+    most MAX_HELD_ROWS, the oldest dropped beyond that). The failure is said once; every later row
+    retries the held ones first, so when space returns the file catches up in order and says so.
+    Rows still held at the end are counted in one line (the log lines printed them).
+
+    Why the run goes on: a log file is not the run. The terminal line carries the same numbers, the
+    checkpoint may live on another disk, and stopping would lose every step since the last save;
+    when the checkpoint's disk is full too, its save fails in its own one line, with the previous
+    checkpoint kept.
+    """
+
+    MAX_HELD_ROWS = 100_000  # ~50 MB of rows
+
+    def __init__(self, path: Path, warn: Callable[[str], None], info: Callable[[str], None]):
+        self.path, self.warn, self.info = path, warn, info
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._held: list[tuple[int, bytes]] = []  # (step, the row's bytes), oldest first
+        self._dropped = 0
+        self._failure: str | None = None  # why the last write failed, while rows are held
+
+    def append(self, step: int, row: str) -> None:
+        self._held.append((step, (row + "\n").encode()))
+        if len(self._held) > self.MAX_HELD_ROWS:
+            self._held.pop(0)
+            self._dropped += 1
+        self._flush()
+
+    def _flush(self) -> None:
+        first = self._held[0][0] if self._held else None
+        while self._held:
+            error = self._write_whole(self._held[0][1])
+            if error is not None:
+                if self._failure is None:
+                    self._failure = os_error_words(error)
+                    self.warn(f"metrics: cannot write step {self._held[0][0]} to {self.path}: {self._failure}; "
+                              "training goes on, and the rows are kept in memory (the log lines show them) until "
+                              "the file takes them again")
+                return
+            last = self._held.pop(0)[0]
+        if self._failure is not None:
+            lost = f" ({self._dropped} older row(s) did not fit in memory)" if self._dropped else ""
+            self.info(f"metrics: {self.path} takes rows again; the held rows of steps {first}-{last} are written, "
+                      f"in order{lost}")
+            self._failure, self._dropped = None, 0
+
+    def _write_whole(self, data: bytes) -> OSError | None:
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        done = 0
+        try:
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError as exc:
+            if done:  # the part that got out would be a torn row: cut it off again
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, start)
+            return exc
+        return None
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        if self._held:
+            self._flush()
+        if self._held:
+            steps = f"steps {self._held[0][0]}-{self._held[-1][0]}"
+            self.warn(f"metrics: {len(self._held) + self._dropped} row(s) ({steps}) never reached {self.path}: "
+                      f"{self._failure}; their numbers are in the log lines above")
+        os.close(self._fd)
+        self._fd = -1
 
 
 class LearningAlarms:

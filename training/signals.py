@@ -5,6 +5,10 @@ Preemptible clusters send SIGTERM some seconds before SIGKILL (Slurm: ``KillWait
 default; torchrun forwards it to every worker and waits 30 s). The handler only records the
 signal; the training loop asks ``StopRequest.requested`` after each optimizer step, and under
 several ranks ``StopAgreement`` makes every rank stop, and so save, at the same step.
+
+SIGXFSZ is ignored for the run: by default a write past the process's file-size limit (``ulimit
+-f``) kills it on the spot; ignored, the write fails with EFBIG, which the checkpoint save and
+metrics.jsonl report in one line with nothing lost.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class StopRequest:
         self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         for sig in HANDLED:
             self._previous[sig] = signal.signal(sig, self._on_python_signal)
+        if hasattr(signal, "SIGXFSZ"):
+            self._previous[signal.SIGXFSZ] = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         threading.Thread(target=self._watch, args=(read_fd,), name="perfgpt-signals", daemon=True).start()
 
     def arm(self) -> None:

@@ -6,14 +6,23 @@ Resume, tools/export.py, tools/sample.py, tools/evaluate.py and ``model.init_fro
 file; resume and the tools given the run directory fall back to the intact previous checkpoint
 and say so. train.py runs in this process (a few seconds); the sharded (DCP) twin of these checks
 runs under torchrun in tests/integration/test_sharded_checkpoints.py.
+
+meta.json itself is as untrusted as the files it lists: a crafted or damaged one may name a file
+outside the checkpoint (``..``, an absolute path, a symbolic link out), a FIFO that blocks the
+open, a device that never ends, or hold a list where an object belongs. Each must be one line
+naming it, and ``--resume latest`` and the tools given the run directory pass over that
+checkpoint as over a damaged one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -157,3 +166,171 @@ def test_a_checkpoint_from_before_checksums_loads_with_one_note(clean_run, tmp_p
     out = capsys.readouterr()
     assert (out.out + out.err).count("records no content checksums") == 1
     assert "at step 4" in out.out + out.err
+
+
+# ----------------------------------------------------------------------------- a meta.json that lies
+
+
+def _edit_meta(step_dir: Path, change: Callable[[dict], Any]) -> None:
+    meta_path = step_dir / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    replaced = change(meta)
+    meta_path.write_text(json.dumps(meta if replaced is None else replaced))
+
+
+def _list(step_dir: Path, rel: str, content: bytes, *, in_manifest: bool = True) -> None:
+    """meta.json names ``rel`` with the size and the digest of ``content``: what an attacker writes
+    so that the file passes every check the unguarded reader made."""
+    def change(meta: dict) -> None:
+        if in_manifest:
+            meta["files"][rel] = len(content)
+        meta["checksums"]["files"][rel] = hashlib.sha256(content).hexdigest()
+    _edit_meta(step_dir, change)
+
+
+def _within(seconds: float, action: Callable[[], Any]) -> Any:
+    """``action()``, failing the test if it has not returned in ``seconds`` (a FIFO's open waits for
+    a writer, /dev/zero never ends): the daemon thread is left behind, the test is not."""
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(action()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still reading after {seconds} s: it opened what meta.json named"
+    return out[0]
+
+
+def _plant(step_dir: Path, kind: str) -> str:
+    """Make meta.json of ``step_dir`` name a file it must not read; returns a fragment of the refusal."""
+    outside = step_dir.parents[2] / "outside.bin"  # beside the run directory
+    outside.write_bytes(b"not this checkpoint's")
+    if kind == "dot-dot":
+        _list(step_dir, "../../../outside.bin", outside.read_bytes())
+        return "climbs out of the folder"
+    if kind == "absolute":
+        _list(step_dir, str(outside), outside.read_bytes())
+        return "absolute path"
+    if kind == "symlink out":
+        (step_dir / "extra.pt").symlink_to(outside)
+        _list(step_dir, "extra.pt", outside.read_bytes())
+        return "symbolic link"
+    if kind == "device by symlink":
+        (step_dir / "extra.pt").symlink_to("/dev/zero")
+        _list(step_dir, "extra.pt", b"")
+        return "symbolic link"
+    if kind == "fifo":
+        os.mkfifo(step_dir / "extra.pt")
+        _list(step_dir, "extra.pt", b"")
+        return "is a FIFO, not a regular file"
+    if kind == "device in checksums only":
+        _list(step_dir, "/dev/zero", b"", in_manifest=False)
+        return "'checksums' lists '/dev/zero', which its file manifest"
+    if kind == "meta.json links out":
+        meta = step_dir / "meta.json"
+        outside.write_text(meta.read_text())
+        meta.unlink()
+        meta.symlink_to(outside)
+        return "symbolic link"
+    raise AssertionError(kind)
+
+
+HOSTILE = ["dot-dot", "absolute", "symlink out", "device by symlink", "fifo", "device in checksums only",
+           "meta.json links out"]
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_a_meta_json_naming_a_file_outside_the_checkpoint_is_refused_without_opening_it(clean_run, tmp_path, kind):
+    run_dir = tmp_path / "run"
+    shutil.copytree(clean_run, run_dir, symlinks=True)
+    step4 = run_dir / "checkpoints" / "step_00000004"
+    fragment = _plant(step4, kind)
+
+    def check() -> str | None:
+        return ckpt.incomplete_reason(step4) or ckpt.verify_contents(step4)
+
+    reason = _within(20, check)
+    assert reason is not None and fragment in reason and "\n" not in reason, reason
+    warnings: list[str] = []
+    found = _within(20, lambda: ckpt.find_latest(run_dir / "checkpoints", warnings.append,
+                                                 lambda p: ckpt.verify_contents(p)))
+    assert found == run_dir / "checkpoints" / "step_00000002"
+    assert len(warnings) == 1 and "step_00000004" in warnings[0] and fragment in warnings[0], warnings
+
+
+@pytest.fixture
+def lying_run(clean_run, tmp_path) -> Path:
+    """A copy of the clean run whose newest meta.json names a file beside the run, with its true size
+    and digest: a checkpoint the unguarded checks accepted."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(clean_run, run_dir)
+    _plant(run_dir / "checkpoints" / "step_00000004", "dot-dot")
+    return run_dir
+
+
+def test_every_reader_passes_over_or_refuses_a_meta_json_naming_a_file_outside(lying_run, tmp_path, corpus_cache,
+                                                                             capsys):
+    step4 = lying_run / "checkpoints" / "step_00000004"
+    capsys.readouterr()
+    assert export_tool.main([str(lying_run), "--format", "safetensors", "--out", str(tmp_path / "st")]) == 0
+    out = capsys.readouterr()
+    assert "climbs out of the folder" in out.err and "using step_00000002" in out.err and "step 2" in out.out, out
+    one_line_error(capsys, export_tool.main([str(step4), "--format", "hf", "--out", str(tmp_path / "hf")]),
+                   "outside.bin", "climbs out of the folder")
+    one_line_error(capsys, sample_tool.main([str(step4), "--prompt", "x", "--max-new-tokens", "2"]), "climbs out")
+    one_line_error(capsys, evaluate_tool.main([str(step4), "--sequences", "2"]), "climbs out")
+    one_line_error(capsys, _train(tmp_path / "fresh", corpus_cache, f"--model.init_from={step4}"), "climbs out")
+    one_line_error(capsys, _train(lying_run, corpus_cache, "--resume", str(step4)), "climbs out")
+    assert _train(lying_run, corpus_cache, "--resume", **{"train.max_steps": 4}) == 0
+    out = capsys.readouterr()
+    log = out.out + out.err
+    assert "climbs out" in log and f"continuing from {step4.parent / 'step_00000002'} at step 2" in log, log[-3000:]
+
+
+# A meta.json of the wrong shape: one line naming the key, never an AttributeError.
+BAD_SHAPES = {
+    "a list": (lambda meta: [meta], "holds a JSON array, not an object"),
+    "files as a list": (lambda meta: {**meta, "files": list(meta["files"])}, "'files' is a JSON array"),
+    "checksums as a list": (lambda meta: {**meta, "checksums": ["model_optim.pt"]}, "'checksums' is a JSON array"),
+    "checksum files as a list": (lambda meta: {**meta, "checksums": {"algorithm": "sha256", "files": []}},
+                                 "'checksums' holds a JSON array"),
+    "a size as text": (lambda meta: {**meta, "files": {k: str(v) for k, v in meta["files"].items()}},
+                       "not a byte count"),
+    "step as text": (lambda meta: {**meta, "step": "four"}, "'step' is a JSON string, not number"),
+    "layout as a list": (lambda meta: {**meta, "layout": [1, 1]}, "'layout' is a JSON array, not object"),
+    "a renamed model key's section as a number": (lambda meta: {**meta, "model": {"moe_top_k": 2, "moe": 5}},
+                                                  "'model' section does not have the shape of a model config"),
+    "nested 100,000 deep": (None, "nests JSON arrays or objects too deeply"),
+}
+
+
+@pytest.mark.parametrize("shape", list(BAD_SHAPES))
+def test_a_meta_json_of_the_wrong_shape_is_passed_over_or_refused_in_one_line(clean_run, tmp_path, shape):
+    run_dir = tmp_path / "run"
+    shutil.copytree(clean_run, run_dir)
+    step4 = run_dir / "checkpoints" / "step_00000004"
+    change, fragment = BAD_SHAPES[shape]
+    if change is None:
+        (step4 / "meta.json").write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        _edit_meta(step4, change)
+    reason = ckpt.incomplete_reason(step4) or ckpt.verify_contents(step4)
+    assert reason is not None and fragment in reason and "\n" not in reason, reason
+    warnings: list[str] = []
+    assert ckpt.find_latest(run_dir / "checkpoints", warnings.append, ckpt.verify_contents).name == "step_00000002"
+    assert len(warnings) == 1 and fragment in warnings[0], warnings
+    with pytest.raises(ckpt.CheckpointError) as info:
+        ckpt.read_checkpoint_meta(step4, 1, "none")
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_resume_latest_passes_over_a_meta_json_holding_a_list(clean_run, tmp_path, corpus_cache, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(clean_run, run_dir)
+    step4 = run_dir / "checkpoints" / "step_00000004"
+    _edit_meta(step4, lambda meta: [meta])
+    capsys.readouterr()
+    one_line_error(capsys, sample_tool.main([str(step4), "--prompt", "x", "--max-new-tokens", "2"]),
+                   "holds a JSON array")
+    assert _train(run_dir, corpus_cache, "--resume", **{"train.max_steps": 4}) == 0  # saves step 4 anew
+    out = capsys.readouterr()
+    log = out.out + out.err
+    assert "holds a JSON array" in log and f"continuing from {step4.parent / 'step_00000002'} at step 2" in log, log

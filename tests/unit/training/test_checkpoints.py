@@ -25,7 +25,7 @@ from parallel.checkpoint import safe_torch_load
 from parallel.engine import TorchEngine
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionConfig, precision_policy
-from tests.conftest import ROOT, run_train, tiny_overrides
+from tests.conftest import ROOT, can_mount_tmpfs, run_train, tiny_overrides
 from training import checkpoint as ckpt
 from training.config import load_config
 
@@ -293,15 +293,7 @@ def test_a_save_on_a_full_disk_is_one_line_and_the_previous_checkpoint_survives(
     assert _steps(root) == ["step_00000001"] and ckpt.find_latest(root).name == "step_00000001"
 
 
-def _can_mount_tmpfs() -> bool:
-    if not shutil.which("unshare"):
-        return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
-                           capture_output=True)
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare -rm and tmpfs mounts (user namespaces)")
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs unshare -rm and tmpfs mounts (user namespaces)")
 @pytest.mark.parametrize("async_save", ["false", "true"])
 def test_a_really_full_disk_mid_run_is_named_and_the_previous_checkpoint_survives(async_save, tmp_path, corpus_cache):
     # A private 2 MiB tmpfs (mount namespace of this one command): one 1.5 MB checkpoint fits, a

@@ -132,6 +132,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, exported, monkeypatc
                                                str(TASK_DIR)]), "does not record its tokenizer", "tokenizer=byte")
     one_line_error(capsys, run("--tasks", "perfgpt_python_mc", "--task-dir", str(TASK_DIR), "--batch-size", "0"),
                    "batch_size must be a positive integer")
+    # A tokenizer with more ids than the model's vocabulary: refused before any request, as tools.sample does.
+    small = GPT(ModelConfig(vocab_size=100, max_seq_len=SEQ, n_layer=1, n_head=4, d_model=32))
+    small_export = write_export(ModelSource(small.cfg, small.state_dict(), "byte", 0, "test"), tmp_path / "small",
+                                "safetensors")
+    one_line_error(capsys, evaluate_tool.main([str(small_export), "--tasks", "perfgpt_python_mc", "--task-dir",
+                                               str(TASK_DIR), "--limit", "2"]),
+                   "tokenizer byte has 256 ids, more than the model's vocabulary of 100")
 
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if the harness were not installed
     one_line_error(capsys, run("--tasks", "perfgpt_python_mc"), "pip install -e '.[eval]'")

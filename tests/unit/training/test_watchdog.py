@@ -106,19 +106,6 @@ def test_faults_parse_and_fire_only_on_their_rank_step_and_phase_in_the_first_at
         parse_faults("explode:rank=0")
 
 
-def test_the_straggler_is_the_slowest_rank_past_the_threshold_over_the_median():
-    from training.straggler import describe_straggler, find_straggler, own_time_per_step
-
-    assert find_straggler([0.10, 0.11, 0.10, 0.16], 0.2) == (3, pytest.approx(0.16 / 0.105 - 1))
-    assert find_straggler([0.10, 0.11, 0.10, 0.12], 0.2) is None  # 14% slower: within the threshold
-    assert find_straggler([0.5], 0.2) is None and find_straggler([0.0, 0.0], 0.2) is None
-    # own time: data, forward and optimizer per step; backward and collectives wait for other ranks
-    assert own_time_per_step({"data": 1.0, "forward": 2.0, "backward": 50.0, "optimizer": 1.0, "collective": 9.0},
-                             4) == pytest.approx(1.0)
-    line = describe_straggler(20, 1, 0.5, [0.1, 0.3, 0.1], ["a", "b", "c"], 0.2)
-    assert line.startswith("step 20: straggler rank 1 on b: 50% slower than the median rank (300.0 vs 100.0 ms")
-
-
 class HostClockEvent:
     """torch.cuda.Event's timing interface on the host clock, to check on a CPU how the CUDA path
     attributes the time between events to phases."""
