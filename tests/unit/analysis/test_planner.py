@@ -505,3 +505,10 @@ def test_fsdp_collectives_per_step_follow_the_trainers_resharding():
     n = max(est.stage_parameters(cfg, 1, 2, stage) for stage in (0, 1))
     comm = est.estimate(piped).comm
     assert comm.sent_per_gpu == pytest.approx(7 / 8 * n * (5 * 2 + 1 * 2) + comm.pipeline)
+
+
+def test_estimate_takes_recompute_and_its_old_name():
+    from tools import estimate
+
+    assert estimate.parse_args(["--preset", "70b", "--recompute", "full"])[0].recompute == "full"
+    assert estimate.parse_args(["--preset", "70b", "--policy", "selective"])[0].recompute == "selective"
