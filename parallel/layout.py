@@ -78,8 +78,9 @@ class Layout:
         if self.dp_shard == -1:
             if self.world_size % fixed:
                 raise LayoutError(
-                    f"parallel.pp={self.pp} x dp_replicate={self.dp_replicate} x cp={self.cp} x tp={self.tp} = "
-                    f"{fixed} does not divide the {self.world_size} ranks; choose degrees whose product divides it"
+                    f"parallel.pp={self.pp} x parallel.dp_replicate={self.dp_replicate} x parallel.cp={self.cp} x "
+                    f"parallel.tp={self.tp} = {fixed} does not divide the {self.world_size} ranks; choose degrees whose "
+                    "product divides it"
                 )
             object.__setattr__(self, "dp_shard", self.world_size // fixed)
         if fixed * self.dp_shard != self.world_size:

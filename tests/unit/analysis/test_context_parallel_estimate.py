@@ -122,7 +122,7 @@ def test_bad_cp_layouts_are_one_line_errors():
     with pytest.raises(est.EstimatorError, match="parallel.cp=4 splits each sequence into 2 x cp = 8 equal chunks: "
                                                  "seq_len=65532 must divide by 8"):
         job(cp=4, seq_len=65532)
-    with pytest.raises(est.EstimatorError, match="pp=1 x dp_replicate=1 x cp=8 x tp=2 = 16 does not divide the 8 ranks"):
+    with pytest.raises(est.EstimatorError, match="parallel.cp=8 x parallel.tp=2 = 16 does not divide the 8 ranks"):
         job(cp=8, tp=2)
 
 

@@ -301,7 +301,7 @@ def test_invalid_layouts_are_one_line_errors():
         (dict(world_size=16, tp=8), 1, "parallel.tp=8 must divide model.n_head=12"),
         (dict(world_size=6, tp=3), 1, "parallel.tp=3 must divide model.n_kv_head=4"),
         (dict(world_size=12, pp=4), 4, "model.n_layer=10 must divide into parallel.pp x pp_virtual_stages = 4"),
-        (dict(world_size=10, tp=4), 1, "pp=1 x dp_replicate=1 x cp=1 x tp=4 = 4 does not divide the 10 ranks"),
+        (dict(world_size=10, tp=4), 1, "parallel.tp=4 = 4 does not divide the 10 ranks"),
         (dict(world_size=4, pp=2), 1, "train.grad_accum_steps=1 is the number of pipeline micro-batches: it must be >= "
                                       "parallel.pp=2"),
         (dict(world_size=4, pp=2, pp_virtual_stages=5), 4, "parallel.pp_schedule=1f1b runs one stage per rank"),

@@ -73,7 +73,7 @@ def test_the_estimator_may_describe_other_frameworks_compositions():
 
 
 @pytest.mark.parametrize("world, keys, message", [
-    (4, dict(tp=3), r"parallel.pp=1 x dp_replicate=1 x cp=1 x tp=3 = 3 does not divide the 4 ranks"),
+    (4, dict(tp=3), r"parallel.pp=1 x parallel.dp_replicate=1 x parallel.cp=1 x parallel.tp=3 = 3 does not divide the 4 ranks"),
     (4, dict(tp=2, dp_shard=4), r"= 8 ranks, but 4 were launched; make the product equal the world size \(dp_shard "
                                 r"counts every data-parallel rank the dense weights shard over, the ep ranks among them"),
     (6, dict(ep=4), r"parallel.ep=4 must divide the dp_shard=6 ranks it is carved out of"),
