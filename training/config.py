@@ -29,6 +29,8 @@ from parallel.layout import check_model
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionConfig
 
+RUN_CONFIG_FILE = "config.yaml"  # the resolved configuration a run writes into its run directory
+
 
 @dataclass
 class TrainConfig:
