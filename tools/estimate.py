@@ -172,7 +172,7 @@ def model_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
         ["training FLOPs/token", f"{est.flops_per_token(cfg, job.seq_len):.4g}"],
         ["shape", f"L={cfg.n_layer}, d={cfg.d_model}, heads={cfg.n_head}, kv heads={cfg.kv_heads}, "
                   f"d_ff={cfg.d_ff} {cfg.mlp}, vocab={cfg.vocab_size}, s={job.seq_len}, b={job.micro_batch}"],
-        ["layout", est.layout_words(job)],
+        ["layout", est.job_words(job)],
     ]
     return ["model", "value"], rows
 
