@@ -18,7 +18,8 @@ virtual stages, the strategy, the recompute policy and the micro-batch, at a fix
 (sequences per step; default: micro-batch x grad-accum x data-parallel ranks of the job as given),
 and prints the best --top layouts one per line in the config's own words. Only layouts train.py accepts
 are proposed, and a layout given with --tp, --pp, --strategy, ... that train.py would refuse is an error
-(the same checks: training/config.py JobConfig.validate_layout).
+(the same checks: the config's, training/config.py JobConfig.validate_layout, and the launch's,
+parallel/layout.py Layout.of).
 
 --scaling N1,N2,... runs the planner at each GPU count, weak (the same sequences per GPU) and strong (one
 global batch), and prints predicted tokens/s, model TFLOP/s per GPU, scaling efficiency, the share of the

@@ -58,7 +58,7 @@ STATE_BYTES: dict[str, StateBytes] = {
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16_master": 2, "fp8": 2}
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise EstimatorError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
 
@@ -125,10 +125,10 @@ class JobSpec:
     fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
 
     def __post_init__(self) -> None:
-        _check_choice("strategy", self.layout.strategy, STRATEGIES)
-        _check_choice("recompute", self.recompute, RECOMPUTE_POLICIES)
-        _check_choice("precision", self.precision, PRECISION_MODES)
-        _check_choice("pp_schedule", self.layout.pp_schedule, PP_SCHEDULES)
+        check_choice("strategy", self.layout.strategy, STRATEGIES)
+        check_choice("recompute", self.recompute, RECOMPUTE_POLICIES)
+        check_choice("precision", self.precision, PRECISION_MODES)
+        check_choice("pp_schedule", self.layout.pp_schedule, PP_SCHEDULES)
         for key in ("seq_len", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise EstimatorError(f"{key} must be >= 1 (got {getattr(self, key)})")

@@ -12,11 +12,11 @@ from analysis.estimator.job import (
     Assumptions,
     EstimatorError,
     JobSpec,
-    _check_choice,
+    check_choice,
     layout_of,
 )
 from analysis.estimator.memory import estimate_memory
-from analysis.estimator.step import Estimate, _estimate_with, describe_estimate, estimate, memory_problems
+from analysis.estimator.step import Estimate, describe_estimate, estimate, estimate_with, memory_problems
 from analysis.estimator.time import bubble_fraction
 from common.errors import ConfigError, LayoutError
 from common.hardware import DEVICES, DeviceSpec, lookup_device
@@ -210,7 +210,7 @@ def plan_layouts(
     """
     if global_batch < 1:
         raise EstimatorError(f"global_batch must be >= 1 (got {global_batch})")
-    _check_choice("precision", precision, PRECISION_MODES)
+    check_choice("precision", precision, PRECISION_MODES)
     fitting = []
     for tp, pp, cp in [(tp, pp, cp) for tp, pp in model_parallel_sizes(model_cfg, world_size, device.gpus_per_node)
                        for cp in context_parallel_sizes(seq_len, world_size // (tp * pp))]:
@@ -243,7 +243,7 @@ def plan_layouts(
                         memory = estimate_memory(job)
                         if memory_problems(job, memory):
                             break
-                        fitting.append(_estimate_with(job, memory))
+                        fitting.append(estimate_with(job, memory))
     fitting.sort(key=lambda e: (e.time.seconds_per_token, e.memory.total, e.job.layout.dp_replicate, e.job.layout.pp,
                                 e.job.layout.tp, e.job.layout.cp, e.job.layout.ep))
     return fitting if top is None else fitting[:top]

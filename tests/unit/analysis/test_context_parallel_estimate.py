@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 import analysis.estimator as est
-from analysis.estimator.memory import _layer_bytes
+from analysis.estimator.memory import layer_bytes
 from common.hardware import DEVICES
 from model.config import ModelConfig
 from training.config import load_config
@@ -33,7 +33,7 @@ def test_a_cp_layer_keeps_its_share_of_the_sequence_plus_the_gathered_keys_and_v
     # the core (gather included) is recomputed in backward.
     gathered = 0 if policy in ("selective", "full") else p * 2 * 512 * (s - s // cp)
     assert est.cp_attention_bytes_per_layer(job(cp=cp), policy) == gathered
-    assert _layer_bytes(job(cp=cp), policy) == local + gathered
+    assert layer_bytes(job(cp=cp), policy) == local + gathered
     # tensor parallelism splits the gathered KV heads too
     tp = job(cp=cp, tp=2, world_size=16)
     assert est.cp_attention_bytes_per_layer(tp, policy) == gathered / 2
