@@ -26,7 +26,7 @@ def test_every_layout_the_planner_prints_for_a_config_passes_the_trainers_valida
         for plan in plans:
             est.trainer_config(plan.job, cfg).validate()
         for plan in plans[:10]:
-            load_config(path, est.layout_overrides(plan.job))
+            load_config(path, est.job_overrides(plan.job))
         planned += len(plans)
     assert planned
 

@@ -56,7 +56,6 @@ DOCUMENT = {"attention_mask": "document", "eot_id": EOT, "document_positions": T
 MODEL_KEYS = {"cp4_selective_recompute": {"recompute": "selective"},  # the core, K/V gather included, rebuilt in backward
               "cp2_x_pp2_interleaved_document": DOCUMENT | {"n_layer": 4},
               "cp2_x_pp2_zero_bubble_document": DOCUMENT | {"n_layer": 4}, "pp2_x_dp2_document": DOCUMENT}
-MESH_KEYS = ("pp", "dp_shard", "cp", "tp")  # the layout keys that shape the mesh (the rest: the parallel section's)
 PIPELINE_ACCUM = 2  # micro-batches per step of the pipelined layouts (pipeline micro-batches: >= pp)
 
 
@@ -145,29 +144,27 @@ def train(engine, ctx, cfg, steps: range, grads: dict | None = None) -> tuple[li
 
 def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
     cfg = job(name, accum_of(layout), **layout)
-    ctx = gloo_context(rank, world, **{k: v for k, v in layout.items() if k in MESH_KEYS})
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     grads = {}
     losses, norms = train(engine, ctx, cfg, range(SAVE_AFTER), grads)
     path = Path(root) / name
     save_on_every_rank(engine, path, rank)
     rest, rest_norms = train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))
-    val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.dims.dp_size), VAL, ctx)
+    val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.layout.dp), VAL, ctx)
     fresh = build_from_config(cfg, ctx).engine
     fresh.load(path)
     final = full_params(engine)
     resumed, _ = train(fresh, ctx, cfg, range(SAVE_AFTER, STEPS))
     return {"losses": losses + rest, "norms": norms + rest_norms, "resumed": resumed, "val": val,
-            "dp_size": ctx.dims.dp_size, "grads": grads, "final": final, "resumed_final": full_params(fresh)}
+            "dp_size": ctx.layout.dp, "grads": grads, "final": final, "resumed_final": full_params(fresh)}
 
 
 def cross_load(rank: int, world: int, root: str) -> list[float]:
     """cp=4's checkpoint loaded into cp=2 x dp_shard=2: the steps after it train as cp=2 x dp=2's do."""
     layout = LAYOUTS["cp2_x_dp2"]
     cfg = job(**layout)
-    ctx = gloo_context(rank, world, **layout)
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     engine.load(Path(root) / "cp4")
     return train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))[0]

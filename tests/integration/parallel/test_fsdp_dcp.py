@@ -78,7 +78,7 @@ def _fsdp(model, rank: int, world: int, **parallel: Any):
 
     cfg = ParallelConfig(strategy="fsdp", **parallel)
     local = parallel.get("local_world_size") or world
-    ctx = gloo_context(rank, world, local, **cfg.layout(world // local, local))
+    ctx = gloo_context(rank, world, local, parallel=cfg)
     return data_parallel_engine(model, cfg, ctx).model
 
 

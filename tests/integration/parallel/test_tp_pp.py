@@ -57,7 +57,6 @@ FOUR_RANKS = {
     "pp_x_tp_tied": {"pp": 2, "tp": 2},
     "pp4_tied": {"pp": 4, "pp_schedule": "1f1b"},  # middle stages hold neither copy
 }
-LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def is_tied(name: str) -> bool:
@@ -116,7 +115,7 @@ def train_steps(engine, steps: range, ctx, cfg, record_grads: bool = False):
     losses, norms, grads = [], [], {}
     accum = cfg.train.grad_accum_steps
     for step in steps:
-        batches = iter(micro_batches(step, ctx.dims.dp_rank, ctx.dims.dp_size, accum))
+        batches = iter(micro_batches(step, ctx.dims.dp_rank, ctx.layout.dp, accum))
         loss, _ = engine.forward_backward_step(batches, accum)
         if record_grads and step == 0:
             grads = full_grads(engine)
@@ -126,17 +125,15 @@ def train_steps(engine, steps: range, ctx, cfg, record_grads: bool = False):
 
 
 def run_layout(rank: int, world: int, name: str, parallel: dict, ckpt_root: str) -> dict:
-    layout = {k: parallel[k] for k in LAYOUT_KEYS if k in parallel}
     cfg = job(accum_steps(parallel), tied=is_tied(name), **parallel)
-    ctx = gloo_context(rank, world, **layout)
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     losses, norms, grads = train_steps(engine, range(SAVE_AFTER), ctx, cfg, record_grads=True)
     path = Path(ckpt_root) / name
     save_on_every_rank(engine, path, rank)
     saved = full_params(engine)
     rest, rest_norms, _ = train_steps(engine, range(SAVE_AFTER, STEPS), ctx, cfg)
-    val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.dims.dp_size), VAL, ctx)
+    val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.layout.dp), VAL, ctx)
     fresh = build_from_config(cfg, ctx).engine  # a new run that loads the checkpoint
     fresh.load(path)
     resumed, _, _ = train_steps(fresh, range(SAVE_AFTER, STEPS), ctx, cfg)
@@ -147,8 +144,7 @@ def run_layout(rank: int, world: int, name: str, parallel: dict, ckpt_root: str)
 def resume_from(rank: int, world: int, name: str, parallel: dict, path: Path) -> dict:
     """A layout that loads a checkpoint saved by another and trains the steps after it."""
     cfg = job(tied=is_tied(name), **parallel)
-    ctx = gloo_context(rank, world, **{k: parallel[k] for k in LAYOUT_KEYS if k in parallel})
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     engine.load(path)
     loaded = full_params(engine)
@@ -166,7 +162,7 @@ def two_rank_worker(rank: int, world: int, ckpt_root: str) -> dict:
                                                 Path(ckpt_root) / "one_tied_dp2")
     # The tp=2 checkpoint loaded into FSDP2 over 2 data-parallel ranks: another layout, the same weights.
     cfg = job(strategy="fsdp")
-    engine = build_from_config(cfg, gloo_context(rank, world)).engine
+    engine = build_from_config(cfg, gloo_context(rank, world, parallel=cfg.parallel)).engine
     engine.load(Path(ckpt_root) / "tp")
     results["tp_into_fsdp"] = full_params(engine)
     results["pp_device_skip"] = pipeline_skip_on_device(rank, world)
@@ -188,7 +184,7 @@ def pipeline_skip_on_device(rank: int, world: int) -> dict:
 
     cfg = job(tied=True, pp=2, pp_schedule="1f1b")
     cfg.optim.fused = "on"
-    ctx = gloo_context(rank, world, pp=2)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     out = {"skipped": [], "changed": [], "steps": []}
     for step in range(2):
@@ -385,7 +381,7 @@ def test_train_py_resumes_a_tensor_parallel_run_exactly(tmp_path, corpus_cache):
     step3 = full / "checkpoints" / "step_00000003"
     second = run_torchrun(2, [*tiny, "--resume", str(step3), *tiny_overrides(split, corpus_cache, **common)])
     assert second.returncode == 0, second.stderr[-2000:]
-    assert "layout: tp=2" in second.stdout and "continuing from" in second.stdout
+    assert "layout: strategy=none dp_shard=1 tp=2 pp=1" in second.stdout and "continuing from" in second.stdout
     losses = {r["step"]: r["loss"] for r in read_metrics(split) if "loss" in r}
     assert sorted(losses) == [4, 5, 6]
     assert losses == {r["step"]: r["loss"] for r in read_metrics(full) if "loss" in r and r["step"] > 3}

@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import ConfigError, LayoutError
 from model.attention import causal_mask
-from parallel.config import ParallelConfig
 from parallel.cp import chunk_ids, local_token_index
 from parallel.dims import ParallelDims
+from parallel.layout import Layout
 from training.config import load_config
 
 
@@ -31,26 +30,17 @@ def test_every_cp_rank_does_the_same_attention_work():
         assert sorted(held.tolist()) == list(range(seq))
 
 
-def test_layouts_with_cp_are_validated_before_any_work():
-    dims = ParallelDims(8, 8, 5, 5, cp=2, tp=2)
-    assert (dims.dp_shard, dims.coordinate("cp"), dims.coordinate("tp"), dims.dp_rank) == (2, 0, 1, 1)
+def test_cp_ranks_sit_inside_tp_and_join_the_shard_group():
+    dims = ParallelDims(8, 8, 5, 5, layout=Layout(8, cp=2, tp=2))
+    assert (dims.layout.dp_shard, dims.coordinate("cp"), dims.coordinate("tp"), dims.dp_rank) == (2, 0, 1, 1)
     assert dims.fsdp_dims() == ("dp_shard_cp",)
-    assert ParallelDims(4, 4, 0, 0, cp=4).fsdp_dims() == ("cp",)
-    with pytest.raises(LayoutError, match="parallel.cp=3"):
-        ParallelDims(4, 4, 0, 0, cp=3)
-    with pytest.raises(ConfigError, match=r"model.max_seq_len=20 must divide by 8"):
-        load_config(None, ["--parallel.cp=4", "--model.max_seq_len=20", "--parallel.strategy=fsdp"])
-    for strategy in ("ddp", "zero2"):
-        with pytest.raises(ConfigError, match=f"parallel.cp=2 with parallel.strategy={strategy}"):
-            load_config(None, ["--parallel.cp=2", f"--parallel.strategy={strategy}"])
+    assert ParallelDims(4, 4, 0, 0, layout=Layout(4, cp=4)).fsdp_dims() == ("cp",)
     both = load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--train.grad_accum_steps=2"]).parallel
     assert (both.cp, both.pp) == (2, 2)  # composed (parallel/pp.py passes every stage what cp needs)
     zero_bubble = load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--parallel.pp_schedule=zero_bubble",
                                      "--parallel.pp_virtual_stages=2", "--model.n_layer=4",
                                      "--train.grad_accum_steps=2"]).parallel
     assert zero_bubble.pp_schedule == "zero_bubble"  # its split backward under FSDP2: trained below
-    resolved, note = ParallelConfig(cp=2).for_data_parallel(1)
-    assert resolved.strategy == "fsdp" and "parallel.cp=2" in note
 
 
 @pytest.mark.parametrize("args, message", [

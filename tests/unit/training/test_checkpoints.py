@@ -168,3 +168,30 @@ def test_a_save_on_a_full_disk_is_one_line_and_the_previous_checkpoint_survives(
     assert message.startswith("step 2: cannot save the checkpoint: no space left on device (ENOSPC) writing ")
     assert ".tmp-step_00000002" in message and "\n" not in message
     assert _steps(root) == ["step_00000001"] and ckpt.find_latest(root).name == "step_00000001"
+
+
+# Layouts as an earlier version's config spelled them (its parallel.dp_shard left the ep ranks out), today's
+# words for the same ranks, and the layout its checkpoints recorded (meta.json "layout"), which counted them.
+EARLIER_LAYOUTS = [
+    (dict(ep=2, dp_shard=2), dict(ep=2, dp_shard=4), 4,
+     {"tp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 4, "pp_virtual_stages": 1, "ep": 2}),
+    (dict(ep=4, cp=2, dp_shard=2), dict(ep=4, cp=2, dp_shard=4), 8,
+     {"tp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 4, "pp_virtual_stages": 1, "cp": 2, "ep": 4}),
+    (dict(ep=2, cp=2, dp_shard=2), dict(ep=2, cp=2, dp_shard=2), 4,
+     {"tp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 2, "pp_virtual_stages": 1, "cp": 2, "ep": 2}),
+    (dict(ep=2, dp_replicate=2, dp_shard=2), dict(ep=2, dp_replicate=2, dp_shard=4), 8,
+     {"tp": 1, "pp": 1, "dp_replicate": 2, "dp_shard": 4, "pp_virtual_stages": 1, "ep": 2}),
+]
+
+
+@pytest.mark.parametrize("earlier, today, world, recorded", EARLIER_LAYOUTS)
+def test_checkpoints_of_the_earlier_dp_shard_match_the_same_ranks_in_todays_words(earlier, today, world, recorded):
+    from common.errors import LayoutError
+    from parallel.config import ParallelConfig
+    from parallel.layout import Layout
+
+    layout = Layout.of(ParallelConfig(strategy="fsdp", **today), world, world)
+    assert ckpt.layout_record(layout) == recorded  # resuming with today's words passes the layout check
+    if earlier != today:  # the earlier words no longer multiply to the world size: one line says how to count
+        with pytest.raises(LayoutError, match="dp_shard counts every data-parallel rank the dense weights shard over"):
+            Layout.of(ParallelConfig(strategy="fsdp", **earlier), world, world)
