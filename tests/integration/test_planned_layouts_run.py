@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ import torch
 from analysis import estimator as est
 from common.hardware import DEVICES
 from parallel.distributed import DistContext
+from parallel.layout import Layout, microbatch_problem
 from tests.conftest import ROOT
 from tests.gloo import gloo_context, run_workers
 from training.build import build_from_config
@@ -38,12 +38,13 @@ STEPS, SEQ, VOCAB = 3, 32, 256
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
-def scaled_model(cfg, job) -> list[str]:
-    """The config's model family at a size a CPU trains in a second: overrides for ``model.*``."""
+def scaled_model(cfg, stages: int, tp: int) -> list[str]:
+    """The config's model family at a size a CPU trains in a second, with ``stages`` pipeline stages
+    in all and heads that ``tp`` divides: overrides for ``model.*``."""
     m = cfg.model
     heads = 8
-    keys = {"n_layer": max(2, job.pp * job.pp_virtual_stages), "d_model": 64, "n_head": heads, "vocab_size": VOCAB,
-            "max_seq_len": SEQ, "n_kv_head": heads if m.kv_heads == m.n_head else max(2, job.tp)}
+    keys = {"n_layer": max(2, stages), "d_model": 64, "n_head": heads, "vocab_size": VOCAB,
+            "max_seq_len": SEQ, "n_kv_head": heads if m.kv_heads == m.n_head else max(2, tp)}
     if m.d_ff is not None:
         keys["d_ff"] = 128
     if m.attention_head_dim is not None:
@@ -55,20 +56,19 @@ def scaled_model(cfg, job) -> list[str]:
     return [f"--model.{k}={v}" for k, v in keys.items()]
 
 
-def smallest_accumulation(job) -> int:
+def smallest_accumulation(layout) -> int:
     """Fewest micro-batches per step the schedule takes (a pipeline needs one per stage at least)."""
     accum = 1
-    while est.torch_microbatch_rule(job.pp_schedule, job.pp, accum) or (job.pp > 1 and accum < job.pp) or \
-            (job.pp_virtual_stages > 1 and accum % job.pp):
+    while microbatch_problem(layout, accum):
         accum += 1
     return accum
 
 
 def overrides_for(path: Path, job) -> tuple[str, ...]:
     precision = "bf16" if job.precision == "fp8" else job.precision
-    layout = [w for w in est.layout_overrides(job) if not w.startswith(("--train.", "--precision."))]
-    return tuple(layout + scaled_model(load_config(path), job) + [
-        "--train.micro_batch_size=1", f"--train.grad_accum_steps={smallest_accumulation(job)}",
+    layout = [w for w in est.job_overrides(job) if not w.startswith(("--train.", "--precision."))]
+    return tuple(layout + scaled_model(load_config(path), job.layout.stages, job.layout.tp) + [
+        "--train.micro_batch_size=1", f"--train.grad_accum_steps={smallest_accumulation(job.layout)}",
         f"--data.seq_len={SEQ}", f"--precision.mode={precision}", "--train.compile=false",
         "--optim.warmup_steps=1", f"--train.max_steps={STEPS}"])
 
@@ -97,8 +97,7 @@ def proposals() -> dict[int, dict[tuple[str, ...], str]]:
     hsdp_zero_bubble = ["--parallel.strategy=fsdp", "--parallel.pp=2", "--parallel.dp_replicate=2",
                         "--parallel.dp_shard=2", "--parallel.pp_schedule=zero_bubble", "--parallel.pp_virtual_stages=2"]
     llama = load_config(ROOT / "configs/llama3-8b.yaml", hsdp_zero_bubble)
-    stages = SimpleNamespace(pp=2, pp_virtual_stages=2, tp=1)
-    key = ("configs/llama3-8b.yaml", *hsdp_zero_bubble, *scaled_model(llama, stages), "--train.micro_batch_size=1",
+    key = ("configs/llama3-8b.yaml", *hsdp_zero_bubble, *scaled_model(llama, 4, 1), "--train.micro_batch_size=1",
            "--train.grad_accum_steps=2", f"--data.seq_len={SEQ}", "--precision.mode=fp32", "--train.compile=false",
            "--optim.warmup_steps=1", f"--train.max_steps={STEPS}")
     out[8][key] = "zero_bubble under HSDP: pp=2 x dp_replicate=2 x dp_shard=2, 2 virtual stages"
@@ -117,8 +116,7 @@ def micro_batches(step: int, dp_rank: int, accum: int) -> list[tuple[torch.Tenso
 
 def run_one(rank: int, world: int, key: tuple[str, ...]) -> list[float]:
     cfg = load_config(key[0], list(key[1:]))
-    ctx = gloo_context(rank, world, **cfg.parallel.layout(1, world))
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     accum, losses = cfg.train.grad_accum_steps, []
     for step in range(STEPS):
@@ -174,7 +172,7 @@ def test_every_planned_layout_trains_three_steps(planned, world, tmp_path):
             failures.append(f"{what}: losses {results}")
             continue
         cfg = load_config(key[0], list(key[1:]))
-        dp_size = world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
+        dp_size = Layout.of(cfg.parallel, world, world).dp
         reference = first_step_of_one_process(key, dp_size)
         tolerance = 1e-4 if cfg.precision.mode == "fp32" else 3e-2
         if abs(losses[0] - reference) > tolerance:

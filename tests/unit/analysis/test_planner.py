@@ -498,8 +498,8 @@ def test_zero_bubble_with_op_level_recompute_is_refused_by_the_trainer_and_never
     cfg = load_config("configs/llama-7b.yaml")
     plans = est.plan_layouts(cfg.model, cfg.seq_len, 8, H100, cfg.precision.mode, global_batch=8 * 8, top=None,
                              config=cfg)
-    assert any(p.job.pp_schedule == "zero_bubble" for p in plans)
-    assert not any(p.job.pp_schedule == "zero_bubble" and p.job.policy == "op_selective" for p in plans)
+    assert any(p.job.layout.pp_schedule == "zero_bubble" for p in plans)
+    assert not any(p.job.layout.pp_schedule == "zero_bubble" and p.job.recompute == "op_selective" for p in plans)
 
 
 def test_estimate_refuses_a_layout_the_trainer_refuses(capsys):
