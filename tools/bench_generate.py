@@ -26,7 +26,7 @@ import torch
 from analysis.generate_bench import run_generate_benchmark
 from common.errors import USER_FACING_ERRORS, ConfigError
 from common.measure import machine_load
-from common.report import markdown_table, text_table, write_results
+from common.report import print_and_publish
 from training.config import load_config
 
 HEADERS = ["generate", "ms per batch median (min-max)", "new tokens/s", "time vs transformers"]
@@ -67,13 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = (f"{args.config}'s model ({cfg.n_layer} layers, d_model {cfg.d_model}), prompts of "
                 f"{', '.join(map(str, args.prompt_lens))} tokens as one batch, {args.new_tokens} new tokens each, greedy, fp32, CPU {args.threads} thread(s), {args.rounds} "
                 f"interleaved rounds, torch {torch.__version__} ({machine_load()})")
-    print(settings)
-    print(text_table(HEADERS, rows))
-    if args.markdown:
-        command = "python -m tools.bench_generate " + " ".join(argv if argv is not None else sys.argv[1:])
-        text = f"# Generation speed against transformers\n\n- `{command}`\n- {settings}\n\n{markdown_table(HEADERS, rows)}\n"
-        written = write_results(args.markdown, text, f"generate: {settings}", [dict(zip(HEADERS, r)) for r in rows])
-        print("wrote " + ", ".join(str(p) for p in written))
+    command = "python -m tools.bench_generate " + " ".join(argv if argv is not None else sys.argv[1:])
+    print_and_publish("Generation speed against transformers", command, settings, HEADERS, rows, args.markdown)
     return 0
 
 

@@ -24,7 +24,7 @@ import torch
 from analysis.loss_bench import TABLE_HEADERS, run_loss_benchmark, table_rows
 from common.errors import USER_FACING_ERRORS, ConfigError
 from common.measure import hardware_name, machine_load, resolve_device
-from common.report import markdown_table, text_table, write_results
+from common.report import print_and_publish
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,16 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = (f"{args.tokens} tokens x d_model {args.d_model} -> vocabulary {args.vocab} (fp32 logits "
                 f"{whole:.0f} MiB), forward + backward, {args.rounds} interleaved rounds on {hardware_name(device)}, "
                 f"torch {torch.__version__} ({machine_load()})")
-    rows = table_rows(variants)
-    print(settings)
-    print(text_table(TABLE_HEADERS, rows))
-    if args.markdown:
-        command = "python -m tools.bench_loss " + " ".join(argv if argv is not None else sys.argv[1:])
-        text = (f"# The LM loss with and without the whole logits\n\n- `{command}`\n- {settings}\n\n"
-                f"{markdown_table(TABLE_HEADERS, rows)}\n")
-        written = write_results(args.markdown, text, f"loss memory: {settings}",
-                                [dict(zip(TABLE_HEADERS, r)) for r in rows])
-        print("wrote " + ", ".join(str(p) for p in written))
+    command = "python -m tools.bench_loss " + " ".join(argv if argv is not None else sys.argv[1:])
+    print_and_publish("The LM loss with and without the whole logits", command, settings, TABLE_HEADERS,
+                      table_rows(variants), args.markdown)
     return 0
 
 
