@@ -36,7 +36,9 @@ from training.config import JobConfig, from_dict, to_dict, upgrade_renamed
 FORMATS = ("hf", "safetensors")
 # What the weights fix; the other model keys (dropout, attention backend, recompute, init) stay the run's.
 ARCHITECTURE_KEYS = ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "norm",
-                     "norm_eps", "mlp", "gelu", "position", "rope_theta", "tie_embeddings", "bias")
+                     "norm_eps", "mlp", "gelu", "position", "rope_theta", "rope_scaling", "tie_embeddings", "bias",
+                     "qkv_bias", "proj_bias", "sliding_window", "sliding_window_every", "sliding_window_first",
+                     "attention_sinks", "swiglu_limit", "swiglu_alpha")
 SAFETENSORS_NAME = "model.safetensors"
 EXPORT_FILES = frozenset({CONFIG_FILE, SAFETENSORS_NAME})  # what either format writes into --out
 # Keys of the safetensors metadata (strings only) and of an exported HF config.json.

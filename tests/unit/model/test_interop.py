@@ -269,8 +269,9 @@ def test_import_refuses_gpt2_variants_perfgpt_lacks(changes, needle):
 
 
 @pytest.mark.parametrize("changes,needle", [
-    (dict(attention_bias=True, mlp_bias=False), "attention_bias=True with mlp_bias=False"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}), "'llama3'"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 500000.0, "factor": 8.0}), "'linear'"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor=0.5"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
 ])
 def test_import_refuses_llama_variants_perfgpt_lacks(changes, needle):
@@ -419,7 +420,7 @@ def test_cache_holds_only_the_kv_heads_and_stops_at_end_of_text(monkeypatch):
     real = generate_module.KVCache
     monkeypatch.setattr(generate_module, "KVCache", lambda *a, **k: caches.append(real(*a, **k)) or caches[-1])
     free = generate(model, [[1, 2, 3]], 20)[0]
-    assert caches[0].k.shape == (2, 1, 23, 1, cfg.head_dim)  # (layers, batch, positions, kv heads, head dim)
+    assert [k.shape for k in caches[0].keys] == [(1, 23, 1, cfg.head_dim)] * 2  # per layer (batch, positions, kv heads, head dim)
     eos = free[5]
     stopped = generate(model, [[1, 2, 3]], 20, eos_id=eos)[0]
     assert stopped == free[: free.index(eos) + 1]
