@@ -280,11 +280,10 @@ class GPT(nn.Module):
         std = self.cfg.init_std
         for i, block in indexed_blocks(self):
             out_std = std / math.sqrt(2 * (i + 1))
-            mlp = block.mlp
-            scaled = {id(block.attn.proj), id(mlp.out)} | ({id(mlp.fc)} if isinstance(mlp, MLP) and mlp.gate else set())
+            up = {id(m.fc) for m in block.modules() if isinstance(m, MLP) and m.gate is not None}  # SwiGLU's
             for module in block.modules():
                 if isinstance(module, nn.Linear):
-                    w_std = out_std if id(module) in scaled or getattr(module, "residual_projection", False) else std
+                    w_std = out_std if id(module) in up or getattr(module, "residual_projection", False) else std
                     truncated_normal_(module.weight, w_std)
                     if module.bias is not None:
                         nn.init.zeros_(module.bias)

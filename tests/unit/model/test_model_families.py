@@ -9,6 +9,7 @@ cache and in the attention backend's choice, and the llama initialization.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -279,3 +280,8 @@ def test_llama_init_truncates_and_scales_output_projections_by_depth():
             assert w.abs().max().item() <= 3 * std
     assert model.tok_emb.weight.std().item() == pytest.approx(1.0, rel=0.05)
     assert model.lm_head.weight.std().item() == pytest.approx(256 ** -0.5 * 0.9866, rel=0.05)
+    # Routed experts: the gate at std, up and down at the block's output std; biases zero.
+    moe = GPT(dataclasses.replace(cfg, moe=MoEConfig(experts=4, top_k=2, bias=True))).blocks["1"].mlp
+    for w, std in ((moe.w_gate, 0.02), (moe.w_up, 0.01), (moe.w_down, 0.01)):
+        assert w.std().item() == pytest.approx(std * 0.9866, rel=0.05) and w.abs().max().item() <= 3 * std
+    assert not moe.b_up.any() and not moe.router.bias.any()
