@@ -1,10 +1,10 @@
-"""Weights in and out: perfgpt <-> Hugging Face GPT-2 and Llama layouts, and nanoGPT checkpoints.
+"""Weights in and out: perfgpt <-> Hugging Face layouts (GPT-2, Llama, Mistral, Qwen2, Mixtral,
+Qwen3-MoE, gpt-oss), and nanoGPT checkpoints.
 
 Pure functions on a ``ModelConfig`` and a state dict (name -> tensor), plus reading and writing
 a Hugging Face model directory (``config.json`` and ``model.safetensors`` or
 ``pytorch_model.bin``, sharded or not) and a nanoGPT ``ckpt.pt``. Nothing here needs
-``transformers``; the layouts below are what its ``GPT2LMHeadModel`` and ``LlamaForCausalLM``
-read and write.
+``transformers``; the layouts below are what its ``*ForCausalLM`` classes read and write.
 
 Which layout a perfgpt model exports to follows from its shape:
 - GPT-2: learned positions, LayerNorm, GELU MLP (``model.gelu`` tanh = ``gelu_new``, exact =
@@ -12,7 +12,12 @@ Which layout a perfgpt model exports to follows from its shape:
   so they are transposed. GPT-2 always has biases: a bias-free model is written with zero biases.
 - Llama: rotary positions, RMSNorm, SwiGLU; ``num_key_value_heads`` = ``model.n_kv_head``. Our
   fused qkv projection is split into q/k/v_proj and joined back; ``mlp.gate`` is gate_proj and
-  ``mlp.fc`` up_proj.
+  ``mlp.fc`` up_proj. ``attention_bias`` is ``model.qkv_bias`` and ``proj_bias`` together,
+  ``mlp_bias`` ``model.bias``; ``rope_scaling`` carries ``model.rope_scaling`` (llama3 or yarn)
+  in every rotary layout. Mistral is Llama's names with a sliding window in every layer and no
+  biases; Qwen2 adds a bias on the Q/K/V projections only and windows the layers from
+  ``max_window_layers`` on (or those its ``layer_types`` name). A windowless bias-free Mistral is
+  written back as Llama, the same function.
 Our fused qkv stores its rows grouped by key/value head (``model.gpt.group_qkv``); every exchange
 goes through the plain [all q | all k | all v] order first (``_canonical`` / ``_stored``).
   Rotary embeddings use the same convention on both sides (the two halves of a head are the
@@ -25,10 +30,16 @@ goes through the plain [all q | all k | all v] order first (``_canonical`` / ``_
   and stacked into ``w_gate``/``w_up`` (E, d, f) and ``w_down`` (E, f, d), transposed. Qwen3-MoE
   adds per-head query/key norms (``model.qk_norm``), a head width of its own, optional weight
   renormalisation (``norm_topk_prob``) and dense layers (``mlp_only_layers`` as a prefix,
-  ``decoder_sparse_step``). Both run dropless: a ``model.moe.capacity`` only applies in perfgpt.
-Anything else (e.g. learned positions with SwiGLU, GQA in the GPT-2 layout, bias on only some
-layers, shared experts, a sigmoid router, sliding-window attention, attention sinks or expert
-biases) is refused with one line naming the key.
+  ``decoder_sparse_step``). Both run dropless: a ``model.moe.capacity`` only applies in perfgpt;
+  both may window every layer.
+- gpt-oss (a model with attention sinks, expert biases or a clamped SwiGLU): attention biases,
+  ``self_attn.sinks``, windows on the layers ``layer_types`` names, a router with a bias
+  (``mlp.router``; top-k of the logits then a softmax over the k, which is the softmax
+  renormalised over its top-k), and experts stacked as ours, (E, in, out), with gate and up in
+  one ``gate_up_proj`` whose columns alternate (gate even, up odd), biases beside them.
+Anything else (e.g. learned positions with SwiGLU, GQA in the GPT-2 layout, a window on some
+layers of a model without Q/K/V bias, shared experts, a sigmoid router) is refused with one line
+naming the key.
 
 nanoGPT (karpathy/nanoGPT ``ckpt.pt``): ``model_args`` (n_layer, n_head, n_embd, block_size,
 bias, vocab_size, dropout) and a state dict under GPT-2's names but with ``nn.Linear`` weights
