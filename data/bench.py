@@ -193,6 +193,11 @@ class ConsumerModel:
     micro_batch: int
 
 
+def consumer_from_config(path: str | Path, cfg) -> ConsumerModel:
+    """The model, sequence length and micro-batch of a job config (a ``training.config.JobConfig``)."""
+    return ConsumerModel(Path(path).stem, cfg.model, cfg.seq_len, cfg.train.micro_batch_size)
+
+
 @dataclass
 class Consumer:
     name: str

@@ -13,7 +13,7 @@ import random
 import signal
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from common.errors import DataError
 from data.config import DataConfig
+
+if TYPE_CHECKING:
+    from data.schedule import MixturePlan
 
 STATE_VERSION = 1
 
@@ -33,6 +36,16 @@ class DataBundle:
     skipped_shards: list[str] = field(default_factory=list)  # "path: reason" for each skipped shard
     tokenizer: str = ""  # the dataset's tokenizer spec (data.tokenizer.build_tokenizer), for sampling later
     eot_id: int | None = None  # its end-of-text id
+    tokenizer_sha256: str | None = None  # its definition hash, where the data records one
+    val_sources: dict[str, "ValSource"] = field(default_factory=dict)  # a mixture: each source's validation set
+    mixture: "MixturePlan | None" = None  # a mixture: its weights by step
+    seq_len: int = 0
+
+    def position_metrics(self, state: dict) -> dict[str, float]:
+        """Samples, tokens and share read per source up to a stream state (a mixture; else nothing)."""
+        if self.mixture is None or "taken" not in state:
+            return {}
+        return self.mixture.metrics(state["taken"], self.seq_len)
 
 
 def split_windows(windows: torch.Tensor, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +115,12 @@ class TrainStream:
     @property
     def batches_per_epoch(self) -> int:
         return self._dataset.batches_per_epoch
+
+    @property
+    def layout_free(self) -> bool:
+        """Whether a saved state means the same for every rank layout (the mixture's global stream),
+        so that a checkpoint resumes it exactly in another layout."""
+        return bool(getattr(self._dataset, "layout_free", False))
 
     def _make_iterator(self):
         self._dataset.set_start(self._state)

@@ -45,7 +45,8 @@ from common.errors import DataError
 from data.bundle import STATE_VERSION, DataBundle, TrainStream, ValSource, seed_worker, split_windows
 from data.config import DataConfig
 from data.default_corpus import ensure_default_corpus
-from data.shards import DatasetMeta, TokenShard, read_dataset_meta
+from data.mixture import build_mixture_data
+from data.shards import DatasetMeta, ShardWindows, TokenShard, open_shards, read_dataset_meta
 from data.webdataset_loader import build_webdataset_data
 
 # Re-exported: callers import the stream pieces from here.
@@ -63,14 +64,22 @@ VERIFY_MODES = {
 
 def build_data(
     cfg: DataConfig, *, seq_len: int, micro_batch_size: int, seed: int, rank: int, world_size: int, vocab_size: int,
-    eval_split: str = "val",
+    eval_split: str = "val", grad_accum_steps: int = 1, val_limit: int = 0,
 ) -> DataBundle:
     """Open (or, for data.format=default, build once and cache) the dataset and return its streams:
-    the train split as the training stream, ``eval_split`` as the validation source."""
-    if seq_len < 1 or micro_batch_size < 1:
-        raise DataError(f"seq_len and micro_batch_size must be >= 1, got {seq_len} and {micro_batch_size}")
+    the train split as the training stream, ``eval_split`` as the validation source. A mixture
+    (``data.sources``, ``data/mixture.py``) draws its steps of ``micro_batch_size x grad_accum_steps
+    x world_size`` samples; ``val_limit`` caps the validation windows a streaming source reads
+    ahead: the run's validation set size (0: 1000)."""
+    if seq_len < 1 or micro_batch_size < 1 or grad_accum_steps < 1:
+        raise DataError(f"seq_len, micro_batch_size and grad_accum_steps must be >= 1, got {seq_len}, "
+                        f"{micro_batch_size} and {grad_accum_steps}")
     if not 0 <= rank < world_size:
         raise DataError(f"rank {rank} is outside world_size {world_size}")
+    if cfg.sources:
+        return build_mixture_data(cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, rank=rank,
+                                  world_size=world_size, vocab_size=vocab_size, grad_accum_steps=grad_accum_steps,
+                                  eval_split=eval_split, val_limit=val_limit or 1000)
     if cfg.format == "webdataset":
         return build_webdataset_data(
             cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, rank=rank,
@@ -104,7 +113,8 @@ def build_data(
     if skipped:
         description += f" | SKIPPED {len(skipped)} bad shard(s): {skipped[0]}" + (" ..." if len(skipped) > 1 else "")
     return DataBundle(train=train, val=val, description=description, skipped_shards=skipped,
-                      tokenizer=meta.tokenizer, eot_id=meta.eot_id)
+                      tokenizer=meta.tokenizer, eot_id=meta.eot_id, tokenizer_sha256=meta.tokenizer_sha256,
+                      seq_len=seq_len)
 
 
 def check_split(meta, split: str) -> None:
@@ -145,27 +155,6 @@ def _check_vocab(meta: DatasetMeta, vocab_size: int) -> None:
         )
 
 
-def open_shards(paths: list[Path], vocab_size: int, verify: str, on_bad: str) -> tuple[list[TokenShard], list[str]]:
-    """Open and check each shard; a bad one raises, or with on_bad='skip' is left out and reported."""
-    shards, skipped = [], []
-    for path in paths:
-        try:
-            shard = TokenShard(path)
-            if verify == "full":
-                shard.verify()
-            if len(shard) and shard.header.max_token_id >= vocab_size:
-                raise DataError(
-                    f"{path}: token id {shard.header.max_token_id} is outside model.vocab_size={vocab_size}"
-                )
-        except DataError as e:
-            if on_bad != "skip":
-                raise
-            skipped.append(str(e))
-            continue
-        shards.append(shard)
-    return shards, skipped
-
-
 # ---------------------------------------------------------------------------- mmap batch source
 
 
@@ -180,14 +169,13 @@ class MmapBatches(IterableDataset):
                  vocab_size: int, seed: int, shuffle: bool, drop_last: bool, split_name: str,
                  check_chunks: bool = True):
         self.paths = [str(s.path) for s in shards]
-        self.check_chunks = check_chunks
         self.seq_len, self.batch_size, self.vocab_size = seq_len, batch_size, vocab_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle, self.drop_last, self.split_name = shuffle, drop_last, split_name
         self.token_count = sum(len(s) for s in shards)
-        windows = [max(0, (len(s) - 1) // seq_len) for s in shards]
-        self.window_starts = np.concatenate([[0], np.cumsum(windows, dtype=np.int64)]).tolist()
-        self.total_windows = self.window_starts[-1]
+        self._windows = ShardWindows(self.paths, [len(s) for s in shards], seq_len, check_chunks=check_chunks)
+        self.window_starts = self._windows.starts
+        self.total_windows = self._windows.total
         self.windows_per_rank = self.total_windows // world_size
         full, partial = divmod(self.windows_per_rank, batch_size)
         self.batches_per_epoch = full + (1 if partial and not drop_last else 0)
@@ -199,7 +187,6 @@ class MmapBatches(IterableDataset):
                 f"over {world_size} rank(s), fewer than one batch of {batch_size}; use more data or a "
                 f"smaller seq_len / micro_batch_size"
             )
-        self._shards: list[TokenShard] | None = None
         self._order_epoch = -1
         self._order: np.ndarray | None = None
         self.start_batch = 0
@@ -214,7 +201,7 @@ class MmapBatches(IterableDataset):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_shards"], state["_order"], state["_order_epoch"] = None, None, -1
+        state["_order"], state["_order_epoch"] = None, -1
         return state
 
     def _rank_windows(self, epoch: int) -> np.ndarray:
@@ -249,15 +236,7 @@ class MmapBatches(IterableDataset):
     def window_tokens(self, window: int) -> np.ndarray:
         """The ``T + 1`` tokens of global window ``window`` (the shard's dtype), its CRC chunk checked
         on this process's first read of it (``data.verify=lazy``); the vocabulary is the caller's check."""
-        if self._shards is None:
-            self._shards = [TokenShard(p) for p in self.paths]
-        T = self.seq_len
-        shard = bisect.bisect_right(self.window_starts, window) - 1
-        start = (window - self.window_starts[shard]) * T
-        source = self._shards[shard]
-        if self.check_chunks and not source.all_verified:
-            source.check_tokens(start, start + T + 1)
-        return source.tokens[start : start + T + 1]
+        return self._windows.tokens(window)
 
     def in_order(self):
         """Every window of the split in file order (the validation set's order), each checked."""

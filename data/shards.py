@@ -45,12 +45,13 @@ of each split) and the shards. Shard contents are never unpickled: they are raw 
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import struct
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
@@ -321,14 +322,78 @@ class TokenShard:
             raise DataError(f"{self.path}: corrupt document index (offsets not increasing from 0 to the token count)")
 
 
+def open_shards(paths: list[Path], vocab_size: int, verify: str, on_bad: str) -> tuple[list[TokenShard], list[str]]:
+    """Open and check each shard; a bad one raises, or with on_bad='skip' is left out and reported."""
+    shards, skipped = [], []
+    for path in paths:
+        try:
+            shard = TokenShard(path)
+            if verify == "full":
+                shard.verify()
+            if len(shard) and shard.header.max_token_id >= vocab_size:
+                raise DataError(
+                    f"{path}: token id {shard.header.max_token_id} is outside model.vocab_size={vocab_size}"
+                )
+        except DataError as e:
+            if on_bad != "skip":
+                raise
+            skipped.append(str(e))
+            continue
+        shards.append(shard)
+    return shards, skipped
+
+
+class ShardWindows:
+    """Non-overlapping windows of ``seq_len + 1`` tokens over a list of shards, numbered across them.
+
+    Window ``i`` of a shard starts at token ``i * seq_len`` (so each token is predicted once per
+    pass). Holds names and counts only, so it pickles cheaply to DataLoader workers; each process
+    opens the shards it reads on first use, through ``locate`` (name -> local file; a remote
+    source downloads there) when given. With ``check_chunks`` each CRC chunk is verified on this
+    process's first read of it, before its tokens are used (``data.verify=lazy``).
+    """
+
+    def __init__(self, names: list[str], token_counts: list[int], seq_len: int, *, check_chunks: bool = True,
+                 locate=None):
+        self.names, self.seq_len, self.check_chunks, self.locate = list(names), seq_len, check_chunks, locate
+        self.token_counts = [int(n) for n in token_counts]
+        windows = [max(0, (n - 1) // seq_len) for n in self.token_counts]
+        self.starts = np.concatenate([[0], np.cumsum(windows, dtype=np.int64)]).tolist()
+        self.total = self.starts[-1]
+        self._open: dict[int, TokenShard] = {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_open": {}}
+
+    def shard_of(self, window: int) -> int:
+        return bisect.bisect_right(self.starts, window) - 1
+
+    def tokens(self, window: int) -> np.ndarray:
+        """The ``T + 1`` tokens of window ``window`` (the shard's dtype); the vocabulary is the caller's check."""
+        T = self.seq_len
+        shard = self.shard_of(window)
+        source = self._open.get(shard)
+        if source is None:
+            name = self.names[shard]
+            source = TokenShard(self.locate(name) if self.locate is not None else name)
+            if len(source) != self.token_counts[shard]:
+                raise DataError(f"{name}: holds {len(source):,} tokens, its dataset's meta.json records "
+                                f"{self.token_counts[shard]:,}; prepare the dataset again")
+            self._open[shard] = source
+        start = (window - self.starts[shard]) * T
+        if self.check_chunks and not source.all_verified:
+            source.check_tokens(start, start + T + 1)
+        return source.tokens[start : start + T + 1]
+
+
 # ---------------------------------------------------------------------------- dataset directory
 
 
 @dataclass(frozen=True)
 class DatasetMeta:
-    """What ``meta.json`` records about a prepared dataset directory."""
+    """What ``meta.json`` records about a prepared dataset directory (local, or at a URL)."""
 
-    root: Path
+    root: Path | str  # a Path for a local directory, the URL string for a remote one
     format: str  # "mmap" | "webdataset"
     tokenizer: str
     vocab_size: int
@@ -336,20 +401,35 @@ class DatasetMeta:
     splits: dict  # split name -> list of {"file": relative path, "tokens": int, ...}
     extra: dict  # format-specific fields (e.g. seq_len and samples for webdataset)
 
-    def files(self, split: str) -> list[Path]:
-        """Shard paths of a split; entries must stay inside the dataset directory."""
-        paths = []
+    def names(self, split: str) -> list[str]:
+        """Shard names of a split relative to the root; entries must stay inside the dataset directory."""
+        names = []
         for entry in self.splits.get(split, []):
-            rel = Path(str(entry["file"]))
+            rel = PurePosixPath(str(entry["file"]))
             if rel.is_absolute() or ".." in rel.parts:
                 raise DataError(
-                    f"{self.root / META_FILE}: shard entry {str(rel)!r} must be a path inside the dataset directory"
+                    f"{self.root}/{META_FILE}: shard entry {str(rel)!r} must be a path inside the dataset directory"
                 )
-            paths.append(self.root / rel)
-        return paths
+            names.append(rel.as_posix())
+        return names
+
+    def files(self, split: str) -> list[Path]:
+        """Shard paths of a split (a local dataset)."""
+        return [Path(self.root) / name for name in self.names(split)]
+
+    def locations(self, split: str) -> list[str]:
+        """Shard paths or URLs of a split, local or remote alike."""
+        root = str(self.root)
+        return [f"{root.rstrip('/')}/{name}" for name in self.names(split)]
 
     def tokens(self, split: str) -> int:
         return sum(int(entry.get("tokens", 0)) for entry in self.splits.get(split, []))
+
+    @property
+    def tokenizer_sha256(self) -> str | None:
+        """The tokenizer's definition hash (data.tokenizer.identity); None in datasets from before it was recorded."""
+        value = self.extra.get("tokenizer_sha256")
+        return str(value) if value else None
 
 
 def write_meta(root: str | os.PathLike, *, format: str, tokenizer: str, vocab_size: int, eot_id: int,
@@ -372,8 +452,13 @@ def read_dataset_meta(root: str | os.PathLike) -> DatasetMeta:
         raise DataError(f"dataset directory {root} does not exist; create it with tools/prepare_data.py")
     if not file.is_file():
         raise DataError(f"{root} has no {META_FILE}: not a dataset directory written by tools/prepare_data.py")
+    return parse_dataset_meta(file.read_text(), root, str(file))
+
+
+def parse_dataset_meta(text: str, root: Path | str, where: str) -> DatasetMeta:
+    """``meta.json``'s text, read from ``where`` (a file or a URL), for the dataset at ``root``."""
     try:
-        body = json.loads(file.read_text())
+        body = json.loads(text)
         fmt = body["format"]
         known = {"format", "version", "tokenizer", "vocab_size", "eot_id", "splits"}
         meta = DatasetMeta(
@@ -383,13 +468,13 @@ def read_dataset_meta(root: str | os.PathLike) -> DatasetMeta:
         )
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise DataError(
-            f"{file} is corrupt or incomplete ({e.__class__.__name__}: {e}); re-run tools/prepare_data.py"
+            f"{where} is corrupt or incomplete ({e.__class__.__name__}: {e}); re-run tools/prepare_data.py"
         ) from e
     if fmt not in DATASET_FORMATS:
-        raise DataError(f"{file}: unknown dataset format {fmt!r}; valid: {', '.join(DATASET_FORMATS)}")
+        raise DataError(f"{where}: unknown dataset format {fmt!r}; valid: {', '.join(DATASET_FORMATS)}")
     if int(body.get("version", -1)) != META_VERSION:
         raise DataError(
-            f"{file}: dataset version {body.get('version')}, this code reads {META_VERSION}; "
+            f"{where}: dataset version {body.get('version')}, this code reads {META_VERSION}; "
             f"re-run tools/prepare_data.py"
         )
     return meta

@@ -7,12 +7,22 @@ Three kinds, chosen by a spec string:
   guess costs ln(256) nats per token. NUL never occurs in source code or ordinary text; where it
   does, ``encode`` drops it so 0 can only mean "document ends here".
 - ``tiktoken:<encoding>`` (e.g. ``tiktoken:gpt2``): needs the ``tiktoken`` package and the
-  encoding's BPE file already in its local cache; we never let it download (clear error instead).
-- ``hf:<path/to/tokenizer.json>``: a Hugging Face ``tokenizers`` file on disk.
+  encoding's BPE file already in its local cache (``TIKTOKEN_CACHE_DIR``); we never let it
+  download (clear error instead).
+- ``hf:<path>``: a Hugging Face ``tokenizer.json`` on disk, or a model directory holding one (a
+  Llama-3 or Qwen download, say). Its ``tokenizer_config.json``, when present, names the
+  end-of-text and beginning-of-sequence tokens; otherwise they are found by their usual names.
+
+Every tokenizer has an identity (``identity()``: name, vocabulary size, end-of-text and
+beginning-of-sequence ids, and a SHA-256 of its definition), which prepared datasets and
+checkpoints record, so data and a model made with different tokenizers are told apart even when
+their vocabularies have the same size.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +37,25 @@ class Tokenizer(Protocol):
     name: str  # the spec string that rebuilds this tokenizer
     vocab_size: int
     eot_id: int
+    bos_id: int | None  # beginning-of-sequence id; None: the tokenizer has none
+    sha256: str  # of its definition (the same tokenizer read from another path has the same one)
 
     def encode(self, text: str | bytes) -> np.ndarray: ...  # uint32 ids, no end-of-text added
 
     def decode(self, ids) -> str: ...
+
+
+def identity(tok: Tokenizer) -> dict:
+    """What datasets and checkpoints record about a tokenizer (plain values)."""
+    return {"name": tok.name, "vocab_size": int(tok.vocab_size), "eot_id": int(tok.eot_id),
+            "bos_id": None if tok.bos_id is None else int(tok.bos_id), "sha256": tok.sha256}
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little") + part)
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -40,6 +65,8 @@ class ByteTokenizer:
     name: str = "byte"
     vocab_size: int = 256
     eot_id: int = 0
+    bos_id: int | None = None  # all 256 ids are bytes or the separator: no room for one
+    sha256: str = _digest(b"perfgpt byte tokenizer: ids are UTF-8 bytes, 0 is end-of-text")
 
     def encode(self, text: str | bytes) -> np.ndarray:
         raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
@@ -69,14 +96,30 @@ class TiktokenTokenizer:
         self.name = f"tiktoken:{encoding_name}"
         self.vocab_size = int(self._enc.n_vocab)
         self.eot_id = int(self._enc.eot_token)
+        self.bos_id = None  # GPT-2's BPE marks documents with <|endoftext|> only
+        self.sha256 = _tiktoken_digest(self._enc)
 
     def encode(self, text: str | bytes) -> np.ndarray:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return np.asarray(self._enc.encode_ordinary(text), dtype=np.uint32)
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, dtype=np.uint32) for ids in self._enc.encode_ordinary_batch(texts)]
+
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids])
+
+
+def _tiktoken_digest(enc) -> str:
+    """Over the merge ranks, special tokens and split pattern (private attributes of tiktoken's
+    Encoding, read defensively: without them, over the name and size only)."""
+    ranks = getattr(enc, "_mergeable_ranks", None)
+    special = getattr(enc, "_special_tokens", {})
+    if not isinstance(ranks, dict):
+        return _digest(enc.name.encode(), str(enc.n_vocab).encode())
+    merges = b"".join(token + rank.to_bytes(4, "little") for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]))
+    return _digest(merges, json.dumps(special, sort_keys=True).encode(), str(getattr(enc, "_pat_str", "")).encode())
 
 
 def _load_tiktoken_offline(tiktoken, encoding_name: str):
@@ -88,7 +131,7 @@ def _load_tiktoken_offline(tiktoken, encoding_name: str):
         raise DataError(
             f"tiktoken encoding {encoding_name!r} is not in the local cache ({cache}) and would need a "
             f"download from {url}; run tiktoken.get_encoding({encoding_name!r}) once on a machine with "
-            f"network and copy the cache, or use --tokenizer byte / hf:<tokenizer.json>"
+            f"network and point TIKTOKEN_CACHE_DIR at a copy of its cache, or use --tokenizer byte / hf:<tokenizer.json>"
         )
 
     original = tiktoken_load.read_file
@@ -104,14 +147,17 @@ def _load_tiktoken_offline(tiktoken, encoding_name: str):
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json``; the end-of-text token is found by its usual names."""
+    """A Hugging Face ``tokenizer.json`` (or a directory holding one, with its ``tokenizer_config.json``)."""
 
     EOT_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
+    BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
 
     def __init__(self, path: str):
-        file = Path(path)
+        given = Path(path)
+        file = given / "tokenizer.json" if given.is_dir() else given
         if not file.is_file():
-            raise DataError(f"tokenizer file {path} does not exist (expected a Hugging Face tokenizer.json)")
+            raise DataError(f"tokenizer file {file} does not exist (expected a Hugging Face tokenizer.json, or a "
+                            f"directory holding one)")
         try:
             from tokenizers import Tokenizer as HFTok
         except ImportError as e:
@@ -119,29 +165,76 @@ class HFTokenizer:
         try:
             self._tok = HFTok.from_file(str(file))
         except Exception as e:  # the Rust side raises its own exception type
-            raise DataError(f"{path} is not a valid tokenizer.json: {e}") from e
-        self.name = f"hf:{file}"
+            raise DataError(f"{file} is not a valid tokenizer.json: {e}") from e
+        self.name = f"hf:{path}"
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        self.eot_id = self._find_eot(path)
+        named = _special_token_names(file.parent / "tokenizer_config.json")
+        self.eot_id = self._find(named.get("eos_token"), self.EOT_NAMES)
+        if self.eot_id is None:
+            raise DataError(f"{file}: no end-of-text token found (looked for "
+                            f"{', '.join(([named['eos_token']] if named.get('eos_token') else []) + list(self.EOT_NAMES))})")
+        self.bos_id = self._find(named.get("bos_token"), self.BOS_NAMES)
+        self.sha256 = _digest(self._tok.to_str().encode())
 
-    def _find_eot(self, path: str) -> int:
-        for token in self.EOT_NAMES:
+    def _find(self, configured: str | None, names: tuple[str, ...]) -> int | None:
+        for token in ([configured] if configured else []) + list(names):
             tid = self._tok.token_to_id(token)
             if tid is not None:
                 return int(tid)
-        raise DataError(f"{path}: no end-of-text token found (looked for {', '.join(self.EOT_NAMES)})")
+        return None
 
     def encode(self, text: str | bytes) -> np.ndarray:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Many documents at once (the Rust side spreads them over its threads)."""
+        return [np.asarray(e.ids, dtype=np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def _special_token_names(config: Path) -> dict[str, str]:
+    """``eos_token`` / ``bos_token`` of a tokenizer_config.json (strings, or dicts with "content")."""
+    if not config.is_file():
+        return {}
+    try:
+        body = json.loads(config.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"{config} is not readable JSON ({e})") from e
+    names = {}
+    for key in ("eos_token", "bos_token"):
+        value = body.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            names[key] = value
+    return names
+
+
+def encode_documents(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """Token ids of each text (no separators), in one call where the tokenizer batches."""
+    batch = getattr(tok, "encode_batch", None)
+    return batch(texts) if batch is not None else [tok.encode(t) for t in texts]
+
+
+def with_separators(tok: Tokenizer, ids: np.ndarray, *, bos: bool, eos: bool) -> np.ndarray:
+    """One document's ids with the beginning-of-sequence id before and the end-of-text id after,
+    as asked; a BOS the tokenizer lacks is an error (checked once by ``check_separators``)."""
+    parts = ([np.asarray([tok.bos_id], dtype=np.uint32)] if bos else []) + [ids.astype(np.uint32, copy=False)]
+    if eos:
+        parts.append(np.asarray([tok.eot_id], dtype=np.uint32))
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def check_separators(tok: Tokenizer, *, bos: bool, where: str) -> None:
+    if bos and tok.bos_id is None:
+        raise DataError(f"{where}: tokenizer {tok.name} has no beginning-of-sequence token; turn bos off")
+
+
 def build_tokenizer(spec: str) -> Tokenizer:
-    """``byte`` | ``tiktoken:<encoding>`` | ``hf:<path/to/tokenizer.json>``."""
+    """``byte`` | ``tiktoken:<encoding>`` | ``hf:<path/to/tokenizer.json or its directory>``."""
     if spec == "byte":
         return ByteTokenizer()
     kind, _, arg = spec.partition(":")
@@ -149,7 +242,7 @@ def build_tokenizer(spec: str) -> Tokenizer:
         return TiktokenTokenizer(arg)
     if kind == "hf" and arg:
         return HFTokenizer(arg)
-    raise DataError(f"unknown tokenizer {spec!r}; valid: byte, tiktoken:<encoding>, hf:<path/to/tokenizer.json>")
+    raise DataError(f"unknown tokenizer {spec!r}; valid: byte, tiktoken:<encoding>, hf:<path/to/tokenizer.json or its directory>")
 
 
 def build_model_tokenizer(spec: str, vocab_size: int, hint: str) -> Tokenizer:

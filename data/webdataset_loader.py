@@ -313,4 +313,5 @@ def build_webdataset_data(cfg: DataConfig, *, seq_len: int, micro_batch_size: in
         f"verify: each shard's sample count against meta.json, on_bad_shard={cfg.on_bad_shard}"
     )
     return DataBundle(train=TrainStream(train_set, cfg, seed=seed, rank=rank), val=val, description=description,
-                      tokenizer=meta.tokenizer, eot_id=meta.eot_id)
+                      tokenizer=meta.tokenizer, eot_id=meta.eot_id, tokenizer_sha256=meta.tokenizer_sha256,
+                      seq_len=seq_len)

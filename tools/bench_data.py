@@ -22,7 +22,17 @@ from pathlib import Path
 from common.errors import USER_FACING_ERRORS
 from common.measure import provenance
 from common.report import text_table
-from data.bench import CPU, FORMATS, ConsumerModel, GridOptions, run_benchmark, tables, write_markdown, write_plot
+from data.bench import (
+    CPU,
+    FORMATS,
+    ConsumerModel,
+    GridOptions,
+    consumer_from_config,
+    run_benchmark,
+    tables,
+    write_markdown,
+    write_plot,
+)
 from training.config import load_config
 
 
@@ -72,12 +82,7 @@ def grid_options(args: argparse.Namespace) -> GridOptions:
 
 def consumer_models(models: str) -> list[ConsumerModel]:
     """Each config's model, sequence length and micro-batch, read through the job config."""
-    out = []
-    for path in [m.strip() for m in models.split(",") if m.strip()]:
-        cfg = load_config(path)
-        out.append(ConsumerModel(Path(path).stem, cfg.model, cfg.data.seq_len or cfg.model.max_seq_len,
-                                 cfg.train.micro_batch_size))
-    return out
+    return [consumer_from_config(path, load_config(path)) for path in [m.strip() for m in models.split(",") if m.strip()]]
 
 
 def main(argv=None) -> int:

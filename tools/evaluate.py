@@ -12,7 +12,8 @@ or its scores on lm-evaluation-harness tasks (``--tasks``).
 SOURCE is anything tools/export.py reads. The data come from a config's data section (the run's
 own ``config.yaml`` next to its checkpoints, else ``--config``), with ``--data.key=value``
 overrides; ``--split`` names any split of the prepared dataset. The sequences are the first
-``--sequences`` windows of the split in order (default: the config's validation set,
+``--sequences`` windows of the split in order (of each source's, for a mixture: the loss is then
+their mean by the sources' weights, as train.py's ``val_loss``, and each source's is printed) (default: the config's validation set,
 ``train.eval_sequences`` or ``train.eval_steps x train.micro_batch_size``; 0: all), shared out
 among the ranks exactly as train.py's validation shares them (``data.bundle.ValSource``), and the
 sums are all-reduced: on a checkpoint, the loss is the ``val_loss`` train.py logged at its step,
@@ -102,9 +103,24 @@ def evaluate(args: argparse.Namespace, overrides: list[str]) -> dict:
     lengths = torch.as_tensor(token_byte_lengths(tokenizer, source.cfg.vocab_size))
     device = torch.device(args.device)
     model = source.build(device)
+    figures = {name: split_figures(model, val, sequences, lengths, device)
+               for name, val in (data.val_sources or {"": data.val}).items()}
+    result = {"source": source.origin, "split": args.split, "ranks": world}
+    if data.mixture is None:
+        return result | figures[""]
+    # A mixture: each source's figures, and train.py's val_loss (their mean by the sources' weights).
+    weights = data.mixture.configured_weights()
+    loss = sum(weights[name] * f["loss"] for name, f in figures.items())
+    totals = {key: sum(f[key] for f in figures.values()) for key in ("sequences", "tokens", "bytes")}
+    return result | totals | {"loss": loss, "perplexity": math.exp(loss), "sources": figures,
+                              "bits_per_byte": sum(weights[name] * f["bits_per_byte"] for name, f in figures.items())}
+
+
+def split_figures(model, val, sequences: int, lengths: torch.Tensor, device: torch.device) -> dict:
+    """Loss, perplexity and bits per byte over one validation set, summed over the ranks."""
     sums = torch.zeros(4, dtype=torch.float64)  # nats, targets, bytes, sequences
     with torch.no_grad():
-        for x, y in data.val.batches(sequences):
+        for x, y in val.batches(sequences):
             real = y[y != IGNORE_INDEX]  # padding rows (ValSource) are not counted
             logits = model(x.to(device))
             nats = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum",
@@ -115,9 +131,8 @@ def evaluate(args: argparse.Namespace, overrides: list[str]) -> dict:
         dist.all_reduce(sums)
     nats, tokens, n_bytes, n_sequences = sums.tolist()
     loss = nats / tokens
-    return {"source": source.origin, "split": args.split, "ranks": world, "sequences": int(n_sequences),
-            "tokens": int(tokens), "bytes": int(n_bytes), "loss": loss, "perplexity": math.exp(loss),
-            "bits_per_byte": nats / math.log(2) / max(n_bytes, 1)}
+    return {"sequences": int(n_sequences), "tokens": int(tokens), "bytes": int(n_bytes), "loss": loss,
+            "perplexity": math.exp(loss), "bits_per_byte": nats / math.log(2) / max(n_bytes, 1)}
 
 
 def score_tasks(args: argparse.Namespace, overrides: list[str]) -> dict | None:
@@ -162,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
               f"sequences, {result['tokens']:,} tokens "
               f"({result['bytes']:,} bytes) | loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
               f"bits/byte {result['bits_per_byte']:.4f}")
+        for name, f in result.get("sources", {}).items():
+            print(f"  {name}: {f['sequences']:,} sequences | loss {f['loss']:.4f} | bits/byte {f['bits_per_byte']:.4f}")
         if args.json:
             return write_json(args.json, result)
     return 0

@@ -39,7 +39,8 @@ def build_batches(cfg: JobConfig, ctx: DistContext) -> tuple[DataBundle, DeviceP
     """
     t = cfg.train
     data = build_data(cfg.data, seq_len=cfg.seq_len, micro_batch_size=t.micro_batch_size, seed=t.seed,
-                      rank=ctx.dims.dp_rank, world_size=ctx.dims.dp_size, vocab_size=cfg.model.vocab_size)
+                      rank=ctx.dims.dp_rank, world_size=ctx.dims.dp_size, vocab_size=cfg.model.vocab_size,
+                      grad_accum_steps=t.grad_accum_steps, val_limit=t.validation_sequences)
     return data, DevicePrefetcher(data.train, ctx.device)
 
 

@@ -25,8 +25,10 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from common.errors import CheckpointError
 from data.bundle import IGNORE_INDEX
-from model.moe import moe_layers, take_moe_metrics, update_expert_bias
+from model.config import ModelConfig
+from model.moe import MoE, moe_layers, router_metrics, take_router_table, update_expert_bias
 from parallel.checkpoint import safe_torch_load
 from parallel.distributed import DistContext
 from parallel.engine import Engine
@@ -97,6 +99,23 @@ def evaluate(engine: Engine, val, n_sequences: int, ctx: DistContext) -> float:
     return float(sums[0] / sums[1].clamp(min=1))
 
 
+def evaluate_data(engine: Engine, data, n_sequences: int, ctx: DistContext) -> dict[str, float]:
+    """``val_loss`` over the data's validation set; for a mixture, each source's as ``val_loss/<name>``
+    and ``val_loss`` their mean weighted by the sources' configured weights (fixed for the run, so
+    the curve stays comparable across schedule changes). Collectives: every rank calls it alike."""
+    if not data.val_sources:
+        return {"val_loss": evaluate(engine, data.val, n_sequences, ctx)}
+    losses = {name: evaluate(engine, val, n_sequences, ctx) for name, val in data.val_sources.items()}
+    weights = data.mixture.configured_weights() if data.mixture is not None else {k: 1 / len(losses) for k in losses}
+    metrics = {"val_loss": sum(weights[name] * loss for name, loss in losses.items())}
+    return metrics | {f"val_loss/{name}": loss for name, loss in losses.items()}
+
+
+def describe_validation(step: int, metrics: dict[str, float]) -> str:
+    parts = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in metrics.items() if k.startswith("val_loss/")]
+    return f"step {step}: val_loss {metrics['val_loss']:.4f}" + (f" ({', '.join(parts)})" if parts else "")
+
+
 def read_flags(flags: list[bool | torch.Tensor]) -> list[bool]:
     """Skip flags as host bools; those still on the device are copied in one transfer (one sync)."""
     on_device = [f for f in flags if isinstance(f, torch.Tensor)]
@@ -123,6 +142,27 @@ def router_load_sum(ctx: DistContext) -> Callable[[torch.Tensor], torch.Tensor] 
         return tensor
 
     return all_reduce_sum
+
+
+def engine_moe_layers(engine: Engine) -> list[MoE]:
+    """The MoE layers this rank's engine holds (a pipeline rank: those of its stages)."""
+    return moe_layers([s.model for s in engine.steppers] if hasattr(engine, "steppers") else [engine.module()])
+
+
+def router_window_metrics(layers: list[MoE], model_cfg: ModelConfig, ctx: DistContext) -> dict[str, float]:
+    """The log window's router metrics of the whole batch, and fresh windows; every rank calls this.
+
+    Every rank's ``take_router_table`` is summed over the world: the ranks that route other tokens
+    of the batch (data, expert, context and tensor-sequence parallel ranks) add their counts, and
+    pipeline stages add the rows of the layers they hold, so the log says what one process routing
+    every rank's micro-batches logs (ranks routing the same tokens, tp without sequence parallelism,
+    scale a layer's row uniformly, which its ratios ignore). One all-reduce of (layers, E + 3)."""
+    if model_cfg.moe.experts is None:
+        return {}
+    table = take_router_table(layers, model_cfg.n_layer, model_cfg.moe.experts, ctx.device)
+    if ctx.backend is not None:
+        dist.all_reduce(table, op=dist.ReduceOp.SUM)
+    return router_metrics(table)
 
 
 # --------------------------------------------------------------------------- log windows
@@ -225,6 +265,9 @@ def format_line(step: int, max_steps: int, m: dict, n_steps: int) -> str:
     if "comm_bytes_sent" in m:
         line += (f" | comm {m['comm_bytes_sent'] / 2**20:.2f} MiB/step sent vs "
                  f"{m['comm_bytes_uncompressed'] / 2**20:.2f} uncompressed")
+    shares = {k.split("/")[1]: v for k, v in m.items() if k.startswith("data/") and k.endswith("/share")}
+    if shares:
+        line += " | read " + " ".join(f"{name} {share:.0%}" for name, share in shares.items())
     return line
 
 
@@ -301,8 +344,7 @@ class TrainingLoop:
         engine.mark_phase = self.phases.mark
         self.hosts: list[str] = []
         self.background = ckpt.BackgroundSave()  # checkpoint.async_save: the write in flight, if any
-        roots = [s.model for s in engine.steppers] if hasattr(engine, "steppers") else [engine.module()]
-        self.moe = moe_layers(roots)  # this rank's MoE layers: router metrics, aux-loss-free bias
+        self.moe = engine_moe_layers(engine)  # this rank's MoE layers: router metrics, aux-loss-free bias
         self.load_sum = router_load_sum(ctx)
 
     # ----------------------------------------------------------------- checkpoints
@@ -326,7 +368,7 @@ class TrainingLoop:
                            cfg.checkpoint.keep_last, healthy=self.state.healthy, device=ctx.device,
                            extra_meta={"model": to_dict(cfg.model), "schedule": cfg.lr_schedule(),
                                        "layout": self.layout(), "tokenizer": self.data.tokenizer,
-                                       "eot_id": self.data.eot_id})
+                                       "tokenizer_sha256": self.data.tokenizer_sha256, "eot_id": self.data.eot_id})
         if background:
             self.background.start(job, lambda d, staging: self.engine.stage_save(d, ctx.rank, staging), rank_state,
                                   self.engine.local_weights())
@@ -372,14 +414,22 @@ class TrainingLoop:
                                          layout=self.layout(), reshard=reshard)
         ckpt.check_schedule(path, meta, cfg.lr_schedule(), allow_change=cfg.checkpoint.allow_schedule_change,
                             warn=warn)
+        check_tokenizer(path, meta, self.data)
         self.engine.load(path)
         if reshard:
-            # Per-rank data positions and RNG states belong to the saved layout's ranks; the model,
-            # optimizer and schedule carry over, the stream starts again (said, not silent).
+            # RNG states belong to the saved layout's ranks; the model, optimizer and schedule carry
+            # over. A mixture's stream state is the same on every rank and means the same in any
+            # layout, so it continues; another stream's per-rank position does not map, and it
+            # starts again (said, not silent).
             self.state.step = int(meta["step"])
-            log.warn(f"resume: resharded {path} (saved with {meta.get('world_size')} rank(s), layout "
-                     f"{meta.get('layout')}) into {ctx.world_size} rank(s), layout {self.layout()}; the data "
-                     f"stream restarts at its first batch")
+            moved = (f"resume: resharded {path} (saved with {meta.get('world_size')} rank(s), layout "
+                     f"{meta.get('layout')}) into {ctx.world_size} rank(s), layout {self.layout()}")
+            if self.batches.layout_free:
+                self.batches.load_state_dict(safe_torch_load(path / "rank_00000.pt")["data"])
+                log.info(f"{moved}; the data stream continues where it stopped (its order does not depend on the "
+                         f"layout)")
+            else:
+                log.warn(f"{moved}; the data stream restarts at its first batch")
         else:
             state = safe_torch_load(path / f"rank_{ctx.rank:05d}.pt")
             self.batches.load_state_dict(state["data"])
@@ -437,9 +487,10 @@ class TrainingLoop:
                     self.finish_background_save(wait=False)
                 if t.eval_interval and (s.step % t.eval_interval == 0 or s.step == t.max_steps):
                     with self.phases.slow("evaluation"):
-                        s.last_val = evaluate(self.engine, self.data.val, t.validation_sequences, ctx)
-                    log.log(s.step, {"val_loss": s.last_val})
-                    log.info(f"step {s.step}: val_loss {s.last_val:.4f}")
+                        val = evaluate_data(self.engine, self.data, t.validation_sequences, ctx)
+                    s.last_val = val["val_loss"]
+                    log.log(s.step, val)
+                    log.info(describe_validation(s.step, val))
                     window.restart_clock()
                 if self.tasks is not None and self.tasks.due(s.step):
                     with self.phases.slow("harness tasks"):
@@ -516,7 +567,8 @@ class TrainingLoop:
             times = gather_floats(self.ctx, own_time_per_step(self.phases.take_window(), window.steps))
             metrics["rank_own_time_s"] = times
             straggler = find_straggler(times, t.straggler_threshold, t.straggler_min_gap_s)
-        metrics.update(take_moe_metrics(self.moe))  # this rank's layers, as this rank routed its batches
+        metrics.update(router_window_metrics(self.moe, self.cfg.model, self.ctx))  # a collective
+        metrics.update(self.data.position_metrics(self.batches.state_dict()))  # a mixture: read per source
         self.log.log(s.step, metrics, format_line(s.step, t.max_steps, metrics, window.steps))
         if straggler is not None and self.ctx.is_main:
             self.log.warn(describe_straggler(s.step, straggler, metrics["rank_own_time_s"], self.hosts))
@@ -566,6 +618,18 @@ class TrainingLoop:
             self.log.info(f"stopped by {signal_name(signum)} at step {step}: not saved; --resume continues from "
                           f"{latest if latest is not None else 'step 0 (no checkpoint)'}")
         return exit_code(signum)
+
+
+def check_tokenizer(path: Path, meta: dict, data) -> None:
+    """A checkpoint trained on one tokenizer continued on data from another would read every id as
+    a different token: refuse in one line (checkpoints and datasets that record none are not checked)."""
+    saved, saved_hash = meta.get("tokenizer"), meta.get("tokenizer_sha256")
+    if not saved or not data.tokenizer:
+        return
+    same = saved_hash == data.tokenizer_sha256 if saved_hash and data.tokenizer_sha256 else saved == data.tokenizer
+    if not same:
+        raise CheckpointError(f"{path} was trained with tokenizer {saved} and this run's data uses {data.tokenizer}: "
+                              f"its ids mean other tokens; train on data prepared with {saved}, or start a new run")
 
 
 def restart_note() -> str:

@@ -1,4 +1,4 @@
-"""End to end: tools/prepare_data.py output trains with train.py, for each prepared format."""
+"""End to end: tools/prepare_data.py output trains with the train.py command it prints, for each prepared format."""
 
 import os
 import subprocess
@@ -28,13 +28,14 @@ def run(cmd, cwd):
 @pytest.mark.parametrize("fmt", ["mmap", "webdataset"])
 def test_prepare_then_train_three_steps(tmp_path, corpus, fmt):
     data = tmp_path / "data"
-    run([sys.executable, "-m", "tools.prepare_data", str(corpus), "--out", str(data), "--output", fmt,
-         "--seq-len", "32", "--samples-per-shard", "100", "--val-fraction", "0.2", "--workers", "1", "--no-progress"],
-        tmp_path)
-    log = run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
-               "--train.max_steps=3", "--optim.warmup_steps=1", "--train.eval_interval=3", "--train.eval_steps=1",
-               "--train.micro_batch_size=4",
-               "--model.max_seq_len=32", "--checkpoint.save_final=false", f"--logging.run_dir={tmp_path / 'run'}",
-               f"--data.format={fmt}", f"--data.path={data}"], tmp_path)
+    out = run([sys.executable, "-m", "tools.prepare_data", str(corpus), "--out", str(data), "--output", fmt,
+               "--seq-len", "32", "--samples-per-shard", "100", "--val-fraction", "0.2", "--workers", "1",
+               "--no-progress"], tmp_path)
+    printed = next(line for line in out.splitlines() if line.startswith("train with: ")).removeprefix("train with: ")
+    python, script, *args = printed.split()
+    assert (python, script) == ("python", "train.py")
+    log = run([sys.executable, str(ROOT / script), *args, "--train.max_steps=3", "--optim.warmup_steps=1",
+               "--train.eval_interval=3", "--train.eval_steps=1", "--train.micro_batch_size=4",
+               "--checkpoint.save_final=false", f"--logging.run_dir={tmp_path / 'run'}"], ROOT)
     assert f"data: format={fmt}" in log
     assert "step 3/3" in log and "val_loss" in log

@@ -136,7 +136,7 @@ def test_hf_tokenizer_json_round_trips(tmp_path):
 def test_tiktoken_without_a_cached_file_errors_instead_of_downloading(tmp_path, monkeypatch):
     pytest.importorskip("tiktoken", reason="tiktoken not installed")
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
-    with pytest.raises(DataError, match="would need a download"):
+    with pytest.raises(DataError, match="would need a download.*point TIKTOKEN_CACHE_DIR at a copy of its cache"):
         build_tokenizer("tiktoken:gpt2")
     with pytest.raises(DataError, match="unknown tokenizer"):
         build_tokenizer("sentencepiece:x")
@@ -189,3 +189,96 @@ def test_cli_help_and_error_exit(tmp_path):
     bad = subprocess.run(run + [str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("layout", ["lines", "records"])
+def test_json_files_are_read_by_their_content(tmp_path, layout):
+    """A .json file of JSON lines (the c4 files' naming) and a .json list of records are both read with
+    --text-field, as the same documents a .jsonl file gives."""
+    records = [{"content": t, "n": i} for i, t in enumerate(TEXTS)]
+    body = "\n".join(json.dumps(r) for r in records) if layout == "lines" else json.dumps(records, indent=2)
+    (tmp_path / "c4-validation.json").write_text(body + "\n")
+    prepare(opts([tmp_path / "c4-validation.json"], tmp_path / "out", text_field="content"))
+    assert read_documents(tmp_path / "out") == expected_documents(TEXTS, ByteTokenizer())
+    (tmp_path / "one.json").write_text(json.dumps({"content": "a"}, indent=2))
+    with pytest.raises(DataError, match=r"one\.json: a single JSON dict; expected JSON lines"):
+        prepare(opts([tmp_path / "one.json"], tmp_path / "o2", text_field="content"))
+
+
+def test_a_failed_preparation_leaves_nothing_behind(tmp_path):
+    (tmp_path / "one.txt").write_text("a single document")
+    with pytest.raises(DataError, match="val split has no tokens"):
+        prepare(opts([tmp_path / "one.txt"], tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # created by the run, removed with it
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(DataError, match="val split has no samples"):
+        prepare(opts([tmp_path / "one.txt"], tmp_path / "kept", output="webdataset", seq_len=4))
+    assert list((tmp_path / "kept").iterdir()) == []  # an existing folder stays, empty
+    src = write_texts(tmp_path / "txt", TEXTS)  # the next run needs no --overwrite
+    prepare(opts([src], tmp_path / "out"))
+    assert read_documents(tmp_path / "out") == expected_documents(TEXTS, ByteTokenizer())
+
+
+class Interrupt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("output", ["mmap", "webdataset"])
+def test_an_interrupted_preparation_resumes_to_the_same_bytes(tmp_path, monkeypatch, output):
+    import data.prepare as prep
+
+    src = write_texts(tmp_path / "txt", TEXTS * 6)
+    shape = dict(output=output, shard_tokens=400, seq_len=16, samples_per_shard=12)
+    prepare(opts([src], tmp_path / "whole", **shape))
+    real = prep.encoded_documents
+
+    def stops_after(n):
+        def encoded(*args, **kwargs):
+            for i, item in enumerate(real(*args, **kwargs)):
+                if i == n:
+                    raise KeyboardInterrupt
+                yield item
+        return encoded
+
+    monkeypatch.setattr(prep, "encoded_documents", stops_after(70))
+    with pytest.raises(KeyboardInterrupt):
+        prepare(opts([src], tmp_path / "out", **shape))
+    assert (tmp_path / "out" / prep.PARTIAL / prep.JOURNAL).is_file()
+    assert not (tmp_path / "out" / "meta.json").exists()
+    with pytest.raises(DataError, match="interrupted preparation .*--resume"):
+        prepare(opts([src], tmp_path / "out", **shape))
+    journal = json.loads((tmp_path / "out" / prep.PARTIAL / prep.JOURNAL).read_text())
+    monkeypatch.setattr(prep, "encoded_documents", stops_after(50))  # a second interruption, later on
+    with pytest.raises(KeyboardInterrupt):
+        prepare(opts([src], tmp_path / "out", resume=True, **shape))
+    assert json.loads((tmp_path / "out" / prep.PARTIAL / prep.JOURNAL).read_text())["documents"] > journal["documents"]
+    monkeypatch.setattr(prep, "encoded_documents", real)
+    with pytest.raises(DataError, match="other inputs or options"):
+        prepare(opts([src], tmp_path / "out", resume=True, **{**shape, "seq_len": 8}))
+    summary = prepare(opts([src], tmp_path / "out", resume=True, **shape))
+    assert digest(tmp_path / "out") == digest(tmp_path / "whole")
+    assert summary["train"].documents + summary["val"].documents == len(TEXTS) * 6
+
+
+def test_the_printed_training_command_runs_on_the_prepared_data(tmp_path):
+    from data.loader import build_data
+    from tools.prepare_data import train_command
+    from training.config import load_config
+
+    tokenizers = pytest.importorskip("tokenizers", reason="tokenizers not installed")
+    words = ["<|endoftext|>", "[UNK]"] + [f"w{i}" for i in range(298)]  # 300 ids: more than tiny.yaml's 256
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    texts = [" ".join(f"w{(i * 7 + k) % 298}" for k in range(200)) for i in range(20)]
+    src = write_texts(tmp_path / "txt", texts)
+    prepare(opts([src], tmp_path / "out", tokenizer=f"hf:{tmp_path / 'tokenizer.json'}", output="webdataset",
+                 seq_len=64, samples_per_shard=50))
+    command = train_command(str(tmp_path / "out"))
+    assert "--model.vocab_size=384" in command and "--data.seq_len=64" in command
+    _, _, _, config, *overrides = command.split()
+    cfg = load_config(ROOT / config, overrides)
+    data = build_data(cfg.data, seq_len=cfg.seq_len, micro_batch_size=2, seed=0, rank=0, world_size=1,
+                      vocab_size=cfg.model.vocab_size)
+    assert next(data.train)[0].shape == (2, 64)
+    assert train_command(str(tmp_path / "out")).startswith("python train.py --config configs/tiny.yaml")
