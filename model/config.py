@@ -174,8 +174,9 @@ class ModelConfig:
     recompute_every_k: int = doc(2, "with recompute=every_k: recompute every k-th block")
     moe: MoEConfig = field(default_factory=MoEConfig)
     init_from: str | None = doc(
-        None, "start training from these weights: a Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory, a nanoGPT ckpt.pt, a "
-        "perfgpt checkpoint or run directory, or a tools/export.py .safetensors; the architecture keys come from it"
+        None, "start training from these weights: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE or "
+        "gpt-oss directory, a nanoGPT ckpt.pt, a perfgpt checkpoint or run directory, or a tools/export.py "
+        ".safetensors; the architecture keys come from it"
     )
 
     def __post_init__(self) -> None:

@@ -9,8 +9,8 @@ Sources ``load_source`` reads:
   checkpoint's meta.json holds the model config and the dataset's tokenizer;
 - a ``.safetensors`` file written by ``tools/export.py --format safetensors`` (the same facts in
   its metadata);
-- a Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE model directory, and a nanoGPT ``ckpt.pt``
-  (model/interop.py).
+- a Hugging Face GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE or gpt-oss model directory, and a
+  nanoGPT ``ckpt.pt`` (model/interop.py).
 
 Weights leave as that safetensors file or as a Hugging Face directory (``write_export``).
 """

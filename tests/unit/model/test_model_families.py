@@ -285,3 +285,43 @@ def test_llama_init_truncates_and_scales_output_projections_by_depth():
     for w, std in ((moe.w_gate, 0.02), (moe.w_up, 0.01), (moe.w_down, 0.01)):
         assert w.std().item() == pytest.approx(std * 0.9866, rel=0.05) and w.abs().max().item() <= 3 * std
     assert not moe.b_up.any() and not moe.router.bias.any()
+
+
+# --------------------------------------------------------------------------- model.init_from
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt_oss", "llama31"])
+def test_init_from_builds_the_source_family(tmp_path, family):
+    """configs/tiny.yaml (learned positions, LayerNorm, GELU, biases, no window) started from a
+    Qwen2, a gpt-oss or a Llama 3.1 model: the run's model is the source's, windows, sinks, biases,
+    rotary scaling and experts included, and the trainer's build computes its logits."""
+    from tests.unit.model.test_moe_interop import init_from
+
+    torch.manual_seed(7)
+    common = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, max_position_embeddings=128, bos_token_id=None, eos_token_id=None)
+    if family == "qwen2":
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=16, max_window_layers=2,
+            rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}))
+    elif family == "gpt_oss":
+        hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **common, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+            rope_parameters={"rope_type": "yarn", "factor": 2.0, "truncate": False, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "original_max_position_embeddings": 64, "rope_theta": 150000.0}))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_scaling=dict(LLAMA3)))
+    hf = perturbed(hf)
+    cfg, ours, note = init_from("configs/tiny.yaml", hf, tmp_path)
+    idx = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, rtol=0, atol=1e-5)
+    from training.model_io import ARCHITECTURE_KEYS
+
+    m, source = cfg.model, interop.read_hf_dir(tmp_path / "hf")[0]
+    assert {k: m.value_of(k) for k in ARCHITECTURE_KEYS} == {k: source.value_of(k) for k in ARCHITECTURE_KEYS}
+    assert m.rope_scaling.type == ("llama3" if family == "llama31" else "yarn") and "rope_scaling.type none ->" in note
+    if family == "gpt_oss":
+        assert (m.attention_sinks, m.moe.bias, m.moe.experts, m.sliding_window_every) == (True, True, 4, 2)
+    if family == "qwen2":
+        assert (m.has_qkv_bias, m.has_proj_bias, m.sliding_window_first) == (True, False, 2)
