@@ -395,18 +395,23 @@ def test_gelu_exact_with_te_layers_is_refused_in_one_line():
 @pytest.mark.parametrize("attention", ["sdpa", "reference"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_greedy_generation_equals_transformers(family, attention):
-    hf_model = hf_gpt2(seed=3) if family == "gpt2" else hf_llama(kv_heads=2, seed=3)
+    assert_greedy_like_transformers(hf_gpt2(seed=3) if family == "gpt2" else hf_llama(kv_heads=2, seed=3), attention)
+
+
+def assert_greedy_like_transformers(hf_model, attention: str, new_tokens: int = 32) -> None:
+    """Our greedy continuations of two prompts of different lengths, with and without the KV cache,
+    are transformers' ``generate``'s."""
     cfg, state = interop.from_hf_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
     ours = perfgpt_from(cfg, state, attention)
     prompts = [tokens(seed=5, batch=1, length=9)[0].tolist(), tokens(seed=6, batch=1, length=4)[0].tolist()]
     expected = []
     for prompt in prompts:
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         expected.append(out[0, len(prompt):].tolist())
-    assert all(len(row) == 32 for row in expected)
-    assert generate(ours, prompts, 32, use_cache=True) == expected
-    assert generate(ours, prompts, 32, use_cache=False) == expected
+    assert all(len(row) == new_tokens for row in expected)
+    assert generate(ours, prompts, new_tokens, use_cache=True) == expected
+    assert generate(ours, prompts, new_tokens, use_cache=False) == expected
 
 
 def test_cache_holds_only_the_kv_heads_and_stops_at_end_of_text(monkeypatch):

@@ -22,7 +22,7 @@ from model.config import ModelConfig, MoEConfig, RopeScaling
 from model.generate import generate
 from model.gpt import GPT
 from model.rope import rope_frequencies
-from tests.unit.model.test_interop import VOCAB, perfgpt_from, round_trip, tokens
+from tests.unit.model.test_interop import VOCAB, assert_greedy_like_transformers, perfgpt_from, round_trip, tokens
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (the dev extra)")
 if not hasattr(transformers, "GptOssConfig"):
@@ -118,17 +118,7 @@ def test_llama_with_attention_bias_but_no_mlp_bias(tmp_path):
 def test_greedy_generation_equals_transformers(family, attention):
     """Prompts and continuations longer than the windows: the bounded cache of a windowed layer must
     still hand each new token the keys it sees."""
-    hf_model = FAMILIES[family](seed=3)
-    cfg, state = interop.from_hf_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
-    ours = perfgpt_from(cfg, state, attention)
-    prompts = [tokens(seed=5, batch=1, length=9)[0].tolist(), tokens(seed=6, batch=1, length=4)[0].tolist()]
-    expected = []
-    for prompt in prompts:
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
-                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        expected.append(out[0, len(prompt):].tolist())
-    assert generate(ours, prompts, 24, use_cache=True) == expected
-    assert generate(ours, prompts, 24, use_cache=False) == expected
+    assert_greedy_like_transformers(FAMILIES[family](seed=3), attention, new_tokens=24)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "reference"])
