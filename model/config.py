@@ -324,6 +324,9 @@ class ModelConfig:
         if variants and self.layers == "te":
             raise ConfigError(f"model.{variants[0]} needs model.layers=torch (Transformer Engine's layers have no such "
                               "part here)")
+        if self.init != "gpt2" and self.layers == "te":
+            raise ConfigError(f"model.init={self.init} needs model.layers=torch (Transformer Engine's layers draw their "
+                              "weights by GPT-2's scheme)")
 
     def _validate_rope_scaling(self) -> None:
         r = self.rope_scaling
