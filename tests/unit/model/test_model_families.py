@@ -25,8 +25,6 @@ from model.rope import rope_frequencies
 from tests.unit.model.test_interop import VOCAB, assert_greedy_like_transformers, perfgpt_from, round_trip, tokens
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (the dev extra)")
-if not hasattr(transformers, "GptOssConfig"):
-    pytest.skip("needs transformers >= 4.55 (gpt-oss)", allow_module_level=True)
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
@@ -77,9 +75,9 @@ def hf_gpt_oss(seed: int = 0, layers: int = 3):
     config = transformers.GptOssConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        sliding_window=5, swiglu_limit=0.5, bos_token_id=None, eos_token_id=None,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                         "original_max_position_embeddings": 16, "rope_theta": 150000.0})
+        sliding_window=5, swiglu_limit=0.5, bos_token_id=None, eos_token_id=None, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 16})
     return perturbed(transformers.GptOssForCausalLM(config))
 
 
@@ -164,8 +162,7 @@ def test_rotary_frequencies_equal_transformers(params, head_dim, theta):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf_config = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
-                                         max_position_embeddings=131072,
-                                         rope_parameters=params | {"rope_theta": theta})
+                                         max_position_embeddings=131072, rope_theta=theta, rope_scaling=dict(params))
     want, want_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config, "cpu")
     cfg = interop.from_hf_config(hf_config.to_dict())
     got, factor = rope_frequencies(head_dim, theta, cfg.rope_scaling)
@@ -297,9 +294,9 @@ def test_init_from_builds_the_source_family(tmp_path, family):
             rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}))
     elif family == "gpt_oss":
         hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(
-            **common, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
-            rope_parameters={"rope_type": "yarn", "factor": 2.0, "truncate": False, "beta_fast": 32.0,
-                             "beta_slow": 1.0, "original_max_position_embeddings": 64, "rope_theta": 150000.0}))
+            **common, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rope_theta=150000.0,
+            rope_scaling={"rope_type": "yarn", "factor": 2.0, "truncate": False, "beta_fast": 32.0, "beta_slow": 1.0,
+                          "original_max_position_embeddings": 64}))
     else:
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_scaling=dict(LLAMA3)))
     hf = perturbed(hf)
