@@ -21,6 +21,7 @@ if not __package__:  # started as a file, where the project's packages do not im
     exit_with_usage(__file__)
 
 import argparse
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> int:
                                    Path(work), args.timeout, extra))
     print(table(rows, markdown=False))
     if args.markdown:
-        for path in write_markdown(rows, f"python -m tools.bench_checkpoint {' '.join(argv)}", args.rounds,
+        for path in write_markdown(rows, f"python -m tools.bench_checkpoint {shlex.join(argv)}", args.rounds,
                                    args.markdown):
             print(f"wrote {path}")
     return 0

@@ -21,6 +21,7 @@ if not __package__:  # started as a file, where the project's packages do not im
     exit_with_usage(__file__)
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -137,7 +138,7 @@ def main(argv: list[str]) -> int:
     for note in NOTES:
         print("- " + note)
     if args.markdown:
-        write_markdown(rows, title, args.nproc, f"python -m tools.bench_parallel {' '.join(argv)}", args.markdown)
+        write_markdown(rows, title, args.nproc, f"python -m tools.bench_parallel {shlex.join(argv)}", args.markdown)
     if args.plot:
         plot(rows, args.plot)
     return 0 if all(r.status == "ok" for r in rows) else 1
