@@ -188,6 +188,7 @@ def activation_bytes_per_layer(
         raise EstimatorError(f"tp must be >= 1 (got {tp})")
     s, b, h, a = seq_len, micro_batch, model_cfg.d_model, model_cfg.n_head
     kv = model_cfg.kv_dim  # K and V are each kv wide; h with multi-head attention, less with GQA
+    q = model_cfg.q_dim  # the query and the core's output: h unless the heads are set apart (head_dim)
     p, m = dtype_bytes, dropout_mask_bytes
     with_dropout = model_cfg.dropout > 0 if dropout is None else dropout
     tokens = s * b
@@ -216,7 +217,7 @@ def activation_bytes_per_layer(
     if policy == "op_selective":
         moe = _moe_activation_share(model_cfg, _moe_matmul_output_elements(model_cfg)) if model_cfg.moe.experts else 0.0
         outside = h + h + h + moe  # block input, projection output, MLP output (+ MoE layers' matmul outputs)
-        inside = (h + 2 * kv) + h + _mlp_matmul_output_elements(model_cfg) - moe  # qkv, core output, fc
+        inside = (q + 2 * kv) + q + _mlp_matmul_output_elements(model_cfg) - moe  # qkv, core output, fc
         core_extra = 4.0 * a * s * b if attention == "flash" else p * a * s * s * b  # lse, or the QK^T bmm output
         return _tp_split(p * tokens * outside, p * tokens * inside + core_extra, **split)
 
@@ -228,8 +229,8 @@ def activation_bytes_per_layer(
     moe = _moe_activation_share(model_cfg, _moe_activation_elements(model_cfg, p)) if model_cfg.moe.experts else 0.0
     outside += moe
     inside = (
-        h + 2 * kv  # Q and K (for QK^T) and V (for @V)
-        + h  # output projection input
+        q + 2 * kv  # Q and K (for QK^T) and V (for @V)
+        + q  # output projection input
         + _mlp_activation_elements(model_cfg, p) - moe
     )
     masks = 2 * m * tokens * h if with_dropout else 0  # after attention and after the MLP: outside
@@ -619,6 +620,9 @@ class JobSpec:
             )
         if self.precision == "fp8" and self.device.fp8_tflops is None:
             raise EstimatorError(f"precision=fp8 needs FP8 tensor cores; {self.device.name} has none (use bf16_master)")
+        if self.model.attention_sinks and self.model.attention in ("sdpa", "flash_attn"):
+            raise EstimatorError(f"model.attention={self.model.attention} cannot run model.attention_sinks (no sink "
+                                 "term in its softmax); use model.attention=reference or auto")
 
     def _check_layout(self) -> None:
         cfg, t, p, v = self.model, self.tp, self.pp, self.pp_virtual_stages
@@ -697,7 +701,10 @@ class JobSpec:
 
     @property
     def attention(self) -> str:
-        # sdpa and flash_attn never store the scores on a GPU; only the reference backend does.
+        # sdpa and flash_attn never store the scores on a GPU; only the reference backend does, and
+        # it is the one that runs attention sinks (model/attention.py: the others have no sink term).
+        if self.model.attention_sinks:
+            return "materialized"
         return ATTENTION_BACKEND_KIND[self.model.attention]
 
     @property
@@ -836,12 +843,46 @@ def cp_attention_bytes_per_layer(job: JobSpec, policy: str) -> float:
     if job.attention == "materialized":
         c = s // (2 * cp)
         per_score = 2 * p + 1 if cfg.dropout > 0 else p
-        scores = per_score * cfg.n_head * b * (c * c * (2 * cp + 1) - (s // cp) ** 2)
+        seen = sum(cp_chunk_keys(s, cp, cfg.window_of(i)) for i in range(cfg.n_layer)) / cfg.n_layer
+        scores = per_score * cfg.n_head * b * (c * seen - (s // cp) ** 2)
     extra = (kv + scores) / job.tp
     if policy == "every_k":
         kept = _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k)
         return extra * (cfg.n_layer - kept) / cfg.n_layer
     return extra
+
+
+def cp_chunk_keys(seq_len: int, cp: int, window: int | None) -> int:
+    """Keys the two chunks of the fullest cp rank attend to together (parallel/cp.py): chunk g sees
+    the keys up to its end, (g + 1) c of them, or with a window of W tokens only the c + W - 1 from
+    W - 1 before its start on. Without a window every rank's pair sees (2cp + 1) c."""
+    c = seq_len // (2 * cp)
+    span = [(g + 1) * c if window is None else min((g + 1) * c, c + window - 1) for g in range(2 * cp)]
+    return max(span[i] + span[2 * cp - 1 - i] for i in range(cp))
+
+
+def causal_pairs(seq_len: int, window: int | None = None) -> int:
+    """Query-key pairs a causal mask lets through on seq_len positions: query i sees i + 1 keys, or
+    with a window of W tokens min(i + 1, W) (model/attention.py's causal_mask)."""
+    w = seq_len if window is None else min(window, seq_len)
+    return w * (w + 1) // 2 + (seq_len - w) * w
+
+
+def fused_core_share(cfg: ModelConfig, seq_len: int) -> float:
+    """A fused core's work per layer, averaged over the layers, as a share of a plain causal one:
+    flash-attn skips the blocks outside a sliding window's band; SDPA takes the window as an explicit
+    (T, S) mask, so it leaves its causal kernel and runs every block of the square."""
+    whole = causal_pairs(seq_len)
+    shares = []
+    for i in range(cfg.n_layer):
+        window = cfg.window_of(i)
+        if window is None:
+            shares.append(1.0)
+        elif cfg.attention == "sdpa":
+            shares.append(seq_len * seq_len / whole)
+        else:
+            shares.append(causal_pairs(seq_len, window) / whole)
+    return sum(shares) / len(shares)
 
 
 def _in_flight(job: JobSpec, stage: int) -> float:
@@ -1039,19 +1080,20 @@ def _attention_seconds(job: JobSpec, forwards: float) -> tuple[float, float]:
     """(compute, memory-bound) seconds of one layer's attention core for one micro-batch on one GPU,
     with its forward run ``forwards`` times (1, or 2 when recomputed) and its backward once.
 
-    The core's model FLOPs are 4*b*s^2*d forward (QK^T and @V, every query against every key), split
-    over tp by heads. A fused (flash) kernel skips the masked half of a causal square and its backward
+    The core's model FLOPs are 4*b*s^2*q forward (QK^T and @V, every query against every key, q =
+    n_head * head_dim), split over tp by heads. A fused (flash) kernel skips the masked half of a causal
+    square (and with flash-attn the blocks outside a sliding window: ``fused_core_share``) and its backward
     recomputes the scores, 2.5x its forward; it runs at ``attention_fraction`` of the large-GEMM rate.
     A materialized core (model.attention=reference; Megatron's fused softmax) runs both matmuls on the
     whole square as batched GEMMs (the head dim is their reduction dimension) and moves the s x s
     scores through memory: ``_score_traffic_bytes``.
     """
     cfg, a, t = job.model, job.assumptions, job.tp
-    b, s, d = job.micro_batch, job.seq_len, cfg.d_model
+    b, s, d = job.micro_batch, job.seq_len, cfg.q_dim
     q = job.local_seq_len  # a cp GPU's queries, against every key: 1/cp of the square, balanced (parallel/cp.py)
     fwd_flops = 4.0 * b * q * s * d / t
     if job.attention == "flash":
-        executed = 0.5 * fwd_flops * (forwards + 2.5)
+        executed = 0.5 * fwd_flops * fused_core_share(cfg, s) * (forwards + 2.5)
         rate = _gemm_rate(job) * a.attention_fraction
         return executed / rate, 0.0
     heads = cfg.n_head / t
