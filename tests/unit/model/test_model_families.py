@@ -278,17 +278,19 @@ def test_llama_init_truncates_and_scales_output_projections_by_depth():
 # --------------------------------------------------------------------------- model.init_from
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gpt_oss", "llama31"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gpt_oss", "llama31"])
 def test_init_from_builds_the_source_family(tmp_path, family):
     """configs/tiny.yaml (learned positions, LayerNorm, GELU, biases, no window) started from a
-    Qwen2, a gpt-oss or a Llama 3.1 model: the run's model is the source's, windows, sinks, biases,
+    Mistral, a Qwen2, a gpt-oss or a Llama 3.1 model: the run's model is the source's, windows, sinks, biases,
     rotary scaling and experts included, and the trainer's build computes its logits."""
     from tests.unit.model.test_moe_interop import init_from
 
     torch.manual_seed(7)
     common = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=64, max_position_embeddings=128, bos_token_id=None, eos_token_id=None)
-    if family == "qwen2":
+    if family == "mistral":
+        hf = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=16, rope_theta=1e6))
+    elif family == "qwen2":
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             **common, use_sliding_window=True, sliding_window=16, max_window_layers=2,
             rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}))
@@ -308,7 +310,12 @@ def test_init_from_builds_the_source_family(tmp_path, family):
 
     m, source = cfg.model, interop.read_hf_dir(tmp_path / "hf")[0]
     assert {k: m.value_of(k) for k in ARCHITECTURE_KEYS} == {k: source.value_of(k) for k in ARCHITECTURE_KEYS}
-    assert m.rope_scaling.type == ("llama3" if family == "llama31" else "yarn") and "rope_scaling.type none ->" in note
+    if family == "mistral":
+        assert (m.sliding_window, m.sliding_window_every, m.has_qkv_bias, m.rope_theta) == (16, 1, False, 1e6)
+        assert "sliding_window None -> 16" in note and m.rope_scaling.type == "none"
+    else:
+        scaling = "llama3" if family == "llama31" else "yarn"
+        assert m.rope_scaling.type == scaling and "rope_scaling.type none ->" in note
     if family == "gpt_oss":
         assert (m.attention_sinks, m.moe.bias, m.moe.experts, m.sliding_window_every) == (True, True, 4, 2)
     if family == "qwen2":
