@@ -504,6 +504,12 @@ def from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
     InteropError for what it cannot express."""
     check_hf_config_types(config)
     model_type = config.get("model_type")
+    quantized = config.get("quantization_config")
+    if quantized is not None:  # e.g. gpt-oss as OpenAI publishes it: MXFP4 expert blocks and scales
+        method = quantized.get("quant_method") if isinstance(quantized, Mapping) else quantized
+        raise InteropError(f"config.json quantization_config quant_method={short_repr(method)}: perfgpt reads "
+                           "unquantized weights; load the model with transformers, dequantized, and save_pretrained "
+                           "it again")
     if model_type == GPT2:
         cfg = _from_gpt2_config(config)
     elif model_type in (LLAMA, MISTRAL, QWEN2):
