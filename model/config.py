@@ -309,6 +309,9 @@ class ModelConfig:
         if self.sliding_window is not None and not any(self.window_of(i) for i in range(self.n_layer)):
             raise ConfigError(f"model.sliding_window_first={self.sliding_window_first} leaves none of the "
                               f"{self.n_layer} layers a window; lower it, or set model.sliding_window=null")
+        if self.attention_sinks and self.attention in ("sdpa", "flash_attn"):
+            raise ConfigError(f"model.attention={self.attention} cannot run model.attention_sinks: it has no sink term "
+                              "in its softmax; use model.attention=reference or auto")
         if self.swiglu_limit is not None:
             if self.mlp != "swiglu":
                 raise ConfigError(f"model.swiglu_limit clamps a SwiGLU: it needs model.mlp=swiglu (got {self.mlp})")

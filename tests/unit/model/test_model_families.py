@@ -247,6 +247,8 @@ def test_the_backend_choice_says_what_windows_and_sinks_force():
      "model.rope_scaling.high_freq_factor=1.0 must be above low_freq_factor=4.0"),
     ({"attention_sinks": True, "layers": "te"}, "model.attention_sinks needs model.layers=torch"),
     ({"init": "llama", "layers": "te"}, "model.init=llama needs model.layers=torch"),
+    ({"attention_sinks": True, "attention": "sdpa"}, "model.attention=sdpa cannot run model.attention_sinks"),
+    ({"attention_sinks": True, "attention": "flash_attn"}, "model.attention=flash_attn cannot run model.attention_sinks"),
 ])
 def test_bad_variant_keys_are_one_line_errors(changes, message):
     base = dict(vocab_size=VOCAB, n_layer=3, n_head=4, d_model=32, norm="rmsnorm", mlp="swiglu", position="rope")
