@@ -8,11 +8,13 @@ real token attends to it: a row's output is what it would be alone, up to the fl
 masked attention. (Feeding the part of a longer prompt beyond the shortest one token per step
 instead cost one forward per token: in lm-eval's batches of unequal prompts, most of the time.)
 A model trained with ``model.attention_mask=document`` keeps that token-per-step way, as its own
-document numbers come from the tokens.
+document numbers come from the tokens, and so does one with sliding-window layers (their bounded
+cache keeps no mask for the positions it dropped).
 
 With ``use_cache`` the keys and values of earlier positions are kept (``model.attention.KVCache``,
-only the n_kv_head heads) and each step runs the model on one new token; without it every step
-re-runs the whole prefix, the slow reference the cache is tested against.
+only the n_kv_head heads; a layer with a sliding window of W keeps only its last W - 1
+positions) and each step runs the model on one new token; without it every step re-runs the
+whole prefix, the slow reference the cache is tested against.
 """
 
 from __future__ import annotations
@@ -104,7 +106,10 @@ def generate(
     model.eval()
     device = model.tok_emb.weight.device
     longest = max(lengths)
-    pad = [longest - n for n in lengths] if len(set(lengths)) > 1 and cfg.attention_mask == "causal" else None
+    # Left padding needs every key position in the document mask: not with a sliding window's bounded cache.
+    windowed = any(cfg.window_of(i) for i in range(cfg.n_layer))
+    pad = ([longest - n for n in lengths] if len(set(lengths)) > 1 and cfg.attention_mask == "causal" and not windowed
+           else None)
     tokens = torch.zeros(len(prompts), total, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
         start = pad[row] if pad else 0
@@ -124,7 +129,9 @@ def generate(
     cache = None
     if use_cache:
         dtype = next(model.parameters()).dtype
-        cache = KVCache(cfg.n_layer, len(prompts), total, cfg.kv_heads, cfg.head_dim, device, dtype)
+        cache = KVCache(cfg.n_layer, len(prompts), total, cfg.kv_heads, cfg.head_dim, device, dtype,
+                        windows=[cfg.window_of(i) for i in range(cfg.n_layer)])
+
     def forward(start: int, end: int) -> torch.Tensor:
         """The logits after column end - 1, from the columns [start, end) (the cache holds the rest)."""
         if positions is None:
