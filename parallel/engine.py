@@ -41,7 +41,7 @@ from parallel.checkpoint import (
 )
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
-from parallel.step import Optimized, OptimizerStep, StepResult
+from parallel.step import Optimized, OptimizerStep, StepResult, muon_comm_stats
 from parallel.values import full_value, loss_parallel_context
 
 
@@ -168,7 +168,7 @@ class TorchEngine(Engine):
         self.model.train(mode)
 
     def comm_stats(self) -> dict[str, float]:
-        return {}
+        return muon_comm_stats([self.part])
 
     def local_weights(self) -> list[torch.Tensor]:
         return self.part.local_weights()
@@ -228,7 +228,8 @@ class DDPEngine(TorchEngine):
         return contextlib.nullcontext() if is_last_micro else self.model.no_sync()
 
     def comm_stats(self) -> dict[str, float]:
-        return {} if self._comm_counter is None else self._comm_counter.pop_step()
+        hook = {} if self._comm_counter is None else self._comm_counter.pop_step()
+        return hook | muon_comm_stats([self.part])
 
 
 class ShardedEngine(TorchEngine):

@@ -76,7 +76,7 @@ from parallel.cp import ContextParallelGPT, local_targets, scale_local_loss
 from parallel.engine import Engine
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
-from parallel.step import Optimized, OptimizerStep, StepResult
+from parallel.step import Optimized, OptimizerStep, StepResult, muon_comm_stats
 from parallel.values import full_value, local_shard, loss_parallel_context
 
 SCHEDULES = {
@@ -316,7 +316,7 @@ class PipelineEngine(Engine):
         self.model.train(mode)
 
     def comm_stats(self) -> dict[str, float]:
-        return {}
+        return muon_comm_stats(self.steppers)
 
     def local_weights(self) -> list[torch.Tensor]:
         return [t for stepper in self.steppers for t in stepper.local_weights()]
