@@ -35,7 +35,10 @@ class MuonConfig:
     ns_steps: int = doc(5, "Newton-Schulz iterations per step, 1-99")
     ns_coefficients: list[float] = doc(list(JORDAN_COEFFICIENTS),
                                        "quintic Newton-Schulz coefficients (a, b, c); Keller Jordan's by default")
-    ns_dtype: Literal["bf16", "fp32"] = doc("bf16", "dtype Newton-Schulz runs in (and sharded pieces travel in)")
+    ns_dtype: Literal["auto", "bf16", "fp32"] = doc(
+        "auto", "dtype Newton-Schulz runs in (and sharded pieces travel in); auto: bf16 on CUDA (as torch.optim.Muon), "
+        "fp32 elsewhere (CPU bf16 matmuls are slower than fp32 ones)"
+    )
     scale: Literal["match_rms_adamw", "original", "none"] = doc(
         "match_rms_adamw", "update scale of an A x B matrix: match_rms_adamw 0.2 sqrt(max(A, B)) (Moonlight: "
         "AdamW's lr and weight decay carry over), original sqrt(max(1, A/B)) (Keller Jordan), none 1"
@@ -224,7 +227,8 @@ def build_optimizer(named_params: list[tuple[str, torch.Tensor]], optim_cfg: Opt
     groups = stepping_groups(named_params, optim_cfg.weight_decay, muon=True)
     groups[0].update(lr=optim_cfg.muon_lr, lr_scale=optim_cfg.muon_lr / optim_cfg.lr,
                      weight_decay=optim_cfg.muon_weight_decay, momentum=m.momentum, nesterov=m.nesterov,
-                     ns_steps=m.ns_steps, ns_coefficients=tuple(m.ns_coefficients), ns_dtype=m.ns_dtype,
+                     ns_steps=m.ns_steps, ns_coefficients=tuple(m.ns_coefficients),
+                     ns_dtype=m.ns_dtype if m.ns_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32"),
                      scale=m.scale)
     return Muon(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
 

@@ -142,7 +142,7 @@ def test_muon_equals_torch_muon_with_torch_adamw_where_they_agree(scale):
     """torch.optim.Muon orthogonalises in bf16 and has no expert stacks or Nesterov-free default;
     with the same settings (bf16, Nesterov, a dense model) the two step bit-equal."""
     torch.manual_seed(0)
-    cfg = OptimConfig(name="muon", lr=3e-3, muon=MuonConfig(scale=scale))
+    cfg = OptimConfig(name="muon", lr=3e-3, muon=MuonConfig(scale=scale, ns_dtype="bf16"))
     model = GPT(DENSE)
     twin = copy.deepcopy(model)
     ours = build_optimizer(list(model.named_parameters()), cfg, torch.device("cpu"))
