@@ -47,7 +47,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from parallel.values import is_dtensor, local_shard
+from common.values import is_dtensor, local_shard
 
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SCALE_RULES = ("match_rms_adamw", "original", "none")

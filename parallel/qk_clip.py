@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from model.gpt import Attention
 from parallel.muon import held_indices
-from parallel.values import is_dtensor, local_shard
+from common.values import is_dtensor, local_shard
 
 
 class QKClip:
