@@ -42,6 +42,13 @@ ATTENTION_KINDS = ("materialized", "flash")
 # Attention backends (model.attention) by what they store: only the reference keeps the scores.
 ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_attn": "flash", "auto": "flash"}
 
+# The optimizers the trainer offers (optim.name): AdamW everywhere, or Muon on the hidden matrices.
+OPTIMIZERS = ("adamw", "muon")
+# Muon as the trainer runs it on a GPU: optim.muon.ns_steps' default, and the Newton-Schulz dtype of
+# optim.muon.ns_dtype=auto (bf16 on CUDA), in which sharded matrices travel to their owners and back.
+MUON_NS_STEPS = 5
+MUON_PIECE_BYTES = 2
+
 # zero3 is modelled exactly like fsdp (both shard parameters, gradients and optimizer state), so
 # the planner lists fsdp for both.
 PLANNER_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
@@ -403,10 +410,11 @@ class CommVolume:
     pipeline: float = 0.0  # bytes each GPU sends to its neighbouring stages per step
     expert_all_to_all: float = 0.0  # bytes each GPU sends in expert-parallel dispatch and combine per step
     expert_sharded: float = 0.0  # bytes each GPU sends gathering and reducing its experts (FSDP over dp_shard / ep)
+    muon: float = 0.0  # bytes each GPU sends moving sharded Muon matrices to their owners and back
 
     @property
     def sent_per_gpu(self) -> float:
-        extra = self.tensor_parallel + self.pipeline + self.expert_all_to_all + self.expert_sharded
+        extra = self.tensor_parallel + self.pipeline + self.expert_all_to_all + self.expert_sharded + self.muon
         if self.replicas > 1:
             extra += 2 * (self.replicas - 1) / self.replicas * self.replica_all_reduce
         if self.world_size <= 1:
@@ -600,12 +608,14 @@ class JobSpec:
     dp_overlap: bool = True
     fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
     ep: int = 1  # parallel.ep: an MoE model's routed experts split over ep of the dp_shard x cp GPUs
+    optimizer: str = "adamw"  # optim.name: muon keeps one state buffer per hidden matrix instead of two
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("precision", self.precision, PRECISION_MODES)
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         counts = ("seq_len", "micro_batch", "world_size", "grad_accum", "tp", "pp", "dp_replicate", "pp_virtual_stages",
                   "cp")
         for key in counts:
@@ -767,6 +777,7 @@ class TimeEstimate:
     tp_exposed_s: float | None = None  # the part of tp_comm_s on the critical path (None: all of it)
     microbatch_s: float = 0.0  # one micro-batch through the slowest stage (what the bubble is made of)
     ep_comm_s: float = 0.0  # expert-parallel all-to-alls, not overlapped
+    muon_s: float = 0.0  # Muon: Newton-Schulz and the all-to-alls to and from the owners, after the backward
     cp_comm_s: float = 0.0  # context-parallel K/V collectives (all of them, none overlapped)
 
     @property
@@ -776,7 +787,7 @@ class TimeEstimate:
     @property
     def step_s(self) -> float:
         return (self.compute_s + self.exposed_comm_s + self.offload_s + self.memory_bound_s
-                + self.tp_exposed + self.pp_comm_s + self.bubble_s + self.cp_comm_s + self.ep_comm_s)
+                + self.tp_exposed + self.pp_comm_s + self.bubble_s + self.cp_comm_s + self.ep_comm_s + self.muon_s)
 
     @property
     def seconds_per_token(self) -> float:
@@ -1369,6 +1380,7 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
         microbatch_s=slowest.total,
         cp_comm_s=m * slowest.cp,
         ep_comm_s=m * expert_all_to_all(job)[0],
+        muon_s=sum(muon_step(job)[1:]),
     )
 
 
@@ -1382,7 +1394,7 @@ def _estimate_with(job: JobSpec, memory: MemoryEstimate) -> Estimate:
     comm, _ = _dp_and_expert_comm(job, _largest_stage_parameters(job))
     tp_bytes = job.grad_accum * max(tp_comm_seconds(job, i)[1] for i in _edge_stages(job))
     comm = dataclasses.replace(comm, tensor_parallel=tp_bytes, pipeline=job.grad_accum * pp_comm_seconds(job)[1],
-                               expert_all_to_all=job.grad_accum * expert_all_to_all(job)[1])
+                               expert_all_to_all=job.grad_accum * expert_all_to_all(job)[1], muon=muon_step(job)[0])
     time = estimate_time(job, memory.states)
     return Estimate(job, n_params, flops_per_token(job.model, job.seq_len), memory, time, comm,
                     memory_problems(job, memory))
@@ -1422,12 +1434,94 @@ def stage_state_bytes(job: JobSpec, n_params: float) -> StateBytes:
     """Model-state bytes per GPU of a stage holding ``n_params``: with ep > 1 the routed experts
     are split over ep GPUs and each split sharded over the dp_shard / ep GPUs holding it; the rest
     is sharded over the shard group as without ep (with cp, ep is carved out of the shard group, cp included)."""
+    saving = muon_buffer_saving(job)
     if job.ep == 1:
-        return model_state_bytes(n_params, job.strategy, job.shard_group, job.precision)
+        states = model_state_bytes(n_params, job.strategy, job.shard_group, job.precision)
+        return dataclasses.replace(states, optimizer=states.optimizer - saving)
     routed = stage_routed_parameters(job)
     dense = model_state_bytes(n_params - routed, job.strategy, job.shard_group, job.precision)
     experts = model_state_bytes(routed / job.ep, job.strategy, job.shard_group // job.ep, job.precision)
-    return StateBytes(dense.param + experts.param, dense.grad + experts.grad, dense.optimizer + experts.optimizer)
+    return StateBytes(dense.param + experts.param, dense.grad + experts.grad,
+                      dense.optimizer + experts.optimizer - saving)
+
+
+# --------------------------------------------------------------------------- Muon
+
+
+@dataclass(frozen=True)
+class MuonMatrices:
+    """The matrices Muon orthogonalises in the whole model, each kind as (count, rows, columns):
+    those tensor parallelism splits (attention's QKV and output projections, the dense MLPs), those
+    a MoE layer keeps whole on every tp GPU (shared experts), and the routed experts, one matrix per
+    expert. Routers, embeddings, the head, norms and biases stay on AdamW (parallel/optim.py)."""
+
+    split: tuple[tuple[int, int, int], ...]
+    whole: tuple[tuple[int, int, int], ...]
+    routed: tuple[tuple[int, int, int], ...]
+
+
+def muon_matrices(cfg: ModelConfig) -> MuonMatrices:
+    d, per_mlp, moe = cfg.d_model, (3 if cfg.mlp == "swiglu" else 2), cfg.n_moe_layers
+    split = [(cfg.n_layer, cfg.q_dim + 2 * cfg.kv_dim, d), (cfg.n_layer, d, cfg.q_dim)]
+    if cfg.n_layer > moe:  # the down projection is the up one transposed: the same size and cost
+        split.append(((cfg.n_layer - moe) * per_mlp, cfg.d_ff, d))
+    whole, routed = [], []
+    if moe and cfg.moe.shared_experts:
+        whole.append((moe * per_mlp, cfg.moe.shared_experts * cfg.expert_d_ff, d))
+    if moe:
+        routed.append((moe * cfg.moe.experts * per_mlp, cfg.expert_d_ff, d))
+    return MuonMatrices(tuple(split), tuple(whole), tuple(routed))
+
+
+def muon_numel(kind: tuple[tuple[int, int, int], ...]) -> float:
+    return sum(count * rows * cols for count, rows, cols in kind)
+
+
+def _newton_schulz_flops(kind: tuple[tuple[int, int, int], ...], steps: int) -> float:
+    """Per iteration on an a x b matrix (a <= b): the Gram matrix (2a^2 b), its square (2a^3), and
+    the polynomial times X (2a^2 b)."""
+    return steps * sum(count * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3) for count, r, c in kind)
+
+
+def muon_groups(job: JobSpec) -> tuple[int, int]:
+    """Ranks each split matrix and each whole (shared-expert) matrix is sharded over: tensor
+    parallelism times FSDP's shard group (ddp and none keep the data-parallel copies whole)."""
+    shard = job.shard_group if job.strategy in ("fsdp", "zero3") else 1
+    return job.tp * shard, shard
+
+
+def muon_buffer_saving(job: JobSpec) -> float:
+    """Optimizer-state bytes per GPU Muon saves against AdamW: one fp32 momentum per hidden matrix
+    element instead of two moments (4 bytes less; fp32 masters, where kept, stay)."""
+    if job.optimizer != "muon":
+        return 0.0
+    m = muon_matrices(job.model)
+    shard = job.shard_group if job.strategy in ("zero1", "zero2", "zero3", "fsdp") else 1
+    dense = muon_numel(m.split) / job.tp + muon_numel(m.whole)
+    routed = muon_numel(m.routed) / job.ep / (shard // job.ep if shard > 1 else 1)
+    return 4 * (dense / shard + routed) / job.pp
+
+
+def muon_step(job: JobSpec) -> tuple[float, float, float]:
+    """Muon's extra work per step on one GPU (the mean stage): (bytes sent, all-to-all seconds,
+    Newton-Schulz seconds). A matrix sharded over n ranks goes to one owner and back: each rank
+    sends 2 (n - 1) / n^2 of its bytes on average (parallel/muon.py), and the owners, spread
+    evenly, share its Newton-Schulz work n ways. Whole matrices (replicas, experts held whole
+    under ep) are orthogonalised where they are, with nothing sent; replicas repeat the work."""
+    if job.optimizer != "muon":
+        return 0.0, 0.0, 0.0
+    m = muon_matrices(job.model)
+    n_split, n_whole = muon_groups(job)
+    sent = sum(2 * (n - 1) / n**2 * muon_numel(kind) * MUON_PIECE_BYTES
+               for kind, n in ((m.split, n_split), (m.whole, n_whole)) if n > 1) / job.pp
+    expert_shard = job.shard_group // job.ep if job.strategy in ("fsdp", "zero3") else 1
+    flops = (_newton_schulz_flops(m.split, MUON_NS_STEPS) / n_split + _newton_schulz_flops(m.whole, MUON_NS_STEPS) / n_whole
+             + _newton_schulz_flops(m.routed, MUON_NS_STEPS) / (job.ep * expert_shard)) / job.pp
+    n = max(n_split, n_whole)
+    link = dict(ranks_per_node=_per_node(job, 1, n))
+    # an all-to-all sending S bytes per rank moves what a reduce-scatter of S n / (n - 1) bytes does
+    a2a = collective_seconds(sent * n / (n - 1), n, job.device, job.assumptions.link_fraction, **link) if n > 1 else 0.0
+    return sent, a2a, flops / _gemm_rate(job)
 
 
 def expert_exchanges(job: JobSpec) -> float:
@@ -1506,6 +1600,7 @@ def trainer_config(job: JobSpec, base: JobConfig | None = None) -> JobConfig:
     )
     return dataclasses.replace(
         base,
+        optim=dataclasses.replace(base.optim, name=job.optimizer),
         model=dataclasses.replace(job.model, recompute=job.policy),
         data=dataclasses.replace(base.data, seq_len=job.seq_len),
         train=dataclasses.replace(base.train, micro_batch_size=job.micro_batch, grad_accum_steps=job.grad_accum),

@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--strategy", choices=est.STRATEGIES, help="default: the config's parallel.strategy, or fsdp")
     parser.add_argument("--policy", choices=est.POLICIES, help="activation recompute (default: the config's, or none)")
     parser.add_argument("--precision", choices=est.PRECISION_MODES, help="default: the config's, or bf16_master")
+    parser.add_argument("--optimizer", choices=est.OPTIMIZERS, help="default: the config's optim.name, or adamw")
     layout = parser.add_argument_group("layout (default: the config's parallel section, or 1)")
     layout.add_argument("--tp", type=int, help="tensor-parallel GPUs (inside a node)")
     layout.add_argument("--pp", type=int, help="pipeline stages")
@@ -124,13 +125,14 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
     if args.preset:
         p = est.preset(args.preset)
         model, seq_len, micro_batch, gpus, grad_accum = p.model, p.seq_len, p.micro_batch, p.world_size, 1
-        strategy, policy, precision, layout = "fsdp", "none", "bf16_master", {}
+        strategy, policy, precision, layout, optimizer = "fsdp", "none", "bf16_master", {}, "adamw"
         device = DEVICES[args.device or p.device]
     else:
         cfg = cfg or load_config(args.config, overrides)
         model, seq_len, micro_batch, gpus = cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 1
         grad_accum = cfg.train.grad_accum_steps
         strategy, policy, precision = cfg.parallel.strategy, cfg.model.recompute, cfg.precision.mode
+        optimizer = cfg.optim.name
         layout = _config_layout(cfg.parallel)
     if args.gpus_per_node:
         device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
@@ -159,6 +161,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         precision=args.precision or precision,
         device=device,
         grad_accum=args.grad_accum or grad_accum,
+        optimizer=args.optimizer or optimizer,
         **layout,
     )
     problem = est.trainer_refusal(job, cfg)
@@ -237,6 +240,22 @@ def strategy_section(job: est.JobSpec, cfg: JobConfig | None = None) -> tuple[li
     return headers, rows
 
 
+def muon_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
+    """With Muon: what it steps, the state it saves, and its work and traffic per step."""
+    m = est.muon_matrices(job.model)
+    sent, a2a_s, ns_s = est.muon_step(job)
+    n_split, n_whole = est.muon_groups(job)
+    rows = [
+        ["hidden matrices on Muon", f"{sum(est.muon_numel(k) for k in (m.split, m.whole, m.routed)):,.0f} parameters "
+                                    "(embeddings, head, norms, biases, routers on AdamW)"],
+        ["optimizer state saved/GPU", f"{gib(est.muon_buffer_saving(job))} (one momentum buffer instead of two moments)"],
+        ["matrices sharded over", f"{n_split} GPUs (attention, dense MLPs)" + (f", {n_whole} (shared experts)" if m.whole else "")],
+        ["sent to owners and back/GPU/step", human_bytes(sent) + f" (bf16 pieces, all-to-all {a2a_s * 1e3:.3g} ms)"],
+        ["Newton-Schulz/GPU/step", f"{ns_s * 1e3:.3g} ms ({est.MUON_NS_STEPS} iterations, owners spread evenly)"],
+    ]
+    return ["Muon", "value"], rows
+
+
 def stage_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
     """Under pp: what each stage holds (every GPU must fit, so the largest decides)."""
     rows = []
@@ -310,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             (f"Per GPU on {job.world_size}x {job.device.name} (policy {job.policy}, micro-batch {job.micro_batch})",
              *strategy_section(job, cfg)),
         ]
+        if job.optimizer == "muon":
+            sections.append(("Muon (optim.name=muon, parallel/muon.py)", *muon_section(job)))
         if job.pp > 1:
             sections.append((_pipeline_title(job), *stage_section(job)))
         global_batch = args.global_batch or job.global_batch
