@@ -9,7 +9,7 @@ With context parallelism the ep group is carved out of dp_shard x cp, as torchti
 per token, so the cp ranks, which hold different chunks of the same sequences, are just more sources
 of tokens for the all-to-all, and ep can grow to dp_shard x cp (a long-context run with few
 data-parallel ranks still spreads its experts). An ep group spans whole cp groups, so ep must be a
-multiple of cp: ep = ep_shard x cp, ep_shard of the dp_shard ranks (``ParallelDims.ep_shard``). The
+multiple of cp: ep = ep_shard x cp, ep_shard of the dp_shard ranks (``Layout.ep_shard``, parallel/layout.py). The
 other choice, ep out of dp_shard alone, would cap ep at dp_shard, which long-context runs keep small.
 Per layer:
 

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from common.values import is_dtensor, local_shard
 from model.gpt import Attention
 from parallel.muon import held_indices
-from common.values import is_dtensor, local_shard
 
 
 class QKClip:

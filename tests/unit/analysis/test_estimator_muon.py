@@ -17,8 +17,8 @@ DENSE = ModelConfig(vocab_size=64, max_seq_len=16, n_layer=4, n_head=4, n_kv_hea
 MOE = dataclasses.replace(DENSE, moe=MoEConfig(experts=4, top_k=2, d_ff=16, shared_experts=1))
 
 
-def job(model: ModelConfig, **kw) -> est.JobSpec:
-    return est.JobSpec(model, 16, 2, precision="fp32", **kw)
+def job(model: ModelConfig, world_size: int = 1, optimizer: str = "adamw", **layout) -> est.JobSpec:
+    return est.JobSpec(model, 16, 2, layout=est.layout_of(world_size, **layout), precision="fp32", optimizer=optimizer)
 
 
 def hidden_matrix_elements(model: ModelConfig) -> int:
