@@ -195,10 +195,17 @@ def decay_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: flo
 
 
 def is_hidden_matrix(name: str, tensor: torch.Tensor) -> bool:
-    """What Muon steps: the matrices inside the transformer blocks (attention and MLP projections,
-    expert stacks, shared experts), not the MoE router, whose few rows score experts as the LM
-    head scores tokens. Embeddings, the head, norms and biases are outside or not matrices."""
-    return tensor.ndim in (2, 3) and ("blocks." in name) and not name.endswith("router.weight")
+    """What Muon steps: the matrices inside the transformer blocks (linear weights of attention and
+    the MLPs, shared experts, and expert stacks), not the MoE router, whose few rows score experts as
+    the LM head scores tokens. Embeddings, the head, norms and biases are outside or not matrices;
+    per-expert biases (E, out) are 2-D but a bias each, so the name decides, not the shape."""
+    if "blocks." not in name or name.endswith("router.weight"):
+        return False
+    return (tensor.ndim == 2 and name.endswith(".weight")) or (tensor.ndim == 3 and _is_expert_stack(name))
+
+
+def _is_expert_stack(name: str) -> bool:
+    return name.rsplit(".", 1)[-1].startswith("w_")
 
 
 def muon_split(named_params: list[tuple[str, torch.Tensor]]) -> tuple[list, list]:
@@ -255,7 +262,7 @@ def _kind(name: str, tensor: torch.Tensor) -> str:
         return "embeddings"
     if "lm_head" in name:
         return "LM head"
-    if name.endswith("bias"):
+    if name.endswith("bias") or name.rsplit(".", 1)[-1].startswith("b_"):
         return "biases"
     return "norm gains" if tensor.ndim == 1 else "other"
 

@@ -13,8 +13,9 @@ from model.config import ModelConfig
 from model.gpt import GPT, document_ids
 
 
-def pairwise_max(q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-    """Each query head's largest q_i . k_j / sqrt(d) over the pairs j <= i (same document), by loops."""
+def pairwise_max(q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
+    """Each query head's largest q_i . k_j / sqrt(d) over the pairs j <= i (same document, i - j < window),
+    by loops."""
     q, k = q.detach(), k.detach()
     b, t, h, d = q.shape
     group = h // k.shape[2]
@@ -23,6 +24,8 @@ def pairwise_max(q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | Non
         for head in range(h):
             for i in range(t):
                 for j in range(i + 1):
+                    if window is not None and i - j >= window:
+                        continue
                     if documents is not None and documents[n, i] != documents[n, j]:
                         continue
                     logit = float(q[n, i, head] @ k[n, j, head // group]) / math.sqrt(d)
@@ -31,11 +34,13 @@ def pairwise_max(q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | Non
 
 
 @pytest.mark.parametrize("with_documents", [False, True])
-def test_head_max_logits_is_the_largest_allowed_pairwise_logit(with_documents):
+@pytest.mark.parametrize("window", [None, 2])
+def test_head_max_logits_is_the_largest_allowed_pairwise_logit(with_documents, window):
     torch.manual_seed(0)
     q, k = torch.randn(2, 7, 4, 8), torch.randn(2, 7, 2, 8) * 3  # grouped-query: two query heads per key
     documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 2]]) if with_documents else None
-    torch.testing.assert_close(head_max_logits(q, k, documents), pairwise_max(q, k, documents), atol=1e-5, rtol=0)
+    torch.testing.assert_close(head_max_logits(q, k, documents, window), pairwise_max(q, k, documents, window),
+                               atol=1e-5, rtol=0)
 
 
 def test_training_forwards_keep_a_running_max_and_others_do_not():

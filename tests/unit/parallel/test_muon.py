@@ -183,6 +183,17 @@ def test_hidden_matrices_go_to_muon_and_the_rest_to_adamw():
     assert "\n" not in line
 
 
+def test_per_expert_biases_stay_on_adamw():
+    """gpt-oss's expert biases are (E, out): 2-D, but one bias per expert, never a matrix to orthogonalise."""
+    model = GPT(dataclasses.replace(MOE, bias=True, moe=dataclasses.replace(MOE.moe, bias=True)))
+    matrices, rest = muon_split(list(model.named_parameters()))
+    biases = {n for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in ("b_gate", "b_up", "b_down")}
+    assert biases and biases <= {n for n, _ in rest}
+    assert {n for n, _ in matrices} >= {"blocks.0.mlp.w_up", "blocks.0.mlp.w_down"}
+    assert all(n.endswith(".weight") or n.rsplit(".", 1)[-1].startswith("w_") for n, _ in matrices)
+    assert "biases" in describe_split(list(model.named_parameters()))
+
+
 def test_a_muon_peak_of_its_own_follows_the_schedule_scaled():
     cfg = OptimConfig(name="muon", lr=1e-3, muon=MuonConfig(lr=0.02))
     optimizer = build_optimizer(list(GPT(DENSE).named_parameters()), cfg, torch.device("cpu"))
