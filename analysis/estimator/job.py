@@ -20,6 +20,10 @@ STRATEGIES = choices(ParallelConfig, "strategy")
 PRECISION_MODES = choices(PrecisionConfig, "mode")
 PP_SCHEDULES = choices(ParallelConfig, "pp_schedule")
 ATTENTION_KINDS = ("materialized", "flash")
+# How a framework's ZeRO-1/2 reduces gradients: DeepSpeed's (the trainer's) all-reduces its gradient buckets,
+# ZeRO-2 every micro-batch; Megatron's distributed optimizer (and the ZeRO paper's count) reduce-scatters
+# the accumulated gradients once per step.
+ZERO_REDUCTIONS = ("deepspeed", "reduce_scatter")
 # Attention backends (model.attention) by what they store: only the reference keeps the scores.
 ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_attn": "flash", "auto": "flash"}
 
@@ -123,12 +127,15 @@ class JobSpec:
     tp_overlap: bool = False
     dp_overlap: bool = True
     fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
+    zero_reduction: str = "deepspeed"  # ZERO_REDUCTIONS: how ZeRO-1/2 reduce gradients (communication.py)
+    ddp_no_sync: bool = True  # DDP reduces once per step (the trainer's no_sync); False: every micro-batch
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.layout.strategy, STRATEGIES)
         _check_choice("recompute", self.recompute, RECOMPUTE_POLICIES)
         _check_choice("precision", self.precision, PRECISION_MODES)
         _check_choice("pp_schedule", self.layout.pp_schedule, PP_SCHEDULES)
+        _check_choice("zero_reduction", self.zero_reduction, ZERO_REDUCTIONS)
         for key in ("seq_len", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise EstimatorError(f"{key} must be >= 1 (got {getattr(self, key)})")
