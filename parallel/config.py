@@ -7,7 +7,7 @@ from typing import Literal
 
 from common.errors import ConfigError
 from common.fields import doc
-from parallel.layout import Layout, check_keys, check_trainer_keys
+from parallel.layout import Layout, check_section
 from parallel.nccl import validate_nccl_env
 
 
@@ -43,12 +43,7 @@ class ParallelConfig:
     )
     pp_virtual_stages: int = doc(1, "stages per pipeline rank (interleaved_1f1b and zero_bubble: >= 2 shrinks "
                                  "the bubble by this factor)")
-
-    def _validate_layout(self) -> None:
-        # every layout rule lives in parallel/layout.py
-        check_keys(self)
-        check_trainer_keys(self)
-    # --- end layout
+    # --- end layout (its rules: parallel/layout.py check_section)
     backend: Literal["auto", "nccl", "gloo"] = doc("auto", "process-group backend; auto: nccl on CUDA, gloo on CPU")
     timeout_s: int = doc(600, "collective timeout: a rank that dies makes the others fail within this")
 
@@ -166,7 +161,7 @@ class ParallelConfig:
     def validate(self) -> None:
         if self.timeout_s < 1:
             raise ConfigError("parallel.timeout_s must be >= 1")
-        self._validate_layout()
+        check_section(self)
         self._validate_communication()
         self._validate_strategies()
 

@@ -17,13 +17,15 @@ mesh from it). The words are torchtitan's:
 A ``Layout`` is built once, from the parallel section and the world size (``Layout.of``), and checked
 then. Every layout rule is written here and nowhere else:
 
-- ``check_keys``: the section's own keys (the config runs them when it is loaded, before the world
-  size is known; a ``Layout`` runs them again on itself);
+- ``check_keys``: the section's own keys, which need neither the world size nor the model (a
+  ``Layout`` runs them again on itself);
 - ``Layout.__post_init__``: what needs the world size (the product of the degrees, ep inside
   dp_shard x cp, tensor-parallel groups inside a node);
 - ``check_trainer_keys`` (and a sharded strategy needing something to shard, in ``Layout.of``):
   what this trainer's implementation composes. The estimator models other frameworks' runs and
-  leaves them out of a ``Layout`` it builds; its planner applies them through the trainer's config;
+  leaves them out of a ``Layout`` it builds; its planner applies them as train.py does, through the
+  config and ``Layout.of``. ``check_section`` is both key checks: the config runs it when it is
+  loaded, before the world size is known;
 - ``check_model``: the layout against the model, the sequence and the micro-batches (the trainer's
   config and the estimator both call it).
 
@@ -107,8 +109,7 @@ class Layout:
         node, as this trainer runs it: its own rules too (``check_trainer_keys``, and a sharded strategy
         needs something to shard). HSDP's shorthand ``parallel.fsdp_hybrid`` becomes one replica per
         node, sharded inside it."""
-        check_keys(parallel)  # the section's own rules, HSDP's shorthand among them, before it is spelled out
-        check_trainer_keys(parallel)
+        check_section(parallel)  # HSDP's shorthand among them, before it is spelled out
         keys = {key: getattr(parallel, key) for key in LAYOUT_KEYS}
         if getattr(parallel, "fsdp_hybrid", False):
             per_node = ranks_per_node or world_size
@@ -213,6 +214,13 @@ def resolve_strategy(requested: str, layout: Any) -> tuple[str, str | None]:
 
 
 # --------------------------------------------------------------------------- the rules
+
+
+def check_section(p: Any) -> None:
+    """The rules a parallel section must pass before the world size is known: its keys' own rules and
+    this trainer's (the config runs them when it is loaded, ``Layout.of`` again at launch)."""
+    check_keys(p)
+    check_trainer_keys(p)
 
 
 def check_keys(p: Any) -> None:

@@ -140,10 +140,10 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
         engine = apply_data_parallel(model, parallel_cfg, ctx, policy, optim_cfg, micro_batch_size=micro_batch_size,
                                      grad_accum_steps=grad_accum_steps)
     if policy.fp8_torchao:
-        for stepper in getattr(engine, "steppers", [engine]):  # a pipeline steps each stage part on its own
-            precompute_scales_after_step(stepper.optimizer, stepper.model)
+        for part in engine.optimized_parts():  # a pipeline steps each stage part on its own
+            precompute_scales_after_step(part.optimizer, part.model)
     notes = [kernel_note, attention_note] + ([expert_note] if expert_note else []) + [policy.describe(layout.strategy), describe_recompute(parts[0]),
-             describe_layout(dims, stages)] + [note for note in fp8_notes[:1] if note]
+             describe_placement(dims, stages)] + [note for note in fp8_notes[:1] if note]
     return Built(engine=engine, model=model if layout.pp == 1 else parts[0], policy=policy, notes=notes,
                  warnings=no_gain_warnings(model_cfg, backend))
 
@@ -154,8 +154,8 @@ def no_gain_warnings(model_cfg: ModelConfig, attention_backend: str) -> list[str
     return [note] if note else []
 
 
-def describe_layout(dims: ParallelDims, stages: list[int]) -> str:
-    """One log line: the layout in the config's words, and this rank's place in it."""
+def describe_placement(dims: ParallelDims, stages: list[int]) -> str:
+    """One log line: the run's layout (``Layout.describe``) and where this rank sits in it."""
     lay = dims.layout
     if dims.world_size == 1:
         return "layout: one process"

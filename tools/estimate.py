@@ -18,7 +18,8 @@ virtual stages, the strategy, the recompute policy and the micro-batch, at a fix
 (sequences per step; default: micro-batch x grad-accum x data-parallel ranks of the job as given),
 and prints the best --top layouts one per line in the config's own words. Only layouts train.py accepts
 are proposed, and a layout given with --tp, --pp, --strategy, ... that train.py would refuse is an error
-(the same checks: training/config.py JobConfig.validate_layout).
+(the same checks: the config's, training/config.py JobConfig.validate_layout, and the launch's,
+parallel/layout.py Layout.of).
 
 --scaling N1,N2,... runs the planner at each GPU count, weak (the same sequences per GPU) and strong (one
 global batch), and prints predicted tokens/s, model TFLOP/s per GPU, scaling efficiency, the share of the
@@ -29,6 +30,11 @@ How far these predictions are from published runs: docs/results/published_vs_est
 
 from __future__ import annotations
 
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
+
 import argparse
 import dataclasses
 import sys
@@ -38,6 +44,7 @@ from analysis import estimator as est
 from analysis import scaling
 from common.errors import ConfigError, LayoutError
 from common.hardware import DEVICES
+from common.progress import Progress
 from common.report import gib, human_bytes, markdown_table, text_table
 from model.flops import FLOPS_CONVENTION
 from training.config import JobConfig, load_config, parse_known_overrides
@@ -166,7 +173,7 @@ def model_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
         ["training FLOPs/token", f"{est.flops_per_token(cfg, job.seq_len):.4g}"],
         ["shape", f"L={cfg.n_layer}, d={cfg.d_model}, heads={cfg.n_head}, kv heads={cfg.kv_heads}, "
                   f"d_ff={cfg.d_ff} {cfg.mlp}, vocab={cfg.vocab_size}, s={job.seq_len}, b={job.micro_batch}"],
-        ["layout", est.layout_words(job)],
+        ["layout", est.job_words(job)],
     ]
     return ["model", "value"], rows
 
@@ -268,7 +275,9 @@ def scaling_main(args: argparse.Namespace, overrides: list[str], cfg: JobConfig 
         per_gpu = job.micro_batch * job.grad_accum
     if args.gpus_per_node:
         device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
-    weak, strong = scaling.scaling_curves(model, seq_len, device, precision, args.scaling, per_gpu, config=cfg)
+    with Progress(2 * len(args.scaling), "estimate --scaling", "planner run") as progress:
+        weak, strong = scaling.scaling_curves(model, seq_len, device, precision, args.scaling, per_gpu, config=cfg,
+                                              progress=progress)
     headers, rows = scaling.table(weak, strong)
     name = args.config or f"preset {args.preset}"
     title = (f"Scaling {name} on {device.name} ({device.gpus_per_node} per node), {precision}: weak = {per_gpu} "

@@ -25,9 +25,11 @@ from data.config import DataConfig
 from kernels.config import KernelsConfig
 from model.config import ModelConfig
 from parallel.config import ParallelConfig
-from parallel.layout import check_model
+from parallel.layout import check_model, check_section
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionConfig
+
+RUN_CONFIG_FILE = "config.yaml"  # the resolved configuration a run writes into its run directory
 
 
 @dataclass
@@ -209,11 +211,14 @@ class JobConfig:
 
     def validate_layout(self) -> None:
         """The checks a parallel layout must pass against the model, batch and precision of this job:
-        the parallel section's own layout rules and every cross-section rule (tensor and pipeline
-        parallelism, FP8, Transformer Engine, sequence length). ``validate`` runs them, and so does the
+        the layout's rules (parallel/layout.py: the section's keys, and the layout against the model and
+        the sequence) and every cross-section rule of this trainer (tensor and pipeline parallelism, FP8,
+        Transformer Engine). ``validate`` runs them, and so does the
         layout planner (analysis/estimator/) on every layout it proposes, so it proposes only what
         the trainer accepts."""
-        self.parallel._validate_layout()
+        m, p, t = self.model, self.parallel, self.train
+        check_section(p)
+        check_model(p, m, seq_len=self.seq_len, micro_batches=t.grad_accum_steps, seq_key=self.seq_key)
         self._validate_cross_sections()
 
     def lr_schedule(self) -> dict[str, Any]:
@@ -226,12 +231,10 @@ class JobConfig:
         """The key that sets the sequence length, for errors that name it."""
         return "data.seq_len" if self.data.seq_len else "model.max_seq_len"
 
-    def _validate_model_parallel(self) -> None:
-        """What tensor, pipeline, context and expert parallelism need from the model, the batch and the
-        precision: the layout's rules against the model (parallel/layout.py ``check_model``, which the
-        estimator runs too), then what this trainer's implementation of them does not support."""
+    def _validate_parallel_support(self) -> None:
+        """What this trainer's tensor, pipeline and context parallelism do not support with the other
+        sections (the layout's own rules against the model are parallel/layout.py ``check_model``)."""
         m, p, t = self.model, self.parallel, self.train
-        check_model(p, m, seq_len=self.seq_len, micro_batches=t.grad_accum_steps, seq_key=self.seq_key)
         if p.tp > 1 and m.qk_norm:
             raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
         if p.tp > 1:
@@ -294,7 +297,7 @@ class JobConfig:
                               f"{self.train.micro_batch_size} x {self.seq_len} is not")
 
     def _validate_cross_sections(self) -> None:
-        self._validate_model_parallel()
+        self._validate_parallel_support()
         fp8_backend = self.precision.fp8_backend if self.precision.mode == "fp8" else None
         if fp8_backend == "torchao":
             self._validate_fp8_torchao()

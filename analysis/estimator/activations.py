@@ -10,12 +10,12 @@ from analysis.estimator.job import (
     ATTENTION_KINDS,
     RECOMPUTE_POLICIES,
     EstimatorError,
-    _check_choice,
+    check_choice,
 )
 from model.config import ModelConfig
 
 
-def _checkpointed_layers(n_layer: int, every_k: int) -> int:
+def checkpointed_layers(n_layer: int, every_k: int) -> int:
     # model.recompute wraps blocks whose 1-based index is a multiple of k.
     return n_layer // every_k
 
@@ -48,7 +48,7 @@ def _mlp_activation_elements(cfg: ModelConfig, dtype_bytes: int) -> float:
     return (moe * _moe_activation_elements(cfg, dtype_bytes) + (cfg.n_layer - moe) * dense) / cfg.n_layer
 
 
-def _mlp_hidden_width(cfg: ModelConfig) -> float:
+def mlp_hidden_width(cfg: ModelConfig) -> float:
     """Hidden units one token runs through in an MLP (a MoE model: the mean over layers; a MoE layer:
     its top-k experts and the shared ones)."""
     if cfg.moe.experts is None:
@@ -100,9 +100,9 @@ def activation_bytes_per_layer(
     the tensor-parallel region are split over ``tp`` GPUs, and the rest too when
     ``sequence_parallel``. See the module docstring.
     """
-    _check_choice("recompute", recompute, RECOMPUTE_POLICIES)
+    check_choice("recompute", recompute, RECOMPUTE_POLICIES)
     attention = ATTENTION_BACKEND_KIND.get(attention, attention)
-    _check_choice("attention", attention, ATTENTION_KINDS + tuple(ATTENTION_BACKEND_KIND))
+    check_choice("attention", attention, ATTENTION_KINDS + tuple(ATTENTION_BACKEND_KIND))
     if tp < 1:
         raise EstimatorError(f"tp must be >= 1 (got {tp})")
     s, b, h, a = seq_len, micro_batch, model_cfg.d_model, model_cfg.n_head
@@ -113,12 +113,12 @@ def activation_bytes_per_layer(
     split = dict(tp=tp, sequence_parallel=sequence_parallel)
 
     if recompute == "full":
-        return _tp_split(p * tokens * h, 0, **split)  # the layer input lies outside the TP region
+        return tp_split(p * tokens * h, 0, **split)  # the layer input lies outside the TP region
     if recompute == "offload":
         return 0.0
     if recompute == "every_k":
         k = every_k or model_cfg.recompute_every_k
-        kept = _checkpointed_layers(model_cfg.n_layer, k)
+        kept = checkpointed_layers(model_cfg.n_layer, k)
         full = activation_bytes_per_layer(model_cfg, s, b, "full", p, with_dropout, attention=attention, **split)
         none = activation_bytes_per_layer(
             model_cfg, s, b, "none", p, with_dropout, attention=attention, dropout_mask_bytes=m, **split
@@ -137,7 +137,7 @@ def activation_bytes_per_layer(
         outside = h + h + h + moe  # block input, projection output, MLP output (+ MoE layers' matmul outputs)
         inside = (h + 2 * kv) + h + _mlp_matmul_output_elements(model_cfg) - moe  # qkv, core output, fc
         core_extra = 4.0 * a * s * b if attention == "flash" else p * a * s * s * b  # lse, or the QK^T bmm output
-        return _tp_split(p * tokens * outside, p * tokens * inside + core_extra, **split)
+        return tp_split(p * tokens * outside, p * tokens * inside + core_extra, **split)
 
     outside = (
         2 * h  # inputs of the two norms
@@ -153,10 +153,10 @@ def activation_bytes_per_layer(
     )
     masks = 2 * m * tokens * h if with_dropout else 0  # after attention and after the MLP: outside
     core = 0.0 if recompute == "selective" else scores
-    return _tp_split(p * tokens * outside + masks, p * tokens * inside + core, **split)
+    return tp_split(p * tokens * outside + masks, p * tokens * inside + core, **split)
 
 
-def _tp_split(outside: float, inside: float, *, tp: int, sequence_parallel: bool) -> float:
+def tp_split(outside: float, inside: float, *, tp: int, sequence_parallel: bool) -> float:
     """Bytes on one GPU: the TP region is split over ``tp``; the rest only with sequence parallelism."""
     if tp == 1:
         return float(outside + inside)
@@ -211,9 +211,9 @@ def saved_bytes_per_layer(
     alive by checkpointing (block or core inputs) and tensors ``op_selective`` caches are
     counted, because they occupy memory just the same; ``offload`` counts what moves to the host.
     """
-    _check_choice("recompute", recompute, RECOMPUTE_POLICIES)
-    _check_choice("attention", attention, ("sdpa", "reference"))
-    _check_choice("device", device, ("cpu", "cuda"))
+    check_choice("recompute", recompute, RECOMPUTE_POLICIES)
+    check_choice("attention", attention, ("sdpa", "reference"))
+    check_choice("device", device, ("cpu", "cuda"))
     cfg = model_cfg
     s, b, h, a = seq_len, micro_batch, cfg.d_model, cfg.n_head
     p, n = dtype_bytes, seq_len * micro_batch
@@ -229,7 +229,7 @@ def saved_bytes_per_layer(
         return float(p * n * h + rope_tables)
     if recompute == "every_k":
         k = every_k or cfg.recompute_every_k
-        kept = _checkpointed_layers(cfg.n_layer, k)
+        kept = checkpointed_layers(cfg.n_layer, k)
         args = (cfg, s, b)
         full = saved_bytes_per_layer(*args, "full", p, attention=attention, device=device)
         none = saved_bytes_per_layer(*args, "none", p, attention=attention, device=device)

@@ -7,8 +7,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from analysis.estimator.activations import _checkpointed_layers
-from analysis.estimator.job import STATE_BYTES, STRATEGIES, JobSpec, _check_choice
+from analysis.estimator.activations import checkpointed_layers
+from analysis.estimator.job import STATE_BYTES, STRATEGIES, JobSpec, check_choice
 from analysis.estimator.memory import stage_routed_parameters
 from common.hardware import DeviceSpec
 from model.config import ModelConfig
@@ -42,7 +42,7 @@ class CommVolume:
 
 def comm_volume(n_params: float, strategy: str, world_size: int, precision: str) -> CommVolume:
     """What each strategy puts through collectives per step (ZeRO paper, section 7)."""
-    _check_choice("strategy", strategy, STRATEGIES)
+    check_choice("strategy", strategy, STRATEGIES)
     per = STATE_BYTES[precision]
     grads, params = n_params * per.grad, n_params * per.param
     if strategy == "none" or world_size <= 1:
@@ -91,7 +91,7 @@ def tp_comm_seconds(job: JobSpec, stage: int = 0) -> tuple[float, float]:
     one = collective_seconds(activation, t, job.device, job.assumptions.link_fraction,
                              ranks_per_node=_per_node(job, 1, t))
     layers = cfg.n_layer // job.layout.pp
-    recomputed = {"full": layers, "every_k": _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.layout.pp}
+    recomputed = {"full": layers, "every_k": checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.layout.pp}
     count = 8 * layers + 4 * recomputed.get(job.recompute, 0)
     count += 2 * (stage == 0) + 2 * (stage == job.layout.pp - 1)
     return count * one, count * (t - 1) / t * activation
@@ -115,7 +115,7 @@ def cp_comm_seconds(job: JobSpec) -> tuple[float, float]:
     nbytes = kv_gather_bytes(cfg, job.seq_len, job.micro_batch, job.activation_dtype_bytes, job.layout.tp)
     layers = cfg.n_layer // job.layout.pp
     recomputed = {"selective": layers, "full": layers,
-                  "every_k": _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.layout.pp}
+                  "every_k": checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.layout.pp}
     count = 2 * layers + recomputed.get(job.recompute, 0)
     # cp groups sit inside tp on the mesh (dims.py): members tp ranks apart
     one = collective_seconds(nbytes, cp, job.device, job.assumptions.link_fraction,

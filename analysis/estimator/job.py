@@ -62,7 +62,7 @@ STATE_BYTES: dict[str, StateBytes] = {
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16_master": 2, "fp8": 2}
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise EstimatorError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
 
@@ -131,11 +131,11 @@ class JobSpec:
     ddp_no_sync: bool = True  # DDP reduces once per step (the trainer's no_sync); False: every micro-batch
 
     def __post_init__(self) -> None:
-        _check_choice("strategy", self.layout.strategy, STRATEGIES)
-        _check_choice("recompute", self.recompute, RECOMPUTE_POLICIES)
-        _check_choice("precision", self.precision, PRECISION_MODES)
-        _check_choice("pp_schedule", self.layout.pp_schedule, PP_SCHEDULES)
-        _check_choice("zero_reduction", self.zero_reduction, ZERO_REDUCTIONS)
+        check_choice("strategy", self.layout.strategy, STRATEGIES)
+        check_choice("recompute", self.recompute, RECOMPUTE_POLICIES)
+        check_choice("precision", self.precision, PRECISION_MODES)
+        check_choice("pp_schedule", self.layout.pp_schedule, PP_SCHEDULES)
+        check_choice("zero_reduction", self.zero_reduction, ZERO_REDUCTIONS)
         for key in ("seq_len", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise EstimatorError(f"{key} must be >= 1 (got {getattr(self, key)})")

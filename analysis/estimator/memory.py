@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from analysis.estimator.activations import _checkpointed_layers, _tp_split, activation_bytes_per_layer
+from analysis.estimator.activations import activation_bytes_per_layer, checkpointed_layers, tp_split
 from analysis.estimator.job import (
     GIB,
     PP_SCHEDULES,
@@ -14,7 +14,7 @@ from analysis.estimator.job import (
     STRATEGIES,
     JobSpec,
     StateBytes,
-    _check_choice,
+    check_choice,
 )
 from model.config import ModelConfig
 from model.flops import blocks_parameters, moe_parameters
@@ -26,8 +26,8 @@ def model_state_bytes(n_params: float, strategy: str, world_size: int, precision
     ``n_params`` is what one GPU holds before data-parallel sharding (all of it without tensor or
     pipeline parallelism, ``stage_parameters`` with them); ``world_size`` the ranks it is sharded over.
     """
-    _check_choice("strategy", strategy, STRATEGIES)
-    _check_choice("precision", precision, PRECISION_MODES)
+    check_choice("strategy", strategy, STRATEGIES)
+    check_choice("precision", precision, PRECISION_MODES)
     per = STATE_BYTES[precision]
     n = 1 if strategy in ("none", "ddp") else world_size
     shard_opt = strategy in ("zero1", "zero2", "zero3", "fsdp")
@@ -85,7 +85,7 @@ def pipeline_in_flight(schedule: str, stages: int, microbatches: int, virtual_st
     torch.distributed.pipelining's schedules (see the module docstring); without a pipeline one
     micro-batch is in flight (gradient accumulation frees each before the next).
     """
-    _check_choice("pp_schedule", schedule, PP_SCHEDULES)
+    check_choice("pp_schedule", schedule, PP_SCHEDULES)
     p, m, v, i = stages, microbatches, virtual_stages, stage
     if p == 1:
         return 1.0
@@ -137,7 +137,7 @@ class MemoryEstimate:
         return self.reserved + self.overhead
 
 
-def _layer_bytes(job: JobSpec, recompute: str) -> float:
+def layer_bytes(job: JobSpec, recompute: str) -> float:
     return activation_bytes_per_layer(
         job.model, job.local_seq_len, job.micro_batch, recompute, job.activation_dtype_bytes,
         attention=job.attention, tp=job.layout.tp, sequence_parallel=job.layout.sp,
@@ -163,7 +163,7 @@ def cp_attention_bytes_per_layer(job: JobSpec, recompute: str) -> float:
         scores = per_score * cfg.n_head * b * (c * c * (2 * cp + 1) - (s // cp) ** 2)
     extra = (kv + scores) / job.layout.tp
     if recompute == "every_k":
-        kept = _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k)
+        kept = checkpointed_layers(cfg.n_layer, cfg.recompute_every_k)
         return extra * (cfg.n_layer - kept) / cfg.n_layer
     return extra
 
@@ -183,15 +183,15 @@ class _LayerActivations:
 
 def _layer_activations(job: JobSpec) -> _LayerActivations:
     cfg = job.model
-    none = _layer_bytes(job, "none")
-    embeddings = _tp_split(job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model, 0,
+    none = layer_bytes(job, "none")
+    embeddings = tp_split(job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model, 0,
                            tp=job.layout.tp, sequence_parallel=job.layout.sp)
     if job.recompute == "offload":
         return _LayerActivations(none, none, embeddings)
-    kept = _layer_bytes(job, job.recompute)
+    kept = layer_bytes(job, job.recompute)
     if job.recompute == "every_k":
-        full = _layer_bytes(job, "full")
-        rebuilt = none - full if _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) else 0.0
+        full = layer_bytes(job, "full")
+        rebuilt = none - full if checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) else 0.0
     else:
         rebuilt = max(none - kept, 0.0)
     return _LayerActivations(kept, rebuilt, embeddings)
@@ -257,7 +257,7 @@ def stage_memory(job: JobSpec, stage: int, layer: _LayerActivations | None = Non
     )
 
 
-def _edge_stages(job: JobSpec) -> tuple[int, ...]:
+def edge_stages(job: JobSpec) -> tuple[int, ...]:
     # A middle stage holds no more than the first (the same blocks, no embedding, no more micro-batches
     # in flight) and computes no more than the first or the last, so these two decide (tested).
     return (0,) if job.layout.pp == 1 else (0, job.layout.pp - 1)
@@ -266,7 +266,7 @@ def _edge_stages(job: JobSpec) -> tuple[int, ...]:
 def estimate_memory(job: JobSpec) -> MemoryEstimate:
     """The fullest stage's memory (every GPU must fit, so the largest decides)."""
     layer = _layer_activations(job)
-    return max((stage_memory(job, i, layer) for i in _edge_stages(job)), key=lambda m: (m.total, m.host))
+    return max((stage_memory(job, i, layer) for i in edge_stages(job)), key=lambda m: (m.total, m.host))
 
 
 def routed_parameters_per_block(cfg: ModelConfig) -> float:

@@ -12,13 +12,13 @@ from analysis.estimator.job import (
     Assumptions,
     EstimatorError,
     JobSpec,
-    _check_choice,
+    check_choice,
     layout_of,
 )
 from analysis.estimator.memory import estimate_memory
-from analysis.estimator.step import Estimate, _estimate_with, describe_estimate, estimate, memory_problems
+from analysis.estimator.step import Estimate, describe_estimate, estimate, estimate_with, memory_problems
 from analysis.estimator.time import bubble_fraction
-from common.errors import ConfigError
+from common.errors import ConfigError, LayoutError
 from common.hardware import DEVICES, DeviceSpec, lookup_device
 from common.report import gib
 from model.config import ModelConfig
@@ -60,12 +60,19 @@ def trainer_config(job: JobSpec, base: JobConfig | None = None) -> JobConfig:
 
 
 def trainer_refusal(job: JobSpec, base: JobConfig | None = None) -> str | None:
-    """Why the trainer refuses ``job`` (its one-line ConfigError), or None: the same checks train.py
-    runs (``JobConfig.validate_layout``), on ``trainer_config(job, base)``."""
+    """Why the trainer refuses ``job`` (its one-line error), or None: the checks train.py runs, on
+    ``trainer_config(job, base)``: the config's (``JobConfig.validate_layout``), then the layout's at
+    launch (``Layout.of`` on the job's GPUs, a node's worth to a node), which must give the job's
+    layout back, its strategy resolved as train.py resolves it."""
+    cfg = trainer_config(job, base)
+    world = job.layout.world_size
     try:
-        trainer_config(job, base).validate_layout()
-    except ConfigError as exc:
+        cfg.validate_layout()
+        launched = Layout.of(cfg.parallel, world, min(world, job.device.gpus_per_node))
+    except (ConfigError, LayoutError) as exc:
         return str(exc)
+    if dataclasses.replace(launched, ranks_per_node=job.layout.ranks_per_node) != job.layout:
+        return f"train.py runs this layout as {launched.describe()}, not {job.layout.describe()}"
     return None
 
 
@@ -77,8 +84,8 @@ def job_of(config: JobConfig, layout: Layout, device: DeviceSpec | None = None) 
                    fsdp_reshard_after_forward=config.parallel.fsdp_reshard_after_forward)
 
 
-def layout_overrides(job: JobSpec) -> list[str]:
-    """The job as the trainer's ``--section.key=value`` overrides (what ``layout_words`` says)."""
+def job_overrides(job: JobSpec) -> list[str]:
+    """The job as the trainer's ``--section.key=value`` overrides (what ``job_words`` says)."""
     return job.layout.overrides() + [f"--model.recompute={job.recompute}", f"--train.micro_batch_size={job.micro_batch}",
                                      f"--train.grad_accum_steps={job.grad_accum}", f"--precision.mode={job.precision}"]
 
@@ -203,7 +210,7 @@ def plan_layouts(
     """
     if global_batch < 1:
         raise EstimatorError(f"global_batch must be >= 1 (got {global_batch})")
-    _check_choice("precision", precision, PRECISION_MODES)
+    check_choice("precision", precision, PRECISION_MODES)
     fitting = []
     for tp, pp, cp in [(tp, pp, cp) for tp, pp in model_parallel_sizes(model_cfg, world_size, device.gpus_per_node)
                        for cp in context_parallel_sizes(seq_len, world_size // (tp * pp))]:
@@ -236,7 +243,7 @@ def plan_layouts(
                         memory = estimate_memory(job)
                         if memory_problems(job, memory):
                             break
-                        fitting.append(_estimate_with(job, memory))
+                        fitting.append(estimate_with(job, memory))
     fitting.sort(key=lambda e: (e.time.seconds_per_token, e.memory.total, e.job.layout.dp_replicate, e.job.layout.pp,
                                 e.job.layout.tp, e.job.layout.cp, e.job.layout.ep))
     return fitting if top is None else fitting[:top]
@@ -252,7 +259,7 @@ def context_parallel_sizes(seq_len: int, gpus: int) -> list[int]:
     return [cp for cp in _divisors(gpus) if seq_len % (2 * cp) == 0]
 
 
-def layout_words(job: JobSpec) -> str:
+def job_words(job: JobSpec) -> str:
     """The job in the config's own words: the layout's (``Layout.describe``, e.g. ``strategy=fsdp
     dp_shard=8 tp=8 pp=1``), then model.recompute, train.micro_batch_size (micro_batch) and
     train.grad_accum_steps (grad_accum)."""
@@ -266,7 +273,7 @@ def describe_plan(result: Estimate) -> str:
     mfu = f", MFU {t.mfu:.0%}" if t.mfu is not None else ""
     idle = bubble_fraction(job.layout.pp_schedule, job.layout.pp, job.grad_accum, job.layout.pp_virtual_stages)
     bubble = f", bubble {idle:.1%}" if job.layout.pp > 1 else ""
-    return f"{layout_words(job)}: {gib(mem.total)}/GPU{where}, {t.step_s:,.3g} s/step{mfu}{bubble}"
+    return f"{job_words(job)}: {gib(mem.total)}/GPU{where}, {t.step_s:,.3g} s/step{mfu}{bubble}"
 
 
 def _fits_on(model_cfg: ModelConfig, seq_len: int, device: DeviceSpec, precision: str, n: int) -> bool:

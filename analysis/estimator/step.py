@@ -13,8 +13,8 @@ from analysis.estimator.communication import (
     tp_comm_seconds,
 )
 from analysis.estimator.job import GIB, JobSpec
-from analysis.estimator.memory import MemoryEstimate, _edge_stages, estimate_memory
-from analysis.estimator.time import TimeEstimate, _largest_stage_parameters, estimate_time
+from analysis.estimator.memory import MemoryEstimate, edge_stages, estimate_memory
+from analysis.estimator.time import TimeEstimate, estimate_time, largest_stage_parameters
 from common.report import gib
 from model.flops import count_parameters, flops_per_token
 
@@ -36,13 +36,13 @@ class Estimate:
 
 def estimate(job: JobSpec) -> Estimate:
     """Memory, communication and time of one optimizer step of ``job``, and why it does not fit."""
-    return _estimate_with(job, estimate_memory(job))
+    return estimate_with(job, estimate_memory(job))
 
 
-def _estimate_with(job: JobSpec, memory: MemoryEstimate) -> Estimate:
+def estimate_with(job: JobSpec, memory: MemoryEstimate) -> Estimate:
     n_params = count_parameters(job.model)
-    comm, _ = _dp_and_expert_comm(job, _largest_stage_parameters(job))
-    tp_bytes = job.grad_accum * max(tp_comm_seconds(job, i)[1] for i in _edge_stages(job))
+    comm, _ = _dp_and_expert_comm(job, largest_stage_parameters(job))
+    tp_bytes = job.grad_accum * max(tp_comm_seconds(job, i)[1] for i in edge_stages(job))
     comm = dataclasses.replace(comm, tensor_parallel=tp_bytes, pipeline=job.grad_accum * pp_comm_seconds(job)[1],
                                expert_all_to_all=job.grad_accum * expert_all_to_all(job)[1])
     time = estimate_time(job, memory.states)

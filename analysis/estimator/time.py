@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from analysis.estimator.activations import _checkpointed_layers, _mlp_hidden_width
+from analysis.estimator.activations import checkpointed_layers, mlp_hidden_width
 from analysis.estimator.communication import (
     _dp_and_expert_comm,
     cp_comm_seconds,
@@ -16,8 +16,8 @@ from analysis.estimator.communication import (
     reshards_after_forward,
     tp_comm_seconds,
 )
-from analysis.estimator.job import PP_SCHEDULES, RECOMPUTE_POLICIES, Assumptions, JobSpec, _check_choice
-from analysis.estimator.memory import _edge_stages, _layer_bytes, stage_parameters
+from analysis.estimator.job import PP_SCHEDULES, RECOMPUTE_POLICIES, Assumptions, JobSpec, check_choice
+from analysis.estimator.memory import edge_stages, layer_bytes, stage_parameters
 from common.hardware import DeviceSpec
 from model.config import ModelConfig
 from model.flops import blocks_parameters, flops_per_token
@@ -25,7 +25,7 @@ from model.flops import blocks_parameters, flops_per_token
 
 def bubble_overhead(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
     """Pipeline idle time relative to the ideal compute time (Narayanan et al. 2021, section 2.2)."""
-    _check_choice("pp_schedule", schedule, PP_SCHEDULES)
+    check_choice("pp_schedule", schedule, PP_SCHEDULES)
     p, m, v = stages, microbatches, virtual_stages
     if p == 1:
         return 0.0
@@ -107,7 +107,7 @@ def recompute_flops_per_token(model_cfg: ModelConfig, seq_len: int, recompute: s
 
 def _recompute_flops_split(model_cfg: ModelConfig, seq_len: int, recompute: str, every_k: int | None = None) -> tuple[float, float]:
     """(GEMM FLOPs, attention-core FLOPs) recomputed per token."""
-    _check_choice("recompute", recompute, RECOMPUTE_POLICIES)
+    check_choice("recompute", recompute, RECOMPUTE_POLICIES)
     L, d = model_cfg.n_layer, model_cfg.d_model
     core = 4.0 * d * seq_len  # QK^T and @V forward, per layer per token (no causal halving)
     gemms = 2.0 * blocks_parameters(model_cfg, active=True) / L  # a token's experts only
@@ -116,7 +116,7 @@ def _recompute_flops_split(model_cfg: ModelConfig, seq_len: int, recompute: str,
     if recompute == "full":
         return L * gemms, L * core
     if recompute == "every_k":
-        kept = _checkpointed_layers(L, every_k or model_cfg.recompute_every_k)
+        kept = checkpointed_layers(L, every_k or model_cfg.recompute_every_k)
         return kept * gemms, kept * core
     return 0.0, 0.0  # none, offload; op_selective recomputes element-wise ops only (memory-bound, ~no FLOPs)
 
@@ -182,7 +182,7 @@ def _recompute_shares(job: JobSpec) -> tuple[float, float, float]:
     if job.recompute == "full":
         return 1.0, 0.0, 0.0
     if job.recompute == "every_k":
-        return _checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / cfg.n_layer, 0.0, 0.0
+        return checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / cfg.n_layer, 0.0, 0.0
     if job.recompute == "selective":
         return 0.0, 1.0, 0.0
     if job.recompute == "op_selective":
@@ -251,7 +251,7 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
     forward 2*d_ff (read, write) and backward 3*d_ff; SwiGLU 3*d_ff and 5*d_ff; rotary embeddings
     read and write q and k both ways, 2*(d + kv_dim) each way. FP8 adds the casts of the weights.
     In a MoE layer the activation runs on each token's top-k experts and the shared ones
-    (``_mlp_hidden_width``); the permutation's gathers are not counted.
+    (``mlp_hidden_width``); the permutation's gathers are not counted.
     """
     cfg, p, t = job.model, job.activation_dtype_bytes, job.layout.tp
     tokens = job.local_seq_len * job.micro_batch
@@ -261,7 +261,7 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
         outside_fwd += 2 * (2 * d * p + d)
         outside_bwd += 2 * (2 * d * p + d)
     act_fwd, act_bwd = (3, 5) if cfg.mlp == "swiglu" else (2, 3)
-    width = _mlp_hidden_width(cfg)
+    width = mlp_hidden_width(cfg)
     inside_fwd, inside_bwd = act_fwd * width * p, act_bwd * width * p
     if cfg.position == "rope":
         inside_fwd += 2 * (d + cfg.kv_dim) * p
@@ -337,8 +337,8 @@ def _optimizer_seconds(job: JobSpec, state_bytes: float) -> float:
     return 2 * state_bytes / (job.device.hbm_tb_s * 1e12 * job.assumptions.hbm_fraction)
 
 
-def _largest_stage_parameters(job: JobSpec) -> float:
-    return max(stage_parameters(job.model, job.layout.tp, job.layout.pp, i) for i in _edge_stages(job))
+def largest_stage_parameters(job: JobSpec) -> float:
+    return max(stage_parameters(job.model, job.layout.tp, job.layout.pp, i) for i in edge_stages(job))
 
 
 def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
@@ -353,9 +353,9 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
     hides nothing.
     """
     a, m = job.assumptions, job.grad_accum
-    slowest = max((_stage_microbatch(job, stage) for stage in _edge_stages(job)), key=lambda mb: mb.total)
+    slowest = max((_stage_microbatch(job, stage) for stage in edge_stages(job)), key=lambda mb: mb.total)
     work = m * (slowest.compute + slowest.memory_bound)
-    _, dp_s = _dp_and_expert_comm(job, _largest_stage_parameters(job))
+    _, dp_s = _dp_and_expert_comm(job, largest_stage_parameters(job))
     if job.layout.strategy in ("zero3", "fsdp") and job.layout.pp == 1:
         hideable = work  # every micro-batch's collectives run beside its own work
     elif job.layout.strategy in ("zero3", "fsdp"):
@@ -369,7 +369,7 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
         hideable = 0.0
     exposed_dp = _exposed(dp_s, hideable, a)
     layers = job.model.n_layer // job.layout.pp
-    offloaded = layers * _layer_bytes(job, "none") if job.recompute == "offload" else 0.0
+    offloaded = layers * layer_bytes(job, "none") if job.recompute == "offload" else 0.0
     offload = m * 2 * offloaded / (job.device.pcie_gb_s * 1e9 * a.link_fraction)
     peak = None if job.precision == "fp8" else _peak_tflops(job.device, job.precision)
     tokens = job.seq_len * job.micro_batch * m * job.layout.dp

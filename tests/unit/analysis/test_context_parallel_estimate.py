@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 import analysis.estimator as est
-from analysis.estimator.memory import _layer_bytes
+from analysis.estimator.memory import layer_bytes
 from common.hardware import DEVICES
 from model.config import ModelConfig
 from training.config import load_config
@@ -33,7 +33,7 @@ def test_a_cp_layer_keeps_its_share_of_the_sequence_plus_the_gathered_keys_and_v
     # the core (gather included) is recomputed in backward.
     gathered = 0 if policy in ("selective", "full") else p * 2 * 512 * (s - s // cp)
     assert est.cp_attention_bytes_per_layer(job(cp=cp), policy) == gathered
-    assert _layer_bytes(job(cp=cp), policy) == local + gathered
+    assert layer_bytes(job(cp=cp), policy) == local + gathered
     # tensor parallelism splits the gathered KV heads too
     tp = job(cp=cp, tp=2, world_size=16)
     assert est.cp_attention_bytes_per_layer(tp, policy) == gathered / 2
@@ -95,7 +95,7 @@ def test_the_planner_proposes_cp_x_pp_where_it_fits():
     assert {(p.job.layout.pp, p.job.layout.cp) for p in composed} >= {(2, 2), (2, 4)}
     assert all(p.fits and est.trainer_refusal(p.job) is None for p in composed)  # and the trainer takes them
     assert any("--parallel.pp=2" in " ".join(words) and "--parallel.cp=2" in " ".join(words)
-               for words in (est.layout_overrides(p.job) for p in composed))
+               for words in (est.job_overrides(p.job) for p in composed))
 
 
 def test_the_planner_places_llama3_8b_at_128k_on_8_gpus_with_cp():
@@ -104,7 +104,7 @@ def test_the_planner_places_llama3_8b_at_128k_on_8_gpus_with_cp():
     assert plans and plans[0].fits and plans[0].job.layout.cp > 1
     assert plans[0].memory.total <= 80 * est.GIB
     assert all(p.job.layout.strategy == "fsdp" for p in plans if p.job.layout.cp > 1)
-    assert "--parallel.cp=" in " ".join(est.layout_overrides(plans[0].job))
+    assert "--parallel.cp=" in " ".join(est.job_overrides(plans[0].job))
     assert est.trainer_refusal(plans[0].job, cfg) is None
     # short sequences: no cp searched
     assert all(cp == 1 for cp in est.context_parallel_sizes(8192, 8))

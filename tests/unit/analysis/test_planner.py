@@ -371,16 +371,16 @@ def test_planner_proposes_only_valid_layouts():
     assert {tp for tp, _ in est.model_parallel_sizes(cfg, 48, small_nodes.gpus_per_node)} == {1, 2}
 
 
-def test_layout_words_are_the_configs():
+def test_job_words_are_the_configs():
     cfg = paper_model(16, 2048, 16)
     job = spec(cfg, 64, "selective", grad_accum=8, tp=8, pp=2, dp_replicate=2, pp_schedule="interleaved_1f1b",
                pp_virtual_stages=2)
-    assert est.layout_words(job) == (
+    assert est.job_words(job) == (
         "strategy=fsdp dp_replicate=2 dp_shard=2 tp=8 pp=2 pp_schedule=interleaved_1f1b pp_virtual_stages=2 "
         "sequence_parallel=true recompute=selective micro_batch=1 grad_accum=8"
     )
     plain = spec(cfg, 8, "none", strategy="ddp", micro_batch=2)
-    assert est.layout_words(plain) == "strategy=ddp dp_shard=8 tp=1 pp=1 recompute=none micro_batch=2 grad_accum=1"
+    assert est.job_words(plain) == "strategy=ddp dp_shard=8 tp=1 pp=1 recompute=none micro_batch=2 grad_accum=1"
 
 
 # --------------------------------------------------------------------------- the command line
@@ -411,7 +411,7 @@ def test_estimate_plan_still_serves_data_parallel_configs_and_takes_layouts():
     assert len(lines) == 2 and all("recompute=" in line for line in lines)
     # a layout with tp and pp (the 70B preset trains with dropout, which the trainer's tp refuses: an error,
     # tested below; a config without dropout takes it)
-    one = _run_estimate("--config", "configs/llama-7b.yaml", "--gpus", "16", "--tp", "8", "--pp", "2", "--grad-accum",
+    one = _run_estimate("--config", "configs/llama-7b.yaml", "--gpus", "32", "--tp", "8", "--pp", "2", "--grad-accum",
                         "8", "--micro-batch", "1", "--recompute", "selective", "--strategy", "fsdp")
     assert "tp=8 + SP" in one and "Pipeline: 2 stages of 16 layers, 1f1b" in one and "fit: yes" in one
 
@@ -434,9 +434,52 @@ def test_every_layout_the_planner_prints_for_a_config_passes_the_trainers_valida
         for plan in plans:
             est.trainer_config(plan.job, cfg).validate()
         for plan in plans[:10]:
-            load_config(path, est.layout_overrides(plan.job))
+            load_config(path, est.job_overrides(plan.job))
         planned += len(plans)
     assert planned
+
+
+def _launched_layout(parallel: ParallelConfig, world: int, ranks_per_node: int, monkeypatch) -> est.Layout:
+    """The layout train.py builds for ``parallel`` on ``world`` ranks, ``ranks_per_node`` to a node: its
+    own launch step (``layout_from_env``, reading torchrun's variables), in this process."""
+    from parallel.distributed import layout_from_env
+
+    env = {"WORLD_SIZE": world, "LOCAL_WORLD_SIZE": ranks_per_node, "RANK": 0, "LOCAL_RANK": 0}
+    with monkeypatch.context() as m:
+        for key, value in env.items():
+            m.setenv(key, str(value))
+        return layout_from_env(parallel).layout
+
+
+# Configs, GPU counts and GPUs per node whose plans between them use every dimension: tp, pp (interleaved
+# too) and HSDP with 6 GPUs to a node (where tp=4 divides the GPUs and the heads, but not a node), ep (an
+# MoE model) and cp (128k sequences).
+PLANNED = [("gpt2-124m", 12, 6, {"tp", "pp", "dp_replicate"}), ("tiny-moe", 8, 8, {"tp", "pp", "ep", "dp_replicate"}),
+           ("llama3-8b-128k", 16, 8, {"tp", "pp", "cp", "dp_replicate"})]
+
+
+@pytest.mark.parametrize("name, gpus, per_node, dimensions", PLANNED, ids=[row[0] for row in PLANNED])
+def test_every_planned_layout_is_the_one_train_py_builds_from_its_overrides(name, gpus, per_node, dimensions,
+                                                                              monkeypatch):
+    """Each layout the planner proposes, written as the trainer's overrides, loads (the config's checks),
+    is the layout train.py's launch step builds on those GPUs (``Layout.of``: tensor-parallel groups
+    inside a node among its rules), and keeps its strategy when train.py resolves the job."""
+    path = ROOT / "configs" / f"{name}.yaml"
+    cfg = load_config(path)
+    device = dataclasses.replace(H100, gpus_per_node=per_node)
+    per_gpu = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
+    # every layout, at two micro-batch sizes and one recompute policy (the others meet the same layout rules)
+    plans = est.plan_layouts(cfg.model, cfg.seq_len, gpus, device, cfg.precision.mode, global_batch=per_gpu * gpus,
+                             recomputes=("full",), micro_batches=(1, 2), top=None, config=cfg)
+    distinct = {(plan.job.layout, plan.job.grad_accum): plan for plan in plans}.values()
+    for plan in distinct:
+        run = load_config(path, est.job_overrides(plan.job))
+        launched = _launched_layout(run.parallel, gpus, per_node, monkeypatch)
+        assert launched == dataclasses.replace(plan.job.layout, ranks_per_node=per_node), est.describe_plan(plan)
+        resolved, note = run.parallel.resolved(launched)
+        assert (resolved.strategy, note) == (plan.job.layout.strategy, None)
+    used = {key for plan in plans for key in ("tp", "pp", "cp", "ep", "dp_replicate") if getattr(plan.job.layout, key) > 1}
+    assert used == dimensions
 
 
 def test_the_planner_no_longer_proposes_what_the_trainer_refuses():
@@ -470,6 +513,10 @@ def test_estimate_refuses_a_layout_the_trainer_refuses(capsys):
     assert "train.py refuses this layout: model.dropout=0.1 with parallel.tp=8" in capsys.readouterr().err
     assert estimate.main(["--config", "configs/tiny.yaml", "--gpus", "4", "--tp", "2", "--strategy", "ddp"]) == 2
     assert "parallel.strategy=ddp cannot wrap tensor- or pipeline-parallel models" in capsys.readouterr().err
+    # a rule train.py applies when it launches (Layout.of), not when it loads the config
+    assert estimate.main(["--config", "configs/llama-7b.yaml", "--gpus", "16", "--tp", "8", "--pp", "2",
+                          "--grad-accum", "8", "--strategy", "fsdp"]) == 2
+    assert "parallel.strategy=fsdp, but the layout leaves one data-parallel rank" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # the planner's full search at two GPU counts for every config: ~2 minutes in all
