@@ -47,7 +47,7 @@ ROW_KEYS = {
 SOURCE_KEYS = {"source", "citation", "read_from", "framework", "calibration", "flops_convention", "memory_kind",
                "defaults", "model_defaults", "models", "rows"}
 # An error beyond this needs a written reason in the row (``reason:``).
-REASON_THRESHOLD = 0.30
+REASON_THRESHOLD = 0.25
 
 
 @dataclass(frozen=True)
@@ -92,15 +92,13 @@ class PublishedRow:
         return self.global_batch // (self.micro_batch * dp)
 
     def unsupported(self) -> str | None:
-        """Why the estimator cannot predict this row, or None."""
-        if self.cp > 1:
-            return f"context parallelism (cp={self.cp}) is not modelled"
+        """Why the estimator cannot predict this row, or None (every row it holds today is predicted)."""
         return None
 
     def job(self, assumptions: est.Assumptions | None = None) -> est.JobSpec:
         keys = {k: v for k, v in self.layout.items() if k in LAYOUT_KEYS}
         rest = {k: v for k, v in self.layout.items() if k not in LAYOUT_KEYS}
-        return est.JobSpec(self.model, self.seq_len, self.micro_batch, est.layout_of(self.gpus, **keys),
+        return est.JobSpec(self.model, self.seq_len, self.micro_batch, est.layout_of(self.gpus, cp=self.cp, **keys),
                            device=SYSTEMS[self.system].device, grad_accum=self.grad_accum,
                            assumptions=assumptions or est.Assumptions(), **rest)
 
