@@ -79,9 +79,9 @@ class Assumptions:
     # fitted (docs/estimator.md, "Calibration")
     gemm_fraction_ampere: float = 0.92  # A100: a GEMM's share of the dense peak as its output dims grow without bound
     gemm_fraction_hopper: float = 0.61  # H100/H200: the same
-    gemm_knee: float = 448.0  # an output dimension x runs at x / (x + knee) of that rate
+    gemm_knee: float = 420.0  # an output dimension x runs at x / (x + knee) of that rate
     attention_fraction: float = 0.31  # a fused (flash) attention kernel's rate, relative to a large GEMM's
-    elementwise_scale: float = 1.68  # multiplier on the counted element-wise memory traffic
+    elementwise_scale: float = 1.80  # multiplier on the counted element-wise memory traffic
     fp8_gemm_fraction: float = 0.99  # FP8 GEMMs: share of the dense FP8 peak as the output dims grow
     # stated
     overlap_efficiency: float = 0.5  # share of an overlappable collective that compute really hides
