@@ -145,6 +145,9 @@ class JobSpec:
             raise EstimatorError(str(exc)) from None
         if self.precision == "fp8" and self.device.fp8_tflops is None:
             raise EstimatorError(f"precision=fp8 needs FP8 tensor cores; {self.device.name} has none (use bf16_master)")
+        if self.model.attention_sinks and self.model.attention in ("sdpa", "flash_attn"):
+            raise EstimatorError(f"model.attention={self.model.attention} cannot run model.attention_sinks (no sink "
+                                 "term in its softmax); use model.attention=reference or auto")
 
     @property
     def local_seq_len(self) -> int:
@@ -158,7 +161,10 @@ class JobSpec:
 
     @property
     def attention(self) -> str:
-        # sdpa and flash_attn never store the scores on a GPU; only the reference backend does.
+        # sdpa and flash_attn never store the scores on a GPU; only the reference backend does, and
+        # it is the one that runs attention sinks (model/attention.py: the others have no sink term).
+        if self.model.attention_sinks:
+            return "materialized"
         return ATTENTION_BACKEND_KIND[self.model.attention]
 
     @property

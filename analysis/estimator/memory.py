@@ -160,12 +160,22 @@ def cp_attention_bytes_per_layer(job: JobSpec, recompute: str) -> float:
     if job.attention == "materialized":
         c = s // (2 * cp)
         per_score = 2 * p + 1 if cfg.dropout > 0 else p
-        scores = per_score * cfg.n_head * b * (c * c * (2 * cp + 1) - (s // cp) ** 2)
+        seen = sum(cp_chunk_keys(s, cp, cfg.window_of(i)) for i in range(cfg.n_layer)) / cfg.n_layer
+        scores = per_score * cfg.n_head * b * (c * seen - (s // cp) ** 2)
     extra = (kv + scores) / job.layout.tp
     if recompute == "every_k":
         kept = checkpointed_layers(cfg.n_layer, cfg.recompute_every_k)
         return extra * (cfg.n_layer - kept) / cfg.n_layer
     return extra
+
+
+def cp_chunk_keys(seq_len: int, cp: int, window: int | None) -> int:
+    """Keys the two chunks of the fullest cp rank attend to together (parallel/cp.py): chunk g sees
+    the keys up to its end, (g + 1) c of them, or with a window of W tokens only the c + W - 1 from
+    W - 1 before its start on. Without a window every rank's pair sees (2cp + 1) c."""
+    c = seq_len // (2 * cp)
+    span = [(g + 1) * c if window is None else min((g + 1) * c, c + window - 1) for g in range(2 * cp)]
+    return max(span[i] + span[2 * cp - 1 - i] for i in range(cp))
 
 
 def _in_flight(job: JobSpec, stage: int) -> float:

@@ -68,7 +68,7 @@ def test_all_to_all_bytes_by_hand():
 def test_recomputed_layers_exchange_their_tokens_again():
     """A layer whose forward runs again in backward runs its dispatch and combine again: all four
     MoE layers under full and op_selective (6 exchanges each), every second one under every_k with
-    k=2 (layers 2 and 4), none under selective. tests/unit/parallel/test_ep.py counts the trainer's."""
+    k=2 (layers 2 and 4), none under selective. tests/integration/parallel/test_ep.py counts the trainer's."""
     def exchanges(policy: str, **model) -> float:
         cfg = dataclasses.replace(MOE, **model)
         return est.expert_exchanges(job(2, policy, model=cfg))

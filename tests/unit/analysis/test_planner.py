@@ -419,26 +419,6 @@ def test_estimate_plan_still_serves_data_parallel_configs_and_takes_layouts():
 # --------------------------------------------------------------------------- the planner proposes what the trainer runs
 
 
-@pytest.mark.slow  # the planner's search for every config: ~1 minute in all
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
-def test_every_layout_the_planner_prints_for_a_config_passes_the_trainers_validation(path):
-    """Every layout the planner proposes passes the trainer's whole JobConfig.validate, and the ones it
-    prints (--top, 10), written as the trainer's own --section.key=value overrides, load through
-    training/config.py without a ConfigError."""
-    cfg = load_config(path)
-    per_gpu = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
-    planned = 0
-    for gpus in (8, 64):
-        plans = est.plan_layouts(cfg.model, cfg.seq_len, gpus, H100, cfg.precision.mode, global_batch=per_gpu * gpus,
-                                 top=None, config=cfg)
-        for plan in plans:
-            est.trainer_config(plan.job, cfg).validate()
-        for plan in plans[:10]:
-            load_config(path, est.job_overrides(plan.job))
-        planned += len(plans)
-    assert planned
-
-
 def _launched_layout(parallel: ParallelConfig, world: int, ranks_per_node: int, monkeypatch) -> est.Layout:
     """The layout train.py builds for ``parallel`` on ``world`` ranks, ``ranks_per_node`` to a node: its
     own launch step (``layout_from_env``, reading torchrun's variables), in this process."""
@@ -517,15 +497,6 @@ def test_estimate_refuses_a_layout_the_trainer_refuses(capsys):
     assert estimate.main(["--config", "configs/llama-7b.yaml", "--gpus", "16", "--tp", "8", "--pp", "2",
                           "--grad-accum", "8", "--strategy", "fsdp"]) == 2
     assert "parallel.strategy=fsdp, but the layout leaves one data-parallel rank" in capsys.readouterr().err
-
-
-@pytest.mark.slow  # the planner's full search at two GPU counts for every config: ~2 minutes in all
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
-def test_scaling_curves_run_for_every_config(path):
-    text = _run_estimate("--config", str(path), "--scaling", "8,64")
-    lines = text.splitlines()
-    rows = [line for line in lines if line.split() and line.split()[0] in ("8", "64")]
-    assert len(rows) == 2 and "weak scaling, exposed" in text and "strong scaling, exposed" in text
 
 
 def test_scaling_curves_run_for_a_preset():
