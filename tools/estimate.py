@@ -25,7 +25,8 @@ parallel/layout.py Layout.of).
 global batch), and prints predicted tokens/s, model TFLOP/s per GPU, scaling efficiency, the share of the
 step each communication dimension leaves exposed, and the count where each first shows.
 
-How far these predictions are from published runs: docs/results/published_vs_estimator.md.
+How far these predictions are from published runs: docs/results/published_leave_one_source_out.md (each
+source predicted by a fit on the others) and docs/results/published_vs_estimator.md (every row).
 """
 
 from __future__ import annotations
@@ -296,8 +297,8 @@ def scaling_main(args: argparse.Namespace, overrides: list[str], cfg: JobConfig 
              f"sequences of {seq_len} tokens per GPU per step, strong = {per_gpu * max(args.scaling)} per step")
     print(f"{title}\n" + text_table(headers, rows))
     print("\n".join(scaling.exposure_lines(weak, strong)))
-    print("Predictions of analysis/estimator (held-out error against published runs: "
-          "docs/results/published_vs_estimator.md), the planner's cheapest layout at each count.")
+    print("Predictions of analysis/estimator (error on published runs of a source left out of the fit: "
+          "docs/results/published_leave_one_source_out.md), the planner's cheapest layout at each count.")
     if args.plot:
         scaling.plot(weak, strong, args.plot, name)
         print(f"wrote {args.plot}")
