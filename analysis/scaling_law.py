@@ -41,12 +41,12 @@ PARAMS = ("E", "A", "B", "alpha", "beta")
 # single start can stop in the wrong one.
 INIT_ALPHA = (0.0, 0.5, 1.0, 1.5)
 INIT_BETA = (0.0, 0.5, 1.0, 1.5)
-INIT_E = (-1.0, -0.5, 0.0, 0.5, 1.0)
+INIT_E = (-1.0, 0.0, 1.0)
 INIT_A = (0.0, 5.0, 10.0, 15.0, 20.0, 25.0)
 INIT_B = (0.0, 5.0, 10.0, 15.0, 20.0, 25.0)
 SCREEN_STEPS = 30  # every start takes this many steps; then only the best KEEP_STARTS go on
 KEEP_STARTS = 64
-STALL = 20  # steps without progress anywhere in the batch that end a minimisation
+STALL = 20  # steps in a row without progress after which a problem is done
 
 
 @dataclass(frozen=True)
@@ -181,27 +181,30 @@ def _minimise(theta: torch.Tensor, log_n: torch.Tensor, log_d: torch.Tensor, log
               weights: torch.Tensor, iterations: int = 400) -> tuple[torch.Tensor, torch.Tensor]:
     """K independent problems at once by Levenberg-Marquardt-damped Newton steps: each problem
     keeps its own damping, takes a step only when it lowers its objective, and raises its damping
-    otherwise, so no problem ever moves uphill. Stops after ``iterations``, or once no problem has
-    improved by more than a relative 1e-12 for ``STALL`` steps in a row. Returns (theta (K, 5),
+    otherwise, so no problem ever moves uphill. A problem that has not improved by a relative 1e-12
+    for ``STALL`` steps in a row is done and drops out of the batch. Returns (theta (K, 5),
     objective (K,))."""
     theta = theta.clone()
-    damping = torch.full((theta.shape[0],), 1e-3, dtype=theta.dtype)
     current = _objective(theta, log_n, log_d, log_l, weights)
+    damping = torch.full_like(current, 1e-3)
+    stalled = torch.zeros_like(current, dtype=torch.long)
     eye = torch.eye(5, dtype=theta.dtype)
-    stalled = 0
+    active = torch.arange(theta.shape[0])
     for _ in range(iterations):
-        grad, hess = _derivatives(theta, log_n, log_d, log_l, weights)
+        th, w, cur, damp = theta[active], weights[active], current[active], damping[active]
+        grad, hess = _derivatives(th, log_n, log_d, log_l, w)
         scale = hess.diagonal(dim1=-2, dim2=-1).abs() + 1e-12  # Marquardt's scaling by the diagonal
-        system = hess + damping[:, None, None] * (torch.diag_embed(scale) + 1e-9 * eye)
+        system = hess + damp[:, None, None] * (torch.diag_embed(scale) + 1e-9 * eye)
         step = torch.nan_to_num(torch.linalg.solve_ex(system, -grad)[0], nan=0.0, posinf=0.0, neginf=0.0)
-        trial = _objective(theta + step, log_n, log_d, log_l, weights)
-        better = trial < current
-        gain = torch.where(better, (current - trial) / current.abs().clamp_min(1e-300), torch.zeros_like(trial))
-        theta = torch.where(better[:, None], theta + step, theta)
-        current = torch.where(better, trial, current)
-        damping = torch.where(better, (damping / 3.0).clamp_min(1e-12), (damping * 4.0).clamp_max(1e12))
-        stalled = stalled + 1 if float(gain.max()) < 1e-12 else 0
-        if stalled >= STALL:
+        trial = _objective(th + step, log_n, log_d, log_l, w)
+        better = trial < cur
+        gain = torch.where(better, (cur - trial) / cur.abs().clamp_min(1e-300), torch.zeros_like(trial))
+        theta[active] = torch.where(better[:, None], th + step, th)
+        current[active] = torch.where(better, trial, cur)
+        damping[active] = torch.where(better, (damp / 3.0).clamp_min(1e-12), (damp * 4.0).clamp_max(1e12))
+        stalled[active] = torch.where(gain < 1e-12, stalled[active] + 1, torch.zeros_like(stalled[active]))
+        active = active[stalled[active] < STALL]
+        if active.numel() == 0:
             break
     return theta, current
 
