@@ -25,9 +25,18 @@ from common.hardware import peak_tflops_for
 from model.flops import FLOPS_CONVENTION, count_parameters, flops_per_token
 from parallel.distributed import DistContext, env_rank_tag, init_distributed, shutdown_distributed
 from parallel.nccl import apply_flight_recorder_env
+from parallel.parallelize import check_parameters_fit
 from training import checkpoint as ckpt
 from training.build import build_batches, build_from_config, with_document_eot
-from training.config import JobConfig, describe_fields, dump_yaml, load_config, parse_known_overrides, to_dict
+from training.config import (
+    JobConfig,
+    describe_fields,
+    dump_yaml,
+    explicit_keys,
+    load_config,
+    parse_known_overrides,
+    to_dict,
+)
 from training.loop import Throughput, TrainingLoop
 from training.metrics import RunLogger
 from training.model_io import with_initial_weights
@@ -49,21 +58,22 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parse_known_overrides(parser, argv)
 
 
-def resolve_config(args: argparse.Namespace, overrides: list[str]) -> JobConfig:
+def resolve_config(args: argparse.Namespace, overrides: list[str]) -> tuple[JobConfig, frozenset[str]]:
+    """The run's config, and the keys the file and the command line set explicitly."""
     if args.resume is not None:
         overrides = overrides + [f"--checkpoint.resume={args.resume}"]
     if args.profile:
         overrides = overrides + ["--train.profile=true"]
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides), explicit_keys(args.config, overrides)
 
 
 # --------------------------------------------------------------------------- the run
 
 
-def run(cfg: JobConfig, stop_request: StopRequest) -> int:
+def run(cfg: JobConfig, stop_request: StopRequest, explicit: frozenset[str] = frozenset()) -> int:
     source, source_note = None, None
     if cfg.model.init_from:  # before anything starts: a bad source is a one-line error
-        cfg, source, source_note = with_initial_weights(cfg)
+        cfg, source, source_note = with_initial_weights(cfg, explicit)
     # The warm-up this run uses goes into config.yaml and the checkpoints' schedule record.
     cfg.optim, warmup_note = cfg.optim.for_run(cfg.train.max_steps)
     recorder_note = None
@@ -71,6 +81,8 @@ def run(cfg: JobConfig, stop_request: StopRequest) -> int:
         recorder_note = apply_flight_recorder_env(str(run_dir_of(cfg) / "flight_recorder" / "rank_"))
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
+        # Before the run folder and the data: a model that cannot fit is refused with nothing written.
+        check_parameters_fit(cfg.model, ctx.device, ctx.world_size, cfg.parallel.init_on_meta)
         cfg.parallel, note = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
         run_dir = prepare_run_dir(cfg, ctx)
         with RunLogger(run_dir, cfg.logging, is_main=ctx.is_main, tag=ctx.tag, max_steps=cfg.train.max_steps,
@@ -187,11 +199,11 @@ def main(argv: list[str]) -> int:
         return 0
     tag = env_rank_tag()  # under torchrun every rank prints its own line: say which one
     try:
-        cfg = resolve_config(args, overrides)
+        cfg, explicit = resolve_config(args, overrides)
         # From here a signal never raises inside set-up code: it exits at once until the first
         # step, and from then on finishes the step and saves (training/signals.py).
         with StopRequest(tag) as stop_request:
-            return run(cfg, stop_request)
+            return run(cfg, stop_request, explicit)
     except USER_FACING_ERRORS as exc:
         kind = "config error" if isinstance(exc, ConfigError) else "error"
         print(f"{tag}{kind}: {exc}", file=sys.stderr)

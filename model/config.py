@@ -10,8 +10,8 @@ and the weights training starts from (``init_from``). How the model is sharded i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Literal, Mapping
 
 from common.errors import ConfigError
 from common.fields import choices, doc
@@ -43,7 +43,8 @@ class MoEConfig:
     )
     capacity: float = doc(
         0.0, "capacity factor: each expert takes at most ceil(factor * tokens * top_k / experts) token copies "
-        "and drops the rest (0: dropless)"
+        "and drops the rest (0: dropless); tokens: one micro-batch, each rank's own under data and expert "
+        "parallelism, the whole sequences under context parallelism"
     )
     backend: Literal["auto", "grouped_mm", "loop"] = doc(
         "auto", "expert GEMMs: torch._grouped_mm, or one GEMM per expert; auto picks grouped_mm where it runs"
@@ -132,6 +133,15 @@ class ModelConfig:
         for part in key.split("."):
             value = getattr(value, part)
         return value
+
+    def with_values(self, values: Mapping[str, Any]) -> ModelConfig:
+        """A copy with these keys set (dotted for the nested section: ``{"moe.top_k": 2}``)."""
+        top = {k: v for k, v in values.items() if "." not in k}
+        moe = {k.removeprefix("moe."): v for k, v in values.items() if k.startswith("moe.")}
+        unknown = set(values) - set(top) - {f"moe.{k}" for k in moe}
+        if unknown:
+            raise KeyError(f"no model key {sorted(unknown)[0]!r}")
+        return replace(self, **top, moe=replace(self.moe, **moe))
 
     @property
     def expert_d_ff(self) -> int:
@@ -225,6 +235,12 @@ class ModelConfig:
             if not math.isfinite(value) or value < 0 or (key == "routed_scale" and value == 0):
                 bound = "> 0" if key == "routed_scale" else ">= 0"
                 raise ConfigError(f"model.moe.{key} must be a finite number {bound} (got {value})")
+        if moe.capacity > e / moe.top_k:
+            # From e / top_k on the capacity is every token, so nothing is dropped; far above it the
+            # slot count stops being a finite integer.
+            raise ConfigError(f"model.moe.capacity={moe.capacity:g} is above model.moe.experts / model.moe.top_k = "
+                              f"{e / moe.top_k:g}, from where an expert takes every token routed to it and none is "
+                              "dropped; use at most that, or 0 for dropless")
         if self.n_moe_layers == 0:
             raise ConfigError(f"no layer is MoE: model.moe.first_dense={moe.first_dense} and model.moe.every="
                               f"{moe.every} leave none of the {self.n_layer} layers; lower them")

@@ -22,7 +22,11 @@ Routing follows the published recipes:
   moved after each optimizer step by ``rate * sign(mean load - load)`` (``update_expert_bias``).
 - capacity: with factor c > 0 each expert takes at most ceil(c * T * k / E) token copies, the
   earliest tokens first; the rest are dropped (that slot contributes nothing, the residual
-  stream carries the token on). c = 0 is dropless.
+  stream carries the token on). c = 0 is dropless. T is one forward's micro-batch: under context
+  parallelism its whole sequences (the cp ranks count together, so they keep what one process
+  keeps); under expert or data parallelism each rank's own micro-batch (one process whose
+  micro-batches are the ranks' batches); under tensor parallelism with sequence parallelism each
+  rank's slice of it.
 
 Expert GEMMs run through ``torch._grouped_mm`` where this torch, device, dtype and shape allow
 (``select_expert_backend`` says why not), else one GEMM per expert over the sorted tokens.
@@ -30,9 +34,10 @@ Expert GEMMs run through ``torch._grouped_mm`` where this torch, device, dtype a
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -122,9 +127,13 @@ class Dispatch:
 
 
 def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: int | None,
-            ops: KernelOps = REFERENCE_OPS) -> tuple[torch.Tensor, Dispatch]:
+            ops: KernelOps = REFERENCE_OPS, earlier: torch.Tensor | None = None) -> tuple[torch.Tensor, Dispatch]:
     """x (T, C) -> one row per kept (token, expert) assignment, sorted by expert: (A, C).
-    The gather itself is ``ops.moe_permute`` (a Triton kernel or its PyTorch twin)."""
+    The gather itself is ``ops.moe_permute`` (a Triton kernel or its PyTorch twin).
+
+    ``earlier`` (T, k): per assignment, the assignments to the same expert that other ranks hold
+    and that come before it in the whole batch's token order (context parallelism: ``MoE.earlier_elsewhere``);
+    capacity then keeps the copies one process would keep."""
     k = experts.shape[1]
     flat = experts.flatten()  # (T*k,)
     slots = torch.argsort(flat, stable=True)  # stable: earlier tokens come first within an expert
@@ -133,8 +142,10 @@ def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: in
     if capacity is not None:
         starts = torch.cumsum(routed, 0) - routed
         position = torch.arange(slots.numel(), device=x.device) - starts[flat[slots]]
+        if earlier is not None:
+            position = position + earlier.flatten()[slots]
         slots = slots[position < capacity]
-        counts = routed.clamp(max=capacity)
+        counts = routed.clamp(max=capacity) if earlier is None else torch.bincount(flat[slots], minlength=n_experts)
     return ops.moe_permute(x, slots, k), Dispatch(slots, counts, routed)
 
 
@@ -225,8 +236,11 @@ class RouterStats:
     def __init__(self) -> None:
         self.window: dict[str, torch.Tensor] = {}
         self.since_update: torch.Tensor | None = None
+        self.paused = False  # forwards that route no micro-batch (``router_stats_paused``)
 
     def add(self, dispatch: Dispatch, aux: torch.Tensor | None) -> None:
+        if self.paused:
+            return
         routed = dispatch.routed.detach()
         add = {"routed": routed, "dropped": (routed - dispatch.counts).sum(),
                "aux": aux.detach().float() if aux is not None else routed.new_zeros((), dtype=torch.float32),
@@ -279,6 +293,10 @@ class MoE(nn.Module):
         # slices), the mean over all of them of a per-token mean: the balancing losses are the
         # whole batch's, as in one process. None: this rank holds every token.
         self.token_mean: TokenMean | None = None
+        # Where other ranks hold chunks of these sequences (context parallelism, parallel/cp.py):
+        # (this rank's experts (B, s, k)) -> (``permute``'s ``earlier``, the tokens of the whole
+        # sequences), so capacity is counted over whole sequences, as in one process.
+        self.earlier_elsewhere: Callable[[torch.Tensor], tuple[torch.Tensor, int]] | None = None
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -294,8 +312,11 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (T, C), T = B * seq
         routing = route(self.router(x), self.top_k, self.scoring, self.renormalize, self.routed_scale,
                         self.expert_bias)
-        capacity = expert_capacity(x.shape[0], self.top_k, self.n_experts, self.capacity_factor)
-        rows, dispatch = permute(x, routing.experts, self.n_experts, capacity, self.ops)
+        earlier, n_tokens = None, x.shape[0]
+        if self.capacity_factor and self.earlier_elsewhere is not None:
+            earlier, n_tokens = self.earlier_elsewhere(routing.experts.view(*shape[:-1], self.top_k))
+        capacity = expert_capacity(n_tokens, self.top_k, self.n_experts, self.capacity_factor)
+        rows, dispatch = permute(x, routing.experts, self.n_experts, capacity, self.ops, earlier)
         rows = self.run_experts(rows, dispatch.counts)
         y = self.drop(unpermute(rows, dispatch, routing.weights, self.ops))
         if self.shared is not None:
@@ -333,6 +354,20 @@ def moe_layers(modules: Iterable[nn.Module]) -> list[MoE]:
                 seen.add(id(m))
                 found.append(m)
     return found
+
+
+@contextlib.contextmanager
+def router_stats_paused(module: nn.Module) -> Iterator[None]:
+    """Forwards inside leave the router statistics of ``module``'s MoE layers alone: passes that
+    route no micro-batch (a pipeline stage's shape inference on placeholder tensors, parallel/pp.py)."""
+    layers = moe_layers([module])
+    for m in layers:
+        m.stats.paused = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.stats.paused = False
 
 
 def take_aux_loss(modules: Iterable[nn.Module]) -> torch.Tensor | None:
@@ -405,22 +440,47 @@ def update_expert_bias(layers: list[MoE], rate: float,
         m.expert_bias.add_(s.to(m.expert_bias.dtype))
 
 
-def take_moe_metrics(layers: list[MoE]) -> dict[str, float]:
-    """The log window's router metrics (one host sync), and a fresh window.
+def take_router_table(layers: list[MoE], n_layers: int, n_experts: int, device: torch.device | str = "cpu"
+                      ) -> torch.Tensor:
+    """The log windows of ``layers`` as one (n_layers, E + 3) float64 table, and fresh windows.
+
+    Row i, for the layer with ``layer_idx`` i: the token copies routed to each expert, the copies
+    dropped by capacity, the summed auxiliary loss and the forwards counted; zeros for a layer this
+    rank does not hold or did not run. The tables of ranks that route other tokens add up to the
+    table of one process routing them all (``router_metrics`` reads only ratios, which ranks routing
+    the same tokens leave unchanged); float64 keeps the counts exact.
+    """
+    table = torch.zeros(n_layers, n_experts + 3, dtype=torch.float64, device=device)
+    for m in layers:
+        w = m.stats.take_window()
+        if w:
+            table[m.layer_idx] = torch.cat([w["routed"].double(), w["dropped"].double().view(1),
+                                            w["aux"].double().view(1), w["forwards"].double().view(1)])
+    return table
+
+
+def router_metrics(table: torch.Tensor) -> dict[str, float]:
+    """The log's router metrics from a ``take_router_table`` table (one host sync).
 
     ``moe_aux_loss``: the weighted auxiliary loss per forward, summed over layers;
     ``moe_load_max_mean/<layer>``: max over experts of tokens routed / the mean, per layer (1.0 =
     balanced, E / k = all tokens on k experts); ``moe_dropped_frac``: copies dropped by capacity.
     """
-    windows = [(i, m.stats.take_window()) for i, m in enumerate(layers)]
-    windows = [(i, w) for i, w in windows if w]
-    if not windows:
+    rows = [(i, r) for i, r in enumerate(table.tolist()) if r[-1] > 0]  # layers that ran
+    if not rows:
         return {}
-    rows = torch.stack([torch.cat([w["routed"].max().float().view(1), w["routed"].float().mean().view(1),
-                                   w["dropped"].float().view(1), w["routed"].sum().float().view(1),
-                                   (w["aux"] / w["forwards"]).view(1)]) for _, w in windows]).tolist()
-    metrics = {"moe_aux_loss": sum(r[4] for r in rows),
-               "moe_dropped_frac": sum(r[2] for r in rows) / max(sum(r[3] for r in rows), 1.0)}
-    for (i, _), r in zip(windows, rows):
-        metrics[f"moe_load_max_mean/{layers[i].layer_idx}"] = r[0] / r[1] if r[1] else float("nan")
+    routed = [r[:-3] for _, r in rows]
+    metrics = {"moe_aux_loss": sum(r[-2] / r[-1] for _, r in rows),
+               "moe_dropped_frac": sum(r[-3] for _, r in rows) / max(sum(sum(c) for c in routed), 1.0)}
+    for (i, _), counts in zip(rows, routed):
+        mean = sum(counts) / len(counts)
+        metrics[f"moe_load_max_mean/{i}"] = max(counts) / mean if mean else float("nan")
     return metrics
+
+
+def take_moe_metrics(layers: list[MoE]) -> dict[str, float]:
+    """``router_metrics`` of the windows of these layers alone (one process), and fresh windows."""
+    if not layers:
+        return {}
+    n_layers = max(m.layer_idx for m in layers) + 1
+    return router_metrics(take_router_table(layers, n_layers, layers[0].n_experts, layers[0].router.weight.device))

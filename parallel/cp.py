@@ -21,6 +21,9 @@ model code has no cp in it. With cp ranks and sequences of T tokens:
                FSDP2 shard dimension, as torchtitan does) are those of that mean. An MoE layer's
                load-balancing loss takes its expert counts summed over the cp group (the whole
                sequences' load) and its mean scores from the local tokens, so its cp mean is exact too.
+    capacity   an MoE layer with a capacity factor counts it over the whole sequences and keeps the
+               copies one process keeps: the cp ranks exchange their per-chunk expert counts (one
+               small all-gather per layer) to know how many copies of each expert come before theirs.
 
 Every cp rank of one data-parallel rank reads the same batch (they share ``dp_rank``) and keeps its
 chunks; with a document mask the document numbers are taken from the whole sequence before the
@@ -169,6 +172,43 @@ def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     return tensor
 
 
+def earlier_on_other_ranks(experts: torch.Tensor, n_experts: int, group: dist.ProcessGroup, cp: int, rank: int
+                           ) -> tuple[torch.Tensor, int]:
+    """For this cp rank's expert choices (B, 2c, k) (its two chunks of each sequence): per choice, the
+    choices of the same expert that other cp ranks hold and that one process would meet before it
+    (``model.moe.permute``'s ``earlier``), and the tokens of the whole sequences (capacity's T).
+    One all-gather of the per-chunk expert counts (B, 2, E)."""
+    b, s, k = experts.shape
+    counts = chunk_expert_counts(experts, n_experts)
+    gathered = counts.new_empty((cp * b, 2, n_experts))
+    dist.all_gather_single(gathered, counts, group=group)
+    return earlier_from_counts(gathered.unflatten(0, (cp, b)), experts, rank), b * s * cp
+
+
+def chunk_expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(B, 2, E): how many of a cp rank's choices (B, 2c, k) in each of its two chunks go to each expert."""
+    per_chunk = experts.reshape(experts.shape[0], 2, -1)  # (B, 2, c*k)
+    counts = torch.zeros(*per_chunk.shape[:2], n_experts, dtype=torch.int64, device=experts.device)
+    return counts.scatter_add_(2, per_chunk, torch.ones_like(per_chunk))
+
+
+def earlier_from_counts(counts: torch.Tensor, experts: torch.Tensor, rank: int) -> torch.Tensor:
+    """``earlier_on_other_ranks``'s first value from every cp rank's ``chunk_expert_counts`` (cp, B, 2, E).
+
+    In one process an expert keeps its copies in token order (row by row, position by position), so
+    a copy's place is the copies of its expert in every chunk before its own (all ranks') plus those
+    before it in its chunk; this rank counts only its own chunks before, and the difference is what
+    the other ranks add."""
+    cp, b, s, k = counts.shape[0], *experts.shape
+    # Chunks in sequence order: 0..cp-1 are the ranks' first chunks, cp..2cp-1 their second, reversed.
+    ordered = torch.cat([counts[:, :, 0], counts.flip(0)[:, :, 1]]).movedim(0, 1).flatten(0, 1)  # (B*2cp, E)
+    before_all = (ordered.cumsum(0) - ordered).unflatten(0, (b, 2 * cp))
+    mine = counts[rank].flatten(0, 1)
+    before_mine = (mine.cumsum(0) - mine).unflatten(0, (b, 2))
+    earlier = before_all[:, list(chunk_ids(cp, rank))] - before_mine  # (B, 2, E)
+    return earlier.gather(2, experts.reshape(b, 2, -1)).view(b, s, k)
+
+
 def apply_context_parallel(model: GPT, cp_group: dist.ProcessGroup | None) -> None:
     """Split ``model``'s sequences over ``cp_group`` (a no-op without one), in place: the GPT's
     class becomes ``ContextParallelGPT`` and each block's attention core a ``ContextParallelCore``."""
@@ -179,5 +219,8 @@ def apply_context_parallel(model: GPT, cp_group: dist.ProcessGroup | None) -> No
         block.attn.core = ContextParallelCore(block.attn.core, cp_group, cp, rank)
     for moe in moe_layers([model]):
         moe.sum_over_sequence = functools.partial(_all_reduce_sum, group=cp_group)
+        if moe.token_mean is None:  # under tp's sequence slices capacity stays per slice (model/moe.py)
+            moe.earlier_elsewhere = functools.partial(earlier_on_other_ranks, n_experts=moe.n_experts,
+                                                      group=cp_group, cp=cp, rank=rank)
     model.cp_group, model.cp, model.cp_rank = cp_group, cp, rank
     model.__class__ = type(f"ContextParallel{type(model).__name__}", (ContextParallelGPT, type(model)), {})

@@ -20,6 +20,7 @@ nothing else assembles a model for training.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Mapping
 
@@ -31,6 +32,7 @@ from kernels.config import KernelsConfig
 from kernels.registry import resolve_kernel_ops
 from model.attention import document_mask_note, select_attention
 from model.config import ModelConfig
+from model.flops import count_parameters, mlp_parameters
 from model.gpt import GPT, indexed_blocks
 from model.interop import check_state_dict
 from model.moe import select_expert_backend
@@ -72,6 +74,7 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     before anything splits or shards it.
     """
     dims = ctx.dims
+    check_parameters_fit(model_cfg, ctx.device, ctx.world_size, parallel_cfg.init_on_meta)
     # 1. Precision: who holds the fp32 masters depends on the strategy, so both decide together.
     policy = precision_policy(precision_cfg, parallel_cfg.strategy)
     check_precision_supported(policy.mode, ctx.device, precision_cfg.fp8_backend, precision_cfg.fp8_recipe)
@@ -161,6 +164,44 @@ def describe_layout(dims: ParallelDims, parallel_cfg: ParallelConfig, stages: li
     if dims.pp > 1:
         line += f"; pipeline {parallel_cfg.pp_schedule}, stages {stages} of {dims.pp * parallel_cfg.pp_virtual_stages}"
     return line
+
+
+def check_parameters_fit(model_cfg: ModelConfig, device: torch.device, world_size: int, init_on_meta: bool) -> None:
+    """Refuse, in one line naming the keys, a model whose parameters alone exceed this device's
+    memory as this rank would build them, before anything is allocated: the whole model in fp32
+    (step 3 builds every weight on the device), or with ``init_on_meta`` at least a 1/world_size
+    share in 2-byte floats once sharded. A lower bound (no gradients, optimizer states or
+    activations), so what it refuses could only have died in the allocator."""
+    memory = device_memory_bytes(device)
+    n = count_parameters(model_cfg)
+    need = 2 * n / world_size if init_on_meta else 4 * n
+    if memory is None or need <= memory:
+        return
+    how = (f"a 1/{world_size} share of them in 16-bit floats, sharded from meta" if init_on_meta
+           else "each rank builds them whole in fp32")
+    what, fix = "", "lower model.n_layer, model.d_model, model.d_ff or model.vocab_size"
+    if model_cfg.moe.experts is not None:
+        routed = model_cfg.n_moe_layers * model_cfg.moe.experts * mlp_parameters(model_cfg, model_cfg.expert_d_ff,
+                                                                                 bias=False)
+        what = (f" ({routed / 1e9:.3g}B of them in {model_cfg.n_moe_layers} layers x model.moe.experts="
+                f"{model_cfg.moe.experts} experts of width {model_cfg.expert_d_ff})")
+        fix = "lower model.moe.experts or model.moe.d_ff"
+    if not init_on_meta:
+        fix += ", or build on meta and shard over more ranks (parallel.init_on_meta=true with parallel.strategy=fsdp)"
+    raise ConfigError(f"the model's {n / 1e9:.3g}B parameters{what} need {need / 2**30:,.1f} GiB ({how}), more than "
+                      f"the {memory / 2**30:,.1f} GiB of {device.type} memory here; {fix}")
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """All the memory of ``device``: a GPU's, or the host's physical memory for the CPU (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    return None
 
 
 def choose_attention(model_cfg: ModelConfig, device: torch.device, policy: PrecisionPolicy) -> tuple[str, str]:

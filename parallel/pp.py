@@ -70,6 +70,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from model.gpt import GPT, document_ids
+from model.moe import router_stats_paused
 from parallel.checkpoint import Staging, load_sharded, save_sharded, stage_sharded
 from parallel.cp import ContextParallelGPT, local_targets, scale_local_loss
 from parallel.engine import Engine
@@ -130,13 +131,31 @@ class Pipeline:
     has_last: bool
 
 
+class QuietInferenceStage(PipelineStage):
+    """torch's pipeline stage, whose shape inference leaves the MoE router statistics alone.
+
+    Before its first micro-batch a stage infers its shapes with a forward (on a detached copy of
+    the first micro-batch, or on uninitialised placeholders after the first stage) and a backward
+    that may recompute it: routing that is no micro-batch's, which the logged expert load, auxiliary
+    loss and dropped copies would otherwise count (NaN from the placeholders)."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with router_stats_paused(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args, **kwargs):
+        with router_stats_paused(self.submod):
+            return super()._backward_metadata_inference(*args, **kwargs)
+
+
 def build_pipeline(parts: list[GPT], stages: list[int], n_stages: int, schedule: str, n_microbatches: int,
                    group: dist.ProcessGroup, device: torch.device) -> tuple[Pipeline, Pipeline]:
     """The training pipeline of ``parts`` (already parallelized, recomputed, compiled and
     sharded) and a forward-only one over the same parts for evaluation."""
 
     def pipeline(cls: type, multi: bool, n: int) -> Pipeline:
-        pipeline_stages = [PipelineStage(part, s, n_stages, device, group=group) for part, s in zip(parts, stages)]
+        pipeline_stages = [QuietInferenceStage(part, s, n_stages, device, group=group)
+                           for part, s in zip(parts, stages)]
         first = pipeline_stages if multi else pipeline_stages[0]
         driver = cls(first, n_microbatches=n, loss_fn=_loss_fn(parts), scale_grads=True)
         return Pipeline(parts, driver, group, has_first=0 in stages, has_last=n_stages - 1 in stages)

@@ -370,6 +370,23 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, saved: bo
     """YAML file (optional) then ``--section.key=value`` overrides, then validation. ``saved``: the
     file is one a run wrote (its ``config.yaml``), so keys renamed since are read under their new names
     (``upgrade_renamed``) where a user's config is told to rename them."""
+    cfg = from_dict(JobConfig, _raw_config(path, overrides, saved), prefix="")
+    cfg.validate()
+    return cfg
+
+
+def explicit_keys(path: str | Path | None, overrides: list[str] = ()) -> frozenset[str]:
+    """The dotted keys the YAML file and the overrides set, whatever their values: what a run asks
+    for explicitly, as against the defaults (a model.init_from source must agree with these)."""
+    def dotted(raw: Mapping[str, Any], prefix: str) -> list[str]:
+        return [k for key, value in raw.items()
+                for k in (dotted(value, f"{prefix}{key}.") if isinstance(value, Mapping) else [f"{prefix}{key}"])]
+
+    return frozenset(dotted(_raw_config(path, overrides, saved=False), ""))
+
+
+def _raw_config(path: str | Path | None, overrides: list[str], saved: bool) -> dict[str, Any]:
+    """The YAML file's mapping with the overrides applied, before types and validation."""
     raw: dict[str, Any] = {}
     name = "run"
     if path is not None:
@@ -389,9 +406,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, saved: bo
     raw.setdefault("name", name)
     for item in overrides:
         _apply_override(raw, item)
-    cfg = from_dict(JobConfig, raw, prefix="")
-    cfg.validate()
-    return cfg
+    return raw
 
 
 def parse_known_overrides(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from common.errors import CheckpointError
 from data.bundle import IGNORE_INDEX
-from model.moe import moe_layers, take_moe_metrics, update_expert_bias
+from model.config import ModelConfig
+from model.moe import MoE, moe_layers, router_metrics, take_router_table, update_expert_bias
 from parallel.checkpoint import safe_torch_load
 from parallel.distributed import DistContext
 from parallel.engine import Engine
@@ -141,6 +142,27 @@ def router_load_sum(ctx: DistContext) -> Callable[[torch.Tensor], torch.Tensor] 
         return tensor
 
     return all_reduce_sum
+
+
+def engine_moe_layers(engine: Engine) -> list[MoE]:
+    """The MoE layers this rank's engine holds (a pipeline rank: those of its stages)."""
+    return moe_layers([s.model for s in engine.steppers] if hasattr(engine, "steppers") else [engine.module()])
+
+
+def router_window_metrics(layers: list[MoE], model_cfg: ModelConfig, ctx: DistContext) -> dict[str, float]:
+    """The log window's router metrics of the whole batch, and fresh windows; every rank calls this.
+
+    Every rank's ``take_router_table`` is summed over the world: the ranks that route other tokens
+    of the batch (data, expert, context and tensor-sequence parallel ranks) add their counts, and
+    pipeline stages add the rows of the layers they hold, so the log says what one process routing
+    every rank's micro-batches logs (ranks routing the same tokens, tp without sequence parallelism,
+    scale a layer's row uniformly, which its ratios ignore). One all-reduce of (layers, E + 3)."""
+    if model_cfg.moe.experts is None:
+        return {}
+    table = take_router_table(layers, model_cfg.n_layer, model_cfg.moe.experts, ctx.device)
+    if ctx.backend is not None:
+        dist.all_reduce(table, op=dist.ReduceOp.SUM)
+    return router_metrics(table)
 
 
 # --------------------------------------------------------------------------- log windows
@@ -322,8 +344,7 @@ class TrainingLoop:
         engine.mark_phase = self.phases.mark
         self.hosts: list[str] = []
         self.background = ckpt.BackgroundSave()  # checkpoint.async_save: the write in flight, if any
-        roots = [s.model for s in engine.steppers] if hasattr(engine, "steppers") else [engine.module()]
-        self.moe = moe_layers(roots)  # this rank's MoE layers: router metrics, aux-loss-free bias
+        self.moe = engine_moe_layers(engine)  # this rank's MoE layers: router metrics, aux-loss-free bias
         self.load_sum = router_load_sum(ctx)
 
     # ----------------------------------------------------------------- checkpoints
@@ -546,7 +567,7 @@ class TrainingLoop:
             times = gather_floats(self.ctx, own_time_per_step(self.phases.take_window(), window.steps))
             metrics["rank_own_time_s"] = times
             straggler = find_straggler(times, t.straggler_threshold, t.straggler_min_gap_s)
-        metrics.update(take_moe_metrics(self.moe))  # this rank's layers, as this rank routed its batches
+        metrics.update(router_window_metrics(self.moe, self.cfg.model, self.ctx))  # a collective
         metrics.update(self.data.position_metrics(self.batches.state_dict()))  # a mixture: read per source
         self.log.log(s.step, metrics, format_line(s.step, t.max_steps, metrics, window.steps))
         if straggler is not None and self.ctx.is_main:

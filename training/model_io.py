@@ -20,11 +20,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 
-from common.errors import CheckpointError, InteropError
+from common.errors import CheckpointError, ConfigError, InteropError
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.interop import CONFIG_FILE, check_state_dict, read_hf_dir, read_nanogpt_ckpt, write_hf_dir
@@ -34,9 +34,15 @@ from training import checkpoint as ckpt
 from training.config import JobConfig, from_dict, to_dict, upgrade_renamed
 
 FORMATS = ("hf", "safetensors")
-# What the weights fix; the other model keys (dropout, attention backend, recompute, init) stay the run's.
-ARCHITECTURE_KEYS = ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "norm",
-                     "norm_eps", "mlp", "gelu", "position", "rope_theta", "tie_embeddings", "bias")
+# What a source defines: the function its weights compute (shapes, norms, positions, heads, and which
+# experts a token runs and how their outputs are weighed). The other model keys (dropout, backends,
+# recompute, the MoE balancing losses, routing bias rate and capacity) stay the run's.
+ARCHITECTURE_KEYS = ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "attention_head_dim",
+                     "qk_norm", "d_ff", "norm", "norm_eps", "mlp", "gelu", "position", "rope_theta", "tie_embeddings",
+                     "bias", "moe.experts", "moe.top_k", "moe.shared_experts", "moe.d_ff", "moe.every",
+                     "moe.first_dense", "moe.router", "moe.renormalize", "moe.routed_scale")
+# Keys whose unset value means a derived one: a config and a source agree when the derived values do.
+DERIVED = {"n_kv_head": "kv_heads", "attention_head_dim": "head_dim", "moe.d_ff": "expert_d_ff"}
 SAFETENSORS_NAME = "model.safetensors"
 EXPORT_FILES = frozenset({CONFIG_FILE, SAFETENSORS_NAME})  # what either format writes into --out
 # Keys of the safetensors metadata (strings only) and of an exported HF config.json.
@@ -86,18 +92,38 @@ def load_source(path: str | Path) -> ModelSource:
     return source
 
 
-def with_initial_weights(cfg: JobConfig) -> tuple[JobConfig, ModelSource, str]:
-    """``cfg`` with the architecture of ``model.init_from``, those weights, and a log line naming
-    the source and every architecture key it changed."""
+def with_initial_weights(cfg: JobConfig, explicit: Collection[str] = ()) -> tuple[JobConfig, ModelSource, str]:
+    """``cfg`` with the architecture of ``model.init_from`` (every ``ARCHITECTURE_KEYS`` key the
+    source defines), those weights, and a log line naming the source and every key it changed.
+
+    ``explicit``: the dotted keys the config file and the overrides set (``explicit_keys``). Where
+    one of them asks for another value than the source's, the run would not be the source's model:
+    a one-line ConfigError names each such key with both values. Keys left at their defaults are
+    the source's. One exception: with rotary positions no weight depends on ``max_seq_len``, so an
+    explicit one stays the run's context length.
+    """
     source = load_source(cfg.model.init_from)
-    changed = [f"{k} {getattr(cfg.model, k)} -> {getattr(source.cfg, k)}" for k in ARCHITECTURE_KEYS
-               if getattr(cfg.model, k) != getattr(source.cfg, k)]
-    cfg = replace(cfg, model=replace(cfg.model, **{k: getattr(source.cfg, k) for k in ARCHITECTURE_KEYS}))
+    ours, theirs = cfg.model, source.cfg
+    keys = [k for k in ARCHITECTURE_KEYS if not (k == "max_seq_len" and theirs.position == "rope"
+                                                 and f"model.{k}" in explicit)]
+    differ = [k for k in keys if _effective(ours, k) != _effective(theirs, k)]
+    conflicts = [k for k in differ if f"model.{k}" in explicit]
+    if conflicts:
+        listed = ", ".join(f"model.{k}={_effective(ours, k)} (the source's: {_effective(theirs, k)})" for k in conflicts)
+        raise ConfigError(f"model.init_from={cfg.model.init_from} defines the model's architecture, and the config "
+                          f"sets {listed}; set {'them' if len(conflicts) > 1 else 'it'} to the source's value or leave "
+                          f"{'them' if len(conflicts) > 1 else 'it'} out of the config")
+    changed = [f"{k} {_effective(ours, k)} -> {_effective(theirs, k)}" for k in differ]
+    cfg = replace(cfg, model=ours.with_values({k: theirs.value_of(k) for k in keys}))
     cfg.validate()  # e.g. tensor parallelism must still divide the heads of the imported model
     note = (f"model.init_from: {source.origin}; architecture from it"
             + (f" ({', '.join(changed)})" if changed else " (the same as configured)"))
     note = "\n".join([f"model.init_from: warning: {w}" for w in source.warnings] + [note])
     return cfg, source, note
+
+
+def _effective(cfg: ModelConfig, key: str) -> Any:
+    return getattr(cfg, DERIVED[key]) if key in DERIVED else cfg.value_of(key)
 
 
 def read_checkpoint(step_dir: Path, warn: ckpt.Warn | None = None, *, verify: bool = True) -> ModelSource:

@@ -28,6 +28,7 @@ from model.moe import (
     unpermute,
     update_expert_bias,
 )
+from training.config import load_config
 
 
 def moe_cfg(moe: dict | None = None, **kw) -> ModelConfig:
@@ -335,6 +336,8 @@ def test_parameter_counts_match_the_built_model(kw):
     (dict(experts=4, capacity=-1.0), "model.moe.capacity must be a finite number >= 0"),
     (dict(experts=4, every=3), "no layer is MoE"),
     (dict(experts=4, routed_scale=0.0), "model.moe.routed_scale must be a finite number > 0"),
+    (dict(experts=4, capacity=1e300), "model.moe.capacity=1e+300 is above model.moe.experts / model.moe.top_k = 2"),
+    (dict(experts=8, top_k=2, capacity=4.5), "model.moe.capacity=4.5 is above model.moe.experts / model.moe.top_k = 4"),
 ])
 def test_bad_moe_keys_are_one_line_config_errors(kw, message):
     cfg = ModelConfig(n_layer=2, moe=MoEConfig(**kw))
@@ -350,3 +353,47 @@ def test_bad_moe_key_exits_2_with_one_line(capsys):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert err == "config error: model.moe.top_k=17 must be between 1 and model.moe.experts=16"
+
+
+def test_from_a_capacity_of_experts_over_top_k_nothing_is_dropped():
+    """Why larger factors are refused: at experts / top_k the capacity is already every token (each
+    token sends an expert at most one copy), so no larger factor changes anything."""
+    for tokens, top_k, experts in [(7, 2, 4), (32, 1, 4), (1000, 3, 7), (5, 8, 8)]:
+        assert expert_capacity(tokens, top_k, experts, experts / top_k) >= tokens
+    moe_cfg(dict(capacity=2.0)).validate()  # 4 experts, top-2: the bound itself is accepted
+
+
+@pytest.fixture()
+def sixteen_gib(monkeypatch):
+    """The memory check against a 16 GiB device, whatever this machine has."""
+    from parallel import parallelize
+
+    monkeypatch.setattr(parallelize, "device_memory_bytes", lambda device: 16 * 2**30)
+
+
+def test_a_model_whose_experts_cannot_fit_is_refused_before_anything_is_written(tmp_path, capsys, sixteen_gib):
+    import train
+
+    run_dir = tmp_path / "run"
+    code = train.main(["--config", "configs/tiny-moe.yaml", "--model.moe.experts=1000000",
+                       f"--logging.run_dir={run_dir}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    # 4 MoE layers x 10^6 experts x 3 x 128 x 64 weights, 4 bytes each
+    assert err.startswith("config error: the model's 98.8B parameters (98.3B of them in 4 layers x "
+                          "model.moe.experts=1000000 experts of width 64) need 368.1 GiB (each rank builds them "
+                          "whole in fp32), more than the 16.0 GiB of cpu memory here; lower model.moe.experts"), err
+    assert not run_dir.exists()
+
+
+def test_the_memory_check_counts_a_sharded_share_when_built_on_meta(sixteen_gib):
+    from parallel.parallelize import check_parameters_fit
+
+    cpu = torch.device("cpu")
+    cfg = load_config("configs/tiny-moe.yaml", ["--model.moe.experts=1000000"]).model  # 98.8B parameters
+    with pytest.raises(ConfigError, match=r"need 368\.1 GiB \(each rank builds"):
+        check_parameters_fit(cfg, cpu, 64, init_on_meta=False)
+    check_parameters_fit(cfg, cpu, 64, init_on_meta=True)  # 2 bytes x 98.8B / 64 ranks: 2.9 GiB each
+    with pytest.raises(ConfigError, match=r"need 23\.0 GiB \(a 1/8 share of them in 16-bit floats"):
+        check_parameters_fit(cfg, cpu, 8, init_on_meta=True)
+    check_parameters_fit(load_config("configs/tiny-moe.yaml").model, cpu, 1, init_on_meta=False)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from common.errors import InteropError
+from common.errors import ConfigError, InteropError
 from model import interop
 from model.config import ModelConfig, MoEConfig
 from tests.unit.model.test_interop import VOCAB, round_trip
@@ -115,3 +115,83 @@ def test_sample_cli_on_a_moe_model_equals_transformers_generate(tmp_path, capsys
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
                       min_new_tokens=24, pad_token_id=0)
     assert f"--- {prompt!r}\n{prompt + tok.decode(out[0, ids.shape[1]:].tolist())}\n" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- model.init_from
+
+
+def tiny_shaped(kind: str):
+    """A Mixtral or a Qwen3-MoE with configs/tiny.yaml's explicit shape (vocabulary 256, 4 layers, 4
+    heads, width 128), and MoE settings of its own; the Mixtral's positions reach past tiny's 128."""
+    torch.manual_seed(5)
+    common = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  bos_token_id=None, eos_token_id=None)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(**common, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                            max_position_embeddings=256, rope_theta=1e6)
+        return perturb_norms(transformers.MixtralForCausalLM(config))
+    config = transformers.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, head_dim=16,
+                                         num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+                                         mlp_only_layers=[0], max_position_embeddings=128)
+    return perturb_norms(transformers.Qwen3MoeForCausalLM(config))
+
+
+def init_from(config: str, source, tmp_path, *overrides: str):
+    """What train.py does with --model.init_from: the config with the source's architecture, built by
+    the trainer's one build path from the source's weights."""
+    from parallel.distributed import DistContext
+    from training.build import build_from_config
+    from training.config import explicit_keys, load_config
+    from training.model_io import with_initial_weights
+
+    source.save_pretrained(tmp_path / "hf")
+    overrides = [f"--model.init_from={tmp_path / 'hf'}", *overrides]
+    cfg, loaded, note = with_initial_weights(load_config(config, overrides), explicit_keys(config, overrides))
+    return cfg, build_from_config(cfg, DistContext.single(), loaded.state).model.eval(), note
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_init_from_a_moe_model_builds_that_model(tmp_path, kind):
+    """configs/tiny.yaml sets no MoE key: the experts, routing, query/key norms and head width come from
+    the source, and the trainer's model computes its logits."""
+    hf = tiny_shaped(kind)
+    cfg, ours, note = init_from("configs/tiny.yaml", hf, tmp_path)
+    idx = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, rtol=0, atol=1e-5)
+    m = cfg.model
+    if kind == "mixtral":
+        assert (m.moe.experts, m.moe.top_k, m.expert_d_ff, m.qk_norm, m.max_seq_len) == (4, 2, 64, False, 128)
+        assert "moe.experts None -> 4" in note and "mlp gelu -> swiglu" in note
+    else:
+        assert (m.moe.experts, m.moe.top_k, m.expert_d_ff, m.moe.first_dense, m.moe.renormalize, m.qk_norm,
+                m.head_dim) == (6, 3, 32, 1, False, True, 16)
+        assert "attention_head_dim 32 -> 16" in note and "qk_norm False -> True" in note
+
+
+@pytest.mark.parametrize("kind, conflicts", [
+    ("mixtral", "model.moe.experts=16 (the source's: 4), model.moe.top_k=4 (the source's: 2), "
+                "model.moe.routed_scale=4.0 (the source's: 1.0); set them to the source's value or leave them out"),
+    ("qwen3_moe", "model.moe.experts=16 (the source's: 6), model.moe.top_k=4 (the source's: 3), "
+                  "model.moe.d_ff=64 (the source's: 32), model.moe.routed_scale=4.0 (the source's: 1.0); set them"),
+])
+def test_init_from_refuses_moe_settings_the_config_sets_otherwise(tmp_path, kind, conflicts):
+    """configs/tiny-moe.yaml asks for 16 experts, top-4 and a routed scale of 4: another model than
+    the source's, so the run is refused, naming each key with both values (and nothing it agrees on)."""
+    with pytest.raises(ConfigError) as err:
+        init_from("configs/tiny-moe.yaml", tiny_shaped(kind), tmp_path)
+    assert "\n" not in str(err.value) and conflicts in str(err.value), str(err.value)
+    assert "n_layer" not in str(err.value) and "mlp" not in str(err.value)
+
+
+def test_init_from_builds_the_source_where_the_config_agrees_with_it(tmp_path):
+    """The same config with its MoE keys set to the source's values (and an explicit dense key that
+    differs refused as the MoE ones are)."""
+    hf = tiny_shaped("mixtral")
+    agree = ("--model.moe.experts=4", "--model.moe.top_k=2", "--model.moe.routed_scale=1.0")
+    _, ours, _ = init_from("configs/tiny-moe.yaml", hf, tmp_path, *agree)
+    idx = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, rtol=0, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"sets model\.n_layer=2 \(the source's: 4\); set it to"):
+        init_from("configs/tiny-moe.yaml", hf, tmp_path, *agree, "--model.n_layer=2")

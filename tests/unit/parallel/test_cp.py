@@ -2,7 +2,8 @@
 
 The layouts' numbers are checked against a model that runs whole sequences in one process, built
 from the same seed inside each worker: logits and loss of one forward (fp32, within 1e-5) for
-multi-head and grouped-query attention, the causal and the document mask; the gradients (a cp
+multi-head and grouped-query attention, the causal and the document mask, and an MoE layer whose
+capacity drops copies (kept as one process keeps them over whole sequences); the gradients (a cp
 rank's gradients summed over its cp group are cp times the whole-sequence gradient, which is what
 FSDP2's average over dp x cp turns into the mean); and the build path's FSDP2 engine over cp, cp x
 dp_shard, cp x tp, cp with selective recompute and cp x pp (1f1b with the causal mask, interleaved
@@ -23,7 +24,7 @@ import torch
 from common.errors import ConfigError, LayoutError
 from data.bundle import ValSource
 from model.attention import causal_mask
-from model.config import ModelConfig
+from model.config import ModelConfig, MoEConfig
 from model.gpt import GPT
 from parallel.config import ParallelConfig
 from parallel.cp import chunk_ids, local_token_index
@@ -41,6 +42,8 @@ MODELS = {
     "gqa": {"n_kv_head": 2, "position": "rope", "norm": "rmsnorm", "mlp": "swiglu"},
     "gqa_document": {"n_kv_head": 2, "position": "rope", "attention_mask": "document", "eot_id": EOT},
     "mha_document_positions": {"attention_mask": "document", "eot_id": EOT, "document_positions": True},
+    # capacity 1.0 drops copies: each cp rank must keep the copies one process keeps over whole sequences
+    "moe_capacity": {"mlp": "swiglu", "moe": MoEConfig(experts=4, top_k=2, d_ff=16, capacity=1.0)},
 }
 MICRO, STEPS, SAVE_AFTER, VAL = 2, 10, 6, 5
 TRAIN_MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "n_kv_head": 2,
@@ -119,6 +122,7 @@ def test_layouts_with_cp_are_validated_before_any_work():
 
 def forward_and_grads(cp_rank_group, cp: int, name: str) -> dict:
     """This rank's logits, loss and summed-over-cp gradients under cp, and the one-process ones."""
+    from model.moe import moe_layers, take_moe_metrics
     from parallel.cp import apply_context_parallel
 
     torch.manual_seed(0)
@@ -130,6 +134,7 @@ def forward_and_grads(cp_rank_group, cp: int, name: str) -> dict:
     x, y = ids[:, :-1], ids[:, 1:]
     ref_loss = whole(x, y)
     ref_loss.backward()
+    dropped = take_moe_metrics(moe_layers([whole])).get("moe_dropped_frac", 0.0)
     loss = split(x, y)
     loss.backward()
     rank = torch.distributed.get_rank(cp_rank_group)
@@ -143,7 +148,8 @@ def forward_and_grads(cp_rank_group, cp: int, name: str) -> dict:
     with torch.no_grad():
         index = local_token_index(SEQ, cp, rank)
         logits_err = float((split(x) - whole(x)[:, index]).abs().max())
-    return {"loss": float(mean_loss / cp), "ref_loss": float(ref_loss), "logits_err": logits_err, "grad_err": grads}
+    return {"loss": float(mean_loss / cp), "ref_loss": float(ref_loss), "logits_err": logits_err, "grad_err": grads,
+            "dropped": dropped}
 
 
 def accum_of(layout: dict) -> int:
@@ -255,6 +261,7 @@ def test_cp_forward_and_gradients_equal_one_process(four_ranks, cp, name):
         assert got["loss"] == pytest.approx(got["ref_loss"], abs=1e-5)
         worst = max(got["grad_err"].items(), key=lambda kv: kv[1])
         assert worst[1] < 1e-5, worst
+        assert (got["dropped"] > 0) == ("capacity" in name)  # the capacity model does drop copies
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -301,3 +308,29 @@ def test_train_py_refuses_bad_cp_layouts_in_one_line(capsys, args, message):
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
 
+
+
+def test_capacity_over_cp_chunks_keeps_the_copies_one_process_keeps():
+    """Every cp rank's kept (token, expert) copies, placed with the other ranks' per-chunk counts,
+    are one process's kept copies over the whole batch, for dropping capacities."""
+    from model.moe import expert_capacity, permute
+    from parallel.cp import chunk_expert_counts, earlier_from_counts
+
+    g = torch.Generator().manual_seed(0)
+    for cp, batch, seq, k, experts in [(2, 2, 16, 2, 4), (4, 3, 32, 1, 3), (2, 1, 8, 3, 5)]:
+        choice = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(batch * seq)]).view(batch, seq, k)
+        capacity = expert_capacity(batch * seq, k, experts, 0.7)
+        x = torch.arange(batch * seq, dtype=torch.float32)[:, None]  # each row says which token it is
+        _, whole = permute(x, choice.flatten(0, 1), experts, capacity)
+        expected = sorted(whole.slots.tolist())  # flat t * k + j over the whole batch
+        counts = torch.stack([chunk_expert_counts(choice[:, local_token_index(seq, cp, r)], experts)
+                              for r in range(cp)])
+        kept = []
+        for r in range(cp):
+            index = local_token_index(seq, cp, r)
+            mine = choice[:, index]  # (B, seq / cp, k)
+            earlier = earlier_from_counts(counts, mine, r)
+            _, part = permute(x[:batch * len(index)], mine.flatten(0, 1), experts, capacity, earlier=earlier)
+            token = (torch.arange(batch)[:, None] * seq + index).flatten()  # local token -> whole-batch token
+            kept += [int(token[s // k]) * k + s % k for s in part.slots.tolist()]
+        assert sorted(kept) == expected and len(expected) < batch * seq * k  # some copies were dropped

@@ -8,7 +8,10 @@ and cp ranks), ep=2 x cp=2 x dp_shard=2 built on the meta device (init_on_meta; 
 cp group, experts FSDP-sharded over dp_shard) and dp_shard=4 without ep on 4 ranks: losses and
 gradient norms equal one process stepping on the same micro-batches (within 1e-5), the first step's
 gradients and the last step's weights, gathered whole, equal the one-process ones parameter by
-parameter (but under pp, where a rank holds one stage and the norm over both stages is checked). The
+parameter (but under pp, where a rank holds one stage and the norm over both stages is checked), and
+the router metrics the training log shows after 6 steps (load per layer, auxiliary loss) are one
+process's over the same micro-batches. A model whose capacity drops copies trains 6 steps under
+ep=2 and ep=4 x cp=2: its losses and router metrics (the dropped fraction too) are one process's. The
 init_on_meta run is compared with one process started from its gathered init, and that init with one
 process's: the same constants, the same spread per weight, every expert drawn apart. Each layout
 resumes bit for bit from its DCP checkpoint; ep=2's checkpoint loads into one process (ep=1) and
@@ -36,6 +39,7 @@ from parallel.values import full_value
 from tests.gloo import gloo_context, run_workers, save_on_every_rank
 from training.build import build_from_config
 from training.config import load_config
+from training.loop import engine_moe_layers, router_window_metrics
 
 SEQ, VOCAB, MICRO, STEPS, SAVE_AFTER = 16, 64, 2, 10, 6
 MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "mlp": "swiglu",
@@ -48,10 +52,15 @@ LAYOUTS = {2: {"ep2": {"ep": 2}, "tp2": {"tp": 2},
                "ep2_x_cp2_x_dp2_meta": {"ep": 2, "cp": 2, "dp_shard": 2, "strategy": "fsdp",
                                         "init_on_meta": "true"}}}
 ACCUM = 2  # micro-batches per step: a pipeline needs at least pp of them
+# A model whose capacity drops copies, trained SAVE_AFTER steps under these layouts for its losses and
+# router metrics: each ep rank keeps what one process keeps of the same micro-batch (ep x cp: of the
+# micro-batch's whole sequences, the cp ranks counting together).
+MODEL_KEYS = {"capacity": {"moe.capacity": 1.0}}
+CAPACITY_LAYOUTS = {2: {"ep2": {"ep": 2}}, 4: {"ep4_x_cp2": {"ep": 4, "cp": 2}}}
 
 
-def job(**parallel):
-    overrides = [f"--model.{k}={v}" for k, v in MODEL.items()]
+def job(name: str | None = None, **parallel):
+    overrides = [f"--model.{k}={v}" for k, v in (MODEL | MODEL_KEYS.get(name, {})).items()]
     overrides += [f"--train.micro_batch_size={MICRO}", f"--train.grad_accum_steps={ACCUM}",
                   "--optim.warmup_steps=1", "--optim.lr=1e-2", f"--train.max_steps={STEPS}"]
     return load_config(None, overrides + [f"--parallel.{k}={v}" for k, v in parallel.items()])
@@ -145,17 +154,18 @@ def whole_state(model) -> dict[str, torch.Tensor]:
 
 
 def one_process(dp_sizes: list[int], steps: range | None = None, load: Path | None = None,
-                grads: dict | None = None, init: dict | None = None) -> dict:
+                grads: dict | None = None, init: dict | None = None, name: str | None = None) -> dict:
     """Step i on the global batch of dp_sizes[i] data-parallel ranks, in one process (ep=1), from
-    the seed's init, a checkpoint (``load``) or whole weights (``init``)."""
-    cfg = job()
+    the seed's init, a checkpoint (``load``) or whole weights (``init``), with MODEL_KEYS[name]'s model;
+    ``router``: the router metrics the log shows after SAVE_AFTER steps."""
+    cfg = job(name)
     ctx = DistContext.single()
     engine = build_from_config(cfg, ctx).engine
     if load is not None:
         engine.load(load)
     if init is not None:
         engine.module().load_state_dict(init)
-    losses, norms = [], []
+    losses, norms, router = [], [], {}
     for step in steps or range(len(dp_sizes)):
         dp_size = dp_sizes[step]
         both = [b for r in range(dp_size) for b in micro_batches(step, r)]
@@ -164,7 +174,9 @@ def one_process(dp_sizes: list[int], steps: range | None = None, load: Path | No
             grads.update(whole_grads(engine))
         norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
         losses.append(float(loss))
-    return {"losses": losses, "norms": norms, "weights": whole_state(engine.module())}
+        if step == SAVE_AFTER - 1:
+            router = router_window_metrics(engine_moe_layers(engine), cfg.model, ctx)
+    return {"losses": losses, "norms": norms, "weights": whole_state(engine.module()), "router": router}
 
 
 def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
@@ -176,6 +188,7 @@ def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> d
     init = whole_state(engine.module()) if cfg.parallel.init_on_meta else None
     grads: dict | None = {} if whole else None
     losses, norms = train(engine, ctx, cfg, range(SAVE_AFTER), grads)
+    router = router_window_metrics(engine_moe_layers(engine), cfg.model, ctx)  # what the log shows (collective)
     grad_err = {}
     if grads is not None:
         ref_grads: dict = {}
@@ -191,7 +204,8 @@ def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> d
     ep_mesh = ctx.submesh("ep")  # ParallelDims.ep_rank names this rank's experts as the mesh does
     ep_rank_ok = ep_mesh is None or ep_mesh.get_local_rank() == ctx.dims.ep_rank
     return {"losses": losses + rest, "norms": norms + rest_norms, "resumed": resumed, "grad_err": grad_err,
-            "dp_size": ctx.dims.dp_size, "init": init, "weights": weights, "ep_rank_ok": ep_rank_ok}
+            "dp_size": ctx.dims.dp_size, "init": init, "weights": weights, "ep_rank_ok": ep_rank_ok,
+            "router": router}
 
 
 RECOMPUTE_POLICIES = ("none", "selective", "full", "every_k", "op_selective")
@@ -225,14 +239,27 @@ def row_exchanges(rank: int, world: int) -> dict[str, int]:
     return out
 
 
+def train_with_capacity(rank: int, world: int, layout: dict) -> dict:
+    """SAVE_AFTER steps of the capacity model: losses, and the router metrics the log would show."""
+    cfg = job("capacity", **layout)
+    ctx = context(rank, world, cfg)
+    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    engine = build_from_config(cfg, ctx).engine
+    losses, _ = train(engine, ctx, cfg, range(SAVE_AFTER))
+    return {"losses": losses, "router": router_window_metrics(engine_moe_layers(engine), cfg.model, ctx),
+            "dp_size": ctx.dims.dp_size}
+
+
 def two_rank_worker(rank: int, world: int, root: str) -> dict:
     out = {name: train_layout(rank, world, name, layout, root) for name, layout in LAYOUTS[2].items()}
+    out |= {f"capacity_{name}": train_with_capacity(rank, world, layout) for name, layout in CAPACITY_LAYOUTS[2].items()}
     out["row_exchanges"] = row_exchanges(rank, world)
     return out
 
 
 def four_rank_worker(rank: int, world: int, root: str) -> dict:
     out = {name: train_layout(rank, world, name, layout, root) for name, layout in LAYOUTS[4].items()}
+    out |= {f"capacity_{name}": train_with_capacity(rank, world, layout) for name, layout in CAPACITY_LAYOUTS[4].items()}
     # dp_shard=4 without ep (ep=1) saved after SAVE_AFTER steps, loaded into ep=2 x dp_shard=2.
     cfg = job(**LAYOUTS[4]["ep2_x_dp2"])
     ctx = context(rank, world, cfg)
@@ -261,8 +288,8 @@ def reference(dp_size: int) -> dict:
 def test_ep_training_equals_one_process(launches, world, name):
     ranks = launches["ranks"][world]
     init = ranks[0][name]["init"]  # init_on_meta: one process starts from the weights the ranks drew
-    ref = reference(ranks[0][name]["dp_size"]) if init is None else one_process([ranks[0][name]["dp_size"]] * STEPS,
-                                                                                 init=init)
+    dp_size = ranks[0][name]["dp_size"]
+    ref = reference(dp_size) if init is None else one_process([dp_size] * STEPS, init=init)
     for rank_result in ranks:
         got = rank_result[name]
         assert got["ep_rank_ok"]
@@ -277,6 +304,26 @@ def test_ep_training_equals_one_process(launches, world, name):
             worst = max(weight_err.items(), key=lambda kv: kv[1])
             assert worst[1] < 1e-4, worst
         assert got["resumed"] == got["losses"][SAVE_AFTER:], f"resume under {name} is not bit-exact"
+        # The router metrics the log shows are the whole batch's, every rank's and stage's layers.
+        assert got["router"].keys() == ref["router"].keys() and f"moe_load_max_mean/{MODEL['n_layer'] - 1}" in got["router"]
+        for key, value in ref["router"].items():
+            assert got["router"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (key, got["router"])
+
+
+@pytest.mark.parametrize("world,name", [(world, name) for world, layouts in CAPACITY_LAYOUTS.items()
+                                        for name in layouts])
+def test_capacity_and_router_metrics_under_ep_equal_one_process(launches, world, name):
+    """With copies dropped: the losses, and the router metrics the log shows (dropped fraction,
+    load per layer, auxiliary loss), are one process's on the same micro-batches."""
+    ranks = launches["ranks"][world]
+    ref = one_process([ranks[0][f"capacity_{name}"]["dp_size"]] * SAVE_AFTER, name="capacity")
+    assert ref["router"]["moe_dropped_frac"] > 0
+    for rank_result in ranks:
+        got = rank_result[f"capacity_{name}"]
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+        assert got["router"].keys() == ref["router"].keys()
+        for key, value in ref["router"].items():
+            assert got["router"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (key, got["router"])
 
 
 def test_init_on_meta_with_ep_draws_like_one_process(launches):
