@@ -93,6 +93,14 @@ class ModelConfig:
     bias: bool = doc(True, "biases in linear layers and norms")
     dropout: float = doc(0.0, "dropout on attention probabilities and residual branches")
     init_std: float = doc(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layer)")
+    mup: bool = doc(
+        False, "maximal update parametrization for width (model/mup.py): hidden matrices' init std x m^-1/2 and "
+        "AdamW LR x 1/m, logits x 1/m, attention logits / d_head, with m = d_model / model.mup_base_width"
+    )
+    mup_base_width: int | None = doc(
+        None, "with model.mup: the d_model the hyperparameters were tuned at (there µP equals the standard "
+        "parametrization)"
+    )
     attention: Literal["auto", "flash_attn", "sdpa", "reference"] = doc(
         "auto", "attention backend; auto picks flash_attn on CUDA when installed, else sdpa"
     )
@@ -216,6 +224,22 @@ class ModelConfig:
             raise ConfigError("model.recompute_every_k must be >= 1")
         if self.moe.experts is not None:
             self._validate_moe()
+        if self.mup or self.mup_base_width is not None:
+            self._validate_mup()
+
+    def _validate_mup(self) -> None:
+        if not self.mup:
+            raise ConfigError(f"model.mup_base_width={self.mup_base_width} has no effect without model.mup=true; set "
+                              "model.mup=true or leave model.mup_base_width unset")
+        if self.mup_base_width is None or self.mup_base_width < 1:
+            raise ConfigError(f"model.mup=true needs model.mup_base_width >= 1, the d_model the hyperparameters were "
+                              f"tuned at (got {self.mup_base_width})")
+        if self.layers == "te":
+            raise ConfigError("model.mup=true needs model.layers=torch (Transformer Engine layers take no µP "
+                              "multipliers)")
+        if self.moe.experts is not None:
+            raise ConfigError("model.mup=true is not defined here for mixture-of-experts layers (the router's and the "
+                              "experts' scaling); use a dense model (model.moe.experts=null)")
 
     def _validate_moe(self) -> None:
         moe, e = self.moe, self.moe.experts

@@ -29,6 +29,7 @@ from kernels.registry import REFERENCE_OPS, KernelOps
 from model.attention import AttentionCore, KVCache, LayerKV
 from model.config import ModelConfig
 from model.moe import MoE, join_aux_gradient, take_aux_loss, with_aux_gradient
+from model.mup import output_multiplier, query_scale, scale_hidden_init
 from model.te import TEBlock
 
 
@@ -110,6 +111,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.bias)
         self.proj.residual_projection = True  # scaled init, see GPT.init_weights
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.q_scale = query_scale(cfg)  # µP: attention logits over d_head, not sqrt(d_head) (model/mup.py)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerKV | None = None,
@@ -127,6 +129,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.ops.apply_rope(q, *rope), self.ops.apply_rope(k, *rope)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         if cache is not None:  # generation: attend to every earlier position too
             k, v = cache.update(k, v)
         y = self.core(q, k, v, documents).flatten(2)  # (B, T, H * D)
@@ -196,6 +200,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.output_multiplier = output_multiplier(cfg)  # µP: logits x base width / width (model/mup.py)
         # Rotary tables are derived, not learned: non-persistent, rebuilt by init_weights().
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
@@ -211,7 +216,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2 initialization: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), zero biases.
+        """GPT-2 initialization: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), zero biases;
+        under µP the hidden matrices then scaled by (width / base width)^-1/2 (model/mup.py).
 
         Called after construction, and again after a meta-device model is materialized.
         """
@@ -233,6 +239,7 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+        scale_hidden_init(self, self.cfg)
         if self.cfg.position == "rope":
             device = next(self.parameters()).device
             self.rope_cos, self.rope_sin = rope_tables(self.cfg.max_seq_len, self.cfg.head_dim, self.cfg.rope_theta,
@@ -285,6 +292,8 @@ class GPT(nn.Module):
         if self.lm_head is None:
             return x if aux is None else with_aux_gradient(x, aux)
         logits = self.lm_head(self.norm_f(x))
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
         if targets is None:
             return logits if aux is None else with_aux_gradient(logits, aux)
         loss = self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))

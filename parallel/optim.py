@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from common.errors import ConfigError
 from common.fields import doc, require_finite
+from model.mup import LrScale
 
 
 @dataclass
@@ -108,11 +109,30 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, decay_steps
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def decay_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (linear weights, embeddings), none on norm gains and biases."""
-    decay = [p for _, p in named_params if p.ndim >= 2]
-    no_decay = [p for _, p in named_params if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def decay_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: float,
+                 lr_scale: LrScale | None = None) -> list[dict]:
+    """Weight decay on matrices (linear weights, embeddings), none on norm gains and biases.
+
+    ``lr_scale`` (µP's per-parameter LR multipliers, ``model.mup.lr_multipliers``) splits each of
+    the two into runs of consecutive parameters with one multiplier, kept as the group's
+    ``lr_scale`` (``set_lr`` applies it). The parameters keep their order across the groups, decay
+    first: a checkpoint's optimizer numbers them the same with µP and without."""
+    decay = [(n, p) for n, p in named_params if p.ndim >= 2]
+    no_decay = [(n, p) for n, p in named_params if p.ndim < 2]
+    groups = []
+    for params, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        runs: list[tuple[float, list[nn.Parameter]]] = []
+        for name, param in params:
+            scale = 1.0 if lr_scale is None else lr_scale(name, param)
+            if not runs or runs[-1][0] != scale:
+                runs.append((scale, []))
+            runs[-1][1].append(param)
+        for scale, members in runs or [(1.0, [])]:
+            group = {"params": members, "weight_decay": wd}
+            if lr_scale is not None:
+                group["lr_scale"] = scale
+            groups.append(group)
+    return groups
 
 
 def build_adamw(params_or_groups, optim_cfg: OptimConfig, device: torch.device, *,

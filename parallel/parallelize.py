@@ -36,6 +36,7 @@ from model.flops import count_parameters, mlp_parameters
 from model.gpt import GPT, indexed_blocks
 from model.interop import check_state_dict
 from model.moe import select_expert_backend
+from model.mup import describe as describe_mup
 from model.recompute import apply_recompute, describe_recompute, no_gain_note
 from parallel.config import ParallelConfig
 from parallel.cp import apply_context_parallel, chunk_ids
@@ -139,6 +140,8 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
             precompute_scales_after_step(stepper.optimizer, stepper.model)
     notes = [kernel_note, attention_note] + ([expert_note] if expert_note else []) + [policy.describe(parallel_cfg.strategy), describe_recompute(parts[0]),
              describe_layout(dims, parallel_cfg, stages)] + [note for note in fp8_notes[:1] if note]
+    if model_cfg.mup:
+        notes.append(describe_mup(model_cfg))
     return Built(engine=engine, model=model if dims.pp == 1 else parts[0], policy=policy, notes=notes,
                  warnings=no_gain_warnings(model_cfg, backend))
 

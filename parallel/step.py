@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from model.mup import lr_multipliers
 from parallel.optim import OptimConfig, build_adamw, decay_groups
 from parallel.precision import MasterWeights, PrecisionPolicy
 from parallel.values import full_value, is_dtensor, local_shard
@@ -47,8 +48,9 @@ class StepResult:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's LR into every param group, times the group's ``lr_scale`` (µP) where it has one."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -83,7 +85,7 @@ class Optimized:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         masters = MasterWeights([p for _, p in named]) if policy.engine_masters else None
         stepped = named if masters is None else [(n, m) for (n, _), m in zip(named, masters.masters)]
-        optimizer = build_adamw(decay_groups(stepped, optim_cfg.weight_decay), optim_cfg, device)
+        optimizer = build_adamw(decay_groups(stepped, optim_cfg.weight_decay, lr_multipliers(model)), optim_cfg, device)
         return cls(model, optimizer, masters, [p for _, p in named], [p for _, p in stepped])
 
     def local_weights(self) -> list[torch.Tensor]:

@@ -40,7 +40,7 @@ FORMATS = ("hf", "safetensors")
 ARCHITECTURE_KEYS = ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "attention_head_dim",
                      "qk_norm", "d_ff", "norm", "norm_eps", "mlp", "gelu", "position", "rope_theta", "tie_embeddings",
                      "bias", "moe.experts", "moe.top_k", "moe.shared_experts", "moe.d_ff", "moe.every",
-                     "moe.first_dense", "moe.router", "moe.renormalize", "moe.routed_scale")
+                     "moe.first_dense", "moe.router", "moe.renormalize", "moe.routed_scale", "mup", "mup_base_width")
 # Keys whose unset value means a derived one: a config and a source agree when the derived values do.
 DERIVED = {"n_kv_head": "kv_heads", "attention_head_dim": "head_dim", "moe.d_ff": "expert_d_ff"}
 SAFETENSORS_NAME = "model.safetensors"
