@@ -4,9 +4,11 @@
     torchrun --nproc_per_node=8 train.py --config configs/gpt2-124m.yaml --parallel.strategy=fsdp
     python train.py --config configs/tiny.yaml --resume latest       # continue where it stopped
 
-Reads top to bottom: parse the config -> join the process group -> build the engine (model,
-kernels, precision, recompute, compile, parallelism: parallel/parallelize.py) and the data ->
-resume -> loop (training/loop.py). Each stage is one call into a package.
+Reads top to bottom: parse the config -> join the process group -> resolve the job (every value
+not in the config file: training/build.py's resolve_job, which opens the data) -> write it to
+<run_dir>/config.yaml and log a summary -> build the engine (model, kernels, precision, recompute,
+compile, parallelism: parallel/parallelize.py) -> resume -> loop (training/loop.py). Each stage is
+one call into a package.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import torch
 from analysis.estimator import fit_verdict
 from common.errors import USER_FACING_ERRORS, ConfigError, describe_peer_failure, is_peer_failure
 from common.hardware import peak_tflops_for
+from common.log import configure_logging
 from model.flops import FLOPS_CONVENTION, count_parameters, flops_per_token
 from parallel.distributed import DistContext, env_rank_tag, init_distributed, shutdown_distributed
 from parallel.nccl import apply_flight_recorder_env
-from parallel.parallelize import check_parameters_fit
 from training import checkpoint as ckpt
-from training.build import build_batches, build_from_config, with_document_eot
+from training.build import Job, build_from_config, resolve_job
 from training.config import (
+    RUN_CONFIG_FILE,
     JobConfig,
     describe_fields,
     dump_yaml,
@@ -39,7 +42,6 @@ from training.config import (
 )
 from training.loop import Throughput, TrainingLoop
 from training.metrics import RunLogger
-from training.model_io import with_initial_weights
 from training.signals import StopRequest, exit_code
 from training.task_eval import TaskEvaluator
 
@@ -71,28 +73,23 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> tuple[JobC
 
 
 def run(cfg: JobConfig, stop_request: StopRequest, explicit: frozenset[str] = frozenset()) -> int:
-    source, source_note = None, None
-    if cfg.model.init_from:  # before anything starts: a bad source is a one-line error
-        cfg, source, source_note = with_initial_weights(cfg, explicit)
-    # The warm-up this run uses goes into config.yaml and the checkpoints' schedule record.
-    cfg.optim, warmup_note = cfg.optim.for_run(cfg.train.max_steps)
     recorder_note = None
     if cfg.parallel.flight_recorder:  # read by the process group when it starts
         recorder_note = apply_flight_recorder_env(str(run_dir_of(cfg) / "flight_recorder" / "rank_"))
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
-        # Before the run folder and the data: a model that cannot fit is refused with nothing written.
-        check_parameters_fit(cfg.model, ctx.device, ctx.world_size, cfg.parallel.init_on_meta)
-        cfg.parallel, note = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
-        run_dir = prepare_run_dir(cfg, ctx)
-        with RunLogger(run_dir, cfg.logging, is_main=ctx.is_main, tag=ctx.tag, max_steps=cfg.train.max_steps,
-                       config_dict=to_dict(cfg)) as log:
-            for line in (note, source_note, recorder_note):
-                if line:
-                    log.info(line)
-            if warmup_note and ctx.is_main:
-                log.warn(warmup_note)
-            return train(cfg, ctx, run_dir, log, stop_request, None if source is None else source.state)
+        configure_logging(ctx.tag, main=ctx.is_main)  # what opening the data says, before the run's logger
+        # Resolved first, then written and logged: config.yaml is the configuration the run uses.
+        job = resolve_job(cfg, ctx, explicit)
+        run_dir = prepare_run_dir(job.cfg, ctx)
+        with RunLogger(run_dir, job.cfg.logging, is_main=ctx.is_main, tag=ctx.tag, max_steps=job.cfg.train.max_steps,
+                       config_dict=to_dict(job.cfg)) as log:
+            for line in describe_run(job.cfg, ctx, run_dir) + job.notes + ([recorder_note] if recorder_note else []):
+                log.info(line)
+            if ctx.is_main:
+                for line in job.warnings:
+                    log.warn(line)
+            return train(job, ctx, run_dir, log, stop_request)
     finally:
         shutdown_distributed(ctx)
 
@@ -105,16 +102,13 @@ def prepare_run_dir(cfg: JobConfig, ctx: DistContext) -> Path:
     run_dir = run_dir_of(cfg)
     if ctx.is_main:
         ckpt.ensure_writable_dir(run_dir, "logging.run_dir")
-        (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        (run_dir / RUN_CONFIG_FILE).write_text(dump_yaml(cfg))
     ctx.barrier()
     return run_dir
 
 
-def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_request: StopRequest,
-          initial_state: dict[str, torch.Tensor] | None = None) -> int:
-    log.info(f"perfgpt: run {cfg.name} in {run_dir} | world {ctx.world_size} ({ctx.backend or 'single process'}) "
-             f"| device {ctx.device} | precision {cfg.precision.mode} | strategy {cfg.parallel.strategy}")
-    log.info("resolved config:\n" + dump_yaml(cfg).rstrip())
+def train(job: Job, ctx: DistContext, run_dir: Path, log: RunLogger, stop_request: StopRequest) -> int:
+    cfg, data = job.cfg, job.data
     if ctx.world_size > 1:
         log.info_every_rank(f"ready on {ctx.device}")
     if ctx.device.type == "cuda" and cfg.precision.mode == "fp32":
@@ -124,10 +118,7 @@ def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_
         ckpt.ensure_writable_dir(ckpt_root, "checkpoint.dir", rank=ctx.rank, world_size=ctx.world_size,
                                  device=ctx.device)
 
-    # The data first: a document mask takes the dataset's end-of-text id into the model.
-    data, batches = build_batches(cfg, ctx)
-    cfg.model = with_document_eot(cfg.model, data.eot_id)
-    built = build_from_config(cfg, ctx, initial_state)
+    built = build_from_config(cfg, ctx, job.initial_state)
     for line in built.notes + describe_model(cfg, ctx):
         log.info(line)
     for line in built.warnings:
@@ -142,9 +133,22 @@ def train(cfg: JobConfig, ctx: DistContext, run_dir: Path, log: RunLogger, stop_
 
     rate, rate_note = throughput(cfg, ctx)
     log.info(rate_note)
-    loop = TrainingLoop(cfg, ctx, built.engine, data, batches, run_dir, ckpt_root, log, stop_request, rate, tasks)
+    loop = TrainingLoop(cfg, ctx, built.engine, data, job.batches, run_dir, ckpt_root, log, stop_request, rate, tasks)
     loop.resume()
     return loop.run()
+
+
+def describe_run(cfg: JobConfig, ctx: DistContext, run_dir: Path) -> list[str]:
+    """The start of the log: where the run is, what it trains for how long, and the file that holds
+    every resolved key (the model, layout and data lines follow once they are built)."""
+    t, d = cfg.train, cfg.data
+    data = f"a mixture of {len(d.sources)} sources" if d.sources else f"{d.format} {d.path}".rstrip()
+    return [
+        f"perfgpt: run {cfg.name} in {run_dir} | world {ctx.world_size} ({ctx.backend or 'single process'}) "
+        f"| device {ctx.device} | precision {cfg.precision.mode} | strategy {cfg.parallel.strategy}",
+        f"train: {t.max_steps:,} steps of {t.grad_accum_steps} micro-batch(es) x {t.micro_batch_size} sequences x "
+        f"{cfg.seq_len} tokens per data-parallel rank | data {data} | resolved config: {run_dir / RUN_CONFIG_FILE}",
+    ]
 
 
 def describe_model(cfg: JobConfig, ctx: DistContext) -> list[str]:

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 
-from analysis import recompute_bench
+from analysis import data_bench, recompute_bench
 from common.measure import interleaved, peak_bytes, provenance, summarize
-from data import bench as data_bench
 from model.attention import AttentionCore
 from model.config import RECOMPUTE_POLICIES, ModelConfig
 from model.gpt import GPT
@@ -140,7 +139,8 @@ def measure_precision_modes(
         model.zero_grad(set_to_none=True)
         saved[variant] = counted["bytes"]
     # warm-up already done above, with the saved-bytes count
-    samples = interleaved({v: (lambda v=v: step(v)) for v in PRECISION_VARIANTS}, rounds, warmup=0, device=device)
+    samples = interleaved({v: (lambda v=v: step(v)) for v in PRECISION_VARIANTS}, rounds, warmup=0, device=device,
+                          progress="precision modes")
     tokens = seq_len * micro_batch
     seconds = {v: summarize(s).median for v, s in samples.items()}
     return {
@@ -186,7 +186,7 @@ def measure_attention(
     }
     if device.type == "cuda":
         steps = {name: (lambda core=core: core(q, k, v).sum().backward()) for name, core in cores.items()}
-        samples = interleaved(steps, rounds, warmup=1, device=device)
+        samples = interleaved(steps, rounds, warmup=1, device=device, progress="attention backends")
         result["seconds"] = {name: summarize(s).median for name, s in samples.items()}
         result["speedup"] = result["seconds"]["reference"] / result["seconds"]["sdpa"]
         result["peak_bytes"] = {name: peak_bytes(fn, device) for name, fn in steps.items()}
@@ -214,7 +214,7 @@ DATA_GRID = data_bench.GridOptions(mb=2, seq_len=1024, batch_sizes=[8], workers=
 
 
 def run_data_benchmark(markdown: Path, plot: Path) -> list[Path]:
-    """The data-loader benchmark (data/bench.py) at the small DATA_GRID scale, written to ``markdown``
+    """The data-loader benchmark (analysis/data_bench.py) at the small DATA_GRID scale, written to ``markdown``
     (with its rows as JSON next to it) and ``plot``."""
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"))
     tiny = data_bench.ConsumerModel("tiny", cfg.model, cfg.data.seq_len or cfg.model.max_seq_len,

@@ -40,7 +40,7 @@ from common.measure import machine_load, provenance, ratio_summary, summarize
 from common.report import human_bytes, markdown_table, new_figure, save_figure, text_table, write_results
 from parallel.distributed import init_distributed, shutdown_distributed
 from training import checkpoint as ckpt
-from training.build import build_batches, build_from_config
+from training.build import build_from_config, resolve_job
 from training.config import load_config
 from training.loop import train_step
 
@@ -62,9 +62,9 @@ def run_rank(config: str, overrides: list[str], rounds: int, max_steps_during: i
     cfg = load_config(config, overrides)
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
-        cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
-        engine = build_from_config(cfg, ctx).engine
-        _, batches = build_batches(cfg, ctx)
+        job = resolve_job(cfg, ctx)  # as train.py resolves it
+        cfg, batches = job.cfg, job.batches
+        engine = build_from_config(cfg, ctx, job.initial_state).engine
         engine.train(True)
 
         def step() -> float:

@@ -60,7 +60,7 @@ def run_moe_benchmark(cfg: ModelConfig, *, batch: int, seq_len: int, rounds: int
     for name, (c, backend) in configs.items():
         torch.manual_seed(seed)
         steps[name] = training_step(GPT(c, expert_backend=backend).to(device).train(), x)
-    samples = interleaved(steps, rounds, warmup=2, device=device)
+    samples = interleaved(steps, rounds, warmup=2, device=device, progress="MoE variants")
     dense = samples["dense, equal active"]
     variants = []
     for name, (c, _) in configs.items():

@@ -60,7 +60,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from analysis.collective_bytes import CommBytes, bytes_by_dimension
 from analysis.estimator import (
@@ -78,15 +77,17 @@ from analysis.estimator import (
 )
 from common.fields import choices
 from common.measure import provenance, summarize
+from common.progress import Progress
 from common.report import markdown_table, new_figure, save_figure, text_table, write_results
+from common.values import local_shard
 from model.flops import count_parameters
 from model.moe import moe_layers
 from parallel.config import ParallelConfig
 from parallel.distributed import DistContext, init_distributed, shutdown_distributed
 from parallel.optim import lr_at
-from parallel.pp import PipelineEngine, stage_ids
+from parallel.pp import stage_ids
 from parallel.zero import ZeroEngine
-from training.build import build_batches, build_from_config
+from training.build import build_from_config, resolve_job
 from training.config import JobConfig, load_config
 from training.loop import train_step
 
@@ -180,8 +181,7 @@ class StorageLedger:
     def add(self, category: str, tensor) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
             return
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        storage = local.untyped_storage()
+        storage = local_shard(tensor).untyped_storage()
         key = storage.data_ptr()
         if storage.nbytes() == 0 or key in self.owner:
             return
@@ -244,10 +244,10 @@ def record_optimizer(engine, ledger: StorageLedger) -> None:
         _add_inner_optimizer(ds_optimizer.optimizer, ledger, with_state=True)
         return
     # A pipeline rank steps one optimizer per stage it holds.
-    for stepper in engine.steppers if isinstance(engine, PipelineEngine) else [engine]:
-        _add_inner_optimizer(stepper.optimizer, ledger, with_state=True)
-        if getattr(stepper, "masters", None) is not None:  # ZeRO keeps its masters inside DeepSpeed
-            for m in stepper.masters.masters:
+    for part in engine.optimized_parts():
+        _add_inner_optimizer(part.optimizer, ledger, with_state=True)
+        if part.masters is not None:
+            for m in part.masters.masters:
                 ledger.add("optimizer", m)
 
 
@@ -425,9 +425,8 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
             return t
-        local = t._local_tensor if isinstance(t, DTensor) else t  # a tensor-parallel shard: its local storage
         try:
-            storage = local.untyped_storage()
+            storage = local_shard(t).untyped_storage()  # a tensor-parallel shard: its local storage
             self.seen[storage.data_ptr()] = storage.nbytes()
         except RuntimeError:  # a wrapper subclass with no storage of its own (counted through its inner tensors)
             pass
@@ -475,11 +474,11 @@ def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) ->
     cfg = load_config(config, overrides)
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
-        cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)  # as train.py does
-        built = build_from_config(cfg, ctx)
+        job = resolve_job(cfg, ctx)  # as train.py resolves it
+        cfg, batches = job.cfg, job.batches
+        built = build_from_config(cfg, ctx, job.initial_state)
         n_params = sum(p.numel() for p in built.model.parameters())  # unique tensors: a tied weight once
         engine = built.engine
-        _, batches = build_batches(cfg, ctx)
         engine.train(True)
         losses, ledger, saved = [], StorageLedger(), SavedActivations()
         experts = ExpertTraffic(ctx, _model_of(engine), cfg) if cfg.parallel.ep > 1 else None
@@ -622,8 +621,9 @@ def measure_row(run: Launch, plan: Plan, work: Path, reference: Row | None) -> R
     )
 
 
-def measure_all(plan: Plan) -> tuple[list[Row], dict]:
-    """Every row of the plan: the strategies after their single process, then the layouts after theirs."""
+def measure_all(plan: Plan, progress: Progress | None = None) -> tuple[list[Row], dict]:
+    """Every row of the plan: the strategies after their single process, then the layouts after theirs;
+    ``progress`` counts the launches (``launch_count``)."""
     precision = load_config(plan.config, [*DEFAULT_OVERRIDES, *plan.overrides]).precision.mode
     global_batch = plan.global_batch
     single = ["--parallel.strategy=none", f"--train.micro_batch_size={global_batch}", "--train.grad_accum_steps=1"]
@@ -632,21 +632,33 @@ def measure_all(plan: Plan) -> tuple[list[Row], dict]:
     # The single-process rows see the whole global batch in one micro-batch.
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+
+        def measured(run: Launch, reference: Row | None) -> Row:
+            row = measure_row(run, plan, work, reference)
+            if progress is not None:
+                progress.update()
+            return row
+
         if plan.strategies:
-            reference = measure_row(Launch("single process", 1, single), plan, work, None)
+            reference = measured(Launch("single process", 1, single), None)
             rows.append(reference)
             for strategy in plan.strategies:
                 run = Launch(strategy, plan.nproc, [f"--parallel.strategy={strategy}",
                                                    f"--train.micro_batch_size={plan.micro_batch_size}"])
-                rows.append(measure_row(run, plan, work, reference))
+                rows.append(measured(run, reference))
         if plan.layouts:
-            reference = measure_row(Launch("single process, untied", 1, [*single, UNTIED]), plan, work, None)
+            reference = measured(Launch("single process, untied", 1, [*single, UNTIED]), None)
             rows.append(reference)
             for key in plan.layouts:
                 layout = LAYOUTS[key]
-                rows.append(measure_row(Launch(layout.label, layout.ranks, [*layout.overrides(global_batch), UNTIED]),
-                                        plan, work, reference))
+                rows.append(measured(Launch(layout.label, layout.ranks, [*layout.overrides(global_batch), UNTIED]),
+                                     reference))
     return rows, info
+
+
+def launch_count(plan: Plan) -> int:
+    """The launches ``measure_all`` makes: each group of rows after its single-process reference."""
+    return (1 + len(plan.strategies) if plan.strategies else 0) + (1 + len(plan.layouts) if plan.layouts else 0)
 
 
 # --------------------------------------------------------------------------- output

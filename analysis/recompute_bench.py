@@ -230,6 +230,7 @@ def time_policies(
     samples = interleaved(
         {p: (lambda model=model: _train_step(model, idx, targets)) for p, model in models.items()},
         rounds=steps, warmup=1, device=device, before=lambda p: models[p].zero_grad(set_to_none=True),
+        progress="recompute policies",
     )
     return {p: summarize(s).median for p, s in samples.items()}
 

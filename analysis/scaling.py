@@ -17,6 +17,7 @@ from pathlib import Path
 
 from analysis import estimator as est
 from common.hardware import DeviceSpec
+from common.progress import Progress
 from common.report import new_figure, save_figure
 from model.config import ModelConfig
 from training.config import JobConfig
@@ -74,9 +75,11 @@ class Curve:
 
 
 def scaling_curves(model: ModelConfig, seq_len: int, device: DeviceSpec, precision: str, counts: tuple[int, ...],
-                   sequences_per_gpu: int, config: JobConfig | None = None) -> tuple[Curve, Curve]:
+                   sequences_per_gpu: int, config: JobConfig | None = None,
+                   progress: Progress | None = None) -> tuple[Curve, Curve]:
     """(weak, strong) curves over ``counts``: weak keeps ``sequences_per_gpu`` per GPU per step, strong keeps
-    the largest count's global batch."""
+    the largest count's global batch. ``progress`` counts the 2 x len(counts) planner runs (minutes at
+    a thousand GPUs and more)."""
     if sequences_per_gpu < 1:
         raise est.EstimatorError(f"sequences per GPU must be >= 1 (got {sequences_per_gpu})")
     strong_batch = sequences_per_gpu * max(counts)
@@ -84,6 +87,8 @@ def scaling_curves(model: ModelConfig, seq_len: int, device: DeviceSpec, precisi
     def best(gpus: int, global_batch: int) -> Point:
         plans = est.plan_layouts(model, seq_len, gpus, device, precision, global_batch=global_batch, top=1,
                                  config=config)
+        if progress is not None:
+            progress.update()
         return Point(gpus, global_batch, plans[0] if plans else None)
 
     weak = Curve("weak", [best(n, sequences_per_gpu * n) for n in counts])

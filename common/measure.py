@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from common.errors import CapabilityError, ConfigError
+from common.progress import Progress
 
 NO_DIFFERENCE = "no difference measured"
 
@@ -118,24 +119,29 @@ def repeat(fn: Callable[[], object], device: torch.device | None, reps: int, war
 
 
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
-                device: torch.device | None = None,
-                before: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+                device: torch.device | None = None, before: Callable[[str], None] | None = None,
+                progress: str | None = None) -> dict[str, list[float]]:
     """Seconds per call of each function, run in rounds A B C, A B C, ...: {name: [one per round]}.
 
     Every function first runs ``warmup`` untimed rounds (allocations, lazy state, compilation).
-    ``before(name)`` runs untimed before each timed call (e.g. clearing gradients).
+    ``before(name)`` runs untimed before each timed call (e.g. clearing gradients). ``progress``
+    names the measurement in the calls' progress on stderr (common/progress.py), for the callers
+    that can run for minutes.
     """
     if rounds < 1:
         raise ConfigError(f"rounds must be >= 1 (got {rounds})")
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            if before is not None:
-                before(name)
-            samples[name].append(time_call(fn, device))
+    with Progress((warmup + rounds) * len(fns), progress or "", "call", enabled=progress is not None) as calls:
+        for _ in range(warmup):
+            for fn in fns.values():
+                fn()
+                calls.update()
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                if before is not None:
+                    before(name)
+                samples[name].append(time_call(fn, device))
+                calls.update()
     return samples
 
 

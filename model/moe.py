@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 
 from common.errors import CapabilityError
+from common.values import local_shard
 from kernels.registry import REFERENCE_OPS, KernelOps
 from model.config import ModelConfig
 
@@ -412,8 +413,7 @@ class _JoinAux(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        return grad, local.to(ctx.aux_dtype)
+        return grad, local_shard(grad).to(ctx.aux_dtype)
 
 
 def join_aux_gradient(loss: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:

@@ -194,28 +194,28 @@ def _tensors_in(value) -> list[torch.Tensor]:
 
 
 class RecomputedModule:
-    """Mixin placed in front of a module's own class: its forward goes through ``activation_checkpoint``."""
+    """Mixin placed in front of a module's own class: its forward goes through ``recompute_runner``."""
 
-    activation_checkpoint: Callable
+    recompute_runner: Callable
 
     def forward(self, *args, **kwargs):
-        return self.activation_checkpoint(super().forward, *args, **kwargs)
+        return self.recompute_runner(super().forward, *args, **kwargs)
 
     def extra_repr(self) -> str:
         own = super().extra_repr()
-        mine = f"checkpoint={self.activation_checkpoint.label}"
+        mine = f"recompute={self.recompute_runner.label}"
         return f"{own}, {mine}" if own else mine
 
 
 @functools.cache
 def _recomputed_class(cls: type) -> type:
     # One generated class per original class, so every block shares it (as FSDP2 does for its own).
-    return type(f"Checkpointed{cls.__name__}", (RecomputedModule, cls), {})
+    return type(f"Recomputed{cls.__name__}", (RecomputedModule, cls), {})
 
 
 def _wrap_in_place(module: nn.Module, runner: Callable) -> None:
     module.__class__ = _recomputed_class(type(module))
-    module.activation_checkpoint = runner
+    module.recompute_runner = runner
 
 
 # --------------------------------------------------------------------------- policies
@@ -250,11 +250,11 @@ def apply_recompute(
         raise RecomputeError(f"recompute_every_k must be >= 1 (got {every_k})")
     if not isinstance(getattr(model, "blocks", None), (nn.ModuleList, nn.ModuleDict)):
         raise RecomputeError(
-            f"{type(model).__name__} has no `blocks`; apply checkpointing to the GPT itself, "
+            f"{type(model).__name__} has no `blocks`; apply recompute to the GPT itself, "
             "before wrapping it with torch.compile, DDP or FSDP"
         )
     if any(isinstance(m, RecomputedModule) for m in model.modules()):
-        raise RecomputeError("activation checkpointing is already applied to this model; apply it once")
+        raise RecomputeError("recompute is already applied to this model; apply it once")
     for index, block in indexed_blocks(model):
         target = _target_module(policy, block, index, every_k)
         if target is not None:
@@ -307,9 +307,9 @@ def saved_ops() -> frozenset:
 
 
 def recomputed_modules(model: nn.Module) -> dict[str, str]:
-    """{qualified module name: policy label} for every module that checkpointing wraps."""
+    """{qualified module name: policy label} for every module that recompute wraps."""
     return {
-        name: module.activation_checkpoint.label
+        name: module.recompute_runner.label
         for name, module in model.named_modules()
         if isinstance(module, RecomputedModule)
     }
@@ -319,6 +319,6 @@ def describe_recompute(model: nn.Module) -> str:
     """One log line: which modules are wrapped, and how."""
     wrapped = recomputed_modules(model)
     if not wrapped:
-        return "activation checkpointing: none"
+        return "recompute: none (model.recompute)"
     labels = sorted(set(wrapped.values()))
-    return f"activation checkpointing: {', '.join(labels)} on {len(wrapped)} modules ({', '.join(wrapped)})"
+    return f"recompute: {', '.join(labels)} on {len(wrapped)} modules ({', '.join(wrapped)})"

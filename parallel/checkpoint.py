@@ -39,8 +39,8 @@ import torch
 import torch.nn as nn
 
 from common.errors import CheckpointError
+from common.values import is_dtensor
 from parallel.optim import decay_groups
-from parallel.values import is_dtensor
 
 DCP_SUBDIR = "dcp"
 FULL_STATE_FILE = "model_optim.pt"  # a single process's checkpoint: whole tensors, the optimizer's state by index

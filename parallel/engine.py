@@ -2,19 +2,21 @@
 
 The loop (``training/loop.py``) drives an ``Engine`` through a few calls: ``forward_backward``
 per micro-batch, ``optimizer_step`` once per step, ``eval_loss``, ``save``/``load`` for
-checkpoints, ``comm_stats`` and ``local_weights`` for what it logs and checks. Each layout has
-its own engine, chosen once by the build path (``parallel/parallelize.py``):
+checkpoints, ``comm_stats`` and ``local_weights`` for what it logs and checks, ``module`` and
+``optimized_parts`` for what it inspects. Each layout has its own engine, chosen once by the build
+path (``parallel/parallelize.py``):
 
     TorchEngine     a plain module (one process)
     DDPEngine       DDP: gradient all-reduce skipped on all but the last micro-batch; comm-hook bytes
     ShardedEngine   DTensor parameters (FSDP2 and/or tensor parallel): gradient sync only on the last
                     micro-batch; DCP checkpoints that reshard to any layout
-    PipelineEngine  pipeline stages: a schedule runs the step's micro-batches (parallel/pp.py)
+    PipelineEngine  a ShardedEngine over this rank's pipeline stages: a schedule runs the step's
+                    micro-batches (parallel/pp.py)
     ZeroEngine      DeepSpeed ZeRO 1-3 (parallel/zero.py)
 
-The torch engines share the forward (autocast from the precision policy) and the optimizer
-step (``parallel/step.py``: fp16 GradScaler, fp32 master copies for bf16 weights, gradient
-clipping and the finite check), which the pipeline engine runs over its stages too.
+The torch engines share the forward (autocast from the precision policy) and the optimizer step
+(``parallel/step.py``: fp16 GradScaler, fp32 master copies for bf16 weights, gradient clipping and
+the finite check) over their ``OptimizedPart``s: one for the whole model, one per stage in a pipeline.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from common.errors import CheckpointError
+from common.values import full_value, loss_parallel_context
 from parallel.checkpoint import (
     FULL_STATE_FILE,
     Staging,
@@ -41,14 +45,14 @@ from parallel.checkpoint import (
 )
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
-from parallel.step import Optimized, OptimizerStep, StepResult
-from parallel.values import full_value, loss_parallel_context
+from parallel.step import OptimizedPart, OptimizerStep, StepResult
 
 
 class Engine(abc.ABC):
     """What the training loop, evaluation and checkpointing need from a parallel layout."""
 
     model: nn.Module  # the module as wrapped for training (DDP, FSDP2, DeepSpeed)
+    policy: PrecisionPolicy  # what precision decided for this run (the forward's autocast, the masters)
     # Called with "data", "forward", "backward" as the step's work starts each; the training loop
     # points it at its phase marks (hang watchdog, straggler report). Must stay cheap.
     mark_phase: Callable[[str], None] = staticmethod(lambda name: None)
@@ -108,7 +112,13 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def module(self) -> nn.Module:
-        """The user's GPT under every wrapper (for tools that inspect parameters and gradients)."""
+        """The user's GPT under every wrapper (for tools that inspect parameters and gradients); a
+        pipeline's stages this rank holds, as one ``nn.ModuleList``."""
+
+    @abc.abstractmethod
+    def optimized_parts(self) -> list[OptimizedPart]:
+        """The modules this rank steps, each with its optimizer (and fp32 masters): one for a whole
+        model, one per pipeline stage; none where DeepSpeed owns the optimizer (ZeRO)."""
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -123,20 +133,25 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 class TorchEngine(Engine):
-    """A plain module; the base of the DDP and sharded engines, which differ only in gradient
-    synchronization and in how they write checkpoints."""
+    """A plain module; the base of the DDP, sharded and pipeline engines, which differ in gradient
+    synchronization, in how they run a step's micro-batches and in how they write checkpoints.
+
+    ``parts``: the modules that each get their own optimizer, stepped together (default: ``model``
+    alone; a pipeline's stages); ``group`` and ``counted_once`` go to the ``OptimizerStep`` (the
+    pipeline's group the gradient norm spans, a tied embedding's copies counted once)."""
 
     def __init__(self, model: nn.Module, policy: PrecisionPolicy, optim_cfg: OptimConfig, device: torch.device,
-                 *, loss_parallel: bool = False):
+                 *, loss_parallel: bool = False, parts: list[nn.Module] | None = None,
+                 group: dist.ProcessGroup | None = None, counted_once: tuple[nn.Parameter, ...] = ()):
         self.model, self.policy, self.device = model, policy, device
         # Tensor parallelism with vocab-sharded logits: the loss and its backward run in
         # loss_parallel(), and the loss comes back a replicated DTensor.
         self._loss_context = loss_parallel_context if loss_parallel else contextlib.nullcontext
-        self.part = Optimized.build(model, policy, optim_cfg, device)
-        self.optimizer, self.masters = self.part.optimizer, self.part.masters
+        self.parts = [OptimizedPart.build(part, policy, optim_cfg, device) for part in parts or [model]]
         self.scaler = (torch.amp.GradScaler(device.type, init_scale=policy.config.fp16_init_scale)
                        if policy.grad_scaler else None)
-        self._step = OptimizerStep([self.part], grad_clip=optim_cfg.grad_clip, device=device, scaler=self.scaler)
+        self._step = OptimizerStep(self.parts, grad_clip=optim_cfg.grad_clip, device=device, scaler=self.scaler,
+                                   group=group, counted_once=counted_once)
 
     # ----------------------------------------------------------------- step
 
@@ -171,31 +186,36 @@ class TorchEngine(Engine):
         return {}
 
     def local_weights(self) -> list[torch.Tensor]:
-        return self.part.local_weights()
+        return [t for part in self.parts for t in part.local_weights()]
 
     def module(self) -> nn.Module:
         return unwrap(self.model)
 
+    def optimized_parts(self) -> list[OptimizedPart]:
+        return self.parts
+
     # ----------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
-        """Full (unsharded) states: model, optimizer, fp32 masters, loss scaler."""
-        state = {"model": self.module().state_dict(), "optimizer": self.optimizer.state_dict()}
-        if self.masters is not None:
-            state["masters"] = self.masters.state_dict()
+        """Full (unsharded) states of the one module: model, optimizer, fp32 masters, loss scaler."""
+        [part] = self.parts
+        state = {"model": self.module().state_dict(), "optimizer": part.optimizer.state_dict()}
+        if part.masters is not None:
+            state["masters"] = part.masters.state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        [part] = self.parts
         try:
             self.module().load_state_dict(state["model"])
         except RuntimeError as exc:
             detail = str(exc).strip().splitlines()[-1].strip()[:200]
             raise CheckpointError(f"checkpoint does not match the model: {detail}") from None
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.masters is not None:
-            self.masters.load_state_dict(state["masters"])
+        part.optimizer.load_state_dict(state["optimizer"])
+        if part.masters is not None:
+            part.masters.load_state_dict(state["masters"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
 
@@ -211,7 +231,7 @@ class TorchEngine(Engine):
 
     def load(self, directory: Path) -> None:
         if has_sharded_state(directory):  # saved by a sharded layout: DCP reshards it into this one
-            load_sharded([(self.module(), self.optimizer)], self.scaler, directory)
+            load_sharded([(self.module(), self.parts[0].optimizer)], self.scaler, directory)
             return
         self.load_state_dict(safe_torch_load(directory / FULL_STATE_FILE, map_location=self.device))
 
@@ -233,12 +253,18 @@ class DDPEngine(TorchEngine):
 
 class ShardedEngine(TorchEngine):
     """Parameters are DTensors (sharded by FSDP2 over the data-parallel ranks and/or by tensor
-    parallelism): each rank steps only its shards, and checkpoints are DCP directories that load
-    into any other layout (or into one process)."""
+    parallelism) or split into pipeline stages: each rank steps only what it holds, and checkpoints
+    are DCP directories that load into any other layout (or into one process)."""
+
+    # Names a part's optimizer state is saved and loaded under instead of its own (a pipeline's
+    # copy of a tied embedding); None: every parameter under its own name.
+    checkpoint_aliases: dict[str, str] | None = None
 
     def __init__(self, model: nn.Module, policy: PrecisionPolicy, optim_cfg: OptimConfig, device: torch.device,
-                 *, fsdp: bool, loss_parallel: bool = False):
-        super().__init__(model, policy, optim_cfg, device, loss_parallel=loss_parallel)
+                 *, fsdp: bool, loss_parallel: bool = False, parts: list[nn.Module] | None = None,
+                 group: dist.ProcessGroup | None = None, counted_once: tuple[nn.Parameter, ...] = ()):
+        super().__init__(model, policy, optim_cfg, device, loss_parallel=loss_parallel, parts=parts, group=group,
+                         counted_once=counted_once)
         self.fsdp = fsdp  # FSDP2 reduce-scatters gradients; tensor parallelism alone has none to sync
 
     def _grad_sync(self, is_last_micro: bool) -> contextlib.AbstractContextManager:
@@ -246,11 +272,14 @@ class ShardedEngine(TorchEngine):
             self.model.set_requires_gradient_sync(is_last_micro)
         return contextlib.nullcontext()
 
+    def _stateful(self) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+        return [(part.model, part.optimizer) for part in self.parts]
+
     def save(self, directory: Path, rank: int) -> None:
-        save_sharded([(self.model, self.optimizer)], self.scaler, directory)
+        save_sharded(self._stateful(), self.scaler, directory, aliases=self.checkpoint_aliases)
 
     def stage_save(self, directory: Path, rank: int, staging: Staging) -> Callable[[], None]:
-        return stage_sharded([(self.model, self.optimizer)], self.scaler, directory, staging)
+        return stage_sharded(self._stateful(), self.scaler, directory, staging, aliases=self.checkpoint_aliases)
 
     def load(self, directory: Path) -> None:
-        load_sharded([(self.model, self.optimizer)], self.scaler, directory)
+        load_sharded(self._stateful(), self.scaler, directory, aliases=self.checkpoint_aliases)

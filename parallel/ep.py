@@ -57,8 +57,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from common.values import local_shard
 from model.moe import MoE, expert_mlp, moe_layers
-from parallel.values import is_dtensor, local_shard
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
@@ -173,9 +173,7 @@ class ExpertParallelMoE(MoE):
         bf16 run's compute dtype."""
         if w is None:
             return None
-        if is_dtensor(w):
-            w = w.to_local()
-        return _ScaleGradient.apply(w.to(dtype), 1.0 / self.ep, self.sequence_group)
+        return _ScaleGradient.apply(local_shard(w).to(dtype), 1.0 / self.ep, self.sequence_group)
 
     def extra_repr(self) -> str:
         return f"ep={self.ep}, local experts={self.n_experts // self.ep} of {self.n_experts}"

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from common.errors import CapabilityError
-from parallel.requirements import install_floor
+from parallel.api_floors import install_floor
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 INSTALL_HINT = f"pip install 'perfgpt[torchao]' (or '{install_floor('torchao')}')"

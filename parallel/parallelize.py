@@ -136,8 +136,8 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
         engine = apply_data_parallel(model, parallel_cfg, ctx, policy, optim_cfg, micro_batch_size=micro_batch_size,
                                      grad_accum_steps=grad_accum_steps)
     if policy.fp8_torchao:
-        for stepper in getattr(engine, "steppers", [engine]):  # a pipeline steps each stage part on its own
-            precompute_scales_after_step(stepper.optimizer, stepper.model)
+        for part in engine.optimized_parts():  # a pipeline steps each stage part on its own
+            precompute_scales_after_step(part.optimizer, part.model)
     notes = [kernel_note, attention_note] + ([expert_note] if expert_note else []) + [policy.describe(parallel_cfg.strategy), describe_recompute(parts[0]),
              describe_layout(dims, parallel_cfg, stages)] + [note for note in fp8_notes[:1] if note]
     if model_cfg.mup:

@@ -49,12 +49,9 @@ stage's loss is over this cp rank's targets, scaled as a context-parallel model 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -69,15 +66,13 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
+from common.values import full_value, local_shard
 from model.gpt import GPT, document_ids
 from model.moe import router_stats_paused
-from parallel.checkpoint import Staging, load_sharded, save_sharded, stage_sharded
 from parallel.cp import ContextParallelGPT, local_targets, scale_local_loss
-from parallel.engine import Engine
+from parallel.engine import ShardedEngine
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
-from parallel.step import Optimized, OptimizerStep, StepResult
-from parallel.values import full_value, local_shard, loss_parallel_context
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -269,22 +264,22 @@ def tie_embedding_copies(parts: list[GPT], mesh, pp_group: dist.ProcessGroup) ->
 # --------------------------------------------------------------------------- the engine
 
 
-class PipelineEngine(Engine):
-    """This rank's pipeline stages as an ``Engine``: the schedule runs each step's micro-batches;
-    each stage part has its own optimizer (and fp32 masters), stepped together by one
-    ``OptimizerStep`` whose gradient norm spans the pipeline."""
+class PipelineEngine(ShardedEngine):
+    """This rank's pipeline stages as an engine: the schedule runs each step's micro-batches; each
+    stage part has its own optimizer (and fp32 masters), stepped together by the sharded engine's
+    one ``OptimizerStep`` with a gradient norm that spans the pipeline (a tied embedding's copy
+    counted once), and saved as its DCP checkpoints are (the copy's state under the original's name)."""
 
     def __init__(self, pipeline: Pipeline, eval_pipeline: Pipeline, policy: PrecisionPolicy,
                  optim_cfg: OptimConfig, device: torch.device, *, loss_parallel: bool,
                  tied: TiedEmbedding | None = None):
-        self.pipeline, self.eval_pipeline, self.policy, self.device = pipeline, eval_pipeline, policy, device
-        self.model = nn.ModuleList(pipeline.parts)
-        self.steppers = [Optimized.build(part, policy, optim_cfg, device) for part in pipeline.parts]
-        self.tied = tied
-        self._step = OptimizerStep(self.steppers, grad_clip=optim_cfg.grad_clip, device=device, group=pipeline.group,
-                                   counted_once=tuple(tied.copies) if tied is not None else ())
-        self._loss_context = loss_parallel_context if loss_parallel else contextlib.nullcontext
-        self._aliases = TIED_COPY_ALIASES if tied is not None else None
+        # FSDP2 syncs a stage's gradients in the schedule's last backward of it (torch's stage runs
+        # the post-backward itself), so the engine never toggles it: fsdp=False here.
+        super().__init__(nn.ModuleList(pipeline.parts), policy, optim_cfg, device, fsdp=False,
+                         loss_parallel=loss_parallel, parts=pipeline.parts, group=pipeline.group,
+                         counted_once=tuple(tied.copies) if tied is not None else ())
+        self.pipeline, self.eval_pipeline, self.tied = pipeline, eval_pipeline, tied
+        self.checkpoint_aliases = TIED_COPY_ALIASES if tied is not None else None
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, is_last_micro: bool, n_micro: int) -> torch.Tensor:
         raise RuntimeError("a pipeline runs whole steps: call forward_backward_step")
@@ -304,32 +299,7 @@ class PipelineEngine(Engine):
             self.tied.sum_grads()
         return loss, wait
 
-    def optimizer_step(self, lr: float, loss: torch.Tensor) -> StepResult:
-        return self._step(lr, loss)
-
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self._loss_context(), self.policy.forward_context(self.device):
             return run_step(self.eval_pipeline, x, y, train=False)
-
-    def train(self, mode: bool = True) -> None:
-        self.model.train(mode)
-
-    def comm_stats(self) -> dict[str, float]:
-        return {}
-
-    def local_weights(self) -> list[torch.Tensor]:
-        return [t for stepper in self.steppers for t in stepper.local_weights()]
-
-    def module(self) -> nn.Module:
-        return self.model
-
-    def save(self, directory: Path, rank: int) -> None:
-        save_sharded([(s.model, s.optimizer) for s in self.steppers], None, directory, aliases=self._aliases)
-
-    def stage_save(self, directory: Path, rank: int, staging: Staging) -> Callable[[], None]:
-        return stage_sharded([(s.model, s.optimizer) for s in self.steppers], None, directory, staging,
-                             aliases=self._aliases)
-
-    def load(self, directory: Path) -> None:
-        load_sharded([(s.model, s.optimizer) for s in self.steppers], None, directory, aliases=self._aliases)

@@ -1,8 +1,8 @@
 """The optimizer step of the torch engines, written once.
 
-``TorchEngine`` (one module, under DDP, FSDP2 or tensor parallelism) and ``PipelineEngine`` (one
-module per pipeline stage this rank holds, each with its own AdamW) step through the same
-``OptimizerStep``, in this order:
+Every torch engine steps its ``OptimizedPart``s (a module with the AdamW that steps it: the whole
+model under one process, DDP, FSDP2 or tensor parallelism; one per pipeline stage this rank holds)
+through the same ``OptimizerStep``, in this order:
 
     1. the step's learning rate into every optimizer
     2. bf16 gradients into their fp32 masters (bf16_master without a sharded strategy)
@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from common.values import full_value, is_dtensor, local_shard
 from model.mup import lr_multipliers
 from parallel.optim import OptimConfig, build_adamw, decay_groups
 from parallel.precision import MasterWeights, PrecisionPolicy
-from parallel.values import full_value, is_dtensor, local_shard
 
 
 @dataclass
@@ -70,7 +70,7 @@ def step_unless_skipped(optimizer: torch.optim.Optimizer, skipped: bool | torch.
 
 
 @dataclass
-class Optimized:
+class OptimizedPart:
     """A module (a whole model or one pipeline stage) with the AdamW that steps it."""
 
     model: nn.Module
@@ -81,7 +81,7 @@ class Optimized:
 
     @classmethod
     def build(cls, model: nn.Module, policy: PrecisionPolicy, optim_cfg: OptimConfig,
-              device: torch.device) -> Optimized:
+              device: torch.device) -> OptimizedPart:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         masters = MasterWeights([p for _, p in named]) if policy.engine_masters else None
         stepped = named if masters is None else [(n, m) for (n, _), m in zip(named, masters.masters)]
@@ -103,7 +103,7 @@ class OptimizerStep:
     trainable parameters that are copies of a parameter counted elsewhere, left out of the norm
     (they are still clipped and stepped)."""
 
-    def __init__(self, parts: list[Optimized], *, grad_clip: float, device: torch.device,
+    def __init__(self, parts: list[OptimizedPart], *, grad_clip: float, device: torch.device,
                  scaler: torch.amp.GradScaler | None = None, group: dist.ProcessGroup | None = None,
                  counted_once: tuple[nn.Parameter, ...] = ()):
         self.parts, self.grad_clip, self.device, self.scaler, self.group = parts, grad_clip, device, scaler, group

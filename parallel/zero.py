@@ -44,12 +44,12 @@ import torch.nn as nn
 
 from common.errors import CapabilityError, CheckpointError, ConfigError
 from model.mup import lr_multipliers
+from parallel.api_floors import install_floor
 from parallel.config import ParallelConfig
 from parallel.engine import Engine, unwrap
 from parallel.optim import OptimConfig, build_adamw, decay_groups
 from parallel.precision import PrecisionPolicy
-from parallel.requirements import install_floor
-from parallel.step import StepResult, set_lr
+from parallel.step import OptimizedPart, StepResult, set_lr
 
 CHECKPOINT_TAG = "deepspeed"
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -240,6 +240,10 @@ class ZeroEngine(Engine):
 
     def module(self) -> nn.Module:
         return unwrap(self.engine.module)
+
+    def optimized_parts(self) -> list[OptimizedPart]:
+        """None: DeepSpeed's optimizer steps its own flat partitions (``optimizer_step``)."""
+        return []
 
     # ----------------------------------------------------------------- checkpoint
 

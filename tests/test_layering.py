@@ -34,7 +34,7 @@ LAZY_ALLOWED = {
     "kernels.triton.cross_entropy": "triton",
     "kernels.triton.rope": "triton",
     "kernels.triton.moe_permute": "triton",
-    "training.harness": "lm_eval",  # lm-evaluation-harness: only when tasks are asked for
+    "training.lm_eval_backend": "lm_eval",  # lm-evaluation-harness: only when tasks are asked for
     # Not optional, but seconds of torch imports that start-up, --help and config errors need not pay:
     "parallel.tp": "torch.distributed.tensor",
     "parallel.pp": "torch.distributed.pipelining",

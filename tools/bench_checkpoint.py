@@ -15,7 +15,13 @@ after ``--`` apply to every row.
 
 from __future__ import annotations
 
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
+
 import argparse
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -63,7 +69,7 @@ def main(argv: list[str]) -> int:
                                    Path(work), args.timeout, extra))
     print(table(rows, markdown=False))
     if args.markdown:
-        for path in write_markdown(rows, f"python -m tools.bench_checkpoint {' '.join(argv)}", args.rounds,
+        for path in write_markdown(rows, f"python -m tools.bench_checkpoint {shlex.join(argv)}", args.rounds,
                                    args.markdown):
             print(f"wrote {path}")
     return 0

@@ -6,7 +6,7 @@ times batches of --seq-len tokens from each. Consumption: training tokens/s of e
 config on this machine, estimated from its FLOPs per token at the measured fp32 matmul rate (an
 upper bound), or measured with real training steps (--measure); --gpu-tflops adds what one GPU
 at --mfu would consume. A loader keeps up when its tokens/s exceed the consumption. The
-measuring lives in data/bench.py; this is its command line.
+measuring lives in analysis/data_bench.py; this is its command line.
 
     python -m tools.bench_data                                  # ~1 minute on 2 cores
     python -m tools.bench_data --workers 0,1,2 --batch-sizes 8,32 --measure \
@@ -15,24 +15,19 @@ measuring lives in data/bench.py; this is its command line.
 
 from __future__ import annotations
 
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
+
 import argparse
 import sys
 from pathlib import Path
 
+from analysis import data_bench
 from common.errors import USER_FACING_ERRORS
 from common.measure import provenance
 from common.report import text_table
-from data.bench import (
-    CPU,
-    FORMATS,
-    ConsumerModel,
-    GridOptions,
-    consumer_from_config,
-    run_benchmark,
-    tables,
-    write_markdown,
-    write_plot,
-)
 from training.config import load_config
 
 
@@ -52,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
     p.add_argument("--batch-sizes", type=int_list, default=[8, 32], help="comma-separated (default 8,32)")
     p.add_argument("--workers", type=int_list, default=[0, 2], help="DataLoader workers, comma-separated (default 0,2)")
-    p.add_argument("--formats", default=",".join(FORMATS), help=f"subset of {','.join(FORMATS)}")
+    p.add_argument("--formats", default=",".join(data_bench.FORMATS), help=f"subset of {','.join(data_bench.FORMATS)}")
     p.add_argument("--batches", type=int, default=40, help="timed batches per configuration (default 40)")
     p.add_argument("--tokenizer", default="bpe",
                    help="bpe (default: a byte-level BPE of --bpe-vocab ids trained here on the corpus) | byte | "
@@ -69,40 +64,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", help="also write a PNG bar chart to this path")
     args = p.parse_args(argv)
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = sorted(set(args.formats) - set(FORMATS))
+    unknown = sorted(set(args.formats) - set(data_bench.FORMATS))
     if unknown:
-        p.error(f"--formats: unknown {unknown}; valid: {', '.join(FORMATS)}")
+        p.error(f"--formats: unknown {unknown}; valid: {', '.join(data_bench.FORMATS)}")
     return args
 
 
-def grid_options(args: argparse.Namespace) -> GridOptions:
-    return GridOptions(mb=args.mb, seq_len=args.seq_len, batch_sizes=args.batch_sizes, workers=args.workers,
-                       formats=args.formats, batches=args.batches, tokenizer=args.tokenizer, bpe_vocab=args.bpe_vocab)
+def grid_options(args: argparse.Namespace) -> data_bench.GridOptions:
+    return data_bench.GridOptions(mb=args.mb, seq_len=args.seq_len, batch_sizes=args.batch_sizes,
+                                  workers=args.workers, formats=args.formats, batches=args.batches,
+                                  tokenizer=args.tokenizer, bpe_vocab=args.bpe_vocab)
 
 
-def consumer_models(models: str) -> list[ConsumerModel]:
+def consumer_models(models: str) -> list[data_bench.ConsumerModel]:
     """Each config's model, sequence length and micro-batch, read through the job config."""
-    return [consumer_from_config(path, load_config(path)) for path in [m.strip() for m in models.split(",") if m.strip()]]
+    return [data_bench.consumer_from_config(path, load_config(path))
+            for path in [m.strip() for m in models.split(",") if m.strip()]]
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        result = run_benchmark(grid_options(args), consumer_models(args.models), args.measure, args.gpu_tflops,
-                               args.mfu, args.workdir, log=lambda line: print(line, flush=True))
+        result = data_bench.run_benchmark(grid_options(args), consumer_models(args.models), args.measure,
+                                          args.gpu_tflops, args.mfu, args.workdir, log=lambda line: print(line, flush=True))
     except USER_FACING_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    head, body, chead, cbody = tables(result)
+    head, body, chead, cbody = data_bench.tables(result)
     print(f"\nloader throughput ({result.setting}); 'x <model>' = loader tokens/s over the model's consumption")
     print(text_table(head, body))
     print("\nmodel consumption")
     print(text_table(chead, cbody))
     if args.markdown:
         command = "python -m tools.bench_data " + " ".join(sys.argv[1:] if argv is None else argv)
-        write_markdown(result, provenance(CPU), Path(args.markdown), command)
+        data_bench.write_markdown(result, provenance(data_bench.CPU), Path(args.markdown), command)
     if args.plot:
-        write_plot(result, Path(args.plot))
+        data_bench.write_plot(result, Path(args.plot))
     return 0
 
 

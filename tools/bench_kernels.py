@@ -12,15 +12,20 @@ says so.
 
 from __future__ import annotations
 
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
+
 import argparse
 import sys
 from pathlib import Path
 
 import torch
 
+from analysis import kernel_bench
 from common.errors import ConfigError
 from common.measure import resolve_device
-from kernels import bench
 from kernels.registry import TRITON_OPS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -53,35 +58,35 @@ def main(argv=None) -> int:
     device = resolve_device("auto")
     ops = set(args.ops.split(","))
     if device.type == "cuda":
-        cases = bench.QUICK_GPU_CASES if args.quick else bench.GPU_CASES
+        cases = kernel_bench.QUICK_GPU_CASES if args.quick else kernel_bench.GPU_CASES
         dtypes = [DTYPES[args.dtype or "bf16"]]
     else:
         print("no CUDA device: checking correctness only, in Triton's interpreter on small shapes (nothing timed)")
-        cases = bench.CPU_CASES
+        cases = kernel_bench.CPU_CASES
         dtypes = [DTYPES[args.dtype]] if args.dtype else [torch.float32, torch.bfloat16]
     cases = [c for c in cases if c.op in ops]
     all_results, ok = [], True
     for dtype in dtypes:
         try:
-            results = bench.run_benchmark(cases, dtype, device, args.warmup, args.reps, not args.no_compile,
+            results = kernel_bench.run_benchmark(cases, dtype, device, args.warmup, args.reps, not args.no_compile,
                                           log=lambda line: print(f"  {line}", file=sys.stderr))
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        head, body = bench.table(results)
-        print("\n".join(bench.header_lines(results, args.warmup, args.reps)))
-        print(bench.format_text(head, body) + "\n")
+        head, body = kernel_bench.table(results)
+        print("\n".join(kernel_bench.header_lines(results, args.warmup, args.reps)))
+        print(kernel_bench.format_text(head, body) + "\n")
         all_results.append(results)
         ok &= all(r.check.ok for r in results.rows if r.check is not None)
         if args.plot:
             suffix = f"_{str(dtype).removeprefix('torch.')}.png"
             plot_path = args.plot if len(dtypes) == 1 else args.plot.replace(".png", suffix)
-            if bench.write_plot(results, plot_path):
+            if kernel_bench.write_plot(results, plot_path):
                 print(f"wrote {plot_path}")
             else:
                 print(f"--plot: nothing was timed on {device.type}, no plot written")
     if args.markdown:
-        written = bench.write_markdown(all_results, args.warmup, args.reps, Path(args.markdown))
+        written = kernel_bench.write_markdown(all_results, args.warmup, args.reps, Path(args.markdown))
         print("wrote " + ", ".join(str(p) for p in written))
     if not ok:
         print("some kernels did not match the reference within tolerance (see the table)", file=sys.stderr)

@@ -3,7 +3,7 @@ against what models consume, the data wait of real training steps, and the reali
 
 Each source holds a third of --mb MB of Python standard-library source (byte tokens); the HTTP one
 is served by `python -m http.server` in its own process on this machine. Timings are median
-(min-max) over --rounds rounds taken in turn. The measuring lives in data/mixture_bench.py.
+(min-max) over --rounds rounds taken in turn. The measuring lives in analysis/mixture_bench.py.
 
     python -m tools.bench_mixture                                  # a few minutes on 2 cores
     python -m tools.bench_mixture --markdown docs/results/mixture_cpu.md --plot docs/results/mixture_cpu.png
@@ -11,15 +11,20 @@ is served by `python -m http.server` in its own process on this machine. Timings
 
 from __future__ import annotations
 
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
+
 import argparse
 import sys
 from pathlib import Path
 
+from analysis.data_bench import CPU, consumer_from_config
+from analysis.mixture_bench import MixtureOptions, run_benchmark, tables, write_markdown, write_plot
 from common.errors import USER_FACING_ERRORS
 from common.measure import provenance
 from common.report import text_table
-from data.bench import CPU, consumer_from_config
-from data.mixture_bench import MixtureOptions, run_benchmark, tables, write_markdown, write_plot
 from training.config import load_config
 
 

@@ -15,7 +15,13 @@ stem), which tools/reproduce.py reads.
 
 from __future__ import annotations
 
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
+
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -30,12 +36,14 @@ from analysis.parallel_bench import (
     comm_table,
     cp_table,
     ep_table,
+    launch_count,
     measure_all,
     plot,
     run_rank,
     table,
     write_markdown,
 )
+from common.progress import Progress
 from training.config import load_config
 
 
@@ -107,7 +115,8 @@ def main(argv: list[str]) -> int:
     plan = Plan(worker_module="tools.bench_parallel", config=args.config, steps=args.steps, nproc=args.nproc,
                 micro_batch_size=args.micro_batch_size, strategies=tuple(args.strategies),
                 layouts=tuple(args.layouts), timeout=args.timeout, overrides=tuple(extra))
-    rows, info = measure_all(plan)
+    with Progress(launch_count(plan), "bench_parallel", "launch") as progress:
+        rows, info = measure_all(plan, progress)
     models = [f"{r.n_params:,} ({'untied embeddings' if 'untied' in r.strategy else 'as configured'})" for r in rows
               if r.status == "ok" and r.ranks == 1]
     title = (f"{args.steps} steps, precision {info['precision']}, global batch {info['global_batch']} sequences "
@@ -129,7 +138,7 @@ def main(argv: list[str]) -> int:
     for note in NOTES:
         print("- " + note)
     if args.markdown:
-        write_markdown(rows, title, args.nproc, f"python -m tools.bench_parallel {' '.join(argv)}", args.markdown)
+        write_markdown(rows, title, args.nproc, f"python -m tools.bench_parallel {shlex.join(argv)}", args.markdown)
     if args.plot:
         plot(rows, args.plot)
     return 0 if all(r.status == "ok" for r in rows) else 1

@@ -31,6 +31,11 @@ are also written as JSON next to the table (same stem).
 
 from __future__ import annotations
 
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
+
 import argparse
 import shlex
 import sys
@@ -113,7 +118,8 @@ def ours(cfg: JobConfig, device: torch.device, pool: list[Batch], mode: str) -> 
     built = build_from_config(cfg, DistContext.single(device))
     engine, accum, lr = built.engine, cfg.train.grad_accum_steps, cfg.optim.lr
     step = lambda batch: train_step(engine, iter(batch), accum, lr).loss  # noqa: E731
-    return Side(OURS, mode, step, engine.optimizer, pool), built.model, built.policy
+    [part] = engine.optimized_parts()  # one process: one module, one optimizer
+    return Side(OURS, mode, step, part.optimizer, pool), built.model, built.policy
 
 
 def peer_model(cfg: JobConfig, initial: dict[str, torch.Tensor], device: torch.device, gelu: str) -> nn.Module:
@@ -224,7 +230,8 @@ def measure(sides: list[Side], rounds: int, steps: int, warmup: int, device: tor
     def run(side: Side) -> Callable[[], None]:
         return lambda: [side.step() for _ in range(steps)]
 
-    samples = interleaved({side.label: run(side) for side in sides}, rounds, warmup=0, device=device)
+    samples = interleaved({side.label: run(side) for side in sides}, rounds, warmup=0, device=device,
+                          progress="bench_peers: timed rounds")
     return {label: [s / steps for s in seconds] for label, seconds in samples.items()}
 
 

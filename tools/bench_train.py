@@ -18,6 +18,11 @@ stem), which tools/reproduce.py reads.
 
 from __future__ import annotations
 
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
+
 import argparse
 import math
 import shlex
@@ -126,7 +131,8 @@ def measure(variants: list[Variant], rounds: int, steps: int, warmup: int) -> di
     def run(variant: Variant) -> Callable[[], None]:
         return lambda: [variant.step() for _ in range(steps)]
 
-    samples = interleaved({v.name: run(v) for v in ready}, rounds, warmup=0, device=ready[0].device)
+    samples = interleaved({v.name: run(v) for v in ready}, rounds, warmup=0, device=ready[0].device,
+                          progress="bench_train: timed rounds")
     return {name: [s / steps for s in seconds] for name, seconds in samples.items()}
 
 

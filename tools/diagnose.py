@@ -18,6 +18,11 @@ current config (interleaved rounds of --steps steps) and the measured step-time 
 
 from __future__ import annotations
 
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
+
 import argparse
 import math
 import os
@@ -31,10 +36,11 @@ from analysis.doctor import Job, Span, attribute, verdicts
 from common.errors import USER_FACING_ERRORS
 from common.hardware import peak_tflops_for
 from common.measure import speedup
+from common.progress import Progress
 from common.report import text_table
 from model.flops import flops_per_token
 from parallel.distributed import init_distributed, shutdown_distributed
-from training.build import build_batches, build_from_config
+from training.build import build_from_config, resolve_job
 from training.config import JobConfig, load_config, parse_known_overrides
 from training.loop import train_step
 
@@ -53,13 +59,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 
 class Trainer:
-    """One built job and its data, stepping as the training loop does."""
+    """One built job and its data, stepping as the training loop does; ``progress`` counts the steps."""
 
-    def __init__(self, cfg: JobConfig, ctx):
-        self.cfg, self.ctx = cfg, ctx
-        built = build_from_config(cfg, ctx)
+    def __init__(self, cfg: JobConfig, ctx, progress: Progress):
+        job = resolve_job(cfg, ctx)  # as train.py resolves it
+        self.cfg, self.ctx, self.progress = job.cfg, ctx, progress
+        built = build_from_config(job.cfg, ctx, job.initial_state)
         self.engine, self.attention = built.engine, _attention_of(built.notes)
-        self.data, self.batches = build_batches(cfg, ctx)
+        self.data, self.batches = job.data, job.batches
 
     def steps(self, n: int) -> tuple[float, float]:
         """Wall seconds and data-wait seconds of ``n`` steps."""
@@ -70,6 +77,7 @@ class Trainer:
             float(outcome.loss)  # the step is done when its loss is
             wall += time.perf_counter() - t0
             wait += outcome.data_wait_s
+            self.progress.update()
         return wall, wait
 
     def close(self) -> None:
@@ -120,8 +128,9 @@ def estimator_line(cfg: JobConfig, ctx, compute_s: float, steps: int) -> str:
 
 def try_switch(cfg_path: str, overrides: list[str], switch: list[str], ctx, steps: int, rounds: int) -> str:
     """Current config vs the switch, interleaved rounds of ``steps`` steps; the step-time ratio."""
-    current = Trainer(load_config(cfg_path, overrides), ctx)
-    changed = Trainer(load_config(cfg_path, overrides + switch), ctx)
+    progress = Progress(2 * (1 + rounds * steps), "diagnose --try: steps", "step", enabled=ctx.is_main)
+    current = Trainer(load_config(cfg_path, overrides), ctx, progress)
+    changed = Trainer(load_config(cfg_path, overrides + switch), ctx, progress)
     try:
         current.steps(1)
         changed.steps(1)  # warm both (compile, allocator, workers)
@@ -130,6 +139,7 @@ def try_switch(cfg_path: str, overrides: list[str], switch: list[str], ctx, step
             base.append(current.steps(steps)[0])
             new.append(changed.steps(steps)[0])
     finally:
+        progress.close()
         current.close()
         changed.close()
     ratio = speedup(new, base)
@@ -148,8 +158,8 @@ def diagnose(args: argparse.Namespace, overrides: list[str]) -> list[str]:
         raise ValueError(f"--memory-budget-gib must be a finite number of GiB > 0 (got {budget})")
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
-        cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
-        trainer = Trainer(cfg, ctx)
+        trainer = Trainer(cfg, ctx, Progress(args.warmup + args.steps, "diagnose: steps", "step", enabled=ctx.is_main))
+        cfg = trainer.cfg
         try:
             trainer.steps(args.warmup)
             if ctx.device.type == "cuda":
@@ -163,6 +173,7 @@ def diagnose(args: argparse.Namespace, overrides: list[str]) -> list[str]:
                       fused_optimizer=cfg.optim.fused != "off", peak_memory_gib=peak_memory_gib(ctx.device),
                       memory_budget_gib=budget)
         finally:
+            trainer.progress.close()
             trainer.close()
         findings = verdicts(breakdown, job)
         rows = [[name, f"{seconds / args.steps * 1e3:.1f}", f"{share:.0%}"] for name, seconds, share in breakdown.rows()]

@@ -28,6 +28,11 @@ How far these predictions are from published runs: docs/results/published_vs_est
 
 from __future__ import annotations
 
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
+
 import argparse
 import dataclasses
 import sys
@@ -37,6 +42,7 @@ from analysis import estimator as est
 from analysis import scaling
 from common.errors import ConfigError
 from common.hardware import DEVICES
+from common.progress import Progress
 from common.report import gib, human_bytes, markdown_table, text_table
 from model.flops import FLOPS_CONVENTION
 from training.config import JobConfig, load_config, parse_known_overrides
@@ -269,7 +275,9 @@ def scaling_main(args: argparse.Namespace, overrides: list[str], cfg: JobConfig 
         per_gpu = job.micro_batch * job.grad_accum
     if args.gpus_per_node:
         device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
-    weak, strong = scaling.scaling_curves(model, seq_len, device, precision, args.scaling, per_gpu, config=cfg)
+    with Progress(2 * len(args.scaling), "estimate --scaling", "planner run") as progress:
+        weak, strong = scaling.scaling_curves(model, seq_len, device, precision, args.scaling, per_gpu, config=cfg,
+                                              progress=progress)
     headers, rows = scaling.table(weak, strong)
     name = args.config or f"preset {args.preset}"
     title = (f"Scaling {name} on {device.name} ({device.gpus_per_node} per node), {precision}: weak = {per_gpu} "

@@ -21,13 +21,18 @@ for any rank count on either side. Bits per byte divide the summed loss (in bits
 bytes of the predicted tokens' text (data.tokenizer.token_byte_lengths).
 
 With ``--tasks`` the harness (``pip install -e '.[eval]'``) scores the model through perfgpt's own
-backend (training/harness.py: the source's tokenizer, batched requests, the KV cache for
+backend (training/lm_eval_backend.py: the source's tokenizer, batched requests, the KV cache for
 generation) and prints its table; under torchrun each rank takes a share of the requests. Task
 names are the harness's (its datasets download on first use) or those of the task YAML files in
 ``--task-dir``; a YAML path works too.
 """
 
 from __future__ import annotations
+
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
 
 import argparse
 import json
@@ -41,12 +46,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common.errors import USER_FACING_ERRORS, ConfigError
+from common.progress import track
 from data.bundle import IGNORE_INDEX
 from data.loader import build_data
 from data.tokenizer import build_tokenizer, token_byte_lengths
-from training.config import load_config
+from training.config import RUN_CONFIG_FILE, load_config
 from training.model_io import load_source
-from training.task_eval import import_harness
+from training.task_eval import import_lm_eval_backend
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -74,8 +80,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 def run_config(source: Path) -> Path | None:
     """The config.yaml train.py wrote into the run directory that holds ``source``, if any."""
     for parent in [source, *source.parents][:4]:
-        if (parent / "config.yaml").is_file():
-            return parent / "config.yaml"
+        if (parent / RUN_CONFIG_FILE).is_file():
+            return parent / RUN_CONFIG_FILE
     return None
 
 
@@ -103,8 +109,10 @@ def evaluate(args: argparse.Namespace, overrides: list[str]) -> dict:
     lengths = torch.as_tensor(token_byte_lengths(tokenizer, source.cfg.vocab_size))
     device = torch.device(args.device)
     model = source.build(device)
-    figures = {name: split_figures(model, val, sequences, lengths, device)
-               for name, val in (data.val_sources or {"": data.val}).items()}
+    figures = {}
+    for name, val in (data.val_sources or {"": data.val}).items():
+        label = f"evaluate {args.split}" + (f" of {name}" if name else "")
+        figures[name] = split_figures(model, val, sequences, lengths, device, progress=label if rank == 0 else None)
     result = {"source": source.origin, "split": args.split, "ranks": world}
     if data.mixture is None:
         return result | figures[""]
@@ -116,11 +124,15 @@ def evaluate(args: argparse.Namespace, overrides: list[str]) -> dict:
                               "bits_per_byte": sum(weights[name] * f["bits_per_byte"] for name, f in figures.items())}
 
 
-def split_figures(model, val, sequences: int, lengths: torch.Tensor, device: torch.device) -> dict:
-    """Loss, perplexity and bits per byte over one validation set, summed over the ranks."""
+def split_figures(model, val, sequences: int, lengths: torch.Tensor, device: torch.device,
+                  progress: str | None = None) -> dict:
+    """Loss, perplexity and bits per byte over one validation set, summed over the ranks; ``progress``
+    names the batches' progress on stderr (rank 0's)."""
     sums = torch.zeros(4, dtype=torch.float64)  # nats, targets, bytes, sequences
+    batches = track(val.batches(sequences), val.num_batches(sequences), progress or "", "batch",
+                    enabled=progress is not None)
     with torch.no_grad():
-        for x, y in val.batches(sequences):
+        for x, y in batches:
             real = y[y != IGNORE_INDEX]  # padding rows (ValSource) are not counted
             logits = model(x.to(device))
             nats = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum",
@@ -144,12 +156,12 @@ def score_tasks(args: argparse.Namespace, overrides: list[str]) -> dict | None:
         raise ConfigError("--tasks needs at least one task name")
     if args.limit is not None and args.limit < 1 or args.num_fewshot is not None and args.num_fewshot < 0:
         raise ConfigError("--limit must be >= 1 and --num-fewshot >= 0")
-    harness = import_harness("--tasks")
-    tasks = harness.load_tasks(names, args.task_dir)  # before the model loads: a bad name costs nothing
+    backend = import_lm_eval_backend("--tasks")
+    tasks = backend.load_tasks(names, args.task_dir)  # before the model loads: a bad name costs nothing
     batch_size = 8 if args.batch_size is None else args.batch_size  # harness requests per batch
-    lm = harness.PerfGPTLM(str(args.source), tokenizer=args.tokenizer, batch_size=batch_size,
+    lm = backend.PerfGPTLM(str(args.source), tokenizer=args.tokenizer, batch_size=batch_size,
                            device=args.device, dtype=args.dtype, max_gen_toks=args.max_gen_toks)
-    return harness.run_tasks(lm, tasks, limit=args.limit, num_fewshot=args.num_fewshot)
+    return backend.run_tasks(lm, tasks, limit=args.limit, num_fewshot=args.num_fewshot)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,11 +208,11 @@ def write_json(path: Path, body: dict) -> int:
 def print_scores(args: argparse.Namespace, results: dict | None) -> int:
     if results is None:  # not rank 0: rank 0 prints
         return 0
-    harness = import_harness("--tasks")  # imported already by score_tasks
-    print(f"{args.source}\n{harness.results_table(results)}")
+    backend = import_lm_eval_backend("--tasks")  # imported already by score_tasks
+    print(f"{args.source}\n{backend.results_table(results)}")
     if args.json:
         return write_json(args.json, {"source": str(args.source), "ranks": max(1, int(os.environ.get("WORLD_SIZE", "1"))),
-                                      "scores": harness.scores(results), "n_samples": results.get("n-samples", {}),
+                                      "scores": backend.scores(results), "n_samples": results.get("n-samples", {}),
                                       "n_shot": results.get("n-shot", {}), "versions": results.get("versions", {})})
     return 0
 

@@ -66,8 +66,8 @@ if [[ "$NCCL_LOG" == 1 ]]; then
 fi
 
 # A short run: no evaluation, no checkpoints; the user's overrides come last and win. It is the first
-# few steps of the config's full schedule (decay_steps stated), which also lets a warmup longer than
-# the profiling run pass train.py's check that warmup fits in the run.
+# few steps of the config's full schedule (decay_steps stated), so it runs at that schedule's learning
+# rates instead of a warm-up and decay squeezed into the profiling run.
 RUN_ARGS=(--config "$CONFIG" --profile "--train.max_steps=$STEPS" "--optim.decay_steps=$DECAY_STEPS"
           --train.eval_interval=0 --checkpoint.save_final=false "${OVERRIDES[@]}")
 echo "== 1/3 profiling $STEPS steps of $CONFIG into $PROFILE_DIR ($NPROC process(es))"

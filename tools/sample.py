@@ -13,6 +13,11 @@ stops at ``--max-new-tokens`` or at the end-of-text token (``--no-stop`` keeps g
 
 from __future__ import annotations
 
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
+
 import argparse
 import sys
 from pathlib import Path

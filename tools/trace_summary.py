@@ -12,6 +12,11 @@ chrome://tracing; this is the quick text view, and what docs/profiling.md tells 
 
 from __future__ import annotations
 
+if not __package__:  # started as a file, where the project's packages do not import: say how to run it
+    from _run_as_module import exit_with_usage
+
+    exit_with_usage(__file__)
+
 import argparse
 import gzip
 import json

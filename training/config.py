@@ -28,6 +28,8 @@ from parallel.config import ParallelConfig
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionConfig
 
+RUN_CONFIG_FILE = "config.yaml"  # the resolved configuration a run writes into its run directory
+
 
 @dataclass
 class TrainConfig:

@@ -146,7 +146,7 @@ def router_load_sum(ctx: DistContext) -> Callable[[torch.Tensor], torch.Tensor] 
 
 def engine_moe_layers(engine: Engine) -> list[MoE]:
     """The MoE layers this rank's engine holds (a pipeline rank: those of its stages)."""
-    return moe_layers([s.model for s in engine.steppers] if hasattr(engine, "steppers") else [engine.module()])
+    return moe_layers([engine.module()])
 
 
 def router_window_metrics(layers: list[MoE], model_cfg: ModelConfig, ctx: DistContext) -> dict[str, float]:

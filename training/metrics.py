@@ -1,5 +1,8 @@
 """Where a run's numbers go: the terminal (progress bar or plain lines), metrics.jsonl, wandb, TensorBoard.
 
+A plain line ends with the time since training started (or resumed) and the time to
+``train.max_steps`` at the rate so far, evaluations and saves included; the bar shows the same.
+
 Only rank 0 writes files and summaries. A metrics.jsonl that cannot be written (a full disk, a
 file-size limit) does not end the run: ``JsonlSink`` says so once and keeps the rows until the
 file takes them again. Lines go through the project's one logging channel
@@ -24,6 +27,7 @@ import torch
 
 from common.files import os_error_words
 from common.log import EVERY_RANK, configure_logging, get_logger, print_line
+from common.progress import elapsed_and_eta
 
 
 def peak_memory_gib(device: torch.device) -> tuple[float, str]:
@@ -37,7 +41,8 @@ def peak_memory_gib(device: torch.device) -> tuple[float, str]:
 class RunLogger:
     def __init__(self, run_dir: Path, logging_cfg, *, is_main: bool, tag: str, max_steps: int, config_dict: dict):
         self.is_main, self.tag = is_main, tag
-        self.cfg = logging_cfg
+        self.cfg, self.max_steps = logging_cfg, max_steps
+        self._started = (time.monotonic(), 0)  # when training started, and at which step (set_start)
         self._jsonl = None
         self._bar = None
         self._wandb = None
@@ -78,6 +83,8 @@ class RunLogger:
             print_line(line)
 
     def set_start(self, step: int) -> None:
+        """Training starts (or resumes) now at ``step``: elapsed time and ETA count from here."""
+        self._started = (time.monotonic(), step)
         if self._bar is not None:
             self._bar.n = step
             self._bar.refresh()
@@ -120,7 +127,8 @@ class RunLogger:
             if self._bar is not None:
                 self._bar.set_postfix_str(line, refresh=False)
             else:
-                self.info(line)
+                start, first = self._started
+                self.info(f"{line} | {elapsed_and_eta(time.monotonic() - start, step - first, self.max_steps - first)}")
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:

@@ -2,7 +2,7 @@
 
 At each evaluation every rank copies the whole model out of the training layout (DTensor shards
 joined, ZeRO-3 partitions gathered, pipeline stages exchanged) into a plain ``GPT`` in eval mode,
-and the harness spreads the task's requests over the ranks (training/harness.py). The copy is
+and the harness spreads the task's requests over the ranks (training/lm_eval_backend.py). The copy is
 built, used and dropped inside a saved and restored RNG state, and the training model, its
 optimizer and the data stream are never touched: a run with evaluations has the same losses as
 one without (tested bit for bit). The price is one extra copy of the weights per rank while the
@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common.errors import CapabilityError
+from common.values import is_dtensor
 from model.gpt import GPT
 from parallel.distributed import DistContext
 from parallel.engine import Engine
-from parallel.values import is_dtensor
 from training.checkpoint import capture_rng_state, restore_rng_state
 from training.config import JobConfig
 from training.model_io import WRAPPER_PREFIXES
@@ -35,15 +35,15 @@ INSTALL_HINT = "pip install -e '.[eval]' (lm-evaluation-harness)"
 SCORE_PREFIX = "harness/"  # metrics.jsonl / wandb / TensorBoard keys: harness/<task>/<metric>
 
 
-def import_harness(what: str) -> Any:
-    """training.harness, or a one-line CapabilityError saying how to install the harness."""
+def import_lm_eval_backend(what: str) -> Any:
+    """training.lm_eval_backend, or a one-line CapabilityError saying how to install the harness."""
     try:
         import lm_eval  # noqa: F401 -- only to find out whether it is installed
     except ImportError:
         raise CapabilityError(f"{what} needs lm-evaluation-harness: {INSTALL_HINT}") from None
-    from training import harness
+    from training import lm_eval_backend
 
-    return harness
+    return lm_eval_backend
 
 
 class TaskEvaluator:
@@ -52,10 +52,10 @@ class TaskEvaluator:
 
     def __init__(self, cfg: JobConfig, ctx: DistContext, tokenizer: str, eot_id: int | None):
         self.cfg, self.ctx, self.tokenizer, self.eot_id = cfg, ctx, tokenizer, eot_id
-        self.harness = import_harness("harness.tasks")
+        self.backend = import_lm_eval_backend("harness.tasks")
         rng = capture_rng_state()  # loading reads datasets; whatever it draws, training does not see it
         try:
-            self.tasks = self.harness.load_tasks(cfg.harness.tasks, cfg.harness.task_dir or None)
+            self.tasks = self.backend.load_tasks(cfg.harness.tasks, cfg.harness.task_dir or None)
         finally:
             restore_rng_state(rng)
 
@@ -69,15 +69,15 @@ class TaskEvaluator:
         rng = capture_rng_state()
         try:
             model = eval_copy(engine, self.cfg, device)
-            lm = self.harness.PerfGPTLM(model=model, tokenizer=self.tokenizer, eot_id=self.eot_id,
+            lm = self.backend.PerfGPTLM(model=model, tokenizer=self.tokenizer, eot_id=self.eot_id,
                                         batch_size=h.batch_size, forward_context=autocast_of(engine, device))
-            results = self.harness.run_tasks(lm, self.tasks, limit=h.limit, num_fewshot=h.num_fewshot,
+            results = self.backend.run_tasks(lm, self.tasks, limit=h.limit, num_fewshot=h.num_fewshot,
                                              bootstrap_iters=0)
         finally:
             restore_rng_state(rng)
         if results is None:
             return {}
-        return {SCORE_PREFIX + k: v for k, v in self.harness.scores(results).items()}
+        return {SCORE_PREFIX + k: v for k, v in self.backend.scores(results).items()}
 
 
 def eval_copy(engine: Engine, cfg: JobConfig, device: torch.device) -> GPT:
@@ -130,8 +130,7 @@ def _gathered_zero3(module: nn.Module) -> contextlib.AbstractContextManager:
 
 def autocast_of(engine: Engine, device: torch.device):
     """The training forward's autocast (no FP8 context: the copy's layers are plain)."""
-    policy = getattr(engine, "policy", None)
-    dtype = getattr(policy, "autocast_dtype", None)
+    dtype = engine.policy.autocast_dtype
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from data.tokenizer import ByteTokenizer
 from tests.conftest import ROOT, free_port, read_metrics, run_torchrun, run_train, step_losses, tiny_overrides
 from tools import evaluate as evaluate_tool
-from training.harness import PerfGPTLM, load_tasks, run_tasks
+from training.lm_eval_backend import PerfGPTLM, load_tasks, run_tasks
 from training.model_io import load_source, write_export
 
 TASK_DIR = ROOT / "tests" / "harness_tasks"

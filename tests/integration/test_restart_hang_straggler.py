@@ -39,7 +39,7 @@ def _launch(run_dir: Path, log: Path, faults: str, *extra_args: str, max_restart
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PERFGPT_FAULTS": faults,
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return subprocess.Popen(
-        # The c10d rendezvous, as on several nodes (README: Reliability).
+        # The c10d rendezvous, as on several nodes (docs/reliability.md).
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
          f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={max_restarts}", "train.py", *args, *extra_args],
         cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -107,7 +107,7 @@ def test_ctrl_c_saves_without_a_traceback(tmp_path, corpus_cache):
 def test_ctrl_c_during_set_up_exits_with_one_line(tmp_path, corpus_cache):
     log = tmp_path / "run.log"
     proc = _start(_long_run(tmp_path / "run", corpus_cache), log)
-    _wait_for_text(proc, log, "resolved config:")  # printed before the model and the data are built
+    _wait_for_text(proc, log, "resolved config:")  # printed before the model is built
     os.killpg(proc.pid, signal.SIGINT)
     rc = proc.wait(timeout=60)
     out = log.read_text()

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from analysis import kernel_bench
 from common.errors import CapabilityError, ConfigError, DataError
 from common.measure import (
     NO_DIFFERENCE,
@@ -27,7 +28,6 @@ from common.measure import (
     summarize,
 )
 from common.report import read_results, rows_path, write_results
-from kernels import bench as kernel_bench
 from kernels import reference
 
 CPU = torch.device("cpu")
@@ -136,3 +136,22 @@ def test_results_are_written_as_markdown_with_their_rows_as_strict_json(tmp_path
     rows_path(md).write_text('{"rows": 3}')
     with pytest.raises(DataError, match="not a results file"):
         read_results(rows_path(md))
+
+
+def test_interleaved_counts_every_call_in_its_progress(monkeypatch):
+    import common.measure as measure
+
+    made = []
+
+    class Counted(measure.Progress):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(measure, "Progress", Counted)
+    calls = []
+    measure.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, warmup=1,
+                        progress="two variants")
+    measure.interleaved({"a": lambda: None}, rounds=2)
+    assert [(p.total, p.done, p.desc, p.enabled) for p in made] == [(8, 8, "two variants", True), (3, 3, "", False)]
+    assert calls == ["a", "b"] * 4

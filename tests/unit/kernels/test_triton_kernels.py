@@ -27,10 +27,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from analysis import kernel_bench
 from common.errors import ConfigError
 from common.measure import check_against_fp32
 from common.report import read_results, rows_path
-from kernels import bench, reference
+from kernels import reference
 from kernels.registry import REFERENCE_OPS, KernelWithFallback, resolve_kernel_ops
 from tools import bench_kernels
 
@@ -449,4 +450,4 @@ def test_bench_kernels_writes_its_rows_as_json_next_to_the_markdown(tmp_path, ca
     check = triton[0]["check"]
     assert check["ok"] and check["outputs"] == ["output", "grad of arg 0", "grad of arg 1"]
     assert all(e <= t for e, t in zip(check["errors"], check["tolerances"]))
-    assert document["title"].startswith(bench.TITLE) and "| rms_norm |" in md.read_text()
+    assert document["title"].startswith(kernel_bench.TITLE) and "| rms_norm |" in md.read_text()

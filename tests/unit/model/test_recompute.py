@@ -102,7 +102,7 @@ def test_dropout_check_detects_a_recompute_that_draws_new_masks():
     expected = loss_and_grads(with_policy(base, "none"))
     broken = with_policy(base, "full")
     for block in broken.blocks.values():
-        block.activation_checkpoint = RecomputeWithFreshRng()
+        block.recompute_runner = RecomputeWithFreshRng()
     loss, grads = loss_and_grads(broken)
     assert torch.equal(loss, expected[0])  # the forward itself is unchanged...
     assert not torch.equal(grads["blocks.0.mlp.fc.weight"], expected[1]["blocks.0.mlp.fc.weight"])  # ...backward is not
@@ -140,7 +140,7 @@ def test_each_policy_wraps_the_modules_it_names():
     # The wrapped module keeps its type for isinstance checks, and the log line names what was done.
     assert isinstance(offloaded.blocks["0"], type(base.blocks["0"]))
     assert "offload on 4 modules" in describe_recompute(offloaded)
-    assert describe_recompute(base) == "activation checkpointing: none"
+    assert describe_recompute(base) == "recompute: none (model.recompute)"
 
 
 def test_bad_requests_fail_with_a_message_that_says_what_to_do():

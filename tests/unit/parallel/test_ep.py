@@ -32,10 +32,10 @@ import pytest
 import torch
 
 from common.errors import ConfigError, LayoutError
+from common.values import full_value
 from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
 from parallel.ep import by_expert_order
-from parallel.values import full_value
 from tests.gloo import gloo_context, run_workers, save_on_every_rank
 from training.build import build_from_config
 from training.config import load_config

@@ -242,7 +242,8 @@ def test_fsdp_gathers_tensorwise_weights_in_fp8_with_scales_precomputed_after_ea
     apply_fsdp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",)), cfg.parallel, policy,
                torch.device("cpu"))
     engine = ShardedEngine(model, policy, cfg.optim, torch.device("cpu"), fsdp=True)
-    assert float8.precompute_scales_after_step(engine.optimizer, engine.model)
+    [part] = engine.optimized_parts()
+    assert float8.precompute_scales_after_step(part.optimizer, part.model)
     proj = model.blocks["0"].attn.proj.weight
     assert type(proj._local_tensor).__name__ == "WeightWithDynamicFloat8CastTensor"
     assert proj._local_tensor._precomputed_scale is None  # nothing precomputed before the first step
@@ -260,7 +261,7 @@ def test_the_build_path_schedules_the_scale_precompute_only_for_fp8_torchao(monk
     calls = []
     monkeypatch.setattr(parallelize, "precompute_scales_after_step", lambda opt, model: calls.append((opt, model)))
     built = build(*FP8)
-    assert calls == [(built.engine.optimizer, built.engine.model)]
+    assert calls == [(part.optimizer, part.model) for part in built.engine.optimized_parts()] and len(calls) == 1
     calls.clear()
     build("--precision.mode=bf16")
     assert calls == []

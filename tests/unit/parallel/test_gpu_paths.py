@@ -1,6 +1,6 @@
-"""GPU-path decisions checked on CPU: dependency floors against the APIs
-the code calls, DeepSpeed's own parser on our generated config, Transformer Engine's recompute,
-FP8 shape rules, meta-device init with TE layers, and capability checks for flash-attn and bf16.
+"""GPU-path decisions checked on CPU: DeepSpeed's own parser on our generated config, Transformer
+Engine's recompute, FP8 shape rules, meta-device init with TE layers, and capability checks for
+flash-attn and bf16.
 
 No GPU and no Transformer Engine here: the device queries are monkeypatched to describe a V100
 (compute capability 7.0) or an A100 (8.0), and a stand-in ``transformer_engine.pytorch`` records
@@ -19,45 +19,12 @@ import torch.nn as nn
 
 from common.errors import CapabilityError, ConfigError
 from parallel.precision import PrecisionConfig, precision_policy
-from tests.conftest import ROOT
 
 
 def job(*overrides: str):
     from training.config import load_config
 
     return load_config("configs/tiny.yaml", list(overrides))
-
-
-# --------------------------------------------------------------------------- dependency floors
-
-
-def _declared_floors() -> dict[str, str]:
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    specs = list(project["dependencies"])
-    for group in project["optional-dependencies"].values():
-        specs += group
-    floors = {}
-    for spec in specs:
-        name, sep, version = spec.partition(">=")
-        if sep:
-            floors[name.split("[")[0].strip()] = version.split(",")[0].strip()
-    return floors
-
-
-def test_declared_floors_are_at_least_the_versions_our_api_calls_need():
-    from parallel.requirements import NEEDS, minimum_version, version_tuple
-
-    floors = _declared_floors()
-    for package in sorted({need.package for need in NEEDS}):
-        assert package in floors, f"pyproject.toml declares no floor for {package}"
-        needed = minimum_version(package)
-        newer = [n.api for n in NEEDS if n.package == package
-                 and version_tuple(n.version) > version_tuple(floors[package])]
-        assert version_tuple(floors[package]) >= version_tuple(needed), (
-            f"pyproject.toml allows {package}>={floors[package]}, but the code calls APIs that appeared in "
-            f"{needed}: {'; '.join(newer)}"
-        )
 
 
 def test_the_fsdp_root_gets_an_explicit_bool_that_every_supported_torch_accepts(monkeypatch):

@@ -13,7 +13,7 @@ from parallel.checkpoint import full_state_by_name
 from parallel.distributed import DistContext
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionConfig, precision_policy
-from parallel.step import Optimized, OptimizerStep, clip_grads_
+from parallel.step import OptimizedPart, OptimizerStep, clip_grads_
 from training.build import build_from_config
 from training.config import load_config
 
@@ -51,10 +51,10 @@ def test_a_copy_counts_once_in_the_norm_and_steps_bit_equal_to_its_original():
     weight, bias, grad_w, grad_b = torch.randn(4, 3), torch.randn(4), torch.randn(4, 3), torch.randn(4)
     optim = OptimConfig(grad_clip=0.1, lr=1e-2)
     first, last, whole = _linear(weight, bias), _linear(weight), _linear(weight, bias)
-    parts = [Optimized.build(m, FP32, optim, torch.device("cpu")) for m in (first, last)]
+    parts = [OptimizedPart.build(m, FP32, optim, torch.device("cpu")) for m in (first, last)]
     pipeline = OptimizerStep(parts, grad_clip=optim.grad_clip, device=torch.device("cpu"),
                              counted_once=(last.weight,))
-    single = OptimizerStep([Optimized.build(whole, FP32, optim, torch.device("cpu"))], grad_clip=optim.grad_clip,
+    single = OptimizerStep([OptimizedPart.build(whole, FP32, optim, torch.device("cpu"))], grad_clip=optim.grad_clip,
                            device=torch.device("cpu"))
     for step in range(3):
         first.weight.grad, first.bias.grad, last.weight.grad = grad_w.clone(), grad_b.clone(), grad_w.clone()
@@ -69,7 +69,7 @@ def test_a_copy_counts_once_in_the_norm_and_steps_bit_equal_to_its_original():
 
 def test_a_non_finite_gradient_skips_the_step_read_on_the_host():
     layer = _linear(torch.ones(2, 2))
-    part = Optimized.build(layer, FP32, OptimConfig(), torch.device("cpu"))
+    part = OptimizedPart.build(layer, FP32, OptimConfig(), torch.device("cpu"))
     layer.weight.grad = torch.tensor([[1.0, float("nan")], [0.0, 0.0]])
     result = OptimizerStep([part], grad_clip=1.0, device=torch.device("cpu"))(1e-2, torch.tensor(1.0))
     assert result.skipped is True
@@ -95,7 +95,8 @@ def test_a_one_process_checkpoint_is_named_as_torchs_distributed_state_dict_name
 
     engine = _trained_engine("fp32", *mup)  # tied embeddings: the head's weight is the embedding's
     ours = full_state_by_name(engine.state_dict())
-    model, optim = get_state_dict(engine.module(), engine.optimizer,
+    [part] = engine.optimized_parts()
+    model, optim = get_state_dict(engine.module(), part.optimizer,
                                   options=StateDictOptions(flatten_optimizer_state_dict=True))
     assert set(ours["model"]) == set(model) and set(ours["optimizer"]) == set(optim)
     for key, value in model.items():
@@ -108,12 +109,13 @@ def test_a_one_process_checkpoint_is_named_as_torchs_distributed_state_dict_name
 def test_a_one_process_checkpoint_with_fp32_masters_hands_on_the_masters():
     engine = _trained_engine("bf16_master")
     ours = full_state_by_name(engine.state_dict())
+    [part] = engine.optimized_parts()
     names = [n for n, _ in engine.module().named_parameters()]
-    for name, master in zip(names, engine.masters.masters):
+    for name, master in zip(names, part.masters.masters):
         assert ours["model"][name].dtype == torch.float32 and torch.equal(ours["model"][name], master), name
     assert torch.equal(ours["model"]["lm_head.weight"], ours["model"]["tok_emb.weight"])
     # the masters' AdamW state under their parameters' names
-    exp_avg = engine.optimizer.state[engine.masters.masters[0]]["exp_avg"]
+    exp_avg = part.optimizer.state[part.masters.masters[0]]["exp_avg"]
     assert torch.equal(ours["optimizer"][f"state.{names[0]}.exp_avg"], exp_avg)
 
 

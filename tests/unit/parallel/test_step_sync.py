@@ -102,8 +102,9 @@ def forward_backward(self, *args):
 
 
 def snapshot(engine):
-    params = [p for group in engine.optimizer.param_groups for p in group["params"]]
-    state = [{k: v.clone() for k, v in engine.optimizer.state[p].items()} for p in params]
+    [part] = engine.optimized_parts()
+    params = [p for group in part.optimizer.param_groups for p in group["params"]]
+    state = [{k: v.clone() for k, v in part.optimizer.state[p].items()} for p in params]
     return [p.detach().clone() for p in params], state
 
 

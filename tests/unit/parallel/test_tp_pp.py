@@ -202,7 +202,7 @@ def pipeline_skip_on_device(rank: int, world: int) -> dict:
             result = engine.optimizer_step(cfg.optim.lr, loss)
         out["skipped"].append(result.skipped.tolist() if torch.is_tensor(result.skipped) else result.skipped)
         out["changed"].append(any(not torch.equal(v, full_params(engine)[k]) for k, v in before.items()))
-        out["steps"].append(sorted({int(st["step"]) for s in engine.steppers for st in s.optimizer.state.values()}))
+        out["steps"].append(sorted({int(st["step"]) for s in engine.optimized_parts() for st in s.optimizer.state.values()}))
     out["host_reads"] = CountHostReads.reads
     return out
 
@@ -223,7 +223,7 @@ def reference(dp_size: int, tied: bool = False, save_after: Path | None = None, 
         if step == SAVE_AFTER and save_after is not None:
             save_after.mkdir()
             engine.save(save_after, 0)
-            save_sharded([(engine.module(), engine.optimizer)], None, save_after.with_name(save_after.name + "_dcp"))
+            save_sharded([(engine.module(), engine.optimized_parts()[0].optimizer)], None, save_after.with_name(save_after.name + "_dcp"))
             saved = whole_state(engine)
         batches = iter([mb for r in range(dp_size) for mb in micro_batches(step, r, dp_size, accum)])
         loss, _ = engine.forward_backward_step(batches, accum * dp_size)

@@ -23,7 +23,7 @@ from model.generate import generate
 from model.gpt import GPT
 from tests.conftest import ROOT
 from tools import evaluate as evaluate_tool
-from training.harness import PerfGPTLM, cut_at_stop, load_tasks
+from training.lm_eval_backend import PerfGPTLM, cut_at_stop, load_tasks
 from training.model_io import ModelSource, write_export
 
 TASK_DIR = ROOT / "tests" / "harness_tasks"

@@ -19,7 +19,7 @@ every setting alike) and reported as median, min and max:
   of a multinomial draw (``sqrt(n p (1 - p))``).
 
 Consumption is each model's training tokens/s on this machine, measured with real steps
-(``data/bench.py``).
+(``analysis/data_bench.py``).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from typing import Callable
 
 import torch
 
+from analysis.data_bench import ConsumerModel, measure_stream, measured_training_tokens_per_s
 from common.errors import DataError
 from common.measure import machine_load, summarize
 from common.report import markdown_table, new_figure, save_figure, write_results
-from data.bench import ConsumerModel, measure_stream, measured_training_tokens_per_s
 from data.config import DataConfig, SourceConfig
 from data.default_corpus import list_source_files, stdlib_root
 from data.loader import build_data

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from analysis.data_bench import naive_stream
 from common.report import read_results, rows_path
-from data.bench import naive_stream
 from data.config import DataConfig
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -24,7 +24,7 @@ plugin or entry-point discovery in lm-eval 0.4.x): from a shell, ``python -m too
 CHECKPOINT --tasks ...`` is the command.
 
 This module imports the harness at its top: import it only when tasks are asked for
-(``import_harness`` says in one line how to install it when it is missing).
+(``training.task_eval.import_lm_eval_backend`` says in one line how to install it when it is missing).
 """
 
 from __future__ import annotations

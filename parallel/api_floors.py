@@ -38,7 +38,7 @@ NEEDS: tuple[ApiNeed, ...] = (
             "recipes by name)", "parallel/float8.py"),
     ApiNeed("lm-eval", "0.4.12", "TaskManager(include_defaults=...), TaskManager.task_index and "
             "lm_eval.tasks._yaml_loader.load_yaml (the harness's task index as rewritten in 0.4.12)",
-            "training/harness.py"),
+            "training/lm_eval_backend.py"),
     ApiNeed("transformer-engine", "2.0", "transformer_engine.pytorch.checkpoint and TransformerLayer's "
             "attn_input_format", "model/te.py, model/recompute.py"),
 )
