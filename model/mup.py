@@ -17,10 +17,14 @@ tune a model of width ``mup_base_width`` as usual, then widen it with µP on. Th
 is 1/d_head times sqrt(d_head at the base width), which assumes the heads widen with d_model
 (n_head fixed).
 
-Muon (matrices orthogonalised, their update's spectral norm set by a scale rule) needs the 1/m of
-AdamW only where its rule matches AdamW's update size per entry (Moonlight's 0.2 sqrt(max(A, B))):
-a rule that sets the spectral norm to sqrt(fan_out / fan_in) is already µP's spectral condition
-(Yang, Simon & Bernstein 2023) and takes no width multiplier. ``hidden_lr_multiplier`` says which.
+Other optimizers: µP's rule for a hidden matrix is the spectral condition (Yang, Simon & Bernstein
+2023): its update's spectral norm should stay sqrt(fan_out / fan_in) times a width-free constant.
+AdamW's update has entries of size lr and, the gradient being of low rank, a spectral norm of about
+lr x width: hence 1/m. An orthogonalised update (Muon) has every singular value equal, so its size
+follows from its scale rule: scaled to AdamW's RMS per entry (Moonlight's 0.2 sqrt(max(A, B))), its
+spectral norm grows as sqrt(width) and the LR takes m^-1/2; scaled by sqrt(max(1, A/B)) (Keller
+Jordan's) or not at all, it is already width-free and takes none. ``hidden_lr_multiplier`` says which;
+the embeddings, head, norms and biases a Muon run leaves to AdamW keep AdamW's µP (multiplier 1).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch.nn as nn
 from model.config import ModelConfig
 
 LrScale = Callable[[str, torch.Tensor], float]  # (parameter name, parameter) -> multiplier of the LR
+Update = Literal["adam", "rms_matched", "spectral"]  # how an optimizer sizes a hidden matrix's update
 
 
 def width_multiplier(cfg: ModelConfig) -> float:
@@ -58,13 +63,15 @@ def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
     return param.ndim >= 2 and "blocks." in name
 
 
-def hidden_lr_multiplier(cfg: ModelConfig, update: Literal["adam", "spectral"] = "adam") -> float:
-    """The LR multiplier of hidden matrices: 1/m for AdamW (and for an optimizer whose update has
-    AdamW's size per entry); 1 for an update whose spectral norm is sqrt(fan_out / fan_in)."""
-    return 1.0 / width_multiplier(cfg) if update == "adam" else 1.0
+def hidden_lr_multiplier(cfg: ModelConfig, update: Update = "adam") -> float:
+    """The LR multiplier of hidden matrices for an optimizer whose update is AdamW's ("adam": 1/m), an
+    orthogonalised one scaled to AdamW's RMS per entry ("rms_matched": m^-1/2), or one whose spectral
+    norm does not grow with the width ("spectral": 1)."""
+    m = width_multiplier(cfg)
+    return {"adam": 1.0 / m, "rms_matched": m ** -0.5, "spectral": 1.0}[update]
 
 
-def lr_multipliers(model: nn.Module, update: Literal["adam", "spectral"] = "adam") -> LrScale | None:
+def lr_multipliers(model: nn.Module, update: Update = "adam") -> LrScale | None:
     """Per-parameter LR multipliers of the GPT inside ``model`` (wrapped or not; one pipeline stage
     included), or None when it does not use µP."""
     cfg = next((m.cfg for m in model.modules() if isinstance(getattr(m, "cfg", None), ModelConfig)), None)

@@ -14,7 +14,7 @@ from common.errors import ConfigError, InteropError
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.interop import hf_layout, to_nanogpt
-from model.mup import lr_multipliers
+from model.mup import hidden_lr_multiplier, lr_multipliers
 from parallel.optim import decay_groups
 from parallel.step import set_lr
 from training.config import load_config
@@ -132,6 +132,43 @@ def test_coordinate_check_needs_the_hidden_learning_rate_multiplier(one_thread):
     narrow, wide = (activation_sizes(w, mup=True, steps=4, mup_lr=False)[-1] for w in (BASE, 8 * BASE))
     for layer in ("attention 0", "mlp 0", "attention 1", "mlp 1", "block 1"):
         assert wide[layer] / narrow[layer] > 3.0, (layer, wide[layer] / narrow[layer])
+
+
+def adamw_first_update(grad: torch.Tensor, lr: float) -> torch.Tensor:
+    return lr * grad / (grad.abs() + 1e-8)  # AdamW's first step, bias-corrected: lr x sign(g)
+
+
+def orthogonalised_update(grad: torch.Tensor, lr: float, rule: str) -> torch.Tensor:
+    """Muon's update with exact orthogonalisation (U V^T of the gradient's SVD) and its scale rule."""
+    u, _, vt = torch.linalg.svd(grad, full_matrices=False)
+    a, b = grad.shape
+    scale = {"moonlight": 0.2 * math.sqrt(max(a, b)), "jordan": math.sqrt(max(1.0, a / b))}[rule]
+    return lr * scale * (u @ vt)
+
+
+@pytest.mark.parametrize("update, kind", [
+    (adamw_first_update, "adam"),
+    (lambda g, lr: orthogonalised_update(g, lr, "moonlight"), "rms_matched"),
+    (lambda g, lr: orthogonalised_update(g, lr, "jordan"), "spectral"),
+], ids=["adamw", "muon-rms-matched", "muon-spectral"])
+def test_the_hidden_multiplier_keeps_the_updates_spectral_norm_flat_as_the_width_grows(update, kind):
+    """µP's spectral condition: a hidden matrix's update has spectral norm sqrt(fan_out / fan_in) times
+    a constant that does not depend on the width. Measured on a low-rank gradient (a small batch's) of
+    the attention output (n x n) and MLP input (4n x n) matrices at 4x the base width, each optimizer's
+    update written here; the multiplier for another optimizer misses by about 2x (sqrt of the 4x)."""
+    def norm(width: int, shape: tuple[int, int], multiplier: float) -> float:
+        gen = torch.Generator().manual_seed(width)
+        grad = torch.randn(shape[0], 4, generator=gen) @ torch.randn(4, shape[1], generator=gen)  # rank 4
+        delta = update(grad, 1e-3 * multiplier)
+        return torch.linalg.matrix_norm(delta, ord=2).item() / math.sqrt(shape[0] / shape[1])
+
+    base, wide = config(BASE, mup=True), config(4 * BASE, mup=True)
+    for rows in (1, 4):  # fan_out = rows x fan_in
+        ratio = {other: norm(4 * BASE, (rows * 4 * BASE, 4 * BASE), hidden_lr_multiplier(wide, other))
+                 / norm(BASE, (rows * BASE, BASE), hidden_lr_multiplier(base, other))
+                 for other in ("adam", "rms_matched", "spectral")}
+        assert 0.75 < ratio[kind] < 1.33, (rows, ratio)
+        assert all(r < 0.6 or r > 1.6 for other, r in ratio.items() if other != kind), (rows, ratio)
 
 
 @pytest.mark.parametrize("override, message", [
