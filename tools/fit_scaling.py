@@ -26,7 +26,7 @@ from pathlib import Path
 from analysis.scaling_law import default_budgets, fit_law, plot_fit, report_lines
 from analysis.sweep import read_points
 from common.errors import USER_FACING_ERRORS, ConfigError
-from common.report import write_results
+from common.report import relative_link, write_results
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         title = f"Chinchilla fit of {args.table.name}"
         text = "\n".join([f"# {title}", "", f"`{command}`", "", *lines, ""])
         if args.plot:
-            text += f"\n![loss against compute with the fitted frontier]({_relative(args.plot, args.markdown)})\n"
+            text += f"\n![loss against compute with the fitted frontier]({relative_link(args.plot, args.markdown)})\n"
         rows = [{"point": name, "params": ni, "tokens": di, "val_loss": li, "fit": fit.law.loss(ni, di)}
                 for name, ni, di, li in zip(names, n, d, loss)]
         for path in write_results(args.markdown, text, title, rows, law=fit.law.as_dict(), command=command,
@@ -87,12 +87,6 @@ def parse_budgets(text: str | None) -> list[float]:
         raise ConfigError(f"--budgets {text!r}: every budget must be a number of FLOPs > 0")
     return budgets
 
-
-def _relative(target: Path, markdown: Path) -> str:
-    try:
-        return str(target.resolve().relative_to(markdown.resolve().parent))
-    except ValueError:
-        return str(target)
 
 
 if __name__ == "__main__":
