@@ -145,24 +145,15 @@ def describe_run(cfg: JobConfig, ctx: DistContext, run_dir: Path) -> list[str]:
     data = f"a mixture of {len(d.sources)} sources" if d.sources else f"{d.format} {d.path}".rstrip()
     return [
         f"perfgpt: run {cfg.name} in {run_dir} | world {ctx.world_size} ({ctx.backend or 'single process'}) "
-        f"| device {ctx.device} | precision {cfg.precision.mode} | strategy {cfg.parallel.strategy}",
+        f"| device {ctx.device} | precision {cfg.precision.mode} | {ctx.layout.describe()}",
         f"train: {t.max_steps:,} steps of {t.grad_accum_steps} micro-batch(es) x {t.micro_batch_size} sequences x "
         f"{cfg.seq_len} tokens per data-parallel rank | data {data} | resolved config: {run_dir / RUN_CONFIG_FILE}",
     ]
 
 
 def describe_model(cfg: JobConfig, ctx: DistContext) -> list[str]:
-    m, seq_len, p, d = cfg.model, cfg.seq_len, cfg.parallel, ctx.dims
-    layout = {"grad_accum": cfg.train.grad_accum_steps, "tp": d.tp, "pp": d.pp, "cp": d.cp, "dp_replicate": d.dp_replicate,
-              "fsdp_reshard_after_forward": p.reshard_blocks_after_forward}
-    if d.tp > 1:
-        layout["sequence_parallel"] = p.sequence_parallel
-    if d.pp > 1:
-        layout |= {"pp_schedule": p.pp_schedule, "pp_virtual_stages": p.pp_virtual_stages}
-    if d.ep > 1:
-        layout["ep"] = d.ep
-    verdict = fit_verdict(m, seq_len, cfg.train.micro_batch_size, ctx.world_size, p.strategy, m.recompute,
-                          cfg.precision.mode, _device_name(ctx.device), config=cfg, **layout)
+    m, seq_len = cfg.model, cfg.seq_len
+    verdict = fit_verdict(cfg, ctx.layout, _device_name(ctx.device))
     lines = [
         f"model: {count_parameters(m) / 1e6:.2f}M parameters ({count_parameters(m, include_embeddings=False) / 1e6:.2f}M "
         f"without embedding lookups), {m.n_layer} layers, d_model {m.d_model}, "
@@ -181,7 +172,7 @@ def describe_model(cfg: JobConfig, ctx: DistContext) -> list[str]:
 def throughput(cfg: JobConfig, ctx: DistContext) -> tuple[Throughput, str]:
     """Tokens and FLOPs per optimizer step and the device peak MFU is measured against; a log line."""
     t, seq_len = cfg.train, cfg.seq_len
-    tokens_per_step = t.micro_batch_size * seq_len * t.grad_accum_steps * ctx.dims.dp_size
+    tokens_per_step = t.micro_batch_size * seq_len * t.grad_accum_steps * ctx.layout.dp
     peak, peak_note = ((t.peak_tflops, f"peak {t.peak_tflops:g} TFLOP/s (train.peak_tflops)") if t.peak_tflops
                        else peak_tflops_for(_device_name(ctx.device), cfg.precision.mode))
     note = (f"mfu: {peak_note}; {tokens_per_step:,} tokens/step; uniform-baseline loss ln(V) = "

@@ -3,7 +3,7 @@
 What the tables say lives in ``analysis/chapter_tables.yaml``: each table's title, setup lines,
 columns and verdict notes, the chapter's claims quoted as printed (translated), and the templates of
 the cells. Each ``*_table`` function here computes the figures those templates name, from
-``analysis/estimator.py`` and ``common/hardware.py`` (analytic) and from the measurements of this
+``analysis/estimator/`` and ``common/hardware.py`` (analytic) and from the measurements of this
 run (``Measured``), and ``render`` fills them into a ``report.Table``. Verdicts say why a claim is
 wrong where it is, and docs/chapter_corrections.md lists each correction with the tests that
 establish it. A "measured here" cell holds either a measurement of this run or a figure read, at
@@ -202,7 +202,7 @@ def precision_table(measured: Measured) -> Table:
     n_params = est.count_parameters(gpt3.model)
     results = {}
     for claim in claims:
-        job = est.JobSpec(gpt3.model, gpt3.seq_len, 1, 8, "fsdp", "none", claim["mode"], h100)
+        job = est.JobSpec(gpt3.model, gpt3.seq_len, 1, est.Layout(8, strategy="fsdp"), "none", claim["mode"], h100)
         results[claim["label"]] = est.estimate(job)
     fp32_memory = results["FP32"].memory.total
     fp32_speed = results["FP32"].time.seconds_per_token  # predicted as if memory were no limit
@@ -298,7 +298,7 @@ def recompute_table(measured: Measured) -> Table:
                    "total": gib(L * per_layer), "per_layer": gib(per_layer), "flash_total": gib(L * flash)}
         if policy == "offload":
             host = L * est.activation_bytes_per_layer(cfg, s, b, "none", attention="materialized")
-            result = est.estimate(est.JobSpec(cfg, s, b, 64, "fsdp", "offload", "bf16_master", h100))
+            result = est.estimate(est.JobSpec(cfg, s, b, est.Layout(64, strategy="fsdp"), "offload", "bf16_master", h100))
             tp_host = L * per_layer_tp_sp(cfg, s, b, "none")
             figures |= {"host": gib(host), "layer_in_flight": gib(per_layer_none(cfg, s, b)),
                         "offload_s": result.time.offload_s, "compute_s": result.time.compute_s,
@@ -336,7 +336,7 @@ def _planner_figures(p70) -> dict:
     h100 = DEVICES["H100"]
     global_batch = p70.micro_batch * p70.world_size
     plans = est.plan_layouts(p70.model, p70.seq_len, p70.world_size, h100, global_batch=global_batch, top=1)
-    data_parallel = sorted({plan.job.policy for plan in est.plan_fits(p70.model, p70.seq_len, p70.world_size, h100, top=None)})
+    data_parallel = sorted({plan.job.recompute for plan in est.plan_fits(p70.model, p70.seq_len, p70.world_size, h100, top=None)})
     # The preset keeps Korthikanti's dropout; the trainer's tensor parallelism trains without it.
     no_dropout = dataclasses.replace(p70.model, dropout=0.0)
     tp_plans = est.plan_layouts(no_dropout, p70.seq_len, p70.world_size, h100, global_batch=global_batch, top=1)
@@ -553,20 +553,18 @@ def priority_table(measured: Measured) -> Table:
     p70 = est.preset("70b")
     cfg70, s70, b70 = p70.model, p70.seq_len, p70.micro_batch
 
-    def job(**kw):
-        base = dict(model=llama.model, seq_len=llama.seq_len, micro_batch=1, world_size=64, strategy="fsdp",
-                    policy="none", precision="bf16_master", device=h100)
-        base.update(kw)
-        return est.estimate(est.JobSpec(**base))
+    def job(precision: str = "bf16_master", strategy: str = "fsdp", gpus: int = 64):
+        return est.estimate(est.JobSpec(llama.model, llama.seq_len, 1, est.Layout(gpus, strategy=strategy), "none",
+                                        precision, h100))
 
     fp32, bf16 = job(precision="fp32"), job(precision="bf16_master")
     fp8 = job(precision="fp8")
-    ddp = job(strategy="ddp", world_size=8)
-    zero3 = job(strategy="fsdp", world_size=8)
+    ddp = job(strategy="ddp", gpus=8)
+    zero3 = job(strategy="fsdp", gpus=8)
     none70 = est.activation_bytes_per_layer(cfg70, s70, b70, "none")
     sel70 = est.activation_bytes_per_layer(cfg70, s70, b70, "selective")
     full70 = est.activation_bytes_per_layer(cfg70, s70, b70, "full")
-    zero2_64 = job(strategy="zero2", world_size=64)  # DDP's 2Ψ traffic; DDP itself does not fit (16Ψ)
+    zero2_64 = job(strategy="zero2", gpus=64)  # DDP's 2Ψ traffic; DDP itself does not fit (16Ψ)
     t = zero2_64.time
     serial_step = t.compute_s + t.comm_s + t.offload_s + t.memory_bound_s
     att = measured.attention

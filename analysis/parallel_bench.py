@@ -84,6 +84,7 @@ from model.flops import count_parameters
 from model.moe import moe_layers
 from parallel.config import ParallelConfig
 from parallel.distributed import DistContext, init_distributed, shutdown_distributed
+from parallel.layout import Layout
 from parallel.optim import lr_at
 from parallel.pp import stage_ids
 from parallel.zero import ZeroEngine
@@ -102,67 +103,71 @@ COMM_DIMS = ("tp", "dp", "pp", "other")  # columns of the communication table; d
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A tensor/pipeline/data-parallel layout row: its degrees in the config's own words."""
+class BenchLayout:
+    """A layout row of the benchmark: what --layouts names it by, and its layout (parallel/layout.py),
+    whose strategy none becomes what train.py runs."""
 
-    key: str  # what --layouts names it by
-    tp: int = 1
-    pp: int = 1
-    dp_shard: int = 1
-    pp_schedule: str = "1f1b"
-    cp: int = 1
-    ep: int = 1  # expert parallelism, carved out of the data-parallel ranks (dp_shard x ep of them)
+    key: str
+    layout: Layout
+
+    @classmethod
+    def of(cls, key: str, **degrees: int) -> BenchLayout:
+        """The row of ``degrees`` (the parallel section's tp, pp, dp_shard, cp, ep) on the ranks they multiply to."""
+        ranks = degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("dp_shard", 1) * degrees.get("cp", 1)
+        return cls(key, Layout(ranks, **degrees))
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.pp * self.data_ranks * self.cp
+        return self.layout.world_size
 
     @property
     def data_ranks(self) -> int:
         """Data-parallel ranks: each reads its own part of the global batch."""
-        return self.dp_shard * self.ep
+        return self.layout.dp
 
     @property
     def strategy(self) -> str:
-        # What train.py promotes strategy none to on several data-parallel (or context-parallel) ranks.
-        return "fsdp" if self.data_ranks > 1 or self.cp > 1 else "none"
+        return self.layout.strategy
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
 
     @property
     def microbatches(self) -> int:
         """Micro-batches per step: a pipeline needs at least one per stage, more only lengthen the run."""
-        return self.pp
+        return self.layout.pp
 
     @property
     def label(self) -> str:
         """e.g. ``pp x fsdp: pp=2 dp_shard=2 (1f1b)``: the composition, then the config's words."""
-        sizes = (("pp", self.pp), ("dp_shard", self.dp_shard), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp))
-        words = " ".join(f"{k}={v}" for k, v in sizes if v > 1) + (f" ({self.pp_schedule})" if self.pp > 1 else "")
+        lay = self.layout
+        sizes = (("pp", lay.pp), ("dp_shard", lay.dp_shard), ("ep", lay.ep), ("cp", lay.cp), ("tp", lay.tp))
+        words = " ".join(f"{k}={v}" for k, v in sizes if v > 1) + (f" ({lay.pp_schedule})" if lay.pp > 1 else "")
         dims = [("fsdp" if k == "dp_shard" else k) for k, v in sizes if v > 1]
         return f"{' x '.join(dims)}: {words}" if len(dims) > 1 else words
 
     def overrides(self, global_batch: int) -> list[str]:
         micro = global_batch // (self.data_ranks * self.microbatches)
-        return [f"--parallel.strategy={self.strategy}", f"--parallel.tp={self.tp}", f"--parallel.pp={self.pp}",
-                f"--parallel.dp_shard={self.dp_shard}", f"--parallel.pp_schedule={self.pp_schedule}",
-                f"--parallel.cp={self.cp}", f"--parallel.ep={self.ep}",
-                f"--train.micro_batch_size={micro}", f"--train.grad_accum_steps={self.microbatches}"]
+        return self.layout.overrides() + [f"--train.micro_batch_size={micro}",
+                                          f"--train.grad_accum_steps={self.microbatches}"]
 
 
 LAYOUTS = {
-    "tp": Layout("tp", tp=2),
-    "pp": Layout("pp", pp=2),
-    "fsdp_tp": Layout("fsdp_tp", dp_shard=2, tp=2),
-    "pp_fsdp": Layout("pp_fsdp", pp=2, dp_shard=2),
-    "pp_tp_fsdp": Layout("pp_tp_fsdp", pp=2, dp_shard=2, tp=2),
+    "tp": BenchLayout.of("tp", tp=2),
+    "pp": BenchLayout.of("pp", pp=2),
+    "fsdp_tp": BenchLayout.of("fsdp_tp", dp_shard=2, tp=2),
+    "pp_fsdp": BenchLayout.of("pp_fsdp", pp=2, dp_shard=2),
+    "pp_tp_fsdp": BenchLayout.of("pp_tp_fsdp", pp=2, dp_shard=2, tp=2),
     # Context parallelism beside dp_shard=2, so that FSDP2 shards over the flattened dp_shard x cp
     # group and the cp group carries only the K/V all-gathers and reduce-scatters that the rows report.
-    "cp2": Layout("cp2", dp_shard=2, cp=2),
-    "cp4": Layout("cp4", dp_shard=2, cp=4),
+    "cp2": BenchLayout.of("cp2", dp_shard=2, cp=2),
+    "cp4": BenchLayout.of("cp4", dp_shard=2, cp=4),
     # Expert parallelism (an MoE config: --config configs/tiny-moe.yaml): the experts over 2 ranks, alone
-    # (FSDP2 shards the dense weights over the same 2 ranks) and beside 2 data-parallel ranks that hold
-    # the same experts.
-    "ep2": Layout("ep2", ep=2),
-    "ep2_fsdp": Layout("ep2_fsdp", dp_shard=2, ep=2),
+    # (FSDP2 shards the dense weights over the same 2 ranks) and on 4 ranks, where 2 ranks hold the same
+    # experts.
+    "ep2": BenchLayout.of("ep2", dp_shard=2, ep=2),
+    "ep2_fsdp": BenchLayout.of("ep2_fsdp", dp_shard=4, ep=2),
 }
 DEFAULT_LAYOUTS = ("tp", "pp", "fsdp_tp", "pp_fsdp")  # pp_tp_fsdp (8 ranks) with --with-3d
 UNTIED = "--model.tie_embeddings=false"
@@ -342,7 +347,7 @@ def formula_comm(cfg: JobConfig, pp_rank: int, dp_size: int) -> dict[str, float]
     out["tp"] = m * sum(tp_comm_seconds(job, s)[1] for s in stages)
     if p.pp > 1:
         activation = job.activation_dtype_bytes * cfg.seq_len * cfg.train.micro_batch_size * cfg.model.d_model
-        activation /= p.tp if job.sp else 1
+        activation /= p.tp if job.layout.sp else 1
         out["pp"] = m * activation * sum((s < n_stages - 1) + (s > 0) for s in stages)
     n_params = rank_parameters(cfg, pp_rank)
     dp_size *= p.cp  # cp ranks average gradients with the data-parallel ones (FSDP2 over dp_shard x cp)
@@ -366,10 +371,11 @@ def _formula_job(cfg: JobConfig, dp_size: int) -> JobSpec:
     stages are stages here) and the micro-batch count is raised to what its schedule checks accept."""
     p = cfg.parallel
     n_stages = p.pp * p.pp_virtual_stages
-    return JobSpec(model=cfg.model, seq_len=cfg.seq_len, micro_batch=cfg.train.micro_batch_size,
-                   world_size=dp_size * p.tp * n_stages * p.cp, strategy=p.strategy, policy=cfg.model.recompute,
-                   precision=cfg.precision.mode, grad_accum=max(cfg.train.grad_accum_steps, n_stages), tp=p.tp,
-                   pp=n_stages, sequence_parallel=p.sequence_parallel, cp=p.cp, ep=p.ep)
+    layout = Layout(dp_size * p.tp * n_stages * p.cp, strategy=p.strategy, tp=p.tp, pp=n_stages,
+                    sequence_parallel=p.sequence_parallel, cp=p.cp, ep=p.ep)
+    return JobSpec(model=cfg.model, seq_len=cfg.seq_len, micro_batch=cfg.train.micro_batch_size, layout=layout,
+                   recompute=cfg.model.recompute, precision=cfg.precision.mode,
+                   grad_accum=max(cfg.train.grad_accum_steps, n_stages))
 
 
 def formula_kv_bytes(cfg: JobConfig, dp_size: int) -> float:
@@ -454,7 +460,7 @@ class ExpertTraffic:
         self.layers = moe_layers([model])
         self.rank, self.ep = ctx.mesh["ep"].get_local_rank(), ctx.mesh["ep"].size()
         self.microbatches = cfg.train.grad_accum_steps
-        self.row_bytes = cfg.model.d_model * _formula_job(cfg, ctx.dims.dp_size).activation_dtype_bytes
+        self.row_bytes = cfg.model.d_model * _formula_job(cfg, ctx.layout.dp).activation_dtype_bytes
         self.measured: list[float] = []
         self.routed: list[float] = []
 
@@ -502,14 +508,14 @@ def run_rank(config: str | None, overrides: list[str], steps: int, out: Path) ->
                   "n_params": n_params, "n_params_config": count_parameters(cfg.model),
                   "strategy": cfg.parallel.strategy, "pp_rank": pp_rank,
                   "comm": sent, "comm_detail": sent_detail,
-                  "formula": formula_states(cfg, pp_rank, ctx.dims.dp_shard * ctx.dims.cp),
-                  "formula_comm": formula_comm(cfg, pp_rank, ctx.dims.dp_size),
-                  "activations": saved.bytes, "activations_formula": formula_activation_bytes(cfg, ctx.dims.dp_size),
-                  "kv": sent.get("cp", 0.0), "kv_formula": formula_kv_bytes(cfg, ctx.dims.dp_size),
+                  "formula": formula_states(cfg, pp_rank, ctx.layout.dp_shard_cp),
+                  "formula_comm": formula_comm(cfg, pp_rank, ctx.layout.dp),
+                  "activations": saved.bytes, "activations_formula": formula_activation_bytes(cfg, ctx.layout.dp),
+                  "kv": sent.get("cp", 0.0), "kv_formula": formula_kv_bytes(cfg, ctx.layout.dp),
                   "micro_batch": cfg.train.micro_batch_size,
                   "a2a": experts.measured if experts is not None else [],
                   "a2a_routed": experts.routed if experts is not None else [],
-                  "a2a_formula": formula_all_to_all_bytes(cfg, ctx.dims.dp_size)}
+                  "a2a_formula": formula_all_to_all_bytes(cfg, ctx.layout.dp)}
         (out / f"rank{ctx.rank}.json").write_text(json.dumps(result))
     finally:
         shutdown_distributed(ctx)

@@ -113,7 +113,7 @@ def table(weak: Curve, strong: Curve) -> tuple[list[str], list[list[str]]]:
             f"{s.tflops_per_gpu:.0f}" if s.plan else "-",
             "-" if se is None else f"{se:.0%}",
             "/".join(f"{shares[d]:.0%}" for d in DIMENSIONS) if s.plan else "-",
-            est.layout_words(s.plan.job) if s.plan else "nothing fits",
+            est.job_words(s.plan.job) if s.plan else "nothing fits",
         ])
     return headers, rows
 

@@ -12,7 +12,7 @@ the vendors' datasheets:
 Network figures are per-GPU NIC: 400 Gb/s InfiniBand NDR (50 GB/s) for H100/H200 systems,
 200 Gb/s HDR (25 GB/s) for A100 systems (DGX H100 / DGX A100 reference architectures).
 
-Figures the analytic estimator (``analysis/estimator.py``) also uses:
+Figures the analytic estimator (``analysis/estimator/``) also uses:
 - FP32 without tensor cores (what PyTorch runs when TF32 is off, its default for matmuls):
   H100/H200 SXM 67 TFLOP/s, A100 19.5 TFLOP/s (same datasheets). FP16 tensor-core peaks equal
   the BF16 ones on all three.

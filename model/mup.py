@@ -4,7 +4,7 @@ Yang et al., "Tensor Programs V" (2022), as the µTransfer recipe is used in pra
 EleutherAI's nanoGPT port): with the width multiplier m = d_model / model.mup_base_width,
 
     hidden matrices (every 2-D weight inside a block: attention's qkv and output, the MLP's)
-        initial std x m^-1/2            (whatever scheme drew them: model.init composes with it)
+        initial std x m^-1/2            (after model.init=gpt2 drew them; llama's init is refused)
         AdamW learning rate x 1/m       (``lr_multipliers``; the optimizer's param groups apply it)
     embeddings (token, positions), norm gains, biases: unchanged
     output logits                       x 1/m (``output_multiplier``); the head keeps its init and LR

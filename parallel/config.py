@@ -7,6 +7,7 @@ from typing import Literal
 
 from common.errors import ConfigError
 from common.fields import doc
+from parallel.layout import Layout, check_section
 from parallel.nccl import validate_nccl_env
 
 
@@ -15,27 +16,25 @@ class ParallelConfig:
     strategy: Literal["none", "ddp", "fsdp", "zero1", "zero2", "zero3"] = doc(
         "none", "data-parallel strategy applied to the built model"
     )
-    # --- layout (dims.py): ranks = pp x dp_replicate x dp_shard x ep x cp x tp, tp innermost (inside a node);
-    # ep ranks are data-parallel ranks for the dense weights (ParallelDims' dp_shard counts them); with
-    # cp > 1 the cp ranks are among the ep ranks: pp x dp_replicate x dp_shard x ep x tp
+    # --- layout (layout.py): ranks = pp x dp_replicate x dp_shard x cp x tp, tp innermost (inside a node);
+    # ep is carved out of dp_shard x cp. Layout.of turns these keys and the world size into the run's layout.
     tp: int = doc(1, "tensor-parallel degree: each layer's matmuls split over this many ranks of a node "
                   "(Megatron-LM); must divide the heads, KV heads, d_ff and vocabulary. MoE layers are not split: "
                   "replicated over the tp ranks, each routing its own sequence slice under sequence_parallel")
     pp: int = doc(1, "pipeline-parallel stages: the layers split over this many ranks")
     cp: int = doc(1, "context-parallel degree: every sequence split over this many ranks (2*cp load-balanced "
                   "chunks, keys and values all-gathered per layer; parallel/cp.py); needs strategy=fsdp or none")
-    ep: int = doc(1, "expert-parallel degree: an MoE model's routed experts split over this many data-parallel "
+    ep: int = doc(1, "expert-parallel degree: an MoE model's routed experts split over this many of the dp_shard x cp "
                   "ranks (each holds model.moe.experts / ep), tokens sent to their experts and back by all-to-all "
-                  "(parallel/ep.py). Carved out of data parallelism x cp: the dense weights shard over dp_shard x "
-                  "ep ranks, the experts over dp_shard; with cp > 1 it must be a multiple of cp (an ep group spans "
-                  "whole cp groups: dp_shard x ep ranks in all, the cp ranks among them); with tp, each tp rank "
+                  "(parallel/ep.py); the dp_shard x cp / ep ranks holding the same experts shard them (FSDP2). With "
+                  "cp > 1 it must be a multiple of cp (an ep group spans whole cp groups); with tp, each tp rank "
                   "exchanges its own tokens in its ep group (experts replicated over tp); must divide "
                   "model.moe.experts; needs strategy=fsdp or none")
     dp_replicate: int = doc(1, "data-parallel replicas; with strategy=fsdp the replicate dimension of HSDP "
                             "(across nodes)")
-    dp_shard: int = doc(-1, "data-parallel ranks that shard the model (fsdp) or hold replicas (ddp, zero); "
-                        "-1: every rank the other dimensions leave; with ep > 1 the ranks holding the same experts "
-                        "(ep x dp_shard ranks shard the dense weights, cp ranks among them when cp > 1)")
+    dp_shard: int = doc(-1, "data-parallel ranks that shard the model (fsdp) or hold replicas (ddp, zero), the "
+                        "ep ranks among them: pp x dp_replicate x dp_shard x cp x tp = the world size; -1: every "
+                        "rank the other dimensions leave")
     sequence_parallel: bool = doc(True, "with tp > 1: norms, dropout and the residual stream split over the "
                                   "sequence too (Korthikanti et al. 2022); activations / tp")
     loss_parallel: bool = doc(True, "with tp > 1: cross-entropy on vocab-sharded logits, never gathered whole")
@@ -44,49 +43,7 @@ class ParallelConfig:
     )
     pp_virtual_stages: int = doc(1, "stages per pipeline rank (interleaved_1f1b and zero_bubble: >= 2 shrinks "
                                  "the bubble by this factor)")
-
-    def _validate_layout(self) -> None:
-        for key in ("tp", "pp", "cp", "ep", "dp_replicate", "pp_virtual_stages"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"parallel.{key} must be >= 1 (got {getattr(self, key)})")
-        if self.dp_shard != -1 and self.dp_shard < 1:
-            raise ConfigError(f"parallel.dp_shard must be >= 1, or -1 for the ranks left over (got {self.dp_shard})")
-        if self.pp == 1:  # pipeline keys without a pipeline would be ignored: say so instead
-            unused = [f"pp_schedule={self.pp_schedule}" if self.pp_schedule != "1f1b" else "",
-                      f"pp_virtual_stages={self.pp_virtual_stages}" if self.pp_virtual_stages != 1 else ""]
-            unused = [u for u in unused if u]
-            if unused:
-                raise ConfigError(f"parallel.{unused[0]} has no effect with parallel.pp=1 (no pipeline): set "
-                                  "parallel.pp > 1, or leave the pipeline keys at their defaults")
-        if self.pp_schedule in ("gpipe", "1f1b") and self.pp_virtual_stages != 1:
-            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule} runs one stage per rank; set "
-                              "parallel.pp_virtual_stages=1 or an interleaved schedule")
-        if self.pp_schedule == "interleaved_1f1b" and self.pp > 1 and self.pp_virtual_stages < 2:
-            raise ConfigError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_virtual_stages >= 2 "
-                              "(with one stage per rank it is 1f1b)")
-        model_parallel = self.tp > 1 or self.pp > 1
-        if model_parallel and self.strategy in ("ddp", "zero1", "zero2", "zero3"):
-            raise ConfigError(f"parallel.strategy={self.strategy} cannot wrap tensor- or pipeline-parallel models "
-                              "(DTensor parameters, stages); use parallel.strategy=fsdp for their data parallelism")
-        if self.cp > 1 and self.strategy not in ("none", "fsdp"):
-            raise ConfigError(f"parallel.cp={self.cp} with parallel.strategy={self.strategy} is not supported: context-"
-                              "parallel ranks reduce gradients through FSDP2's mesh; use parallel.strategy=fsdp")
-        if self.ep > 1 and self.strategy not in ("none", "fsdp"):
-            raise ConfigError(f"parallel.ep={self.ep} with parallel.strategy={self.strategy} is not supported: expert "
-                              "parameters are sharded by FSDP2 over the ranks left after ep; use parallel.strategy=fsdp")
-        if self.ep > 1 and self.cp > 1 and self.ep % self.cp:
-            raise ConfigError(f"parallel.ep={self.ep} with parallel.cp={self.cp}: an expert-parallel group spans whole "
-                              "context-parallel groups, so ep must be a multiple of cp; choose ep = cp x n")
-        if self.ep > 1 and self.fsdp_hybrid:
-            raise ConfigError(f"parallel.ep={self.ep} with parallel.fsdp_hybrid: set parallel.dp_replicate and "
-                              "parallel.dp_shard instead")
-        if self.fsdp_hybrid and (model_parallel or self.cp > 1 or self.dp_replicate != 1):
-            raise ConfigError("parallel.fsdp_hybrid is the shorthand for dp_replicate=<nodes> without tp or pp; "
-                              "set parallel.dp_replicate (and dp_shard) instead")
-        if self.dp_replicate > 1 and self.strategy != "fsdp":
-            raise ConfigError(f"parallel.dp_replicate={self.dp_replicate} is HSDP's replicate dimension: it needs "
-                              f"parallel.strategy=fsdp (got {self.strategy}); other strategies replicate over dp_shard")
-    # --- end layout
+    # --- end layout (its rules: parallel/layout.py check_section)
     backend: Literal["auto", "nccl", "gloo"] = doc("auto", "process-group backend; auto: nccl on CUDA, gloo on CPU")
     timeout_s: int = doc(600, "collective timeout: a rank that dies makes the others fail within this")
 
@@ -204,20 +161,9 @@ class ParallelConfig:
     def validate(self) -> None:
         if self.timeout_s < 1:
             raise ConfigError("parallel.timeout_s must be >= 1")
-        self._validate_layout()
+        check_section(self)
         self._validate_communication()
         self._validate_strategies()
-
-    def layout(self, nodes: int, ranks_per_node: int) -> dict[str, int]:
-        """The mesh degrees (ParallelDims' pp, dp_replicate, dp_shard, cp, tp) for this section; HSDP's
-        shorthand ``fsdp_hybrid`` becomes one replica per node, sharded inside it."""
-        if self.fsdp_hybrid:
-            return {"pp": 1, "dp_replicate": nodes, "dp_shard": ranks_per_node, "tp": 1}
-        # ParallelDims' dp_shard counts every rank the dense weights shard over, the ep ranks among them.
-        # With cp, an ep group spans cp ranks and ep / cp dp_shard ranks (parallel/dims.py).
-        dp_shard = self.dp_shard * (self.ep // min(self.cp, self.ep)) if self.dp_shard != -1 else -1
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "cp": self.cp,
-                "tp": self.tp, "ep": self.ep}
 
     @property
     def reshard_blocks_after_forward(self) -> bool:
@@ -230,21 +176,7 @@ class ParallelConfig:
             return False
         return self.fsdp_reshard_after_forward
 
-    def for_data_parallel(self, dp_size: int) -> tuple[ParallelConfig, str | None]:
-        """This section as it applies to ``dp_size`` data-parallel ranks, and a log line if that
-        changed it: strategy none on several data-parallel ranks would train unsynchronized
-        replicas, so they get DDP (FSDP2 for tensor- or pipeline-parallel models, which DDP cannot wrap,
-        and for context parallelism, whose ranks average gradients over FSDP2's mesh)."""
-        if self.ep > 1 and self.strategy == "none":
-            note = (f"parallel: strategy none with parallel.ep={self.ep} -> fsdp (expert and dense gradients "
-                    "averaged through FSDP2's meshes)")
-            return replace(self, strategy="fsdp"), note
-        if self.cp > 1 and self.strategy == "none":
-            note = (f"parallel: strategy none with parallel.cp={self.cp} -> fsdp (context-parallel ranks average "
-                    "gradients as data-parallel ones do)")
-            return replace(self, strategy="fsdp"), note
-        if dp_size > 1 and self.strategy == "none":
-            strategy = "ddp" if self.tp == 1 and self.pp == 1 else "fsdp"
-            note = f"parallel: strategy none with {dp_size} data-parallel ranks -> {strategy} (gradients averaged)"
-            return replace(self, strategy=strategy), note
-        return self, None
+    def resolved(self, layout: Layout) -> tuple[ParallelConfig, str | None]:
+        """This section with the strategy ``layout`` runs (``resolve_strategy``), and a log line if
+        that changed it."""
+        return replace(self, strategy=layout.strategy), layout.strategy_note(self.strategy)

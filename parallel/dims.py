@@ -1,9 +1,11 @@
-"""Where this process sits: world, nodes, ranks per node, and the parallel layout — checked
-without a process group.
+"""Where this process sits: world, nodes, ranks per node, and its place in the run's layout —
+checked without a process group.
 
 ``ParallelDims`` is a plain value built from the launcher's environment (torchrun sets
-WORLD_SIZE, RANK, LOCAL_WORLD_SIZE, LOCAL_RANK) and the layout keys of the ``parallel`` section,
-so every check runs in a unit test on any machine. The layout is a 4-D grid of ranks,
+WORLD_SIZE, RANK, LOCAL_WORLD_SIZE, LOCAL_RANK) and the run's ``Layout`` (parallel/layout.py: the
+degrees in the config's words, already validated), so every check runs in a unit test on any
+machine. It adds what depends on the ranks: this rank's coordinates, and the meshes. The layout is
+a 5-D grid of ranks,
 
     pp x dp_replicate x dp_shard x cp x tp      (row-major: tp varies fastest)
 
@@ -29,10 +31,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from common.errors import LayoutError
+from parallel.layout import Layout
 
 if TYPE_CHECKING:  # torch.distributed is only needed once groups are built
     from torch.distributed import ProcessGroup
@@ -57,63 +60,23 @@ class ParallelDims:
     # The launcher's LOCAL_RANK, which names this process's GPU; differs from local_rank only
     # when parallel.local_world_size regroups the ranks into pretend nodes (-1: same as local_rank).
     device_index: int = -1
-    # The layout (parallel.pp, dp_replicate, dp_shard, cp, tp); dp_shard -1 takes the ranks left over.
-    # dp_shard counts every rank the dense weights shard over, the ep ranks included
-    # (ParallelConfig.layout turns parallel.dp_shard x parallel.ep into it).
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    cp: int = 1
-    ep: int = 1  # expert-parallel ranks, carved out of dp_shard x cp (a multiple of cp when cp > 1)
+    # The run's layout (parallel/layout.py) on these ranks; None: every rank data-parallel.
+    layout: Layout | None = None
 
     def __post_init__(self) -> None:
         if self.device_index < 0:
             object.__setattr__(self, "device_index", self.local_rank)
         self._check_launcher()
-        self._resolve_layout()
-
-    def _resolve_layout(self) -> None:
-        for key in ("pp", "dp_replicate", "cp", "tp", "ep"):
-            if getattr(self, key) < 1:
-                raise LayoutError(f"parallel.{key}={getattr(self, key)} must be >= 1")
-        fixed = self.pp * self.dp_replicate * self.cp * self.tp
-        if self.dp_shard == -1:
-            if self.world_size % fixed:
-                raise LayoutError(
-                    f"parallel.pp={self.pp} x parallel.dp_replicate={self.dp_replicate} x parallel.cp={self.cp} x "
-                    f"parallel.tp={self.tp} = {fixed} does not divide the {self.world_size} ranks; choose degrees "
-                    "whose product divides it"
-                )
-            object.__setattr__(self, "dp_shard", self.world_size // fixed)
-        if self.dp_shard < 1 or fixed * self.dp_shard != self.world_size:
-            raise LayoutError(
-                f"parallel.pp={self.pp} x dp_replicate={self.dp_replicate} x {self._shard_text()} x "
-                f"tp={self.tp} = {fixed * max(self.dp_shard, 0)} ranks, but {self.world_size} were "
-                "launched; make the product equal the world size (dp_shard=-1 takes the ranks left over)"
-            )
-        if self.ep > 1 and self.cp > 1 and self.ep % self.cp:
-            raise LayoutError(f"parallel.ep={self.ep} must be a multiple of parallel.cp={self.cp}: an expert-parallel "
-                              "group spans whole context-parallel groups (ep = cp x some data-parallel shard ranks)")
-        if self.dp_shard % self.ep_shard:
-            ranks = (f"dp_shard x cp = {self.dp_shard * self.cp}" if self.ep_shard != self.ep
-                     else f"{self.dp_shard} data-parallel shard")
-            raise LayoutError(f"parallel.ep={self.ep} must divide the {ranks} ranks the layout leaves: the "
-                              "expert-parallel group is carved out of them; choose ep and parallel.dp_shard so "
-                              "that ep x dp_shard x the other degrees = the world size")
-        if self.tp > 1 and self.local_world_size % self.tp:
-            raise LayoutError(
-                f"parallel.tp={self.tp} must divide the {self.local_world_size} ranks per node: tensor-parallel "
-                "groups stay inside a node, where their per-layer collectives have the bandwidth they need"
-            )
-
-    def _shard_text(self) -> str:
-        """dp_shard x (ep) x cp in the config's words (its dp_shard excludes the ep ranks)."""
-        if self.ep > 1 and self.cp > 1 and self.ep % self.cp == 0 and self.dp_shard % self.ep_shard == 0:
-            return f"dp_shard={self.edp} x ep={self.ep} (cp={self.cp} among the ep ranks)"
-        if self.ep > 1 and self.cp == 1 and self.dp_shard % self.ep == 0:
-            return f"dp_shard={self.edp} x ep={self.ep} x cp=1"
-        return f"dp_shard={self.dp_shard} x cp={self.cp}"
+        layout = self.layout or Layout(self.world_size)
+        if layout.world_size != self.world_size:
+            raise LayoutError(f"the layout ({layout.describe()}) is for {layout.world_size} ranks, but "
+                              f"WORLD_SIZE={self.world_size}")
+        if layout.ranks_per_node is None:  # checked now: tensor-parallel groups must fit in a node
+            layout = replace(layout, ranks_per_node=self.local_world_size)
+        elif layout.ranks_per_node != self.local_world_size:
+            raise LayoutError(f"the layout is for {layout.ranks_per_node} ranks per node, but "
+                              f"LOCAL_WORLD_SIZE={self.local_world_size}")
+        object.__setattr__(self, "layout", layout)
 
     def _check_launcher(self) -> None:
         if self.world_size < 1:
@@ -140,33 +103,33 @@ class ParallelDims:
             )
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, local_world_size: int | None = None,
-                 **layout: int) -> ParallelDims:
-        """Read the torchrun variables; no variables at all means a single process.
+    def from_env(cls, env: Mapping[str, str] | None = None, local_world_size: int | None = None) -> ParallelDims:
+        """This process among the ranks the torchrun variables describe, every rank data-parallel (the
+        run's own layout goes in with ``replace(dims, layout=...)``); no variables at all means a
+        single process.
 
         ``local_world_size`` overrides LOCAL_WORLD_SIZE, e.g. to treat 4 processes on one
         machine as 2 nodes x 2 when testing hierarchical collectives; the local rank is then
         derived as rank % local_world_size (LOCAL_RANK still names this process's device).
-        ``layout`` holds pp, dp_replicate, dp_shard, cp and tp.
         """
         env = os.environ if env is None else env
         world_size = _env_int(env, "WORLD_SIZE", 1)
         rank = _env_int(env, "RANK", 0)
         if local_world_size is not None:
             return cls(world_size, local_world_size, rank, rank % local_world_size,
-                       device_index=_env_int(env, "LOCAL_RANK", rank % local_world_size), **layout)
+                       device_index=_env_int(env, "LOCAL_RANK", rank % local_world_size))
         if "LOCAL_WORLD_SIZE" not in env and world_size > 1:
             raise LayoutError(
                 "LOCAL_WORLD_SIZE is not set: launch with torchrun, export it, or set parallel.local_world_size"
             )
         local = _env_int(env, "LOCAL_WORLD_SIZE", world_size)
-        return cls(world_size, local, rank, _env_int(env, "LOCAL_RANK", rank % local), **layout)
+        return cls(world_size, local, rank, _env_int(env, "LOCAL_RANK", rank % local))
 
-    # ----------------------------------------------------------------- the layout
+    # ----------------------------------------------------------------- this rank in the layout
 
     def coordinate(self, dim: str) -> int:
         """This rank's index along one mesh dimension (MESH_DIMS)."""
-        sizes = {name: getattr(self, name) for name in MESH_DIMS}
+        sizes = {name: getattr(self.layout, name) for name in MESH_DIMS}
         inner = 1
         for name in reversed(MESH_DIMS):
             if name == dim:
@@ -175,43 +138,31 @@ class ParallelDims:
         raise KeyError(dim)
 
     @property
-    def dp_size(self) -> int:
-        """Data-parallel degree: ranks that see different batches."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
     def dp_rank(self) -> int:
         """This rank's data-parallel index: the ranks of one tensor-parallel group, of one
         context-parallel group and of one pipeline share it (and their batches)."""
-        return self.coordinate("dp_replicate") * self.dp_shard + self.coordinate("dp_shard")
-
-    @property
-    def ep_shard(self) -> int:
-        """Data-parallel shard ranks one expert-parallel group spans: ep, or ep / cp with cp (whose
-        ranks are the rest of the group)."""
-        return self.ep // self.cp if self.ep > 1 and self.cp > 1 else self.ep
-
-    @property
-    def edp(self) -> int:
-        """Data-parallel shard ranks that hold the same experts (dp_shard x cp / ep)."""
-        return self.dp_shard // self.ep_shard
+        return self.coordinate("dp_replicate") * self.layout.dp_shard + self.coordinate("dp_shard")
 
     @property
     def ep_rank(self) -> int:
         """This rank's index in its expert-parallel group (cp innermost, as ``build_mesh`` flattens it)."""
-        cp_rank = self.coordinate("cp") if self.ep > 1 and self.cp > 1 else 0
-        return (self.coordinate("dp_shard") % self.ep_shard) * (self.ep // self.ep_shard) + cp_rank
+        lay = self.layout
+        cp_rank = self.coordinate("cp") if lay.ep > 1 and lay.cp > 1 else 0
+        return (self.coordinate("dp_shard") % lay.ep_shard) * (lay.ep // lay.ep_shard) + cp_rank
+
+    # ----------------------------------------------------------------- the mesh
 
     def _dp_shard_parts(self) -> dict[str, int]:
         """The mesh dimensions dp_shard is built from: itself, or (edp, ep) / (edp, ep_shard) with ep."""
-        if self.ep == 1:
-            return {"dp_shard": self.dp_shard}
-        return {"edp": self.edp, "ep" if self.cp == 1 else EP_SHARD: self.ep_shard}
+        lay = self.layout
+        if lay.ep == 1:
+            return {"dp_shard": lay.dp_shard}
+        return {"edp": lay.edp, "ep" if lay.cp == 1 else EP_SHARD: lay.ep_shard}
 
     def mesh_shape(self) -> dict[str, int]:
         """The mesh dimensions with more than one rank, outermost first; with ep > 1, dp_shard is
         built from its parts (``_dp_shard_parts``) and flattened back by ``build_mesh``."""
-        sizes = {name: getattr(self, name) for name in MESH_DIMS}
+        sizes = {name: getattr(self.layout, name) for name in MESH_DIMS}
         sizes = {k: v for name, size in sizes.items()
                  for k, v in (self._dp_shard_parts() if name == "dp_shard" else {name: size}).items()}
         return {name: size for name, size in sizes.items() if size > 1}
@@ -228,16 +179,16 @@ class ParallelDims:
         """
         from torch.distributed.device_mesh import init_device_mesh  # torch.distributed only with a process group
 
-        shape = self.mesh_shape()
+        shape, lay = self.mesh_shape(), self.layout
         if self.world_size == 1 or not shape:
             return None
         mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
         parts = self._present(self._dp_shard_parts())
-        if self.ep > 1 and self.cp == 1 and len(parts) == 2:  # the dense parameters shard over all dp_shard ranks
+        if lay.ep > 1 and lay.cp == 1 and len(parts) == 2:  # the dense parameters shard over all dp_shard ranks
             mesh[tuple(parts)]._flatten("dp_shard")
-        if parts and self.cp > 1:  # FSDP2 shards over both (see fsdp_dims): one flat dimension
+        if parts and lay.cp > 1:  # FSDP2 shards over both (see fsdp_dims): one flat dimension
             mesh[(*parts, "cp")]._flatten(FSDP_SHARD_CP)
-        if self.ep > 1 and self.cp > 1:  # the expert-parallel group: (ep_shard, cp), or cp alone
+        if lay.ep > 1 and lay.cp > 1:  # the expert-parallel group: (ep_shard, cp), or cp alone
             mesh[tuple(self._present((EP_SHARD, "cp")))]._flatten("ep")
         return mesh
 
@@ -247,15 +198,18 @@ class ParallelDims:
         weights and see different tokens. Only those with more than one rank."""
         parts = self._present(self._dp_shard_parts())
         shard = ["dp_shard"] if len(parts) == 2 else parts  # with ep, dp_shard may be one of its parts
-        shard += ["cp"] if self.cp > 1 else []
-        names = ["dp_replicate"] if self.dp_replicate > 1 else []
+        shard += ["cp"] if self.layout.cp > 1 else []
+        names = ["dp_replicate"] if self.layout.dp_replicate > 1 else []
         return tuple(names + ([FSDP_SHARD_CP] if len(shard) >= 2 else shard))
 
     def expert_fsdp_dims(self) -> tuple[str, ...]:
         """The mesh dimensions FSDP2 shards expert parameters over (ep > 1): the data-parallel ranks
         that hold the same experts, replicate first (cp ranks never: they are inside the ep group);
         empty when there are none (experts then stay whole on their ep rank)."""
-        return tuple(name for name, size in (("dp_replicate", self.dp_replicate), ("edp", self.edp)) if size > 1)
+        lay = self.layout
+        return tuple(name for name, size in (("dp_replicate", lay.dp_replicate), ("edp", lay.edp)) if size > 1)
+
+    # ----------------------------------------------------------------- nodes
 
     @property
     def nodes(self) -> int:
@@ -286,12 +240,9 @@ class ParallelDims:
         return f"[rank {self.rank} local {self.local_rank} node {self.node_rank}] "
 
     def describe(self) -> str:
-        layout = " ".join(f"{name}={getattr(self, name)}" for name in MESH_DIMS if name != "cp" or self.cp > 1)
-        if self.ep > 1:
-            layout += f" ep={self.ep}"
         return (
             f"rank {self.rank}/{self.world_size} node {self.node_rank}/{self.nodes} "
-            f"local {self.local_rank}/{self.local_world_size}, {layout}"
+            f"local {self.local_rank}/{self.local_world_size}, {self.layout.describe()}"
         )
 
 

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from common.errors import CapabilityError, LayoutError
 from parallel.config import ParallelConfig
 from parallel.dims import ParallelDims
+from parallel.layout import Layout
 from parallel.nccl import apply_nccl_env
 
 
@@ -55,8 +56,13 @@ class DistContext:
 
     def expert_fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP2 shards expert-parallel weights over (``ParallelDims.expert_fsdp_dims``)."""
-        names = self.dims.expert_fsdp_dims() if self.dims.ep > 1 else ()
+        names = self.dims.expert_fsdp_dims() if self.dims.layout.ep > 1 else ()
         return self.submesh(*names) if names else None
+
+    @property
+    def layout(self) -> Layout:
+        """The run's parallel layout (parallel/layout.py)."""
+        return self.dims.layout
 
     @property
     def rank(self) -> int:
@@ -117,10 +123,11 @@ def pick_device(requested: str, device_index: int) -> torch.device:
 
 
 def layout_from_env(parallel_cfg: ParallelConfig) -> ParallelDims:
-    """The launcher's ranks and nodes (parallel.local_world_size may regroup them) with the
-    section's layout; every layout check runs here, before any process group exists."""
+    """The launcher's ranks and nodes (parallel.local_world_size may regroup them) with the section's
+    layout on them (``Layout.of``); every layout check runs here, before any process group exists."""
     launcher = ParallelDims.from_env(local_world_size=parallel_cfg.local_world_size)
-    return replace(launcher, **parallel_cfg.layout(launcher.nodes, launcher.local_world_size))
+    layout = Layout.of(parallel_cfg, launcher.world_size, launcher.local_world_size)
+    return replace(launcher, layout=layout)
 
 
 def init_distributed(device_request: str, parallel_cfg: ParallelConfig) -> DistContext:

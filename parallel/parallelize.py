@@ -74,17 +74,22 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     ``initial_state``: whole weights to start from (model.init_from), loaded into the whole model
     before anything splits or shards it.
     """
-    dims = ctx.dims
+    dims, layout = ctx.dims, ctx.layout
+    # The layout resolved the strategy (Layout.of); the section must be the one it was built from.
+    if parallel_cfg.strategy not in ("none", layout.strategy):
+        raise LayoutError(f"parallel.strategy={parallel_cfg.strategy}, but the run's layout is {layout.describe()}: "
+                          "build the context from the same parallel section (Layout.of)")
+    parallel_cfg = replace(parallel_cfg, strategy=layout.strategy)
     check_parameters_fit(model_cfg, ctx.device, ctx.world_size, parallel_cfg.init_on_meta)
     # 1. Precision: who holds the fp32 masters depends on the strategy, so both decide together.
-    policy = precision_policy(precision_cfg, parallel_cfg.strategy)
+    policy = precision_policy(precision_cfg, layout.strategy)
     check_precision_supported(policy.mode, ctx.device, precision_cfg.fp8_backend, precision_cfg.fp8_recipe)
     # 2. Kernels and attention for this device.
     ops, kernel_note = resolve_kernel_ops(kernels_cfg.backend, ctx.device)
     backend, attention_note = choose_attention(model_cfg, ctx.device, policy)
     expert_backend, expert_note = choose_expert_backend(model_cfg, ctx.device, policy)
     if model_cfg.attention_mask == "document":
-        attention_note += "; " + document_mask_note(backend, micro_batch_size, model_cfg.max_seq_len, dims.cp)
+        attention_note += "; " + document_mask_note(backend, micro_batch_size, model_cfg.max_seq_len, layout.cp)
     # 3. The model. Every rank builds the same weights from the same seed (DDP broadcasts rank 0's
     # anyway; FSDP2 and TP keep each rank's slice); on meta nothing is allocated until FSDP2 shards it.
     torch.manual_seed(seed)
@@ -98,51 +103,51 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
         model.load_state_dict(initial_state)
     model.to(dtype=policy.module_dtype)
     # 4. Pipeline stages: split first, so every later step sees only this rank's layers.
-    n_stages = dims.pp * parallel_cfg.pp_virtual_stages
     stages, parts = [0], [model]
-    if dims.pp > 1:
+    if layout.pp > 1:
         from parallel.pp import split_stages, stage_ids  # torch's pipelining: imported by pp runs only
 
-        stages = stage_ids(dims.coordinate("pp"), dims.pp, parallel_cfg.pp_virtual_stages)
-        parts = split_stages(model, stages, n_stages)
-    loss_parallel = dims.tp > 1 and parallel_cfg.loss_parallel
+        stages = stage_ids(dims.coordinate("pp"), layout.pp, layout.pp_virtual_stages)
+        parts = split_stages(model, stages, layout.stages)
+    loss_parallel = layout.tp > 1 and parallel_cfg.loss_parallel
     fp8_notes = []
     for part in parts:
         # 5. Tensor parallelism, on the plain modules (before wrappers change their classes).
-        if dims.tp > 1:
+        if layout.tp > 1:
             from parallel.tp import apply_tensor_parallel  # DTensor's parallel styles: tp runs only
 
-            apply_tensor_parallel(part, ctx.submesh("tp"), sequence_parallel=parallel_cfg.sequence_parallel,
+            apply_tensor_parallel(part, ctx.submesh("tp"), sequence_parallel=layout.sequence_parallel,
                                   loss_parallel=loss_parallel)
         # Context parallelism: each rank runs its chunks of every sequence, with K/V gathered per layer;
         # before recompute, so selective recompute re-gathers K/V in backward instead of keeping them.
-        apply_context_parallel(part, ctx.submesh("cp").get_group() if dims.cp > 1 else None)
+        apply_context_parallel(part, ctx.submesh("cp").get_group() if layout.cp > 1 else None)
         # Expert parallelism: each rank keeps its experts of every MoE layer, tokens exchanged by all-to-all.
-        apply_expert_parallel(part, ctx.submesh("ep") if dims.ep > 1 else None)
+        apply_expert_parallel(part, ctx.submesh("ep") if layout.ep > 1 else None)
         # FP8 linears swap module classes, so they go in before the recompute and compile wrappers.
         fp8_notes.append(apply_float8(part, mode=policy.mode, backend=precision_cfg.fp8_backend,
                                       recipe=precision_cfg.fp8_recipe, device=ctx.device,
-                                      fsdp=parallel_cfg.strategy == "fsdp"))
+                                      fsdp=layout.fsdp))
         # 6-7. Recompute, then compile.
         apply_recompute(part, model_cfg.recompute, model_cfg.recompute_every_k)
         apply_compile(part, compile, compile_mode, compile_loss)
     # 8-9. Data parallelism and the engine that drives the layout.
-    if dims.pp > 1:
-        engine = apply_pipeline(parts, stages, n_stages, parallel_cfg, ctx, policy, optim_cfg,
-                                grad_accum_steps=grad_accum_steps, loss_parallel=loss_parallel)
-    elif dims.tp > 1:
-        engine = apply_sharded_data_parallel(parts[0], parallel_cfg, ctx, policy, optim_cfg, loss_parallel)
+    if layout.pp > 1:
+        engine = apply_pipeline(parts, stages, layout.stages, parallel_cfg, ctx, policy, optim_cfg,
+                                grad_accum_steps=grad_accum_steps, loss_parallel=loss_parallel, fsdp=layout.fsdp)
+    elif layout.tp > 1:
+        engine = apply_sharded_data_parallel(parts[0], parallel_cfg, ctx, policy, optim_cfg, loss_parallel,
+                                             fsdp=layout.fsdp)
     else:
         engine = apply_data_parallel(model, parallel_cfg, ctx, policy, optim_cfg, micro_batch_size=micro_batch_size,
                                      grad_accum_steps=grad_accum_steps)
     if policy.fp8_torchao:
         for part in engine.optimized_parts():  # a pipeline steps each stage part on its own
             precompute_scales_after_step(part.optimizer, part.model)
-    notes = [kernel_note, attention_note] + ([expert_note] if expert_note else []) + [policy.describe(parallel_cfg.strategy), describe_recompute(parts[0]),
-             describe_layout(dims, parallel_cfg, stages)] + [note for note in fp8_notes[:1] if note]
+    notes = [kernel_note, attention_note] + ([expert_note] if expert_note else []) + [policy.describe(layout.strategy), describe_recompute(parts[0]),
+             describe_placement(dims, stages)] + [note for note in fp8_notes[:1] if note]
     if model_cfg.mup:
         notes.append(describe_mup(model_cfg))
-    return Built(engine=engine, model=model if dims.pp == 1 else parts[0], policy=policy, notes=notes,
+    return Built(engine=engine, model=model if layout.pp == 1 else parts[0], policy=policy, notes=notes,
                  warnings=no_gain_warnings(model_cfg, backend))
 
 
@@ -152,20 +157,18 @@ def no_gain_warnings(model_cfg: ModelConfig, attention_backend: str) -> list[str
     return [note] if note else []
 
 
-def describe_layout(dims: ParallelDims, parallel_cfg: ParallelConfig, stages: list[int]) -> str:
-    """One log line: the mesh, and this rank's place in it."""
+def describe_placement(dims: ParallelDims, stages: list[int]) -> str:
+    """One log line: the run's layout (``Layout.describe``) and where this rank sits in it."""
+    lay = dims.layout
     if dims.world_size == 1:
         return "layout: one process"
-    shape = " x ".join(f"{name}={size}" for name, size in dims.mesh_shape().items()) or "one rank per mesh"
-    line = f"layout: {shape} ({dims.world_size} ranks); data-parallel rank {dims.dp_rank} of {dims.dp_size}"
-    if dims.tp > 1:
-        line += f"; tp {'with' if parallel_cfg.sequence_parallel else 'without'} sequence parallelism"
-    if dims.ep > 1:
-        line += f"; ep rank {dims.ep_rank} of {dims.ep} holds 1/{dims.ep} of each MoE layer's experts"
-    if dims.cp > 1:
-        line += f"; cp rank {dims.coordinate('cp')} of {dims.cp} holds sequence chunks {chunk_ids(dims.cp, dims.coordinate('cp'))}"
-    if dims.pp > 1:
-        line += f"; pipeline {parallel_cfg.pp_schedule}, stages {stages} of {dims.pp * parallel_cfg.pp_virtual_stages}"
+    line = f"layout: {lay.describe()} ({dims.world_size} ranks); data-parallel rank {dims.dp_rank} of {lay.dp}"
+    if lay.ep > 1:
+        line += f"; ep rank {dims.ep_rank} of {lay.ep} holds 1/{lay.ep} of each MoE layer's experts"
+    if lay.cp > 1:
+        line += f"; cp rank {dims.coordinate('cp')} of {lay.cp} holds sequence chunks {chunk_ids(lay.cp, dims.coordinate('cp'))}"
+    if lay.pp > 1:
+        line += f"; pipeline stages {stages} of {lay.stages}"
     return line
 
 
@@ -211,7 +214,8 @@ def choose_attention(model_cfg: ModelConfig, device: torch.device, policy: Preci
     """The attention backend for this device and compute dtype, and one line saying why."""
     if model_cfg.layers == "te":
         return "sdpa", "attention: Transformer Engine's own (model.layers=te)"
-    return select_attention(model_cfg.attention, device, policy.compute_dtype, model_cfg.head_dim)
+    return select_attention(model_cfg.attention, device, policy.compute_dtype, model_cfg.head_dim,
+                            window=model_cfg.sliding_window, sinks=model_cfg.attention_sinks)
 
 
 def choose_expert_backend(model_cfg: ModelConfig, device: torch.device, policy: PrecisionPolicy
@@ -254,38 +258,30 @@ def apply_data_parallel(model: nn.Module, parallel_cfg: ParallelConfig, ctx: Dis
         ddp, comm_counter = apply_ddp(model, ctx.device, parallel_cfg, ctx.dims)
         return DDPEngine(ddp, policy, optim_cfg, ctx.device, comm_counter)
     if strategy == "fsdp":
-        return apply_sharded_data_parallel(model, parallel_cfg, ctx, policy, optim_cfg, loss_parallel=False)
+        return apply_sharded_data_parallel(model, parallel_cfg, ctx, policy, optim_cfg, loss_parallel=False, fsdp=True)
     raise ConfigError(f"parallel.strategy={strategy} has no engine")  # a choice added to the config but not here
 
 
 def apply_sharded_data_parallel(model: nn.Module, parallel_cfg: ParallelConfig, ctx: DistContext,
-                                policy: PrecisionPolicy, optim_cfg: OptimConfig, loss_parallel: bool) -> ShardedEngine:
-    """FSDP2 over the data-parallel dimensions of the mesh (2-D for HSDP), when there are any, and
-    the engine of a model with DTensor parameters."""
-    dp_mesh = ctx.fsdp_mesh()
-    fsdp = parallel_cfg.strategy == "fsdp"
-    if fsdp and dp_mesh is None:
-        raise LayoutError(f"parallel.strategy=fsdp, but the layout leaves one data-parallel rank "
-                          f"({ctx.dims.describe()}): nothing to shard over; use parallel.strategy=none")
+                                policy: PrecisionPolicy, optim_cfg: OptimConfig, loss_parallel: bool, *,
+                                fsdp: bool) -> ShardedEngine:
+    """FSDP2 over the data-parallel dimensions of the mesh (2-D for HSDP) when ``fsdp``, and the
+    engine of a model with DTensor parameters. The layout has checked there is something to shard."""
     if fsdp:
-        apply_fsdp(model, dp_mesh, parallel_cfg, policy, ctx.device, ctx.expert_fsdp_mesh())
+        apply_fsdp(model, ctx.fsdp_mesh(), parallel_cfg, policy, ctx.device, ctx.expert_fsdp_mesh())
     return ShardedEngine(model, policy, optim_cfg, ctx.device, fsdp=fsdp, loss_parallel=loss_parallel)
 
 
 def apply_pipeline(parts: list[GPT], stages: list[int], n_stages: int, parallel_cfg: ParallelConfig,
                    ctx: DistContext, policy: PrecisionPolicy, optim_cfg: OptimConfig, *, grad_accum_steps: int,
-                   loss_parallel: bool) -> PipelineEngine:
+                   loss_parallel: bool, fsdp: bool) -> PipelineEngine:
     """Each stage sharded over the data-parallel dimensions (FSDP2), then the schedule over the pp
     dimension; a tied embedding's two copies joined across the first and last stage."""
     from parallel.pp import PipelineEngine, build_pipeline, tie_embedding_copies
 
-    dp_mesh = ctx.fsdp_mesh()
-    if parallel_cfg.strategy == "fsdp":
-        if dp_mesh is None:
-            raise LayoutError(f"parallel.strategy=fsdp, but the layout leaves one data-parallel rank "
-                              f"({ctx.dims.describe()}): nothing to shard over; use parallel.strategy=none")
+    if fsdp:
         for part in parts:
-            apply_fsdp(part, dp_mesh, parallel_cfg, policy, ctx.device, ctx.expert_fsdp_mesh())
+            apply_fsdp(part, ctx.fsdp_mesh(), parallel_cfg, policy, ctx.device, ctx.expert_fsdp_mesh())
     pp_group = ctx.submesh("pp").get_group()
     pipeline, eval_pipeline = build_pipeline(parts, stages, n_stages, parallel_cfg.pp_schedule, grad_accum_steps,
                                              pp_group, ctx.device)

@@ -2,18 +2,18 @@
 
 The repository root is importable through pytest's ``pythonpath`` setting (pyproject.toml).
 
-Tiers. A test that starts another process (train.py or a tool in a subprocess, torchrun, the gloo
-worker launcher in tests/gloo.py, a shell script) costs seconds of interpreter start-up per process,
-so it belongs to the ``slow`` tier, and ``python -m pytest -m "not slow"`` is the inner loop. The
-mark is found, not written by hand: ``pytest_collection_modifyitems`` reads the code a test runs
-(its function, its fixtures, and the helpers of tests/ they call) for the names that launch a
-process. So that nothing slips through, a test left in the fast tier that does launch one fails
-with a line saying so (``_launch_guard``).
+Tiers. The directory is the tier. tests/unit/ holds the fast tier: tests that run in this process.
+A test that starts another process (train.py or a tool in a subprocess, torchrun, the gloo workers
+of tests/gloo.py, a shell script) costs seconds of interpreter start-up per process, so it lives
+under tests/integration/, and everything there is marked ``slow``: ``python -m pytest -m "not slow"``
+is the inner loop, ``-m slow`` the rest. A test outside tests/integration/ that starts one fails
+with a line saying to move it (``_launch_guard``); one marked ``slow`` by hand is a usage error.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -24,6 +24,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# One intra-op thread for what runs in this process: the tests' tensors are tiny, so a second thread
+# saves little on a quiet machine, while on a loaded one OpenMP's waiting threads burn the CPU share
+# (test_gpt.py's two overfit tests: 16 s of CPU with one thread, 92 s with two, at load 9).
+torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
     # Triton reads this when triton.language is first imported, and `import torch._dynamo` already
@@ -31,85 +35,72 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# ----------------------------------------------------------------------------- the slow tier
+# ----------------------------------------------------------------------------- the tiers
 
-# Names whose use means a process is launched: the helpers below and tests/gloo.py's, and the
-# standard-library and torch entry points they are built on.
-LAUNCH_NAMES = frozenset({"run_train", "run_torchrun", "run_workers", "subprocess", "start_processes"})
-PROJECT_PACKAGES = frozenset({"tests", "common", "kernels", "model", "data", "parallel", "training", "analysis",
-                              "tools", "train"})
-_LAUNCHES: dict = {}  # code object -> whether it launches; a cache over the whole collection
-
-
-def _launches(code, namespace: dict) -> bool:
-    """Whether ``code`` launches a process: it names a launcher, or a nested function or a function
-    of this project that it refers to does (so a test calling a tool's ``main`` that launches counts)."""
-    if code in _LAUNCHES:
-        return _LAUNCHES[code]
-    _LAUNCHES[code] = False  # a cycle ends here
-    found = bool(LAUNCH_NAMES & set(code.co_names)) or any(
-        _launches(const, namespace) for const in code.co_consts if hasattr(const, "co_names"))
-    for name in code.co_names:
-        if found:
-            break
-        target = namespace.get(name)
-        func = getattr(target, "__func__", target)  # methods and static methods
-        module = getattr(func, "__module__", None) or ""
-        if callable(func) and hasattr(func, "__code__") and module.split(".")[0] in PROJECT_PACKAGES:
-            found = _launches(func.__code__, func.__globals__)
-        elif isinstance(target, type(os)) and target.__name__.split(".")[0] in PROJECT_PACKAGES:
-            # a module used as a namespace (``bench_parallel.main``): its functions that this code names
-            found = any(_launches(f.__code__, f.__globals__) for f in
-                        (getattr(target, n, None) for n in code.co_names) if hasattr(f, "__code__"))
-    _LAUNCHES[code] = found
-    return found
+INTEGRATION = ROOT / "tests" / "integration"
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        funcs = [getattr(item, "function", None)]
-        info = getattr(item, "_fixtureinfo", None)
-        for name in item.fixturenames:
-            if name == "_launch_guard":  # the guard itself refers to subprocess
-                continue
-            defs = info.name2fixturedefs.get(name) if info is not None else None
-            if defs:
-                funcs.append(defs[-1].func)
-        if any(f is not None and hasattr(f, "__code__") and _launches(f.__code__, f.__globals__)
-               for f in (getattr(f, "__wrapped__", f) for f in funcs)):
+        if Path(item.path).is_relative_to(INTEGRATION):
             item.add_marker(pytest.mark.slow)
+        elif item.get_closest_marker("slow") is not None:
+            raise pytest.UsageError(f"{item.nodeid} is marked slow: move it under tests/integration/, whose "
+                                    "tests are the slow tier, and drop the mark")
 
 
-def _is_launch(args) -> bool:
-    """A command that starts a Python interpreter or a shell script (not a compiler Inductor calls)."""
-    argv = [str(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else list(args))]
+def _argv(args) -> list[str]:
+    return [str(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else list(args))]
+
+
+def _is_launch(argv: list[str]) -> bool:
+    """A command that starts a Python interpreter or a shell script, unless torch's compiler starts it
+    for itself (Inductor's compile workers and its ``python -c`` probes of the CPU's vector units)."""
     if not argv:
         return False
     program = Path(argv[0].split()[0]).name
     if program in ("bash", "sh") or program.endswith(".sh"):
         return True
-    # Python running a script or a module (Inductor's own ``python -c`` probes and compile workers are not launches)
-    runs_code = any(a == "-m" or a.endswith(".py") for a in argv[1:])
-    return program.startswith("python") and runs_code and not any("torch._inductor" in a for a in argv)
+    runs_code = any(a in ("-m", "-c") or a.endswith(".py") for a in argv[1:])
+    return program.startswith("python") and runs_code and not _called_from("torch._inductor")
 
 
-@pytest.fixture(autouse=True)
-def _launch_guard(request, monkeypatch):
-    """In the fast tier, starting a process is a classification error: say so instead of running slowly."""
-    if request.node.get_closest_marker("slow") is not None:
+def _called_from(package: str) -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(package):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _launch_guard(request):
+    """Outside tests/integration/, starting a process is a misplaced test: say where it belongs
+    instead of running slowly. Module-scoped, so a shared module fixture that launches is caught too."""
+    if Path(request.node.path).is_relative_to(INTEGRATION):
         yield
         return
+    where = request.node.nodeid
+
+    def refuse(what: str):
+        raise AssertionError(f"{where} starts {what}: a test that launches a process belongs under "
+                             "tests/integration/ (the directory is the tier)")
+
     original = subprocess.Popen.__init__
 
     def guarded(self, args, *a, **kw):
-        if _is_launch(args):
-            raise AssertionError(f"{request.node.nodeid} launches {args!r} but is not in the slow tier: call the "
-                                 "launch through run_train / run_torchrun / run_workers / subprocess in tests/ so "
-                                 "tests/conftest.py marks it slow")
+        if _is_launch(_argv(args)):
+            refuse(repr(" ".join(_argv(args)).replace("\n", " ")[:100]))
         original(self, args, *a, **kw)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", guarded)
+        # tests/gloo.py's workers (forkserver) and torch.multiprocessing.spawn start fresh interpreters;
+        # forked children (DataLoader workers) do not, and stay allowed.
+        for kind in (multiprocessing.context.ForkServerProcess, multiprocessing.context.SpawnProcess):
+            patch.setattr(kind, "_Popen", staticmethod(lambda process, name=kind.__name__: refuse(f"a {name}")))
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -247,8 +238,6 @@ def pytest_sessionfinish(session, exitstatus):
     """A child process a test left running (a DataLoader worker, a spawned rank) would keep this
     interpreter from exiting, as multiprocessing joins its children at exit: stop and name them,
     and fail the run, so a leak shows as a failure instead of a hang."""
-    import multiprocessing
-
     left = multiprocessing.active_children()
     for child in left:
         child.kill()

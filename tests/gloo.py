@@ -64,15 +64,18 @@ def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     return results
 
 
-def gloo_context(rank: int, world: int, local_world: int | None = None, **layout: int):
+def gloo_context(rank: int, world: int, local_world: int | None = None, parallel=None, **degrees):
     """The DistContext of a worker started by ``run_workers`` (CPU, gloo): ``local_world`` ranks per
-    node, ``layout`` the mesh degrees (pp, dp_replicate, dp_shard, tp). Builds the device mesh, a
-    collective: every worker calls it with the same layout."""
+    node, and the layout of the ``parallel`` config section on them (``Layout.of``, as train.py builds
+    it), or of ``degrees`` (the layout's keys: pp, dp_replicate, dp_shard, cp, tp, ep, strategy). Builds
+    the device mesh, a collective: every worker calls it with the same layout."""
     from parallel.dims import ParallelDims
     from parallel.distributed import DistContext
+    from parallel.layout import Layout
 
     local = local_world or world
-    dims = ParallelDims(world, local, rank, rank % local, **layout)
+    layout = Layout.of(parallel, world, local) if parallel is not None else Layout(world, ranks_per_node=local, **degrees)
+    dims = ParallelDims(world, local, rank, rank % local, layout=layout)
     return DistContext(dims, torch.device("cpu"), "gloo", dims.build_mesh("cpu"))
 
 

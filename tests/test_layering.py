@@ -11,6 +11,7 @@ fails here even when it is tucked inside a function to dodge a cycle at import t
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -76,9 +77,15 @@ def resolve(name: str) -> str | None:
     return None
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once per session (parsing every module is most of these tests' time)."""
+    return ast.parse(path.read_text(), filename=str(path))
+
+
 def imports_of(path: Path) -> list[tuple[str, bool, int]]:
     """(imported project module, at module level?, line) for each import in the file."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parsed(path)
     top_level = {id(node) for node in tree.body}
     for node in tree.body:  # imports under `if TYPE_CHECKING:` or try/except at the top still count as top-level
         if isinstance(node, (ast.If, ast.Try)):
@@ -137,7 +144,7 @@ def test_no_function_level_imports_of_the_project_except_optional_heavy_modules(
 def test_no_importlib_for_the_projects_own_modules():
     offenders = []
     for module, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr == "import_module"):
                 offenders.append(f"{shown(path)}:{node.lineno}")

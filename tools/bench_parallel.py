@@ -96,7 +96,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         layout = LAYOUTS[key]
         if global_batch % (layout.data_ranks * layout.microbatches):
             parser.error(f"layout {key} splits the global batch of {global_batch} (--micro-batch-size x --nproc) "
-                         f"over {layout.data_ranks} data-parallel ranks (dp_shard x ep) x {layout.microbatches} "
+                         f"over {layout.data_ranks} data-parallel ranks (dp_replicate x dp_shard) x {layout.microbatches} "
                          "micro-batches: make it divisible")
     experts = [key for key in args.layouts if LAYOUTS[key].ep > 1]
     if experts and load_config(args.config, extra).model.moe.experts is None:

@@ -1,5 +1,6 @@
 """Analytic estimate of a training job: parameters, FLOPs, activation and model-state memory per
-GPU, communication, step time, MFU, and whether it fits (analysis/estimator.py explains the model).
+GPU, communication, step time, MFU, and whether it fits (the model: analysis/estimator/; its
+derivation: docs/estimator.md).
 
 Examples:
   python -m tools.estimate --preset 70b                          # the chapter's 70B activation example
@@ -17,7 +18,8 @@ virtual stages, the strategy, the recompute policy and the micro-batch, at a fix
 (sequences per step; default: micro-batch x grad-accum x data-parallel ranks of the job as given),
 and prints the best --top layouts one per line in the config's own words. Only layouts train.py accepts
 are proposed, and a layout given with --tp, --pp, --strategy, ... that train.py would refuse is an error
-(the same checks: training/config.py JobConfig.validate_layout).
+(the same checks: the config's, training/config.py JobConfig.validate_layout, and the launch's,
+parallel/layout.py Layout.of).
 
 --scaling N1,N2,... runs the planner at each GPU count, weak (the same sequences per GPU) and strong (one
 global batch), and prints predicted tokens/s, model TFLOP/s per GPU, scaling efficiency, the share of the
@@ -40,15 +42,15 @@ from pathlib import Path
 
 from analysis import estimator as est
 from analysis import scaling
-from common.errors import ConfigError
+from common.errors import ConfigError, LayoutError
 from common.hardware import DEVICES
 from common.progress import Progress
 from common.report import gib, human_bytes, markdown_table, text_table
 from model.flops import FLOPS_CONVENTION
 from training.config import JobConfig, load_config, parse_known_overrides
 
-# The config's parallel layout words, which the command line's layout flags override.
-LAYOUT_KEYS = ("tp", "pp", "cp", "dp_replicate", "pp_schedule", "pp_virtual_stages", "sequence_parallel", "ep")
+# The parallel keys the command line's layout flags override (dp_shard is what the others leave).
+LAYOUT_FLAGS = ("tp", "pp", "cp", "dp_replicate", "pp_schedule", "pp_virtual_stages", "sequence_parallel", "ep")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -63,7 +65,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--micro-batch", type=int, help="sequences per GPU per forward/backward")
     parser.add_argument("--grad-accum", type=int, help="micro-batches per step (the pipeline's under --pp)")
     parser.add_argument("--strategy", choices=est.STRATEGIES, help="default: the config's parallel.strategy, or fsdp")
-    parser.add_argument("--policy", choices=est.POLICIES, help="activation recompute (default: the config's, or none)")
+    parser.add_argument("--recompute", choices=est.RECOMPUTE_POLICIES,
+                        help="activation recompute policy, as model.recompute (default: the config's, or none)")
+    parser.add_argument("--policy", dest="recompute", choices=est.RECOMPUTE_POLICIES, help=argparse.SUPPRESS)  # old name
     parser.add_argument("--precision", choices=est.PRECISION_MODES, help="default: the config's, or bf16_master")
     layout = parser.add_argument_group("layout (default: the config's parallel section, or 1)")
     layout.add_argument("--tp", type=int, help="tensor-parallel GPUs (inside a node)")
@@ -106,35 +110,33 @@ def _counts(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(counts)))
 
 
-def _config_layout(parallel: object) -> dict:
-    """The layout words of a config's parallel section."""
-    return {key: getattr(parallel, key) for key in LAYOUT_KEYS}
-
-
 def load_job_config(args: argparse.Namespace, overrides: list[str]) -> JobConfig | None:
     """The job's trainer configuration (--config with its overrides), or None for a preset."""
     return load_config(args.config, overrides) if args.config else None
 
 
 def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | None = None) -> est.JobSpec:
-    """The job the command line describes. Anything the command line changes in the layout (--tp, --pp,
-    --strategy, ...) goes through the trainer's own checks (estimator.trainer_refusal), so a layout the
-    trainer would refuse is an error here too."""
+    """The job the command line describes: the config's (or preset's) job with the layout flags put in,
+    on --gpus GPUs; dp_shard is what the other degrees leave. Strategy none on several data-parallel
+    GPUs becomes what the trainer would run (parallel/layout.py resolve_strategy); on one it is none,
+    whatever the config says (nothing to shard). Anything the command line changes in the layout goes
+    through the trainer's own checks (estimator.trainer_refusal), so a layout the trainer would refuse
+    is an error here too."""
     device = DEVICES[args.device or "H100"]
     if args.preset:
         p = est.preset(args.preset)
         model, seq_len, micro_batch, gpus, grad_accum = p.model, p.seq_len, p.micro_batch, p.world_size, 1
-        strategy, policy, precision, layout = "fsdp", "none", "bf16_master", {}
+        strategy, recompute, precision, layout = "fsdp", "none", "bf16_master", {}
         device = DEVICES[args.device or p.device]
     else:
         cfg = cfg or load_config(args.config, overrides)
         model, seq_len, micro_batch, gpus = cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 1
         grad_accum = cfg.train.grad_accum_steps
-        strategy, policy, precision = cfg.parallel.strategy, cfg.model.recompute, cfg.precision.mode
-        layout = _config_layout(cfg.parallel)
+        strategy, recompute, precision = cfg.parallel.strategy, cfg.model.recompute, cfg.precision.mode
+        layout = {key: getattr(cfg.parallel, key) for key in LAYOUT_FLAGS}
     if args.gpus_per_node:
         device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
-    for key in LAYOUT_KEYS:
+    for key in LAYOUT_FLAGS:
         value = getattr(args, key)
         if value is not None:
             layout[key] = value == "true" if key == "sequence_parallel" else value
@@ -143,23 +145,18 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
     if args.strategy:
         strategy = args.strategy
     elif dp <= 1 and layout.get("cp", 1) == 1:
-        strategy = "none"  # no data-parallel ranks: nothing to shard whatever the config says
-    elif strategy == "none":
-        # a one-process config spread over --gpus: estimate the sharded version (cp ranks shard too)
-        strategy = "fsdp"
+        strategy = "none"
     if seq_len > model.max_seq_len or (args.seq_len or 0) > model.max_seq_len:
         raise est.EstimatorError(f"--seq-len {args.seq_len or seq_len} exceeds model.max_seq_len={model.max_seq_len}")
     job = est.JobSpec(
         model=model,
         seq_len=args.seq_len or seq_len,
         micro_batch=args.micro_batch or micro_batch,
-        world_size=gpus,
-        strategy=strategy,
-        policy=args.policy or policy,
+        layout=est.layout_of(gpus, strategy=strategy, **layout),
+        recompute=args.recompute or recompute,
         precision=args.precision or precision,
         device=device,
         grad_accum=args.grad_accum or grad_accum,
-        **layout,
     )
     problem = est.trainer_refusal(job, cfg)
     if problem:
@@ -176,34 +173,34 @@ def model_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
         ["training FLOPs/token", f"{est.flops_per_token(cfg, job.seq_len):.4g}"],
         ["shape", f"L={cfg.n_layer}, d={cfg.d_model}, heads={cfg.n_head}, kv heads={cfg.kv_heads}, "
                   f"d_ff={cfg.d_ff} {cfg.mlp}, vocab={cfg.vocab_size}, s={job.seq_len}, b={job.micro_batch}"],
-        ["layout", est.layout_words(job)],
+        ["layout", est.job_words(job)],
     ]
     return ["model", "value"], rows
 
 
 def activation_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
-    """Per layer and per GPU for each policy, with the job's tensor/sequence parallelism."""
+    """Per layer and per GPU for each recompute policy, with the job's tensor/sequence parallelism."""
     cfg = job.model
-    layers = cfg.n_layer // job.pp
+    layers = cfg.n_layer // job.layout.pp
     # a cp GPU holds seq_len / cp tokens of each sequence, and the keys and values gathered from the others
-    args, kw = (job.local_seq_len, job.micro_batch), dict(attention=job.attention, tp=job.tp, sequence_parallel=job.sp)
+    args, kw = (job.local_seq_len, job.micro_batch), dict(attention=job.attention, tp=job.layout.tp, sequence_parallel=job.layout.sp)
     rows = []
-    for policy in est.POLICIES:
-        per_layer = (est.activation_bytes_per_layer(cfg, *args, policy, job.activation_dtype_bytes, **kw)
-                     + est.cp_attention_bytes_per_layer(job, policy))
-        extra = est.recompute_flops_per_token(cfg, job.seq_len, policy) / est.flops_per_token(cfg, job.seq_len)
-        if policy == "offload":  # nothing stays on the GPU; the none bytes go to host memory
+    for recompute in est.RECOMPUTE_POLICIES:
+        per_layer = (est.activation_bytes_per_layer(cfg, *args, recompute, job.activation_dtype_bytes, **kw)
+                     + est.cp_attention_bytes_per_layer(job, recompute))
+        extra = est.recompute_flops_per_token(cfg, job.seq_len, recompute) / est.flops_per_token(cfg, job.seq_len)
+        if recompute == "offload":  # nothing stays on the GPU; the none bytes go to host memory
             host = (est.activation_bytes_per_layer(cfg, *args, "none", job.activation_dtype_bytes, **kw)
                     + est.cp_attention_bytes_per_layer(job, "none"))
-            rows.append([policy, f"0 (host {human_bytes(host)})", f"0 (host {gib(host * layers)})", "0.0% + PCIe"])
+            rows.append([recompute, f"0 (host {human_bytes(host)})", f"0 (host {gib(host * layers)})", "0.0% + PCIe"])
             continue
-        rows.append([policy, human_bytes(per_layer), gib(per_layer * layers), f"{extra:.1%}"])
-    return ["policy", "per layer per GPU", f"x {layers} layers", "recompute FLOPs"], rows
+        rows.append([recompute, human_bytes(per_layer), gib(per_layer * layers), f"{extra:.1%}"])
+    return ["recompute", "per layer per GPU", f"x {layers} layers", "recompute FLOPs"], rows
 
 
 def _activation_title(job: est.JobSpec) -> str:
-    split = f", tp={job.tp}{' + SP' if job.sp else ' without SP'}" if job.tp > 1 else ""
-    split += f", cp={job.cp} ({job.local_seq_len:,} tokens per GPU)" if job.cp > 1 else ""
+    split = f", tp={job.layout.tp}{' + SP' if job.layout.sp else ' without SP'}" if job.layout.tp > 1 else ""
+    split += f", cp={job.layout.cp} ({job.local_seq_len:,} tokens per GPU)" if job.layout.cp > 1 else ""
     return (f"Activations saved for backward per micro-batch ({job.precision}, {job.attention} attention{split}, "
             "Korthikanti et al. 2022)")
 
@@ -211,14 +208,17 @@ def _activation_title(job: est.JobSpec) -> str:
 def strategy_section(job: est.JobSpec, cfg: JobConfig | None = None) -> tuple[list[str], list[list[str]]]:
     """The job under every strategy the trainer runs it with."""
     rows = []
-    if job.dp == 1:
+    if job.layout.dp == 1:
         strategies: tuple[str, ...] = ("none",)
-    elif job.dp_replicate > 1:
+    elif job.layout.dp_replicate > 1:
         strategies = ("zero3", "fsdp")  # HSDP shards inside dp_shard only with these
     else:
         strategies = est.STRATEGIES[1:]
     for strategy in strategies:
-        candidate = dataclasses.replace(job, strategy=strategy)
+        try:
+            candidate = dataclasses.replace(job, layout=dataclasses.replace(job.layout, strategy=strategy))
+        except (ConfigError, LayoutError):
+            continue  # e.g. HSDP's replicas under zero3
         if est.trainer_refusal(candidate, cfg):
             continue  # e.g. DDP or ZeRO around a tensor-parallel model
         result = est.estimate(candidate)
@@ -240,23 +240,23 @@ def strategy_section(job: est.JobSpec, cfg: JobConfig | None = None) -> tuple[li
 def stage_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
     """Under pp: what each stage holds (every GPU must fit, so the largest decides)."""
     rows = []
-    for stage in range(job.pp):
+    for stage in range(job.layout.pp):
         m = est.stage_memory(job, stage)
-        held = est.pipeline_in_flight(job.pp_schedule, job.pp, job.grad_accum, job.pp_virtual_stages, stage)
-        rows.append([str(stage), f"{est.stage_parameters(job.model, job.tp, job.pp, stage) / 1e9:.3g} B",
+        held = est.pipeline_in_flight(job.layout.pp_schedule, job.layout.pp, job.grad_accum, job.layout.pp_virtual_stages, stage)
+        rows.append([str(stage), f"{est.stage_parameters(job.model, job.layout.tp, job.layout.pp, stage) / 1e9:.3g} B",
                      f"{held:g}", gib(m.states), gib(m.activations + m.logits), gib(m.total)])
     return ["stage", "parameters/GPU", "micro-batches held", "states/GPU", "activations/GPU", "total/GPU"], rows
 
 
 def _pipeline_title(job: est.JobSpec) -> str:
-    bubble = est.bubble_fraction(job.pp_schedule, job.pp, job.grad_accum, job.pp_virtual_stages)
-    virtual = f", {job.pp_virtual_stages} virtual stages" if job.pp_virtual_stages > 1 else ""
-    return (f"Pipeline: {job.pp} stages of {job.model.n_layer // job.pp} layers, {job.pp_schedule}{virtual}, "
+    bubble = est.bubble_fraction(job.layout.pp_schedule, job.layout.pp, job.grad_accum, job.layout.pp_virtual_stages)
+    virtual = f", {job.layout.pp_virtual_stages} virtual stages" if job.layout.pp_virtual_stages > 1 else ""
+    return (f"Pipeline: {job.layout.pp} stages of {job.model.n_layer // job.layout.pp} layers, {job.layout.pp_schedule}{virtual}, "
             f"{job.grad_accum} micro-batches: bubble {bubble:.1%} of the step")
 
 
 def plan_lines(job: est.JobSpec, global_batch: int, top: int, cfg: JobConfig | None = None) -> list[str]:
-    plans = est.plan_layouts(job.model, job.seq_len, job.world_size, job.device, job.precision,
+    plans = est.plan_layouts(job.model, job.seq_len, job.layout.world_size, job.device, job.precision,
                              global_batch=global_batch, top=top, config=cfg)
     return [est.describe_plan(p) for p in plans]
 
@@ -264,7 +264,7 @@ def plan_lines(job: est.JobSpec, global_batch: int, top: int, cfg: JobConfig | N
 def scaling_main(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | None) -> int:
     """--scaling: the job's model on each GPU count, weak and strong (analysis/scaling.py)."""
     # the planner chooses the layout at every count: only the model, sequence, precision and batch are kept
-    unlaid = argparse.Namespace(**{**vars(args), **{key: None for key in (*LAYOUT_KEYS, "gpus", "strategy")}})
+    unlaid = argparse.Namespace(**{**vars(args), **{key: None for key in (*LAYOUT_FLAGS, "gpus", "strategy")}})
     job = build_job(unlaid, overrides, cfg) if args.preset else None
     if job is None:  # a config: its model, sequence, precision and sequences per GPU, on any layout
         model, seq_len, precision = cfg.model, args.seq_len or cfg.seq_len, args.precision or cfg.precision.mode
@@ -284,7 +284,7 @@ def scaling_main(args: argparse.Namespace, overrides: list[str], cfg: JobConfig 
              f"sequences of {seq_len} tokens per GPU per step, strong = {per_gpu * max(args.scaling)} per step")
     print(f"{title}\n" + text_table(headers, rows))
     print("\n".join(scaling.exposure_lines(weak, strong)))
-    print("Predictions of analysis/estimator.py (held-out error against published runs: "
+    print("Predictions of analysis/estimator (held-out error against published runs: "
           "docs/results/published_vs_estimator.md), the planner's cheapest layout at each count.")
     if args.plot:
         scaling.plot(weak, strong, args.plot, name)
@@ -307,22 +307,20 @@ def main(argv: list[str] | None = None) -> int:
         sections = [
             ("Model", *model_section(job)),
             (_activation_title(job), *activation_section(job)),
-            (f"Per GPU on {job.world_size}x {job.device.name} (policy {job.policy}, micro-batch {job.micro_batch})",
+            (f"Per GPU on {job.layout.world_size}x {job.device.name} (recompute {job.recompute}, micro-batch {job.micro_batch})",
              *strategy_section(job, cfg)),
         ]
-        if job.pp > 1:
+        if job.layout.pp > 1:
             sections.append((_pipeline_title(job), *stage_section(job)))
         global_batch = args.global_batch or job.global_batch
         plan = plan_lines(job, global_batch, args.top, cfg) if args.plan else []
-        layout = {key: getattr(job, key) for key in ("grad_accum", *LAYOUT_KEYS)}
-        verdict = est.fit_verdict(job.model, job.seq_len, job.micro_batch, job.world_size, job.strategy, job.policy,
-                                  job.precision, job.device.name, config=cfg, **layout)
+        verdict = est.job_verdict(job, cfg)
     except (est.EstimatorError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for title, headers, rows in sections:
         print(f"\n{title}\n" + text_table(headers, rows, numeric=headers[0] != "model"))
-    plan_title = (f"Cheapest layouts that fit on {job.world_size}x {job.device.name} ({job.device.gpus_per_node} per "
+    plan_title = (f"Cheapest layouts that fit on {job.layout.world_size}x {job.device.name} ({job.device.gpus_per_node} per "
                   f"node), global batch {global_batch} sequences, {job.precision}")
     if args.plan:
         print(f"\n{plan_title}")

@@ -5,7 +5,7 @@ worst absolute error per source and quantity, calibration and held-out rows apar
 
 Writes docs/results/published_vs_estimator.md, its rows as JSON next to it, and a PNG (predicted
 against published). ``--fit`` refits the estimator's free parameters on the calibration rows and
-prints them (they live as the defaults of analysis/estimator.py ``Assumptions``; paste them there to
+prints them (they live as the defaults of analysis/estimator/job.py ``Assumptions``; paste them there to
 adopt them), without writing anything.
 
 Examples:

@@ -56,7 +56,7 @@ def resolve_job(cfg: JobConfig, ctx: DistContext, explicit: Collection[str] = ()
     check_parameters_fit(cfg.model, ctx.device, ctx.world_size, cfg.parallel.init_on_meta)
     optim, note = cfg.optim.for_run(cfg.train.max_steps)
     warnings += [note] if note else []
-    parallel, note = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    parallel, note = cfg.parallel.resolved(ctx.layout)
     notes += [note] if note else []
     cfg = replace(cfg, optim=optim, parallel=parallel)
     data, batches = build_batches(cfg, ctx)
@@ -83,7 +83,7 @@ def build_batches(cfg: JobConfig, ctx: DistContext) -> tuple[DataBundle, DeviceP
     """
     t = cfg.train
     data = build_data(cfg.data, seq_len=cfg.seq_len, micro_batch_size=t.micro_batch_size, seed=t.seed,
-                      rank=ctx.dims.dp_rank, world_size=ctx.dims.dp_size, vocab_size=cfg.model.vocab_size,
+                      rank=ctx.dims.dp_rank, world_size=ctx.layout.dp, vocab_size=cfg.model.vocab_size,
                       grad_accum_steps=t.grad_accum_steps, val_limit=t.validation_sequences)
     return data, DevicePrefetcher(data.train, ctx.device)
 

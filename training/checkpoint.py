@@ -67,6 +67,7 @@ from common.files import (
 )
 from model.config import ModelConfig
 from parallel.checkpoint import Staging, host_copy
+from parallel.layout import Layout
 from training.config import upgrade_renamed
 
 # 2: the model stores qkv rows grouped per key/value head, a separate SwiGLU gate and the MLP bias
@@ -897,10 +898,20 @@ def _dotted(section: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def layout_record(layout: Layout) -> dict[str, int]:
+    """The parallel layout a checkpoint records (its shards and per-rank states depend on it), in the
+    layout's words: dp_shard counts the ep ranks, as it always has here (before the config counted
+    them the same way, its ep ranks were added in). cp and ep are absent at 1 and pp_virtual_stages
+    is 1 without a pipeline, so checkpoints from before those keys existed still match."""
+    record = {"tp": layout.tp, "pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
+              "pp_virtual_stages": layout.pp_virtual_stages if layout.pp > 1 else 1}
+    return record | ({"cp": layout.cp} if layout.cp > 1 else {}) | ({"ep": layout.ep} if layout.ep > 1 else {})
+
+
 def _check_same_layout(path: Path, meta: dict[str, Any], world_size: int, strategy: str,
                        layout: dict[str, int] | None) -> None:
     hint = "; or set checkpoint.reshard=true to load it into this layout (the data stream restarts)"
-    # Ranks first: several processes run strategy none as ddp or fsdp (ParallelConfig.for_data_parallel),
+    # Ranks first: several processes run strategy none as ddp or fsdp (parallel/layout.py resolve_strategy),
     # so a rank-count change also shows up as a strategy change, and only the rank count is the fix.
     if meta.get("world_size") != world_size:
         raise CheckpointError(

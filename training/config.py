@@ -25,6 +25,7 @@ from data.config import DataConfig
 from kernels.config import KernelsConfig
 from model.config import ModelConfig
 from parallel.config import ParallelConfig
+from parallel.layout import check_model, check_section
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionConfig
 
@@ -210,11 +211,14 @@ class JobConfig:
 
     def validate_layout(self) -> None:
         """The checks a parallel layout must pass against the model, batch and precision of this job:
-        the parallel section's own layout rules and every cross-section rule (tensor and pipeline
-        parallelism, FP8, Transformer Engine, sequence length). ``validate`` runs them, and so does the
-        layout planner (analysis/estimator.py) on every layout it proposes, so it proposes only what
+        the layout's rules (parallel/layout.py: the section's keys, and the layout against the model and
+        the sequence) and every cross-section rule of this trainer (tensor and pipeline parallelism, FP8,
+        Transformer Engine). ``validate`` runs them, and so does the
+        layout planner (analysis/estimator/) on every layout it proposes, so it proposes only what
         the trainer accepts."""
-        self.parallel._validate_layout()
+        m, p, t = self.model, self.parallel, self.train
+        check_section(p)
+        check_model(p, m, seq_len=self.seq_len, micro_batches=t.grad_accum_steps, seq_key=self.seq_key)
         self._validate_cross_sections()
 
     def lr_schedule(self) -> dict[str, Any]:
@@ -222,26 +226,18 @@ class JobConfig:
         arguments, and what a checkpoint records so a resumed run can be checked against it."""
         return self.optim.schedule(self.train.max_steps)
 
-    def _validate_model_parallel(self) -> None:
-        """What tensor and pipeline parallelism need from the model, the batch and the precision."""
+    @property
+    def seq_key(self) -> str:
+        """The key that sets the sequence length, for errors that name it."""
+        return "data.seq_len" if self.data.seq_len else "model.max_seq_len"
+
+    def _validate_parallel_support(self) -> None:
+        """What this trainer's tensor, pipeline and context parallelism do not support with the other
+        sections (the layout's own rules against the model are parallel/layout.py ``check_model``)."""
         m, p, t = self.model, self.parallel, self.train
-        if p.ep > 1 and m.moe.experts is None:
-            raise ConfigError(f"parallel.ep={p.ep} shards routed experts, but the model has none: set model.moe.experts "
-                              "or parallel.ep=1")
-        if p.ep > 1 and m.moe.experts % p.ep:
-            raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.experts={m.moe.experts} (each ep rank holds "
-                              "moe.experts / ep of them)")
         if p.tp > 1 and m.qk_norm:
             raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
         if p.tp > 1:
-            for key, value in (("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("d_ff", m.d_ff),
-                               ("vocab_size", m.vocab_size)):
-                if value % p.tp:
-                    raise ConfigError(f"parallel.tp={p.tp} must divide model.{key}={value} (each rank holds 1/tp of it)")
-            if p.sequence_parallel and self.seq_len % p.tp:
-                seq_key = "data.seq_len" if self.data.seq_len else "model.max_seq_len"
-                raise ConfigError(f"parallel.sequence_parallel splits the sequence over parallel.tp={p.tp} ranks: "
-                                  f"{seq_key}={self.seq_len} must divide by it")
             if m.dropout > 0:
                 raise ConfigError(f"model.dropout={m.dropout} with parallel.tp={p.tp}: each rank would draw its own "
                                   "masks for shared activations; tensor parallelism here trains without dropout")
@@ -257,16 +253,6 @@ class JobConfig:
             raise ConfigError(f"model.moe.bias_update_rate={m.moe.bias_update_rate} with parallel.pp={p.pp} is not "
                               "supported; balance with model.moe.aux_loss under pipeline parallelism")
         if p.pp > 1:
-            stages = p.pp * p.pp_virtual_stages
-            if m.n_layer % stages:
-                raise ConfigError(f"model.n_layer={m.n_layer} must divide into parallel.pp x pp_virtual_stages = "
-                                  f"{stages} pipeline stages of equal size")
-            if t.grad_accum_steps < p.pp:
-                raise ConfigError(f"train.grad_accum_steps={t.grad_accum_steps} is the number of pipeline "
-                                  f"micro-batches: it must be >= parallel.pp={p.pp} to keep every stage busy")
-            if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and t.grad_accum_steps % p.pp:
-                raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} needs train.grad_accum_steps (micro-batches) "
-                                  f"divisible by parallel.pp={p.pp}")
             if p.pp_schedule == "zero_bubble" and t.compile:
                 raise ConfigError("parallel.pp_schedule=zero_bubble splits each backward in two, which "
                                   "torch.compile'd blocks do not support; set train.compile=false or another schedule")
@@ -287,14 +273,7 @@ class JobConfig:
                                   "parallel.strategy=fsdp (its fp32 shards are the masters); or use precision.mode=bf16")
 
     def _validate_context_parallel(self) -> None:
-        """What context parallelism (parallel/cp.py) needs from the sequence and the model."""
-        p, seq_key = self.parallel, ("data.seq_len" if self.data.seq_len else "model.max_seq_len")
-        if self.seq_len % (2 * p.cp):
-            raise ConfigError(f"parallel.cp={p.cp} splits each sequence into 2 x cp = {2 * p.cp} equal chunks: "
-                              f"{seq_key}={self.seq_len} must divide by {2 * p.cp}")
-        if p.tp > 1 and p.sequence_parallel and (self.seq_len // p.cp) % p.tp:
-            raise ConfigError(f"parallel.sequence_parallel splits each cp rank's {self.seq_len // p.cp} tokens over "
-                              f"parallel.tp={p.tp}: {seq_key} / parallel.cp must divide by parallel.tp")
+        """What this trainer's context parallelism (parallel/cp.py) does not support."""
         if self.model.layers == "te":
             raise ConfigError("parallel.cp > 1 with model.layers=te: Transformer Engine's attention does not take the "
                               "gathered keys; use model.layers=torch")
@@ -313,13 +292,12 @@ class JobConfig:
         # its inner dimension divisible by 16.
         tokens = self.train.micro_batch_size * self.seq_len
         if tokens % 16:
-            seq_key = "data.seq_len" if self.data.seq_len else "model.max_seq_len"
-            raise ConfigError(f"precision.fp8_backend=torchao needs train.micro_batch_size x {seq_key} divisible "
+            raise ConfigError(f"precision.fp8_backend=torchao needs train.micro_batch_size x {self.seq_key} divisible "
                               f"by 16 (torch._scaled_mm's inner dimension in the weight-gradient GEMM); "
                               f"{self.train.micro_batch_size} x {self.seq_len} is not")
 
     def _validate_cross_sections(self) -> None:
-        self._validate_model_parallel()
+        self._validate_parallel_support()
         fp8_backend = self.precision.fp8_backend if self.precision.mode == "fp8" else None
         if fp8_backend == "torchao":
             self._validate_fp8_torchao()
@@ -336,10 +314,9 @@ class JobConfig:
                     + ", ".join(f"{k}={v}" for k, v in bad)
                 )
             # TE also needs the GEMMs' row count (every token of a micro-batch) divisible by 8.
-            seq_key = "data.seq_len" if self.data.seq_len else "model.max_seq_len"
             if self.train.micro_batch_size * self.seq_len % 8:
                 raise ConfigError(
-                    f"precision.mode=fp8 needs train.micro_batch_size x {seq_key} divisible by 8 (Transformer "
+                    f"precision.mode=fp8 needs train.micro_batch_size x {self.seq_key} divisible by 8 (Transformer "
                     f"Engine's FP8 GEMMs); {self.train.micro_batch_size} x {self.seq_len} is not"
                 )
         if self.harness.tasks and self.model.layers != "torch":

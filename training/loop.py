@@ -367,7 +367,7 @@ class TrainingLoop:
         job = ckpt.SaveJob(self.ckpt_root, step, ctx.rank, ctx.world_size, cfg.parallel.strategy, ctx.barrier,
                            cfg.checkpoint.keep_last, healthy=self.state.healthy, device=ctx.device,
                            extra_meta={"model": to_dict(cfg.model), "schedule": cfg.lr_schedule(),
-                                       "layout": self.layout(), "tokenizer": self.data.tokenizer,
+                                       "layout": ckpt.layout_record(self.ctx.layout), "tokenizer": self.data.tokenizer,
                                        "tokenizer_sha256": self.data.tokenizer_sha256, "eot_id": self.data.eot_id})
         if background:
             self.background.start(job, lambda d, staging: self.engine.stage_save(d, ctx.rank, staging), rank_state,
@@ -411,7 +411,7 @@ class TrainingLoop:
             return
         reshard = cfg.checkpoint.reshard
         meta = ckpt.read_checkpoint_meta(path, ctx.world_size, cfg.parallel.strategy, to_dict(cfg.model),
-                                         layout=self.layout(), reshard=reshard)
+                                         layout=ckpt.layout_record(self.ctx.layout), reshard=reshard)
         ckpt.check_schedule(path, meta, cfg.lr_schedule(), allow_change=cfg.checkpoint.allow_schedule_change,
                             warn=warn)
         check_tokenizer(path, meta, self.data)
@@ -423,7 +423,7 @@ class TrainingLoop:
             # starts again (said, not silent).
             self.state.step = int(meta["step"])
             moved = (f"resume: resharded {path} (saved with {meta.get('world_size')} rank(s), layout "
-                     f"{meta.get('layout')}) into {ctx.world_size} rank(s), layout {self.layout()}")
+                     f"{meta.get('layout')}) into {ctx.world_size} rank(s), layout {ckpt.layout_record(self.ctx.layout)}")
             if self.batches.layout_free:
                 self.batches.load_state_dict(safe_torch_load(path / "rank_00000.pt")["data"])
                 log.info(f"{moved}; the data stream continues where it stopped (its order does not depend on the "
@@ -438,14 +438,6 @@ class TrainingLoop:
         log.info(f"resume{' auto' if cfg.checkpoint.resume == 'auto' else ''}: continuing from {path} at step "
                  f"{self.state.step}{restart_note()}")
         log.keep_rows_up_to(self.state.step)
-
-    def layout(self) -> dict[str, int]:
-        """The parallel layout a checkpoint records (its shards and per-rank states depend on it)."""
-        d = self.ctx.dims
-        layout = {"tp": d.tp, "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
-                  "pp_virtual_stages": self.cfg.parallel.pp_virtual_stages if d.pp > 1 else 1}
-        # cp and ep absent at 1: checkpoints from before they existed match
-        return layout | ({"cp": d.cp} if d.cp > 1 else {}) | ({"ep": d.ep} if d.ep > 1 else {})
 
     # ----------------------------------------------------------------- the loop
 

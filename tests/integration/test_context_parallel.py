@@ -5,8 +5,8 @@
 of two cp ranks each. The loader gives the two data-parallel ranks every other window, and both cp
 ranks of one data-parallel rank the same windows, so a step reads the same 2 x B windows one process
 with micro-batch 2B reads; each cp rank runs half of every sequence. Losses of every step and the
-validation loss agree within 1e-5 (fp32). (The document mask under cp is checked in process, in
-tests/unit/parallel/test_cp.py.)
+validation loss agree within 1e-5 (fp32). (The document mask under cp is checked on gloo ranks, in
+tests/integration/parallel/test_cp.py.)
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def parallel_runs(tmp_path_factory, corpus_cache):
             run_dir = tmp_path_factory.mktemp(strategy) / "run"
             proc = torchrun(run_dir, corpus_cache, {"parallel.strategy": strategy, **PER_STRATEGY[strategy]})
             assert proc.returncode == 0, proc.stderr[-3000:]
-            assert f"strategy {strategy}" in proc.stdout and "[rank 1 local 1 node 0]" in proc.stdout
+            assert f"strategy={strategy} " in proc.stdout and "[rank 1 local 1 node 0]" in proc.stdout
             done[strategy] = run_dir
         return done[strategy]
 

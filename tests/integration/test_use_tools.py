@@ -2,7 +2,7 @@
 
 Exports from sharded checkpoints (FSDP2, ZeRO-3) are tested against the one-process export in
 tests/integration/test_strategies_under_torchrun.py, which already trains those runs; the tensor-parallel checkpoint in
-tests/unit/parallel/test_tp_pp.py. Here: sampling against ``transformers``' own generate, training
+tests/integration/parallel/test_tp_pp.py. Here: sampling against ``transformers``' own generate, training
 from imported weights, evaluation against the training loop's validation loss, and the errors.
 """
 

@@ -213,8 +213,7 @@ def check_layout(cfg, world_size: int, ranks_per_node: int, monkeypatch) -> None
     with monkeypatch.context() as m:
         for key, value in env.items():
             m.setenv(key, str(value))
-        dims = layout_from_env(cfg.parallel)
-    cfg.parallel.for_data_parallel(dims.dp_size)
+        layout_from_env(cfg.parallel)  # the run's Layout: every layout rule, the strategy resolved
 
 
 def dry_run_train(argv: list[str], monkeypatch, world_size: int = 1, ranks_per_node: int = 1) -> None:

@@ -1,4 +1,4 @@
-"""The estimator and planner with context parallelism (analysis/estimator.py), against hand counts."""
+"""The estimator and planner with context parallelism (analysis/estimator/), against hand counts."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 import analysis.estimator as est
+from analysis.estimator.memory import layer_bytes
 from common.hardware import DEVICES
 from model.config import ModelConfig
 from training.config import load_config
@@ -16,9 +17,10 @@ MODEL = ModelConfig(vocab_size=32000, max_seq_len=65536, n_layer=8, n_head=16, n
                     mlp="swiglu", norm="rmsnorm", position="rope", bias=False, attention="sdpa")
 
 
-def job(**changes) -> est.JobSpec:
-    base = dict(model=MODEL, seq_len=65536, micro_batch=1, world_size=8, strategy="fsdp", policy="none",
-                precision="bf16", device=H100)
+def job(world_size: int = 8, cp: int = 1, tp: int = 1, pp: int = 1, **changes) -> est.JobSpec:
+    """The model on ``world_size`` H100s under fsdp with ``cp`` (``tp``, ``pp``); ``changes``: JobSpec's other fields."""
+    base = dict(model=MODEL, seq_len=65536, micro_batch=1, recompute="none", precision="bf16", device=H100,
+                layout=est.layout_of(world_size, strategy="fsdp", cp=cp, tp=tp, pp=pp))
     return est.JobSpec(**{**base, **changes})
 
 
@@ -31,16 +33,16 @@ def test_a_cp_layer_keeps_its_share_of_the_sequence_plus_the_gathered_keys_and_v
     # the core (gather included) is recomputed in backward.
     gathered = 0 if policy in ("selective", "full") else p * 2 * 512 * (s - s // cp)
     assert est.cp_attention_bytes_per_layer(job(cp=cp), policy) == gathered
-    assert est._layer_bytes(job(cp=cp), policy) == local + gathered
+    assert layer_bytes(job(cp=cp), policy) == local + gathered
     # tensor parallelism splits the gathered KV heads too
     tp = job(cp=cp, tp=2, world_size=16)
     assert est.cp_attention_bytes_per_layer(tp, policy) == gathered / 2
 
 
 def test_activation_memory_falls_about_one_over_cp():
-    one = est.estimate_memory(job(world_size=4, policy="selective"))
+    one = est.estimate_memory(job(world_size=4, recompute="selective"))
     for cp in (2, 4):
-        split = est.estimate_memory(job(world_size=4, cp=cp, policy="selective"))
+        split = est.estimate_memory(job(world_size=4, cp=cp, recompute="selective"))
         # Every layer keeps 1/cp (its core is recomputed, gather included); the layer being
         # recomputed holds the gathered K/V once at the peak.
         gathered = est.cp_attention_bytes_per_layer(job(world_size=4, cp=cp), "none")
@@ -66,7 +68,7 @@ def test_kv_gather_traffic_per_step():
     # a forward all-gather and a backward reduce-scatter per layer, each sending 3/4 of it
     assert sent == 2 * 8 * 3 / 4 * per_layer
     assert est.kv_gather_bytes(MODEL, 65536, 1, 2) == per_layer
-    full = est.cp_comm_seconds(dataclasses.replace(j, policy="full"))[1]
+    full = est.cp_comm_seconds(dataclasses.replace(j, recompute="full"))[1]
     assert full == pytest.approx(sent * 3 / 2)  # recompute gathers once more
     assert est.estimate(j).time.cp_comm_s == pytest.approx(3 * seconds)
     assert est.cp_comm_seconds(job())[1] == 0
@@ -87,22 +89,22 @@ def test_cp_x_pp_sends_each_cp_ranks_tokens_between_stages_and_gathers_its_stage
 
 
 def test_the_planner_proposes_cp_x_pp_where_it_fits():
-    plans = est.plan_layouts(MODEL, 65536, 8, H100, "bf16", global_batch=8, top=None, policies=("selective",),
+    plans = est.plan_layouts(MODEL, 65536, 8, H100, "bf16", global_batch=8, top=None, recomputes=("selective",),
                              schedules=("1f1b",), micro_batches=(1,))
-    composed = [p for p in plans if p.job.cp > 1 and p.job.pp > 1]
-    assert {(p.job.pp, p.job.cp) for p in composed} >= {(2, 2), (2, 4)}
+    composed = [p for p in plans if p.job.layout.cp > 1 and p.job.layout.pp > 1]
+    assert {(p.job.layout.pp, p.job.layout.cp) for p in composed} >= {(2, 2), (2, 4)}
     assert all(p.fits and est.trainer_refusal(p.job) is None for p in composed)  # and the trainer takes them
     assert any("--parallel.pp=2" in " ".join(words) and "--parallel.cp=2" in " ".join(words)
-               for words in (est.layout_overrides(p.job) for p in composed))
+               for words in (est.job_overrides(p.job) for p in composed))
 
 
 def test_the_planner_places_llama3_8b_at_128k_on_8_gpus_with_cp():
     cfg = load_config("configs/llama3-8b.yaml", ["--model.max_seq_len=131072", "--data.path=unused"])
     plans = est.plan_layouts(cfg.model, 131072, 8, H100, "bf16", global_batch=64, top=None, config=cfg)
-    assert plans and plans[0].fits and plans[0].job.cp > 1
+    assert plans and plans[0].fits and plans[0].job.layout.cp > 1
     assert plans[0].memory.total <= 80 * est.GIB
-    assert all(p.job.strategy == "fsdp" for p in plans if p.job.cp > 1)
-    assert "--parallel.cp=" in " ".join(est.layout_overrides(plans[0].job))
+    assert all(p.job.layout.strategy == "fsdp" for p in plans if p.job.layout.cp > 1)
+    assert "--parallel.cp=" in " ".join(est.job_overrides(plans[0].job))
     assert est.trainer_refusal(plans[0].job, cfg) is None
     # short sequences: no cp searched
     assert all(cp == 1 for cp in est.context_parallel_sizes(8192, 8))
@@ -112,15 +114,15 @@ def test_the_planner_places_llama3_8b_at_128k_on_8_gpus_with_cp():
 def test_the_shipped_long_context_config_fits_as_its_comment_says():
     cfg = load_config("configs/llama3-8b-128k.yaml", ["--data.path=unused"])
     assert cfg.parallel.cp == 4 and cfg.model.rope_theta == 500000.0
-    j = est.JobSpec(cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 8, "fsdp", cfg.model.recompute, "bf16", H100,
-                    cfg.train.grad_accum_steps, cp=cfg.parallel.cp)
-    assert j.dp_shard == 2 and est.estimate(j).fits
+    j = est.job_of(cfg, est.Layout.of(cfg.parallel, 8), H100)
+    assert j.layout.dp_shard == 2 and j.layout.strategy == "fsdp" and est.estimate(j).fits
 
 
 def test_bad_cp_layouts_are_one_line_errors():
-    with pytest.raises(est.EstimatorError, match="cp=4 splits each sequence into 2\\*cp chunks: seq_len=65532"):
+    with pytest.raises(est.EstimatorError, match="parallel.cp=4 splits each sequence into 2 x cp = 8 equal chunks: "
+                                                 "seq_len=65532 must divide by 8"):
         job(cp=4, seq_len=65532)
-    with pytest.raises(est.EstimatorError, match="not divisible by tp\\*pp\\*cp\\*dp_replicate=16"):
+    with pytest.raises(est.EstimatorError, match="parallel.cp=8 x parallel.tp=2 = 16 does not divide the 8 ranks"):
         job(cp=8, tp=2)
 
 
@@ -128,8 +130,8 @@ def test_the_estimate_tool_takes_cp_and_shards_over_it(capsys):
     from tools import estimate
 
     args = ["--config", "configs/llama3-8b.yaml", "--model.max_seq_len=131072", "--data.path=unused", "--gpus", "8",
-            "--cp", "8", "--policy", "full"]
+            "--cp", "8", "--recompute", "full"]
     assert estimate.main(args) == 0
     out = capsys.readouterr().out
     assert "cp=8 (16,384 tokens per GPU)" in out
-    assert "fit: yes" in out and "fsdp, recompute=full" in out  # one data-parallel rank, sharded over the 8 cp ranks
+    assert "fit: yes" in out and "strategy=fsdp dp_shard=1 tp=1 pp=1 cp=8, recompute=full" in out  # sharded over the cp ranks

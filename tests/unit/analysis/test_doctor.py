@@ -1,22 +1,18 @@
 """tools/diagnose.py: each bottleneck, induced on the CPU, is the one the verdict names.
 
 The slowed loader, the memory budget and selective recompute over SDPA run in this process (a
-few steps of a 2-layer model); the communication-heavy layout is FSDP2 on two gloo processes
-with one short sequence per rank, so all-gathers and reduce-scatters outweigh the compute.
+few steps of a 2-layer model); the communication-heavy layout, on two gloo processes, is in
+tests/integration/analysis/test_doctor.py.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from analysis.doctor import Breakdown, Job, Span, attribute, verdicts
 from data.prefetch import DevicePrefetcher
-from tests.conftest import ROOT, free_port
 from tools.diagnose import main as diagnose_main
 
 
@@ -81,20 +77,6 @@ def test_a_memory_budget_is_named_and_try_measures_the_switch(capsys, corpus_cac
     assert lines[-1].startswith("verdict: memory: peak") and "model.recompute=full" in lines[-1]
     tried = next(line for line in lines if line.startswith("try --model.recompute=full: "))
     assert "over 2 interleaved rounds of 2 steps" in tried and "median" in tried
-
-
-@pytest.mark.timeout(240)
-def test_a_communication_heavy_layout_on_gloo_is_named(corpus_cache):
-    args = ["--config", "configs/tiny.yaml", "--steps", "3", "--warmup", "1", "--model.n_layer=2",
-            "--model.d_model=64", "--model.max_seq_len=16", "--train.micro_batch_size=1", "--parallel.strategy=fsdp",
-            "--optim.fused=on", f"--data.cache_dir={corpus_cache}", "--data.default_corpus_max_mb=2.0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", "-m", "tools.diagnose", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=200, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    verdict = proc.stdout.strip().splitlines()[-1]
-    assert verdict.startswith("verdict: exposed communication") and "fsdp_hybrid" in verdict, proc.stdout[-1500:]
 
 
 def test_bad_flags_are_one_line(capsys):

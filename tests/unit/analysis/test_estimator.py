@@ -9,10 +9,13 @@ import torch
 
 from analysis import estimator as est
 from analysis.chapter_measurements import count_saved_bytes
+from analysis.estimator.time import _elementwise_bytes
 from common.hardware import DEVICES, lookup_device, peak_tflops_for
 from model.config import ModelConfig, MoEConfig
 from model.flops import block_parameters
 from model.gpt import GPT
+from parallel.precision import PrecisionConfig
+from training.config import JobConfig
 
 GIB = 2**30
 H100 = DEVICES["H100"]
@@ -144,7 +147,7 @@ def test_collective_seconds_two_level_by_hand():
 def test_compute_time_and_mfu_by_hand():
     # Llama-2-7B on one H100, s=4096, b=1, bf16: every term of docs/estimator.md written out again here
     cfg = est.preset("llama2-7b").model
-    job = est.JobSpec(cfg, 4096, 1, 1, "none", "none", "bf16_master", H100)
+    job = est.JobSpec(cfg, 4096, 1, est.Layout(1), "none", "bf16_master", H100)
     a = est.Assumptions()
     t, d, f, kv, L, V = 4096, 4096, 11008, 4096, 32, 32000
     peak = 989e12 * a.gemm_fraction_hopper
@@ -168,7 +171,7 @@ def test_compute_time_and_mfu_by_hand():
     assert result.time.step_s == pytest.approx(compute + L * elementwise + loss + optimizer)
     expected = t * est.flops_per_token(cfg, 4096) / (result.time.step_s * 989e12)
     assert result.time.mfu == pytest.approx(expected)
-    full = est.estimate(dataclasses.replace(job, policy="full"))
+    full = est.estimate(dataclasses.replace(job, recompute="full"))
     # full recompute runs every layer's GEMMs, attention and element-wise forward once more
     flash_full = 0.5 * 4 * t * t * d * (2 + 2.5) / (peak * a.attention_fraction)
     assert full.time.compute_s == pytest.approx(L * (4 * layer_gemms + flash_full) + 3 * gemm(t, d, V))
@@ -177,14 +180,23 @@ def test_compute_time_and_mfu_by_hand():
 # --------------------------------------------------------------------------- fit verdicts and planning
 
 
+def verdict(model, seq_len: int, micro_batch: int, gpus: int, strategy: str, recompute: str, precision: str,
+            device_name: str) -> str:
+    """The trainer's start-up verdict on the configuration of this job (``fit_verdict``)."""
+    job = est.JobSpec(model, seq_len, micro_batch, est.Layout(gpus, strategy=strategy), recompute, precision)
+    return est.fit_verdict(est.trainer_config(job), job.layout, device_name)
+
+
 def test_gpt3_175b_does_not_fit_on_8_h100():
     p = est.preset("gpt3-175b")
-    verdict = est.fit_verdict(p.model, 2048, 1, 8, "fsdp", "full", "bf16_master", "NVIDIA H100 80GB HBM3")
-    assert verdict.startswith("fit: NO")
-    assert "nothing fits on 8 GPUs" in verdict
-    assert len(verdict.splitlines()) == 2
+    verdict_ = verdict(p.model, 2048, 1, 8, "fsdp", "full", "bf16_master", "NVIDIA H100 80GB HBM3")
+    assert verdict_.startswith("fit: NO")
+    assert "nothing fits on 8 GPUs" in verdict_
+    assert len(verdict_.splitlines()) == 2
     # 16 bytes/param over 8 GPUs alone is ~325 GiB
-    assert est.estimate(est.JobSpec(p.model, 2048, 1, 8, "fsdp", "full", "bf16_master", H100)).memory.states > 300 * GIB
+    job = est.JobSpec(p.model, 2048, 1, est.Layout(8, strategy="fsdp"), "full", "bf16_master", H100)
+    assert est.estimate(job).memory.states > 300 * GIB
+    assert est.job_verdict(job) == verdict_
     assert est.plan_fits(p.model, 2048, 8, H100) == []
 
 
@@ -194,7 +206,8 @@ def test_min_gpus_to_fit_equals_a_scan_of_every_count(name, device):
     p, gpu = est.preset(name), DEVICES[device]
 
     def fits(n: int) -> bool:
-        job = est.JobSpec(p.model, p.seq_len, 1, n, "none" if n == 1 else "fsdp", "full", "bf16_master", gpu)
+        job = est.JobSpec(p.model, p.seq_len, 1, est.Layout(n, strategy="none" if n == 1 else "fsdp"), "full",
+                          "bf16_master", gpu)
         return est.estimate(job).fits
 
     scanned = next(n for n in range(1, 257) if fits(n))
@@ -208,23 +221,24 @@ def test_gpt3_needs_46_h100s_and_the_verdict_names_the_power_of_two_separately()
     # and freed every micro-batch, instead of a flat 2 GiB
     p = est.preset("gpt3-175b")
     assert est.min_gpus_to_fit(p.model, p.seq_len, H100) == 46  # not a power of two
-    verdict = est.fit_verdict(p.model, 2048, 1, 8, "fsdp", "full", "bf16_master", "H100")
-    assert "needs at least 46 GPUs (smallest power of two: 64)" in verdict
+    assert "needs at least 46 GPUs (smallest power of two: 64)" in verdict(p.model, 2048, 1, 8, "fsdp", "full",
+                                                                            "bf16_master", "H100")
 
 
 def test_llama_7b_fits_and_ddp_does_not():
     p = est.preset("llama2-7b")
-    assert est.fit_verdict(p.model, 4096, 1, 8, "fsdp", "none", "bf16_master", "H100").startswith("fit: yes")
-    ddp = est.fit_verdict(p.model, 4096, 1, 8, "ddp", "none", "bf16_master", "H100")
+    assert verdict(p.model, 4096, 1, 8, "fsdp", "none", "bf16_master", "H100").startswith("fit: yes")
+    ddp = verdict(p.model, 4096, 1, 8, "ddp", "none", "bf16_master", "H100")
     assert ddp.startswith("fit: NO") and "cheapest that fits: strategy=" in ddp
 
 
 def test_fit_verdict_without_device_figures_and_with_bad_input():
-    cfg = ModelConfig()
-    assert "no memory figures for device 'cpu'" in est.fit_verdict(cfg, 256, 8, 1, "none", "none", "fp32", "cpu")
-    bad = est.fit_verdict(cfg, 256, 8, 4, "none", "none", "fp32", "H100")
-    assert bad.startswith("fit check skipped") and "needs ddp" in bad
-    assert "FP8" in est.fit_verdict(cfg, 256, 8, 1, "none", "none", "fp8", "NVIDIA A100-SXM4-80GB")
+    cfg = JobConfig(model=ModelConfig())  # 4 heads
+    assert "no memory figures for device 'cpu'" in est.fit_verdict(cfg, est.Layout(1), "cpu")
+    bad = est.fit_verdict(cfg, est.Layout(3, tp=3), "H100")
+    assert bad.startswith("fit check skipped") and "parallel.tp=3 must divide model.n_head=4" in bad
+    fp8 = JobConfig(model=ModelConfig(), precision=PrecisionConfig(mode="fp8"))
+    assert "FP8" in est.fit_verdict(fp8, est.Layout(1), "NVIDIA A100-SXM4-80GB")
 
 
 def test_planner_orders_cheapest_first_and_only_lists_fits():
@@ -235,13 +249,13 @@ def test_planner_orders_cheapest_first_and_only_lists_fits():
     costs = [plan.time.seconds_per_token for plan in plans]
     assert costs == sorted(costs)
     # selective keeps 34*s*b*h*80 = 85 GiB even at b=1, so only full recompute fits
-    assert {plan.job.policy for plan in plans} == {"full"}
+    assert {plan.job.recompute for plan in plans} == {"full"}
     # more GPUs never remove options
     more = est.plan_fits(p.model, 4096, 256, H100, top=None)
     assert len(more) >= len(plans)
     # without stored scores, every_k (40 layers x 34*s*h bytes = 42.5 GiB at b=1) fits as well
     flash = est.plan_fits(dataclasses.replace(p.model, attention="sdpa"), 4096, 64, H100, top=None)
-    assert {"full", "every_k"} <= {plan.job.policy for plan in flash}
+    assert {"full", "every_k"} <= {plan.job.recompute for plan in flash}
 
 
 def test_planner_prefers_less_recompute_when_memory_allows():
@@ -249,16 +263,16 @@ def test_planner_prefers_less_recompute_when_memory_allows():
     # micro-batch whose larger GEMMs pay for op_selective's element-wise recompute: the GEMM-shape model.)
     cfg = est.preset("llama2-7b").model
     best = est.plan_fits(cfg, 4096, 8, H100, micro_batches=(1,), top=1)[0]
-    assert best.job.policy == "none"
+    assert best.job.recompute == "none"
     for policy in ("selective", "full", "op_selective"):
-        slower = est.plan_fits(cfg, 4096, 8, H100, policies=(policy,), micro_batches=(1,), top=1)[0]
+        slower = est.plan_fits(cfg, 4096, 8, H100, recomputes=(policy,), micro_batches=(1,), top=1)[0]
         assert slower.time.seconds_per_token > best.time.seconds_per_token
 
 
 def test_bad_choices_are_one_line_errors():
     cfg = ModelConfig()
     with pytest.raises(est.EstimatorError, match="strategy='zero4'.*choose one of"):
-        est.JobSpec(cfg, 128, 1, 2, "zero4")
+        est.JobSpec(cfg, 128, 1, est.Layout(2, strategy="zero4"))
     with pytest.raises(est.EstimatorError, match="unknown preset"):
         est.preset("gpt5")
 
@@ -313,7 +327,7 @@ def test_every_policy_matches_bench_memory_exactly():
         causal_mask = s * s if backend == "reference" else 0
         unpaper = {"none": norm_stats + causal_mask, "selective": norm_stats, "full": 0, "op_selective": 0}
         unpaper["every_k"] = unpaper["none"] / 2  # of 2 layers, one is full (k=2), one keeps everything
-        for policy in est.POLICIES:
+        for policy in est.RECOMPUTE_POLICIES:
             row = bench.measure_saved_bytes(cfg, policy, s, b, backend, torch.float32, "cpu")
             measured = row["offloaded_bytes"] / cfg.n_layer if policy == "offload" else row["per_layer_bytes"]
             assert est.saved_bytes_per_layer(cfg, s, b, policy, 4, attention=backend) == measured, (backend, policy)
@@ -327,7 +341,7 @@ def test_moe_memory_holds_every_expert_and_the_activations_of_top_k():
     top-k copies of each token through the experts, the router's fp32 scores and the dispatch indices."""
     dense = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=2, d_model=64, mlp="swiglu", d_ff=128)
     moe = dataclasses.replace(dense, moe=MoEConfig(experts=8, top_k=2, d_ff=32))
-    job = est.JobSpec(moe, seq_len=64, micro_batch=2, world_size=1, strategy="none", policy="none", precision="fp32")
+    job = est.JobSpec(moe, seq_len=64, micro_batch=2, recompute="none", precision="fp32")
     assert est.estimate_memory(job).params == est.count_parameters(moe) * 4
     per_token = 2 * (2 * 64 + 4 * 32) + 2 * 8 * 2 + 2 * 2 * 4  # copies, router scores, indices (2-byte units)
     dense_job = dataclasses.replace(job, model=dense)
@@ -346,11 +360,11 @@ def test_moe_element_wise_work_is_its_active_widths():
     dense = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=2, d_model=64, mlp="swiglu", d_ff=512)
     moe = dataclasses.replace(dense, moe=MoEConfig(experts=8, top_k=2, d_ff=32, shared_experts=1))
     twin = dataclasses.replace(dense, d_ff=(2 + 1) * 32)
-    job = est.JobSpec(moe, seq_len=64, micro_batch=2, world_size=1, strategy="none", policy="none", precision="bf16")
-    assert est._elementwise_bytes(job) == est._elementwise_bytes(dataclasses.replace(job, model=twin))
+    job = est.JobSpec(moe, seq_len=64, micro_batch=2, recompute="none", precision="bf16")
+    assert _elementwise_bytes(job) == _elementwise_bytes(dataclasses.replace(job, model=twin))
     half = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, first_dense=1))  # layer 0 dense (512 wide), layer 1 MoE (96)
     mean = dataclasses.replace(dense, d_ff=(512 + 96) // 2)
-    assert est._elementwise_bytes(dataclasses.replace(job, model=half)) == est._elementwise_bytes(
+    assert _elementwise_bytes(dataclasses.replace(job, model=half)) == _elementwise_bytes(
         dataclasses.replace(job, model=mean))
 
 

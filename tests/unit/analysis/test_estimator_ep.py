@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 
 import pytest
 
 from analysis import estimator as est
+from analysis.estimator.activations import _mlp_activation_elements
 from common.hardware import DEVICES
 from model.config import ModelConfig, MoEConfig
 from parallel.dims import ParallelDims
@@ -24,8 +26,10 @@ MOE = ModelConfig(vocab_size=1024, max_seq_len=256, n_layer=4, n_head=4, d_model
 ROUTED = 4 * 8 * 3 * 128 * 64  # layers x experts x matrices x d x f
 
 
-def job(ep: int, **kw) -> est.JobSpec:
-    return est.JobSpec(MOE, 256, 2, 8, "fsdp", "none", "bf16_master", H100, ep=ep, **kw)
+def job(ep: int, recompute: str = "none", grad_accum: int = 1, model: ModelConfig = MOE, **layout) -> est.JobSpec:
+    """The MoE model on 8 H100s under fsdp with ``ep`` (and the other ``layout`` keys)."""
+    return est.JobSpec(model, 256, 2, est.Layout(8, strategy="fsdp", ep=ep, **layout), recompute, "bf16_master", H100,
+                       grad_accum)
 
 
 def test_routed_parameters_are_the_expert_weights():
@@ -54,7 +58,7 @@ def test_all_to_all_bytes_by_hand():
     copies_bytes = 256 * 2 * 2 * 128 * 2
     assert est.expert_all_to_all(job(1)) == (0.0, 0.0)
     assert est.expert_all_to_all(job(4))[1] == pytest.approx(4 * 4 * 3 / 4 * copies_bytes)
-    full = est.JobSpec(MOE, 256, 2, 8, "fsdp", "full", "bf16_master", H100, ep=2)
+    full = job(2, "full")
     assert est.expert_all_to_all(full)[1] == pytest.approx(6 * 4 * 1 / 2 * copies_bytes)
     result = est.estimate(job(4, grad_accum=3))
     assert result.comm.expert_all_to_all == pytest.approx(3 * 4 * 4 * 3 / 4 * copies_bytes)
@@ -64,10 +68,10 @@ def test_all_to_all_bytes_by_hand():
 def test_recomputed_layers_exchange_their_tokens_again():
     """A layer whose forward runs again in backward runs its dispatch and combine again: all four
     MoE layers under full and op_selective (6 exchanges each), every second one under every_k with
-    k=2 (layers 2 and 4), none under selective. tests/unit/parallel/test_ep.py counts the trainer's."""
+    k=2 (layers 2 and 4), none under selective. tests/integration/parallel/test_ep.py counts the trainer's."""
     def exchanges(policy: str, **model) -> float:
         cfg = dataclasses.replace(MOE, **model)
-        return est.expert_exchanges(est.JobSpec(cfg, 256, 2, 8, "fsdp", policy, "bf16_master", H100, ep=2))
+        return est.expert_exchanges(job(2, policy, model=cfg))
 
     assert exchanges("none") == exchanges("selective") == exchanges("offload") == 4 * 4
     assert exchanges("full") == exchanges("op_selective") == 6 * 4
@@ -75,7 +79,7 @@ def test_recomputed_layers_exchange_their_tokens_again():
     assert exchanges("every_k", recompute_every_k=3) == 4 * 4 + 2 * 1
     assert exchanges("every_k", moe=dataclasses.replace(MOE.moe, every=2)) == 4 * 2 + 2 * 2  # MoE layers 2 and 4, both recomputed
     copies_bytes = 256 * 2 * 2 * 128 * 2
-    op = est.JobSpec(MOE, 256, 2, 8, "fsdp", "op_selective", "bf16_master", H100, ep=2)
+    op = job(2, "op_selective")
     assert est.expert_all_to_all(op)[1] == pytest.approx(6 * 4 * 1 / 2 * copies_bytes)
 
 
@@ -90,11 +94,12 @@ def test_experts_are_gathered_over_the_gpus_holding_them():
 
 
 def test_ep_carved_out_of_dp_shard_x_cp_by_hand():
-    """With cp=2 on 8 GPUs, ep=4 spans 2 dp_shard GPUs x the cp pair (parallel/dims.py): the states
-    still shard 8 ways, the experts over the 8 / 4 = 2 GPUs holding the same ones (the trainer's
-    parallel.dp_shard), and a cp rank's all-to-alls carry only its half of each sequence's copies."""
+    """With cp=2 on 8 GPUs, ep=4 spans 2 dp_shard GPUs x the cp pair (parallel/layout.py): the states
+    still shard 8 ways, the experts over the 8 / 4 = 2 GPUs holding the same ones (edp), and a cp
+    rank's all-to-alls carry only its half of each sequence's copies. The trainer's configuration of
+    the job builds the same layout."""
     both = job(4, cp=2)
-    assert (both.dp_shard, both.shard_group, both.config_dp_shard) == (4, 8, 2)
+    assert (both.layout.dp_shard, both.layout.dp_shard_cp, both.layout.edp) == (4, 8, 2)
     assert est.estimate_memory(both).states == pytest.approx(est.estimate_memory(job(1, cp=2)).states)
     copies_bytes = 256 * 2 * 2 * 128 * 2 / 2
     assert est.expert_all_to_all(both)[1] == pytest.approx(4 * 4 * 3 / 4 * copies_bytes)
@@ -102,11 +107,12 @@ def test_ep_carved_out_of_dp_shard_x_cp_by_hand():
     routed = ROUTED / 4  # per GPU; gathered twice and reduced once per micro-batch over the 2 GPUs holding them
     assert est.estimate(both).comm.expert_sharded == pytest.approx(1 / 2 * (2 * routed * per.param + routed * per.grad))
     assert est.trainer_refusal(both) is None
-    dims = ParallelDims(8, 8, 0, 0, **est.trainer_config(both).parallel.layout(1, 8))
-    assert (dims.ep, dims.cp, dims.edp) == (4, 2, 2)
+    trainer = est.Layout.of(est.trainer_config(both).parallel, 8, 8)
+    assert dataclasses.replace(trainer, ranks_per_node=None) == both.layout
+    assert ParallelDims(8, 8, 0, 0, layout=trainer).mesh_shape() == {"edp": 2, "ep_shard": 2, "cp": 2}
     assert est.expert_parallel_sizes(MOE, 2, "fsdp", cp=4) == [1, 4, 8]  # multiples of cp dividing dp_shard x cp
-    with pytest.raises(est.EstimatorError, match="ep=2 must be a multiple of cp=4"):
-        est.JobSpec(MOE, 256, 1, 8, "fsdp", ep=2, cp=4)
+    with pytest.raises(est.EstimatorError, match="parallel.ep=2 with parallel.cp=4: .* ep must be a multiple of cp"):
+        est.layout_of(8, strategy="fsdp", ep=2, cp=4)
 
 
 def test_moe_layers_are_not_tensor_split():
@@ -137,20 +143,20 @@ def test_moe_layers_are_not_tensor_split():
                              norm="rmsnorm", position="rope", bias=False, dropout=0.0, d_ff=64)
     twin_one, twin_two = act(dense_twin, 256, 2, "none"), act(dense_twin, 256, 2, "none", tp=2)
     # what tp=2 saves without sequence parallelism: the attention share of the tensor-parallel region only
-    mlp_inside = 2 * 256 * 2 * est._mlp_activation_elements(dense_twin, 2)
+    mlp_inside = 2 * 256 * 2 * _mlp_activation_elements(dense_twin, 2)
     assert one - two == pytest.approx((twin_one - twin_two) - mlp_inside / 2)
 
 
 def test_invalid_ep_is_one_line():
     dense = ModelConfig(vocab_size=1024, max_seq_len=256, n_layer=4, n_head=4, d_model=128)
-    with pytest.raises(est.EstimatorError, match="ep=2 must divide the model's routed experts"):
-        est.JobSpec(dense, 256, 1, 8, "fsdp", ep=2)
-    with pytest.raises(est.EstimatorError, match="ep=3 must divide"):
-        est.JobSpec(MOE, 256, 1, 6, "fsdp", ep=3)
-    with pytest.raises(est.EstimatorError, match="ep=4 must divide the 2 dp_shard GPUs"):
-        est.JobSpec(MOE, 256, 1, 8, "fsdp", ep=4, dp_replicate=4)
+    with pytest.raises(est.EstimatorError, match="parallel.ep=2 shards routed experts, but the model has none"):
+        job(2, model=dense)
+    with pytest.raises(est.EstimatorError, match="parallel.ep=3 must divide model.moe.experts=8"):
+        est.JobSpec(MOE, 256, 1, est.Layout(6, strategy="fsdp", ep=3))
+    with pytest.raises(est.EstimatorError, match="parallel.ep=4 must divide the dp_shard=2 ranks"):
+        est.layout_of(8, strategy="fsdp", ep=4, dp_replicate=4)
     assert "parallel.ep=2 with parallel.strategy=zero2" in est.trainer_refusal(
-        est.JobSpec(MOE, 256, 1, 8, "zero2", ep=2))
+        est.JobSpec(MOE, 256, 1, est.Layout(8, strategy="zero2", ep=2)))
 
 
 def test_mixtral_on_64_h100s_plans_expert_parallelism_in_the_trainers_words():
@@ -163,8 +169,9 @@ def test_mixtral_on_64_h100s_plans_expert_parallelism_in_the_trainers_words():
     assert len(lines) == 3
     words = dict(word.split("=") for word in lines[0].split(":")[0].split())
     assert int(words["ep"]) > 1
-    ranks = int(words.get("dp_replicate", 1)) * int(words["dp_shard"]) * int(words["ep"]) * int(words["pp"])
-    assert ranks * int(words["tp"]) == 64
-    keys = ("strategy", "dp_replicate", "dp_shard", "tp", "pp", "ep")
+    degrees = [int(words.get(k, 1)) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
+    assert math.prod(degrees) == 64  # dp_shard counts the ep ranks
+    keys = ("strategy", "dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_virtual_stages",
+            "sequence_parallel")
     loaded = load_config("configs/mixtral-8x7b.yaml", [f"--parallel.{k}={words[k]}" for k in keys if k in words])
-    assert loaded.parallel.layout(8, 8)["dp_shard"] * int(words["tp"]) * int(words["pp"]) * loaded.parallel.dp_replicate == 64
+    assert est.Layout.of(loaded.parallel, 64, 8).describe() == lines[0].split(" recompute=")[0]

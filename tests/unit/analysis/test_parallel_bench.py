@@ -46,7 +46,7 @@ def test_layout_rows_keep_the_global_batch_and_split_the_model_as_the_estimator_
         words = dict(o.lstrip("-").split("=") for o in layout.overrides(8))
         sequences = int(words["train.micro_batch_size"]) * int(words["train.grad_accum_steps"]) * layout.data_ranks
         assert sequences == 8, layout
-        assert int(words["train.grad_accum_steps"]) >= layout.pp  # a pipeline's micro-batches
+        assert int(words["train.grad_accum_steps"]) >= layout.layout.pp  # a pipeline's micro-batches
     # Two pipeline ranks hold the whole untied model between them; the estimator's stage split agrees.
     cfg = load_config("configs/tiny.yaml", [parallel_bench.UNTIED, "--parallel.pp=2", "--train.grad_accum_steps=2"])
     whole = stage_parameters(cfg.model)

@@ -35,6 +35,19 @@ PAPER_ROWS = [
 ]
 
 
+def spec(cfg: ModelConfig, gpus: int, recompute: str, *, strategy: str = "fsdp", micro_batch: int = 1,
+         grad_accum: int = 1, **layout) -> est.JobSpec:
+    """``cfg`` at 2048 tokens on ``gpus`` H100s in bf16_master, with the ``layout`` keys given."""
+    return est.JobSpec(cfg, 2048, micro_batch, est.Layout(gpus, strategy=strategy, **layout), recompute,
+                       "bf16_master", H100, grad_accum)
+
+
+def relaid(job: est.JobSpec, grad_accum: int | None = None, **changes) -> est.JobSpec:
+    """``job`` on its layout with ``changes`` (dp_shard what they leave), and ``grad_accum`` micro-batches."""
+    layout = dataclasses.replace(job.layout, dp_shard=-1, **changes)
+    return dataclasses.replace(job, layout=layout, grad_accum=grad_accum or job.grad_accum)
+
+
 def paper_model(heads: int, hidden: int, layers: int, **changes) -> ModelConfig:
     """The paper's setting: 4h GELU MLP, dropout, attention scores stored (reference attention)."""
     fields = dict(vocab_size=51200, max_seq_len=2048, n_layer=layers, n_head=heads, d_model=hidden, mlp="gelu",
@@ -208,8 +221,7 @@ def test_stage_parameters_split_the_model():
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)])
 def test_memory_per_gpu_is_the_fullest_stage(schedule, v):
     cfg = paper_model(16, 2048, 16, vocab_size=32000, tie_embeddings=False)
-    job = est.JobSpec(cfg, 2048, 1, 16, "fsdp", "selective", "bf16_master", H100, grad_accum=8, tp=2, pp=4,
-                      pp_schedule=schedule, pp_virtual_stages=v)
+    job = spec(cfg, 16, "selective", grad_accum=8, tp=2, pp=4, pp_schedule=schedule, pp_virtual_stages=v)
     stages = [est.stage_memory(job, i) for i in range(4)]
     fullest = max(stages, key=lambda m: m.total)
     assert est.estimate_memory(job) == fullest
@@ -231,11 +243,11 @@ def test_memory_per_gpu_is_the_fullest_stage(schedule, v):
 def test_fsdp_under_pipelining_keeps_the_stage_gathered():
     # torch.distributed.pipelining defers FSDP2's reshard and gradient reduction to the last micro-batch
     cfg = paper_model(16, 2048, 16)
-    job = est.JobSpec(cfg, 2048, 1, 16, "fsdp", "selective", "bf16_master", H100, grad_accum=8, tp=2, pp=2)
+    job = spec(cfg, 16, "selective", grad_accum=8, tp=2, pp=2)
     stage = est.stage_memory(job, 0)
     assert stage.unsharded_params == est.stage_parameters(cfg, 2, 2, 0) * (2 + 2)
     assert stage.states == est.stage_parameters(cfg, 2, 2, 0) * 16 / 4  # sharded over dp_shard=4
-    flat = est.stage_memory(dataclasses.replace(job, pp=1, grad_accum=1, world_size=8), 0)
+    flat = est.stage_memory(relaid(job, grad_accum=1, pp=1, world_size=8), 0)
     assert flat.unsharded_params == 2 * est.block_parameters_per_gpu(cfg, 2) * (2 + 2)  # two layers, as before
 
 
@@ -244,16 +256,16 @@ def test_fsdp_under_pipelining_keeps_the_stage_gathered():
 
 def test_tensor_parallel_and_pipeline_communication_by_hand():
     cfg = paper_model(16, 2048, 16)
-    job = est.JobSpec(cfg, 2048, 1, 16, "fsdp", "selective", "bf16_master", H100, grad_accum=8, tp=8, pp=2)
+    job = spec(cfg, 16, "selective", grad_accum=8, tp=8, pp=2)
     activation = 2 * 2048 * 1 * 2048  # s*b*h 16-bit
     one = 7 / 8 * activation / (450e9 * 0.8)  # one all-gather or reduce-scatter over 8 GPUs on NVLink
     # 8 per layer (4 forward, 4 backward) x 8 layers, + 2 for the embedding on stage 0 / the LM head on stage 1
     assert est.tp_comm_seconds(job, 0)[0] == pytest.approx((8 * 8 + 2) * one)
-    full = dataclasses.replace(job, policy="full")
+    full = dataclasses.replace(job, recompute="full")
     assert est.tp_comm_seconds(full, 1)[0] == pytest.approx((12 * 8 + 2) * one)  # the recomputed forward's 4 more
     # stages sit on different nodes (16 GPUs > 8 per node): the sequence-split activation and its gradient over the NIC
     assert est.pp_comm_seconds(job) == pytest.approx((2 * activation / 8 / (50e9 * 0.8), 2 * activation / 8))
-    assert est.tp_comm_seconds(dataclasses.replace(job, tp=1, world_size=2), 0) == (0.0, 0.0)
+    assert est.tp_comm_seconds(relaid(job, tp=1, world_size=2), 0) == (0.0, 0.0)
 
 
 def test_data_parallel_groups_strided_by_tp_cross_nodes():
@@ -265,7 +277,7 @@ def test_data_parallel_groups_strided_by_tp_cross_nodes():
 
 def test_step_time_adds_the_bubble_to_the_slowest_stage():
     cfg = paper_model(16, 2048, 16)
-    job = est.JobSpec(cfg, 2048, 1, 8, "none", "selective", "bf16_master", H100, grad_accum=8, tp=2, pp=4)
+    job = spec(cfg, 8, "selective", strategy="none", grad_accum=8, tp=2, pp=4)
     t = est.estimate(job).time
     # one micro-batch through the slowest stage: its compute, memory-bound work (less the optimizer step,
     # which reads and writes the model states once per step) and exposed communication
@@ -274,7 +286,7 @@ def test_step_time_adds_the_bubble_to_the_slowest_stage():
     assert t.bubble_s == pytest.approx(3 / 8 * 8 * t.microbatch_s)  # (p-1)/m of m micro-batches
     assert t.tokens_per_step == 2048 * 8 * 1  # dp = 1
     # the slowest stage is the last: 4 of the 16 blocks, plus the whole (vocab-parallel) LM head
-    flat = est.estimate(dataclasses.replace(job, pp=1, world_size=2)).time
+    flat = est.estimate(relaid(job, pp=1, world_size=2)).time
     head = 3 * est.gemm_seconds(job, 2048, 2048, cfg.vocab_size / 2)
     assert t.compute_s / 8 == pytest.approx((flat.compute_s / 8 - head) / 16 * 4 + head)
 
@@ -283,23 +295,25 @@ def test_step_time_adds_the_bubble_to_the_slowest_stage():
 
 
 def test_invalid_layouts_are_one_line_errors():
+    """The layout's own rules (parallel/layout.py), in the trainer's words."""
     cfg = paper_model(12, 768, 10, n_kv_head=4)
-    job = dict(model=cfg, seq_len=2048, micro_batch=1, strategy="fsdp", device=H100)
     cases = [
-        (dict(world_size=16, tp=8), "tp=8 must divide model.n_head=12"),
-        (dict(world_size=6, tp=3), "tp=3 must divide model.n_head=12 and the KV heads"),
-        (dict(world_size=12, pp=4, grad_accum=4), "pp\\*pp_virtual_stages=4\\*1 must divide model.n_layer=10"),
-        (dict(world_size=10, tp=4), "world_size=10 is not divisible by tp\\*pp\\*dp_replicate=4"),
-        (dict(world_size=4, pp=2, grad_accum=1), "grad_accum=1 micro-batches must be >= pp=2"),
-        (dict(world_size=4, pp=2, grad_accum=4, pp_virtual_stages=5), "pp_virtual_stages=5 needs pp_schedule"),
-        (dict(world_size=4, pp=2, grad_accum=4, pp_schedule="interleaved_1f1b"), "needs pp_virtual_stages >= 2"),
-        (dict(world_size=4, pp=2, grad_accum=5, pp_schedule="zero_bubble"), "must be a multiple of 2"),
-        (dict(world_size=8, dp_replicate=2, strategy="ddp"), "dp_replicate=2 \\(HSDP\\) needs strategy=fsdp"),
-        (dict(world_size=4, pp=2, grad_accum=2, pp_schedule="dualpipe"), "pp_schedule='dualpipe'.*choose one of"),
+        (dict(world_size=16, tp=8), 1, "parallel.tp=8 must divide model.n_head=12"),
+        (dict(world_size=6, tp=3), 1, "parallel.tp=3 must divide model.n_kv_head=4"),
+        (dict(world_size=12, pp=4), 4, "model.n_layer=10 must divide into parallel.pp x pp_virtual_stages = 4"),
+        (dict(world_size=10, tp=4), 1, "parallel.tp=4 = 4 does not divide the 10 ranks"),
+        (dict(world_size=4, pp=2), 1, "train.grad_accum_steps=1 is the number of pipeline micro-batches: it must be >= "
+                                      "parallel.pp=2"),
+        (dict(world_size=4, pp=2, pp_virtual_stages=5), 4, "parallel.pp_schedule=1f1b runs one stage per rank"),
+        (dict(world_size=4, pp=2, pp_schedule="interleaved_1f1b"), 4, "needs parallel.pp_virtual_stages >= 2"),
+        (dict(world_size=4, pp=2, pp_schedule="zero_bubble"), 5, "divisible by parallel.pp=2"),
+        (dict(world_size=8, dp_replicate=2, strategy="ddp"), 1, "parallel.dp_replicate=2 is HSDP's replicate dimension"),
+        (dict(world_size=4, pp=2, pp_schedule="dualpipe"), 2, "pp_schedule='dualpipe'.*choose one of"),
     ]
-    for changes, message in cases:
+    for layout, grad_accum, message in cases:
         with pytest.raises(est.EstimatorError, match=message) as info:
-            est.JobSpec(**{**job, **changes})
+            est.JobSpec(cfg, 2048, 1, est.layout_of(**{"strategy": "fsdp", **layout}), device=H100,
+                        grad_accum=grad_accum)
         assert "\n" not in str(info.value)
 
 
@@ -314,25 +328,26 @@ def test_planner_keeps_selective_recompute_for_a_70b_without_dropout_on_64_h100s
     # dropout 0.1) gets no tp layout; without dropout, tensor + sequence parallelism keeps selective recompute.
     plans = _plan_70b(dropout=0.0)
     best = plans[0].job
-    assert best.tp > 1 and best.sp and best.policy == "selective"
+    assert best.layout.tp > 1 and best.layout.sp and best.recompute == "selective"
     assert plans[0].fits and plans[0].memory.total <= 80 * GIB
-    assert best.micro_batch * best.grad_accum * best.dp == 256
+    assert best.micro_batch * best.grad_accum * best.layout.dp == 256
     costs = [plan.time.seconds_per_token for plan in plans]
     assert costs == sorted(costs)
     # data parallelism alone keeps nothing but full recompute (tests/unit/analysis/test_estimator.py), and neither does
     # any layout without tensor or pipeline parallelism here
-    assert all(plan.job.policy in ("full", "offload") for plan in plans if plan.job.tp == 1 and plan.job.pp == 1)
-    assert {plan.job.policy for plan in plans if plan.job.tp > 1} >= {"selective"}
-    assert all(plan.job.tp == 1 for plan in _plan_70b())  # with the preset's dropout
+    assert all(plan.job.recompute in ("full", "offload") for plan in plans
+               if plan.job.layout.tp == 1 and plan.job.layout.pp == 1)
+    assert {plan.job.recompute for plan in plans if plan.job.layout.tp > 1} >= {"selective"}
+    assert all(plan.job.layout.tp == 1 for plan in _plan_70b())  # with the preset's dropout
 
 
 def test_planner_searches_non_power_of_two_gpu_counts():
     # Korthikanti's 22B, untied and without dropout (what the trainer's pp and tp accept)
     cfg = paper_model(64, 6144, 48, tie_embeddings=False, dropout=0.0)
     for gpus in (48, 96):
-        plans = est.plan_layouts(cfg, 2048, gpus, H100, global_batch=192, policies=("selective", "full"),
+        plans = est.plan_layouts(cfg, 2048, gpus, H100, global_batch=192, recomputes=("selective", "full"),
                                  schedules=("1f1b",), top=None)
-        layouts = {(plan.job.tp, plan.job.pp, plan.job.dp) for plan in plans}
+        layouts = {(plan.job.layout.tp, plan.job.layout.pp, plan.job.layout.dp) for plan in plans}
         assert plans and all(tp * pp * dp == gpus for tp, pp, dp in layouts)
         assert any(pp % 3 == 0 for _, pp, _ in layouts) and any(dp % 3 == 0 for _, _, dp in layouts)
         assert all(192 % dp == 0 for _, _, dp in layouts)
@@ -344,28 +359,28 @@ def test_planner_proposes_only_valid_layouts():
     sizes = est.model_parallel_sizes(cfg, 48, 8)
     assert {tp for tp, _ in sizes} == {1, 2, 4}
     assert {pp for _, pp in sizes} == {1, 2}  # divisors of 48 that divide 10
-    plans = est.plan_layouts(cfg, 2048, 48, H100, global_batch=96, policies=("selective",), top=None)
+    plans = est.plan_layouts(cfg, 2048, 48, H100, global_batch=96, recomputes=("selective",), top=None)
     assert plans
     for plan in plans:
-        job = plan.job
-        assert cfg.n_head % job.tp == 0 and cfg.kv_heads % job.tp == 0 and job.tp <= 8
-        assert cfg.n_layer % (job.pp * job.pp_virtual_stages) == 0
-        assert job.micro_batch * job.grad_accum * job.dp == 96
-        assert job.pp == 1 or job.grad_accum >= job.pp
+        job, lay = plan.job, plan.job.layout
+        assert cfg.n_head % lay.tp == 0 and cfg.kv_heads % lay.tp == 0 and lay.tp <= 8
+        assert cfg.n_layer % (lay.pp * lay.pp_virtual_stages) == 0
+        assert job.micro_batch * job.grad_accum * lay.dp == 96
+        assert lay.pp == 1 or job.grad_accum >= lay.pp
     small_nodes = dataclasses.replace(H100, gpus_per_node=2)
     assert {tp for tp, _ in est.model_parallel_sizes(cfg, 48, small_nodes.gpus_per_node)} == {1, 2}
 
 
-def test_layout_words_are_the_configs():
+def test_job_words_are_the_configs():
     cfg = paper_model(16, 2048, 16)
-    job = est.JobSpec(cfg, 2048, 1, 64, "fsdp", "selective", "bf16_master", H100, grad_accum=8, tp=8, pp=2,
-                      dp_replicate=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
-    assert est.layout_words(job) == (
+    job = spec(cfg, 64, "selective", grad_accum=8, tp=8, pp=2, dp_replicate=2, pp_schedule="interleaved_1f1b",
+               pp_virtual_stages=2)
+    assert est.job_words(job) == (
         "strategy=fsdp dp_replicate=2 dp_shard=2 tp=8 pp=2 pp_schedule=interleaved_1f1b pp_virtual_stages=2 "
         "sequence_parallel=true recompute=selective micro_batch=1 grad_accum=8"
     )
-    plain = est.JobSpec(cfg, 2048, 2, 8, "ddp", "none", "bf16_master", H100)
-    assert est.layout_words(plain) == "strategy=ddp dp_shard=8 tp=1 pp=1 recompute=none micro_batch=2 grad_accum=1"
+    plain = spec(cfg, 8, "none", strategy="ddp", micro_batch=2)
+    assert est.job_words(plain) == "strategy=ddp dp_shard=8 tp=1 pp=1 recompute=none micro_batch=2 grad_accum=1"
 
 
 # --------------------------------------------------------------------------- the command line
@@ -396,32 +411,55 @@ def test_estimate_plan_still_serves_data_parallel_configs_and_takes_layouts():
     assert len(lines) == 2 and all("recompute=" in line for line in lines)
     # a layout with tp and pp (the 70B preset trains with dropout, which the trainer's tp refuses: an error,
     # tested below; a config without dropout takes it)
-    one = _run_estimate("--config", "configs/llama-7b.yaml", "--gpus", "16", "--tp", "8", "--pp", "2", "--grad-accum",
-                        "8", "--micro-batch", "1", "--policy", "selective", "--strategy", "fsdp")
+    one = _run_estimate("--config", "configs/llama-7b.yaml", "--gpus", "32", "--tp", "8", "--pp", "2", "--grad-accum",
+                        "8", "--micro-batch", "1", "--recompute", "selective", "--strategy", "fsdp")
     assert "tp=8 + SP" in one and "Pipeline: 2 stages of 16 layers, 1f1b" in one and "fit: yes" in one
 
 
 # --------------------------------------------------------------------------- the planner proposes what the trainer runs
 
 
-@pytest.mark.slow  # the planner's search for every config: ~1 minute in all
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
-def test_every_layout_the_planner_prints_for_a_config_passes_the_trainers_validation(path):
-    """Every layout the planner proposes passes the trainer's whole JobConfig.validate, and the ones it
-    prints (--top, 10), written as the trainer's own --section.key=value overrides, load through
-    training/config.py without a ConfigError."""
+def _launched_layout(parallel: ParallelConfig, world: int, ranks_per_node: int, monkeypatch) -> est.Layout:
+    """The layout train.py builds for ``parallel`` on ``world`` ranks, ``ranks_per_node`` to a node: its
+    own launch step (``layout_from_env``, reading torchrun's variables), in this process."""
+    from parallel.distributed import layout_from_env
+
+    env = {"WORLD_SIZE": world, "LOCAL_WORLD_SIZE": ranks_per_node, "RANK": 0, "LOCAL_RANK": 0}
+    with monkeypatch.context() as m:
+        for key, value in env.items():
+            m.setenv(key, str(value))
+        return layout_from_env(parallel).layout
+
+
+# Configs, GPU counts and GPUs per node whose plans between them use every dimension: tp, pp (interleaved
+# too) and HSDP with 6 GPUs to a node (where tp=4 divides the GPUs and the heads, but not a node), ep (an
+# MoE model) and cp (128k sequences).
+PLANNED = [("gpt2-124m", 12, 6, {"tp", "pp", "dp_replicate"}), ("tiny-moe", 8, 8, {"tp", "pp", "ep", "dp_replicate"}),
+           ("llama3-8b-128k", 16, 8, {"tp", "pp", "cp", "dp_replicate"})]
+
+
+@pytest.mark.parametrize("name, gpus, per_node, dimensions", PLANNED, ids=[row[0] for row in PLANNED])
+def test_every_planned_layout_is_the_one_train_py_builds_from_its_overrides(name, gpus, per_node, dimensions,
+                                                                              monkeypatch):
+    """Each layout the planner proposes, written as the trainer's overrides, loads (the config's checks),
+    is the layout train.py's launch step builds on those GPUs (``Layout.of``: tensor-parallel groups
+    inside a node among its rules), and keeps its strategy when train.py resolves the job."""
+    path = ROOT / "configs" / f"{name}.yaml"
     cfg = load_config(path)
+    device = dataclasses.replace(H100, gpus_per_node=per_node)
     per_gpu = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
-    planned = 0
-    for gpus in (8, 64):
-        plans = est.plan_layouts(cfg.model, cfg.seq_len, gpus, H100, cfg.precision.mode, global_batch=per_gpu * gpus,
-                                 top=None, config=cfg)
-        for plan in plans:
-            est.trainer_config(plan.job, cfg).validate()
-        for plan in plans[:10]:
-            load_config(path, est.layout_overrides(plan.job))
-        planned += len(plans)
-    assert planned
+    # every layout, at two micro-batch sizes and one recompute policy (the others meet the same layout rules)
+    plans = est.plan_layouts(cfg.model, cfg.seq_len, gpus, device, cfg.precision.mode, global_batch=per_gpu * gpus,
+                             recomputes=("full",), micro_batches=(1, 2), top=None, config=cfg)
+    distinct = {(plan.job.layout, plan.job.grad_accum): plan for plan in plans}.values()
+    for plan in distinct:
+        run = load_config(path, est.job_overrides(plan.job))
+        launched = _launched_layout(run.parallel, gpus, per_node, monkeypatch)
+        assert launched == dataclasses.replace(plan.job.layout, ranks_per_node=per_node), est.describe_plan(plan)
+        resolved, note = run.parallel.resolved(launched)
+        assert (resolved.strategy, note) == (plan.job.layout.strategy, None)
+    used = {key for plan in plans for key in ("tp", "pp", "cp", "ep", "dp_replicate") if getattr(plan.job.layout, key) > 1}
+    assert used == dimensions
 
 
 def test_the_planner_no_longer_proposes_what_the_trainer_refuses():
@@ -435,15 +473,17 @@ def test_the_planner_no_longer_proposes_what_the_trainer_refuses():
             assert est.trainer_refusal(plan.job) is None
             est.trainer_config(plan.job).validate()
         if name == "70b":
-            assert {plan.job.tp for plan in plans} == {1}
+            assert {plan.job.layout.tp for plan in plans} == {1}
     # Whether GPT-3's tied embeddings may be pipelined is the trainer's rule, whatever it says today: the
     # planner proposes pp for it exactly when the trainer accepts such a layout.
     gpt3 = est.preset("gpt3-175b")
-    piped = est.JobSpec(gpt3.model, 2048, 1, 64, "fsdp", "full", tp=4, pp=8, grad_accum=8)
+    piped = spec(gpt3.model, 64, "full", grad_accum=8, tp=4, pp=8)
     plans = est.plan_layouts(gpt3.model, 2048, 64, H100, global_batch=64, top=None)
-    assert any(plan.job.pp > 1 for plan in plans) == (est.trainer_refusal(piped) is None)
+    assert any(plan.job.layout.pp > 1 for plan in plans) == (est.trainer_refusal(piped) is None)
+    # a vocabulary no tp divides: refused by the layout's own rules (parallel/layout.py check_model)
     unpadded = dataclasses.replace(gpt3.model, vocab_size=50257)
-    assert "vocab_size=50257" in est.trainer_refusal(dataclasses.replace(piped, model=unpadded, pp=1))
+    with pytest.raises(est.EstimatorError, match="parallel.tp=4 must divide model.vocab_size=50257"):
+        spec(unpadded, 64, "full", grad_accum=8, tp=4)
 
 
 def test_estimate_refuses_a_layout_the_trainer_refuses(capsys):
@@ -453,15 +493,10 @@ def test_estimate_refuses_a_layout_the_trainer_refuses(capsys):
     assert "train.py refuses this layout: model.dropout=0.1 with parallel.tp=8" in capsys.readouterr().err
     assert estimate.main(["--config", "configs/tiny.yaml", "--gpus", "4", "--tp", "2", "--strategy", "ddp"]) == 2
     assert "parallel.strategy=ddp cannot wrap tensor- or pipeline-parallel models" in capsys.readouterr().err
-
-
-@pytest.mark.slow  # the planner's full search at two GPU counts for every config: ~2 minutes in all
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
-def test_scaling_curves_run_for_every_config(path):
-    text = _run_estimate("--config", str(path), "--scaling", "8,64")
-    lines = text.splitlines()
-    rows = [line for line in lines if line.split() and line.split()[0] in ("8", "64")]
-    assert len(rows) == 2 and "weak scaling, exposed" in text and "strong scaling, exposed" in text
+    # a rule train.py applies when it launches (Layout.of), not when it loads the config
+    assert estimate.main(["--config", "configs/llama-7b.yaml", "--gpus", "16", "--tp", "8", "--pp", "2",
+                          "--grad-accum", "8", "--strategy", "fsdp"]) == 2
+    assert "parallel.strategy=fsdp, but the layout leaves one data-parallel rank" in capsys.readouterr().err
 
 
 def test_scaling_curves_run_for_a_preset():
@@ -472,14 +507,14 @@ def test_scaling_curves_run_for_a_preset():
 
 def test_fsdp_collectives_per_step_follow_the_trainers_resharding():
     cfg = paper_model(16, 2048, 16, tie_embeddings=False, dropout=0.0)
-    flat = est.JobSpec(cfg, 2048, 1, 16, "fsdp", "none", grad_accum=4)
+    flat = spec(cfg, 16, "none", grad_accum=4)
     assert est.fsdp_collectives(flat) == (8, 4)  # each micro-batch gathers forward and backward, reduces once
     assert est.fsdp_collectives(dataclasses.replace(flat, fsdp_reshard_after_forward=False)) == (4, 4)
-    piped = dataclasses.replace(flat, pp=2)
+    piped = relaid(flat, pp=2)
     assert est.fsdp_collectives(piped) == (5, 1)  # m forwards + 1 backward, as bench_parallel measured
     assert est.fsdp_collectives(dataclasses.replace(piped, fsdp_reshard_after_forward=False)) == (1, 1)
     # zero_bubble keeps the blocks gathered for its weight pass whatever the setting, as the trainer does
-    zero_bubble = dataclasses.replace(piped, pp_schedule="zero_bubble", pp_virtual_stages=2)
+    zero_bubble = relaid(piped, pp_schedule="zero_bubble", pp_virtual_stages=2)
     assert est.fsdp_collectives(zero_bubble) == (1, 1)
     assert not ParallelConfig(pp=2, pp_schedule="zero_bubble", pp_virtual_stages=2).reshard_blocks_after_forward
     assert ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2).reshard_blocks_after_forward
@@ -488,3 +523,10 @@ def test_fsdp_collectives_per_step_follow_the_trainers_resharding():
     n = max(est.stage_parameters(cfg, 1, 2, stage) for stage in (0, 1))
     comm = est.estimate(piped).comm
     assert comm.sent_per_gpu == pytest.approx(7 / 8 * n * (5 * 2 + 1 * 2) + comm.pipeline)
+
+
+def test_estimate_takes_recompute_and_its_old_name():
+    from tools import estimate
+
+    assert estimate.parse_args(["--preset", "70b", "--recompute", "full"])[0].recompute == "full"
+    assert estimate.parse_args(["--preset", "70b", "--policy", "selective"])[0].recompute == "selective"

@@ -2,8 +2,6 @@
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -181,14 +179,6 @@ def test_existing_output_needs_overwrite(tmp_path):
     (tmp_path / "other" / "notes.md").write_text("mine")
     with pytest.raises(DataError, match="not empty"):
         prepare(opts([src], tmp_path / "other"))
-
-
-def test_cli_help_and_error_exit(tmp_path):
-    run = [sys.executable, "-m", "tools.prepare_data"]
-    assert "--output" in subprocess.run(run + ["--help"], capture_output=True, text=True, check=True).stdout
-    bad = subprocess.run(run + [str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o")],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.parametrize("layout", ["lines", "records"])

@@ -28,8 +28,10 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def tiny_config(norm: str, mlp: str) -> ModelConfig:
+    # 8 positions: the interpreter's cost grows with the rows the kernels run over, and 2 x 8 rows
+    # still pass every kernel's row loop and the cross-entropy's ignored targets
     cfg = ModelConfig(
-        vocab_size=64, max_seq_len=16, n_layer=1, n_head=2, d_model=32, norm=norm, mlp=mlp, position="rope"
+        vocab_size=64, max_seq_len=8, n_layer=1, n_head=2, d_model=32, norm=norm, mlp=mlp, position="rope"
     )
     cfg.validate()
     return cfg
@@ -133,7 +135,9 @@ def test_bf16_model_error_is_within_twice_eager_bf16():
 
 
 def test_tiny_model_trains_with_every_kernel_switched_in():
-    """A few AdamW steps on one batch: the kernel model follows the reference model's losses."""
+    """AdamW steps on one batch: the kernel model follows the reference model's losses. Two steps (the
+    interpreter takes seconds per step here): the second runs the kernels on weights updated from
+    their own gradients."""
     cfg = tiny_config("layernorm", "gelu")
     reference_model, kernel_model = twin_models(cfg)
     idx, targets = batch(cfg)
@@ -141,7 +145,7 @@ def test_tiny_model_trains_with_every_kernel_switched_in():
     for model in (reference_model, kernel_model):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
-        for _ in range(4):
+        for _ in range(2):
             optimizer.zero_grad(set_to_none=True)
             loss = model(idx, targets)
             loss.backward()

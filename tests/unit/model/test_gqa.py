@@ -22,7 +22,6 @@ from model.attention import AttentionCore
 from model.config import ModelConfig
 from model.flops import count_parameters, flops_per_token, matmul_parameters
 from model.gpt import GPT, split_qkv
-from tests.conftest import run_train, step_losses, tiny_overrides
 from tests.unit.kernels.test_triton_kernels import DEVICE, assert_matches_reference, randn
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -269,22 +268,3 @@ def test_korthikanti_bytes_shrink_by_the_kv_width():
             full_width = est.activation_bytes_per_layer(mha, s, b, policy, p, attention=attention_kind)
             grouped = est.activation_bytes_per_layer(gqa, s, b, policy, p, attention=attention_kind)
             assert full_width - grouped == saved_kv * p * s * b * narrower, (attention_kind, policy)
-
-
-# --------------------------------------------------------------------------- training
-
-
-def test_mqa_trains_the_tiny_config(tmp_path, corpus_cache):
-    args = ["--config", "configs/tiny.yaml", *tiny_overrides(tmp_path, corpus_cache, **{
-        "model.n_kv_head": 1, "model.position": "rope", "train.max_steps": 12, "optim.warmup_steps": 2,
-    })]
-    result = run_train(args)
-    assert result.returncode == 0, result.stderr[-2000:]
-    resolved = (tmp_path / "config.yaml").read_text()
-    assert "n_kv_head: 1" in resolved
-    losses = step_losses(tmp_path)
-    first, last = losses[min(losses)], losses[max(losses)]
-    assert max(losses) == 12 and last < first - 0.5, losses
-    # the trained model really is multi-query: one 16-wide key head and one value head next to 64 of queries
-    saved = torch.load(next(tmp_path.glob("checkpoints/step_*/model_optim.pt")), weights_only=True)["model"]
-    assert saved["blocks.0.attn.qkv.weight"].shape == (64 + 2 * 16, 64)

@@ -176,6 +176,7 @@ def test_the_hidden_multiplier_keeps_the_updates_spectral_norm_flat_as_the_width
     (["--model.mup_base_width=64"], "model.mup_base_width=64 has no effect without model.mup=true"),
     (["--model.mup=true", "--model.mup_base_width=64", "--model.moe.experts=4"], "mixture-of-experts"),
     (["--model.mup=true", "--model.mup_base_width=64", "--model.layers=te"], "needs model.layers=torch"),
+    (["--model.mup=true", "--model.mup_base_width=64", "--model.init=llama"], "needs model.init=gpt2"),
 ])
 def test_bad_mup_keys_are_one_line(override, message):
     with pytest.raises(ConfigError, match=message) as info:

@@ -1,4 +1,4 @@
-"""ParallelDims: the world/node/local layout, validated with no process group."""
+"""ParallelDims: the world/node/local ranks and their place in the layout, validated with no process group."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from common.errors import LayoutError
 from parallel.dims import ParallelDims
+from parallel.layout import Layout
 
 
 def _env(world, rank, local_world=None, local_rank=None):
@@ -23,7 +24,8 @@ def test_layout_from_torchrun_variables():
     assert dims.node_members(1) == list(range(8, 16))
     assert dims.peer_members(3) == [3, 11]
     assert dims.is_multi_node
-    assert dims.describe() == "rank 11/16 node 1/2 local 3/8, pp=1 dp_replicate=1 dp_shard=16 tp=1"
+    assert dims.describe() == f"rank 11/16 node 1/2 local 3/8, {dims.layout.describe()}"
+    assert dims.layout == Layout(16, dp_shard=16, ranks_per_node=8)  # every rank data-parallel
 
 
 def test_no_variables_is_a_single_process():

@@ -11,12 +11,14 @@ The text is three files of the interpreter's own standard library, fixed for a P
 one such edit moved the rowwise run's worst step from 0.012 to 0.046 with no change in any code
 the run executes.)
 
-Tolerance, measured (40 steps at lr 1e-3, init seeds 0-2 x data seeds 1-2; the loss falls by
-about 2.5): the largest per-step |fp8 - bf16| was 0.0050 (tensorwise), 0.0082 (rowwise) and
-0.0093 (emulated); the mean over the last 10 steps differed by at most 0.0025. fp32 vs bf16
-differed by at most 0.0009 per step. The bounds below, 0.03 per step and 0.01 on the last-10
-mean, are about 3x the worst measured; they are about 1% of the loss the runs learn away, so an
-FP8 path that trains wrongly (a lost scale, a skipped gradient) fails them.
+Tolerance, measured (20 steps of 2 x 64 tokens at lr 1e-3, init seeds 0-2 x data seeds 1-2; the
+loss falls by 1.5 to 1.8): the largest per-step |fp8 - bf16| was 0.0026 (tensorwise), 0.0046
+(rowwise) and 0.0024 (emulated); the mean over the last 5 steps differed by at most 0.0031. fp32
+vs bf16 differed by at most 0.0009 per step. The bounds below, 0.015 per step and 0.01 on the
+last-5 mean, are about 3x the worst measured; they are about 1% of the loss the runs learn away,
+so an FP8 path that trains wrongly (a lost scale, a skipped gradient) fails them. (A higher
+learning rate would learn more in fewer steps, but at 2e-3 and 3e-3 the runs' loss spikes made
+even fp32 and bf16 differ by 0.02 to 0.4 per step: no tolerance would then mean anything.)
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import parallel.float8 as float8
 from common.errors import CapabilityError, ConfigError
 from tests.conftest import ROOT
 
-STEPS, LR, BATCH, SEQ = 40, 1e-3, 4, 64
-PER_STEP_TOL, WINDOW_TOL = 0.03, 0.01
+STEPS, LR, BATCH, SEQ, WINDOW = 20, 1e-3, 2, 64, 5
+PER_STEP_TOL, WINDOW_TOL = 0.015, 0.01
 TINY = ["--model.n_layer=2", "--model.d_model=64", f"--model.max_seq_len={SEQ}", "--train.device=cpu",
         f"--train.micro_batch_size={BATCH}"]
 FP8 = ["--precision.mode=fp8", "--precision.fp8_backend=torchao"]
@@ -109,7 +111,7 @@ def test_fp8_training_tracks_bf16(request, bf16_losses, recipe, emulated):
     diffs = [abs(a - b) for a, b in zip(losses, bf16_losses)]
     assert max(diffs) > 1e-4, "identical to bf16: the FP8 casts did not run"
     assert max(diffs) < PER_STEP_TOL, (max(diffs), diffs.index(max(diffs)))
-    window = abs(sum(losses[-10:]) - sum(bf16_losses[-10:])) / 10
+    window = abs(sum(losses[-WINDOW:]) - sum(bf16_losses[-WINDOW:])) / WINDOW
     assert window < WINDOW_TOL, window
 
 

@@ -65,7 +65,7 @@ def test_a_resumed_mup_optimizer_continues_exactly():
         one_step(engine, seed=5)
     for (name, a), (_, b) in zip(first.module().named_parameters(), resumed.module().named_parameters()):
         assert torch.equal(a, b), name
-    assert sorted(g["lr_scale"] for g in resumed.optimizer.param_groups) == [0.25, 1.0, 1.0]
+    assert sorted(g["lr_scale"] for g in resumed.optimized_parts()[0].optimizer.param_groups) == [0.25, 1.0, 1.0]
 
 
 class Wrapper(nn.Module):  # DDP's layout of names: module.<the model's names>

@@ -4,7 +4,7 @@ In one process: each rank's sums (``training.loop.validation_sums``) are compute
 of the set and added, as the all-reduce adds them, and the loss equals one cross-entropy over all
 the set's sequences at once, computed from the plain model. Multi-process layouts (DDP, FSDP2,
 ZeRO, tp, pp) are checked against one process in tests/integration/test_strategies_under_torchrun.py
-and tests/unit/parallel/test_tp_pp.py.
+and tests/integration/parallel/test_tp_pp.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ metrics.jsonl is made to fail as the kernel fails it: ``os.write`` on that file'
 (and no other) writes part of a row and then raises ENOSPC, for a few steps or for the rest of
 the run. The checkpoint's file-size failure is the kernel's own: a real RLIMIT_FSIZE in this
 process with SIGXFSZ ignored, so that torch's writer meets EFBIG. The same limit on a whole
-train.py process is in tests/integration/test_file_size_limit.py.
+train.py process is in tests/integration/test_disk_limits.py.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 A dropless MoE GPT (with the Switch auxiliary loss and the z-loss on) trained for 10 steps by the
 build path under ep=2, tp=2 (MoE layers replicated, each tp rank routing its own sequence slice)
-and tp=2 without sequence parallelism on 2 ranks; ep=2 x dp_shard=2, ep=2 x pp=2, ep=2 x tp=2 (each
+and tp=2 without sequence parallelism on 2 ranks; ep=2 of dp_shard=4, ep=2 x pp=2, ep=2 x tp=2 (each
 tp rank exchanging its own slice's tokens in its ep group), ep=4 x cp=2 (the ep group spans dp_shard
-and cp ranks), ep=2 x cp=2 x dp_shard=2 built on the meta device (init_on_meta; the ep group is the
+and cp ranks), ep=2 with cp=2 and dp_shard=2 built on the meta device (init_on_meta; the ep group is the
 cp group, experts FSDP-sharded over dp_shard) and dp_shard=4 without ep on 4 ranks: losses and
 gradient norms equal one process stepping on the same micro-batches (within 1e-5), the first step's
 gradients and the last step's weights, gathered whole, equal the one-process ones parameter by
@@ -15,9 +15,9 @@ ep=2 and ep=4 x cp=2: its losses and router metrics (the dropped fraction too) a
 init_on_meta run is compared with one process started from its gathered init, and that init with one
 process's: the same constants, the same spread per weight, every expert drawn apart. Each layout
 resumes bit for bit from its DCP checkpoint; ep=2's checkpoint loads into one process (ep=1) and
-dp_shard=4's (ep=1) into ep=2 x dp_shard=2, each then training as the one-process reference does.
+dp_shard=4's (ep=1) into ep=2 of dp_shard=4, each then training as the one-process reference does.
 The 2-rank launch also counts the token all-to-alls of one step under each recompute policy, against
-the estimator's count (analysis/estimator.py ``expert_exchanges``).
+the estimator's count (analysis/estimator/communication.py ``expert_exchanges``).
 One 2-rank and one 4-rank launch run all of it.
 """
 
@@ -31,11 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.errors import ConfigError, LayoutError
 from common.values import full_value
-from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
-from parallel.ep import by_expert_order
+from parallel.layout import Layout
 from tests.gloo import gloo_context, run_workers, save_on_every_rank
 from training.build import build_from_config
 from training.config import load_config
@@ -47,7 +45,7 @@ MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_
          "tie_embeddings": False, "bias": False}  # a key bias has no gradient but float noise, which Adam amplifies
 LAYOUTS = {2: {"ep2": {"ep": 2}, "tp2": {"tp": 2},
                "tp2_no_sp": {"tp": 2, "sequence_parallel": False, "loss_parallel": False}},
-           4: {"ep2_x_dp2": {"ep": 2, "dp_shard": 2}, "dp4": {"dp_shard": 4, "strategy": "fsdp"},
+           4: {"ep2_of_dp4": {"ep": 2, "dp_shard": 4}, "dp4": {"dp_shard": 4, "strategy": "fsdp"},
                "ep2_x_pp2": {"ep": 2, "pp": 2}, "ep2_x_tp2": {"ep": 2, "tp": 2}, "ep4_x_cp2": {"ep": 4, "cp": 2},
                "ep2_x_cp2_x_dp2_meta": {"ep": 2, "cp": 2, "dp_shard": 2, "strategy": "fsdp",
                                         "init_on_meta": "true"}}}
@@ -75,62 +73,11 @@ def micro_batches(step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Ten
     return out
 
 
-# --------------------------------------------------------------------------- in one process
-
-
-def test_rows_arriving_by_rank_are_sorted_by_expert():
-    """Hand case: 2 source ranks x 2 local experts, blocks (r0e0: 2 rows, r0e1: 1, r1e0: 1, r1e1: 2)
-    arrive as [a a b | c d d]; by expert they are [a a c | b d d]."""
-    order = by_expert_order(torch.tensor([[2, 1], [1, 2]]))
-    assert order.tolist() == [0, 1, 3, 2, 4, 5]
-    assert by_expert_order(torch.tensor([[0, 3], [2, 0]])).tolist() == [3, 4, 0, 1, 2]
-
-
-def test_ep_layouts_are_validated_before_any_work():
-    dims = ParallelDims(8, 8, 5, 5, ep=2, dp_shard=4, pp=2)  # ParallelDims' dp_shard counts the ep ranks
-    assert dims.mesh_shape() == {"pp": 2, "edp": 2, "ep": 2}
-    assert (dims.fsdp_dims(), dims.expert_fsdp_dims(), dims.dp_rank) == (("dp_shard",), ("edp",), 1)
-    hsdp = ParallelDims(8, 4, 5, 1, ep=2, dp_shard=4, dp_replicate=2)
-    assert (hsdp.fsdp_dims(), hsdp.expert_fsdp_dims(), hsdp.dp_rank) == (("dp_replicate", "dp_shard"),
-                                                                         ("dp_replicate", "edp"), 5)
-    only_ep = ParallelDims(2, 2, 1, 1, ep=2)
-    assert (only_ep.fsdp_dims(), only_ep.expert_fsdp_dims()) == (("ep",), ())
-    with pytest.raises(LayoutError, match="parallel.ep=4 must divide the 6 data-parallel shard ranks"):
-        ParallelDims(6, 6, 0, 0, ep=4)
-    moe = [f"--model.{k}={v}" for k, v in MODEL.items()]
-    with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide model.moe.experts=4"):
-        load_config(None, moe + ["--parallel.ep=3"])
-    with pytest.raises(ConfigError, match="parallel.ep=2 shards routed experts, but the model has none"):
-        load_config(None, ["--parallel.ep=2"])
-    for strategy in ("ddp", "zero1", "zero3"):
-        with pytest.raises(ConfigError, match=f"parallel.ep=2 with parallel.strategy={strategy}"):
-            load_config(None, moe + ["--parallel.ep=2", f"--parallel.strategy={strategy}"])
-    with pytest.raises(ConfigError, match="parallel.ep=2 with parallel.cp=4: .* ep must be a multiple of cp"):
-        load_config(None, moe + ["--parallel.ep=2", "--parallel.cp=4", "--parallel.strategy=fsdp"])
-    cfg = load_config(None, moe + ["--parallel.ep=2", "--parallel.dp_shard=2"])
-    assert cfg.parallel.layout(1, 4)["dp_shard"] == 4  # the dense weights shard over dp_shard x ep
-    # ep out of dp_shard x cp: ep=4 spans 2 dp_shard ranks x cp=2, and 2 ranks hold the same experts.
-    spans = load_config(None, moe + ["--parallel.ep=4", "--parallel.cp=2", "--parallel.dp_shard=2"]).parallel
-    assert spans.layout(1, 8)["dp_shard"] == 4
-    dims = ParallelDims(8, 8, 5, 5, **spans.layout(1, 8))
-    assert dims.mesh_shape() == {"edp": 2, "ep_shard": 2, "cp": 2}
-    assert (dims.fsdp_dims(), dims.expert_fsdp_dims(), dims.dp_rank, dims.ep_rank) == (("dp_shard_cp",), ("edp",), 2, 1)
-    ep_is_cp = ParallelDims(4, 4, 3, 3, ep=2, cp=2)
-    assert (ep_is_cp.mesh_shape(), ep_is_cp.fsdp_dims(), ep_is_cp.expert_fsdp_dims()) == ({"edp": 2, "cp": 2},
-                                                                                          ("dp_shard_cp",), ("edp",))
-    with pytest.raises(LayoutError, match=r"parallel.ep=4 must divide the dp_shard x cp = 6 ranks"):
-        ParallelDims(6, 6, 0, 0, ep=4, cp=2)
-    with pytest.raises(LayoutError, match="parallel.ep=2 must be a multiple of parallel.cp=4"):
-        ParallelDims(8, 8, 0, 0, ep=2, cp=4)
-    resolved, note = cfg.parallel.for_data_parallel(4)
-    assert resolved.strategy == "fsdp" and "parallel.ep=2" in note
-
-
 # --------------------------------------------------------------------------- on gloo ranks
 
 
 def context(rank: int, world: int, cfg):
-    return gloo_context(rank, world, **cfg.parallel.layout(1, world))
+    return gloo_context(rank, world, parallel=cfg.parallel)
 
 
 def whole_grads(engine) -> dict[str, torch.Tensor]:
@@ -182,9 +129,8 @@ def one_process(dp_sizes: list[int], steps: range | None = None, load: Path | No
 def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
     cfg = job(**layout)
     ctx = context(rank, world, cfg)
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
     engine = build_from_config(cfg, ctx).engine
-    whole = ctx.dims.pp == 1  # a pipeline rank holds one stage: its norm is checked, not its weights
+    whole = ctx.layout.pp == 1  # a pipeline rank holds one stage: its norm is checked, not its weights
     init = whole_state(engine.module()) if cfg.parallel.init_on_meta else None
     grads: dict | None = {} if whole else None
     losses, norms = train(engine, ctx, cfg, range(SAVE_AFTER), grads)
@@ -192,7 +138,7 @@ def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> d
     grad_err = {}
     if grads is not None:
         ref_grads: dict = {}
-        one_process([ctx.dims.dp_size], grads=ref_grads, init=init)
+        one_process([ctx.layout.dp], grads=ref_grads, init=init)
         grad_err = {k: float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads}
     path = Path(root) / name
     save_on_every_rank(engine, path, rank)
@@ -204,7 +150,7 @@ def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> d
     ep_mesh = ctx.submesh("ep")  # ParallelDims.ep_rank names this rank's experts as the mesh does
     ep_rank_ok = ep_mesh is None or ep_mesh.get_local_rank() == ctx.dims.ep_rank
     return {"losses": losses + rest, "norms": norms + rest_norms, "resumed": resumed, "grad_err": grad_err,
-            "dp_size": ctx.dims.dp_size, "init": init, "weights": weights, "ep_rank_ok": ep_rank_ok,
+            "dp_size": ctx.layout.dp, "init": init, "weights": weights, "ep_rank_ok": ep_rank_ok,
             "router": router}
 
 
@@ -229,7 +175,6 @@ def row_exchanges(rank: int, world: int) -> dict[str, int]:
             cfg = job(ep=2)
             cfg.model = dataclasses.replace(cfg.model, recompute=policy, recompute_every_k=2)
             ctx = context(rank, world, cfg)
-            cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
             engine = build_from_config(cfg, ctx).engine
             calls.clear()
             engine.forward_backward_step(iter(micro_batches(0, ctx.dims.dp_rank)), ACCUM)
@@ -243,11 +188,10 @@ def train_with_capacity(rank: int, world: int, layout: dict) -> dict:
     """SAVE_AFTER steps of the capacity model: losses, and the router metrics the log would show."""
     cfg = job("capacity", **layout)
     ctx = context(rank, world, cfg)
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
     engine = build_from_config(cfg, ctx).engine
     losses, _ = train(engine, ctx, cfg, range(SAVE_AFTER))
     return {"losses": losses, "router": router_window_metrics(engine_moe_layers(engine), cfg.model, ctx),
-            "dp_size": ctx.dims.dp_size}
+            "dp_size": ctx.layout.dp}
 
 
 def two_rank_worker(rank: int, world: int, root: str) -> dict:
@@ -260,13 +204,12 @@ def two_rank_worker(rank: int, world: int, root: str) -> dict:
 def four_rank_worker(rank: int, world: int, root: str) -> dict:
     out = {name: train_layout(rank, world, name, layout, root) for name, layout in LAYOUTS[4].items()}
     out |= {f"capacity_{name}": train_with_capacity(rank, world, layout) for name, layout in CAPACITY_LAYOUTS[4].items()}
-    # dp_shard=4 without ep (ep=1) saved after SAVE_AFTER steps, loaded into ep=2 x dp_shard=2.
-    cfg = job(**LAYOUTS[4]["ep2_x_dp2"])
+    # dp_shard=4 without ep (ep=1) saved after SAVE_AFTER steps, loaded into ep=2 of dp_shard=4.
+    cfg = job(**LAYOUTS[4]["ep2_of_dp4"])
     ctx = context(rank, world, cfg)
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
     engine = build_from_config(cfg, ctx).engine
     engine.load(Path(root) / "dp4")
-    out["dp4_into_ep2_x_dp2"] = train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))[0]
+    out["dp4_into_ep2_of_dp4"] = train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))[0]
     return out
 
 
@@ -353,10 +296,10 @@ def test_an_ep2_checkpoint_loads_into_one_process(launches):
     assert launches["ep2_into_one"] == pytest.approx(ref["losses"][SAVE_AFTER:], abs=1e-5)
 
 
-def test_an_ep1_checkpoint_loads_into_ep2_x_dp2(launches):
+def test_an_ep1_checkpoint_loads_into_ep2_of_dp4(launches):
     ref = reference(4)
     for rank_result in launches["ranks"][4]:
-        assert rank_result["dp4_into_ep2_x_dp2"] == pytest.approx(ref["losses"][SAVE_AFTER:], abs=1e-5)
+        assert rank_result["dp4_into_ep2_of_dp4"] == pytest.approx(ref["losses"][SAVE_AFTER:], abs=1e-5)
 
 
 @pytest.mark.parametrize("policy", RECOMPUTE_POLICIES)
@@ -367,6 +310,7 @@ def test_the_estimator_counts_the_all_to_alls_the_trainer_runs(launches, policy)
     from common.hardware import DEVICES
 
     cfg = dataclasses.replace(job(ep=2).model, recompute=policy, recompute_every_k=2)
-    spec = est.JobSpec(cfg, SEQ, MICRO, 2, "fsdp", policy, "fp32", DEVICES["H100"], grad_accum=ACCUM, ep=2)
+    spec = est.JobSpec(cfg, SEQ, MICRO, Layout(2, strategy="fsdp", ep=2), policy, "fp32", DEVICES["H100"],
+                       grad_accum=ACCUM)
     for rank_result in launches["ranks"][2]:
         assert rank_result["row_exchanges"][policy] == ACCUM * est.expert_exchanges(spec)

@@ -2,12 +2,15 @@
 
 The layouts' numbers are checked against a model that runs whole sequences in one process, built
 from the same seed inside each worker: logits and loss of one forward (fp32, within 1e-5) for
-multi-head and grouped-query attention, the causal and the document mask, and an MoE layer whose
-capacity drops copies (kept as one process keeps them over whole sequences); the gradients (a cp
+multi-head and grouped-query attention, the causal and the document mask, a sliding window that
+reaches across chunk borders with attention sinks, and an MoE layer whose capacity drops copies
+(kept as one process keeps them over whole sequences); the gradients (a cp
 rank's gradients summed over its cp group are cp times the whole-sequence gradient, which is what
 FSDP2's average over dp x cp turns into the mean); and the build path's FSDP2 engine over cp, cp x
 dp_shard, cp x tp, cp with selective recompute and cp x pp (1f1b with the causal mask, interleaved
-1f1b and zero_bubble with the document mask and per-document positions; GQA) trained for 10 steps (losses, gradient norms, validation loss, the
+1f1b and zero_bubble with the document mask and per-document positions; GQA), and gpt-oss's parts
+(windows, sinks, biases, YaRN, expert biases, the clamped SwiGLU, the llama init) under cp, cp x tp,
+cp x pp and cp x ep, trained for 10 steps (losses, gradient norms, validation loss, the
 first step's gradients and the weights after the last step), resumed bit for bit from its DCP
 checkpoint, and loaded into another cp size. A pipeline with the document mask and no cp checks
 that the document numbers reach the stages after the first. One 4-rank launch runs all of it.
@@ -21,17 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.errors import ConfigError, LayoutError
 from data.bundle import ValSource
-from model.attention import causal_mask
 from model.config import ModelConfig, MoEConfig
 from model.gpt import GPT
-from parallel.config import ParallelConfig
-from parallel.cp import chunk_ids, local_token_index
-from parallel.dims import ParallelDims
+from parallel.cp import local_token_index
 from parallel.distributed import DistContext
 from tests.gloo import gloo_context, run_workers, save_on_every_rank
-from tests.unit.parallel.test_tp_pp import full_grads, full_params
+from tests.integration.parallel.test_tp_pp import full_grads, full_params
 from training.build import build_from_config
 from training.config import load_config
 from training.loop import evaluate
@@ -42,6 +41,10 @@ MODELS = {
     "gqa": {"n_kv_head": 2, "position": "rope", "norm": "rmsnorm", "mlp": "swiglu"},
     "gqa_document": {"n_kv_head": 2, "position": "rope", "attention_mask": "document", "eot_id": EOT},
     "mha_document_positions": {"attention_mask": "document", "eot_id": EOT, "document_positions": True},
+    # A window of 3 reaches back across chunk borders (chunks of 2 and 4 tokens); sinks; a Q/K/V bias.
+    "window_sinks_document": {"n_kv_head": 2, "position": "rope", "norm": "rmsnorm", "mlp": "swiglu",
+                              "sliding_window": 3, "sliding_window_every": 2, "attention_sinks": True,
+                              "qkv_bias": True, "bias": False, "attention_mask": "document", "eot_id": EOT},
     # capacity 1.0 drops copies: each cp rank must keep the copies one process keeps over whole sequences
     "moe_capacity": {"mlp": "swiglu", "moe": MoEConfig(experts=4, top_k=2, d_ff=16, capacity=1.0)},
 }
@@ -54,13 +57,22 @@ LAYOUTS = {"cp4": {"cp": 4}, "cp2_x_dp2": {"cp": 2, "dp_shard": 2}, "cp2_x_tp2":
                                               "pp_virtual_stages": 2},
            "cp2_x_pp2_zero_bubble_document": {"cp": 2, "pp": 2, "pp_schedule": "zero_bubble",
                                               "pp_virtual_stages": 2},
-           "pp2_x_dp2_document": {"pp": 2, "dp_shard": 2}}
+           "pp2_x_dp2_document": {"pp": 2, "dp_shard": 2},
+           # gpt-oss's parts (model VARIANTS) under FSDP2 over cp, tp, pp and ep.
+           "cp4_variants": {"cp": 4}, "cp2_x_tp2_variants": {"cp": 2, "tp": 2}, "cp2_x_pp2_variants": {"cp": 2, "pp": 2},
+           "cp2_x_ep2_variants": {"cp": 2, "ep": 2}}
 DOCUMENT = {"attention_mask": "document", "eot_id": EOT, "document_positions": True}
+# A sliding window on every other layer crossing the chunk borders, sinks, attention biases, YaRN, the
+# llama init, and routed experts with biases and the clamped SwiGLU.
+VARIANTS = {"sliding_window": 3, "sliding_window_every": 2, "attention_sinks": True, "qkv_bias": True,
+            "proj_bias": True, "bias": False, "rope_scaling.type": "yarn", "rope_scaling.factor": 4.0,
+            "rope_scaling.original_max_seq_len": 8, "init": "llama", "swiglu_limit": 1.0, "moe.experts": 4,
+            "moe.top_k": 2, "moe.d_ff": 16, "moe.bias": True}
 # Per layout, what its model (and the one-process run it is checked against) changes.
 MODEL_KEYS = {"cp4_selective_recompute": {"recompute": "selective"},  # the core, K/V gather included, rebuilt in backward
               "cp2_x_pp2_interleaved_document": DOCUMENT | {"n_layer": 4},
-              "cp2_x_pp2_zero_bubble_document": DOCUMENT | {"n_layer": 4}, "pp2_x_dp2_document": DOCUMENT}
-MESH_KEYS = ("pp", "dp_shard", "cp", "tp")  # the layout keys that shape the mesh (the rest: the parallel section's)
+              "cp2_x_pp2_zero_bubble_document": DOCUMENT | {"n_layer": 4}, "pp2_x_dp2_document": DOCUMENT,
+              **{name: VARIANTS for name in LAYOUTS if name.endswith("_variants")}}
 PIPELINE_ACCUM = 2  # micro-batches per step of the pipelined layouts (pipeline micro-batches: >= pp)
 
 
@@ -75,46 +87,6 @@ def tokens(seed: int, batch: int = 2) -> torch.Tensor:
     ids[0, [2, 9]] = EOT
     ids[-1, [6]] = EOT
     return ids
-
-
-# --------------------------------------------------------------------------- in one process
-
-
-def test_every_cp_rank_does_the_same_attention_work():
-    """Counted from the masks the ranks' chunks run under: (query, key) pairs per rank are equal,
-    and the ranks' tokens are the whole sequence, each once."""
-    for cp in (2, 4):
-        seq = 8 * cp
-        c = seq // (2 * cp)
-        pairs = [sum(int(causal_mask(c, (g + 1) * c, "cpu").sum()) for g in chunk_ids(cp, r)) for r in range(cp)]
-        assert len(set(pairs)) == 1, pairs
-        # A plain split into cp pieces would not balance: its last rank sees the most keys.
-        plain = [int(causal_mask(2 * c, (r + 1) * 2 * c, "cpu").sum()) for r in range(cp)]
-        assert plain[-1] > plain[0]
-        held = torch.cat([local_token_index(seq, cp, r) for r in range(cp)])
-        assert sorted(held.tolist()) == list(range(seq))
-
-
-def test_layouts_with_cp_are_validated_before_any_work():
-    dims = ParallelDims(8, 8, 5, 5, cp=2, tp=2)
-    assert (dims.dp_shard, dims.coordinate("cp"), dims.coordinate("tp"), dims.dp_rank) == (2, 0, 1, 1)
-    assert dims.fsdp_dims() == ("dp_shard_cp",)
-    assert ParallelDims(4, 4, 0, 0, cp=4).fsdp_dims() == ("cp",)
-    with pytest.raises(LayoutError, match="parallel.cp=3"):
-        ParallelDims(4, 4, 0, 0, cp=3)
-    with pytest.raises(ConfigError, match=r"model.max_seq_len=20 must divide by 8"):
-        load_config(None, ["--parallel.cp=4", "--model.max_seq_len=20", "--parallel.strategy=fsdp"])
-    for strategy in ("ddp", "zero2"):
-        with pytest.raises(ConfigError, match=f"parallel.cp=2 with parallel.strategy={strategy}"):
-            load_config(None, ["--parallel.cp=2", f"--parallel.strategy={strategy}"])
-    both = load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--train.grad_accum_steps=2"]).parallel
-    assert (both.cp, both.pp) == (2, 2)  # composed (parallel/pp.py passes every stage what cp needs)
-    zero_bubble = load_config(None, ["--parallel.cp=2", "--parallel.pp=2", "--parallel.pp_schedule=zero_bubble",
-                                     "--parallel.pp_virtual_stages=2", "--model.n_layer=4",
-                                     "--train.grad_accum_steps=2"]).parallel
-    assert zero_bubble.pp_schedule == "zero_bubble"  # its split backward under FSDP2: trained below
-    resolved, note = ParallelConfig(cp=2).for_data_parallel(1)
-    assert resolved.strategy == "fsdp" and "parallel.cp=2" in note
 
 
 # --------------------------------------------------------------------------- on 4 gloo ranks
@@ -189,29 +161,27 @@ def train(engine, ctx, cfg, steps: range, grads: dict | None = None) -> tuple[li
 
 def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
     cfg = job(name, accum_of(layout), **layout)
-    ctx = gloo_context(rank, world, **{k: v for k, v in layout.items() if k in MESH_KEYS})
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     grads = {}
     losses, norms = train(engine, ctx, cfg, range(SAVE_AFTER), grads)
     path = Path(root) / name
     save_on_every_rank(engine, path, rank)
     rest, rest_norms = train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))
-    val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.dims.dp_size), VAL, ctx)
+    val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.layout.dp), VAL, ctx)
     fresh = build_from_config(cfg, ctx).engine
     fresh.load(path)
     final = full_params(engine)
     resumed, _ = train(fresh, ctx, cfg, range(SAVE_AFTER, STEPS))
     return {"losses": losses + rest, "norms": norms + rest_norms, "resumed": resumed, "val": val,
-            "dp_size": ctx.dims.dp_size, "grads": grads, "final": final, "resumed_final": full_params(fresh)}
+            "dp_size": ctx.layout.dp, "grads": grads, "final": final, "resumed_final": full_params(fresh)}
 
 
 def cross_load(rank: int, world: int, root: str) -> list[float]:
     """cp=4's checkpoint loaded into cp=2 x dp_shard=2: the steps after it train as cp=2 x dp=2's do."""
     layout = LAYOUTS["cp2_x_dp2"]
     cfg = job(**layout)
-    ctx = gloo_context(rank, world, **layout)
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     engine.load(Path(root) / "cp4")
     return train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))[0]
@@ -294,43 +264,3 @@ def test_a_cp4_checkpoint_loads_into_cp2_x_dp2(four_ranks):
     ref = one_process([1] * SAVE_AFTER + [2] * (STEPS - SAVE_AFTER))
     for rank_result in four_ranks:
         assert rank_result["cp4_into_cp2_x_dp2"] == pytest.approx(ref["losses"][SAVE_AFTER:], abs=1e-5)
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--parallel.cp=4", "--model.max_seq_len=100"], "parallel.cp=4 splits each sequence into 2 x cp = 8 equal chunks"),
-    (["--parallel.cp=2", "--parallel.strategy=zero1"], "parallel.cp=2 with parallel.strategy=zero1 is not supported"),
-    (["--parallel.cp=4", "--parallel.ep=2", "--model.moe.experts=4"], "parallel.ep=2 with parallel.cp=4: an expert-"),
-])
-def test_train_py_refuses_bad_cp_layouts_in_one_line(capsys, args, message):
-    import train
-
-    assert train.main(["--config", "configs/tiny.yaml", *args]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and "\n" not in err
-
-
-
-def test_capacity_over_cp_chunks_keeps_the_copies_one_process_keeps():
-    """Every cp rank's kept (token, expert) copies, placed with the other ranks' per-chunk counts,
-    are one process's kept copies over the whole batch, for dropping capacities."""
-    from model.moe import expert_capacity, permute
-    from parallel.cp import chunk_expert_counts, earlier_from_counts
-
-    g = torch.Generator().manual_seed(0)
-    for cp, batch, seq, k, experts in [(2, 2, 16, 2, 4), (4, 3, 32, 1, 3), (2, 1, 8, 3, 5)]:
-        choice = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(batch * seq)]).view(batch, seq, k)
-        capacity = expert_capacity(batch * seq, k, experts, 0.7)
-        x = torch.arange(batch * seq, dtype=torch.float32)[:, None]  # each row says which token it is
-        _, whole = permute(x, choice.flatten(0, 1), experts, capacity)
-        expected = sorted(whole.slots.tolist())  # flat t * k + j over the whole batch
-        counts = torch.stack([chunk_expert_counts(choice[:, local_token_index(seq, cp, r)], experts)
-                              for r in range(cp)])
-        kept = []
-        for r in range(cp):
-            index = local_token_index(seq, cp, r)
-            mine = choice[:, index]  # (B, seq / cp, k)
-            earlier = earlier_from_counts(counts, mine, r)
-            _, part = permute(x[:batch * len(index)], mine.flatten(0, 1), experts, capacity, earlier=earlier)
-            token = (torch.arange(batch)[:, None] * seq + index).flatten()  # local token -> whole-batch token
-            kept += [int(token[s // k]) * k + s % k for s in part.slots.tolist()]
-        assert sorted(kept) == expected and len(expected) < batch * seq * k  # some copies were dropped

@@ -18,10 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.errors import ConfigError, LayoutError
 from data.bundle import ValSource
 from parallel.checkpoint import read_verified_metadata, save_sharded
-from parallel.dims import ParallelDims
 from parallel.distributed import DistContext
 from tests.conftest import read_metrics, run_torchrun, run_train, tiny_overrides
 from tests.gloo import gloo_context, run_workers, save_on_every_rank
@@ -59,7 +57,6 @@ FOUR_RANKS = {
     "pp_x_tp_tied": {"pp": 2, "tp": 2},
     "pp4_tied": {"pp": 4, "pp_schedule": "1f1b"},  # middle stages hold neither copy
 }
-LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def is_tied(name: str) -> bool:
@@ -118,7 +115,7 @@ def train_steps(engine, steps: range, ctx, cfg, record_grads: bool = False):
     losses, norms, grads = [], [], {}
     accum = cfg.train.grad_accum_steps
     for step in steps:
-        batches = iter(micro_batches(step, ctx.dims.dp_rank, ctx.dims.dp_size, accum))
+        batches = iter(micro_batches(step, ctx.dims.dp_rank, ctx.layout.dp, accum))
         loss, _ = engine.forward_backward_step(batches, accum)
         if record_grads and step == 0:
             grads = full_grads(engine)
@@ -128,17 +125,15 @@ def train_steps(engine, steps: range, ctx, cfg, record_grads: bool = False):
 
 
 def run_layout(rank: int, world: int, name: str, parallel: dict, ckpt_root: str) -> dict:
-    layout = {k: parallel[k] for k in LAYOUT_KEYS if k in parallel}
     cfg = job(accum_steps(parallel), tied=is_tied(name), **parallel)
-    ctx = gloo_context(rank, world, **layout)
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     losses, norms, grads = train_steps(engine, range(SAVE_AFTER), ctx, cfg, record_grads=True)
     path = Path(ckpt_root) / name
     save_on_every_rank(engine, path, rank)
     saved = full_params(engine)
     rest, rest_norms, _ = train_steps(engine, range(SAVE_AFTER, STEPS), ctx, cfg)
-    val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.dims.dp_size), VAL, ctx)
+    val = evaluate(engine, val_source(ctx.dims.dp_rank, ctx.layout.dp), VAL, ctx)
     fresh = build_from_config(cfg, ctx).engine  # a new run that loads the checkpoint
     fresh.load(path)
     resumed, _, _ = train_steps(fresh, range(SAVE_AFTER, STEPS), ctx, cfg)
@@ -149,8 +144,7 @@ def run_layout(rank: int, world: int, name: str, parallel: dict, ckpt_root: str)
 def resume_from(rank: int, world: int, name: str, parallel: dict, path: Path) -> dict:
     """A layout that loads a checkpoint saved by another and trains the steps after it."""
     cfg = job(tied=is_tied(name), **parallel)
-    ctx = gloo_context(rank, world, **{k: parallel[k] for k in LAYOUT_KEYS if k in parallel})
-    cfg.parallel, _ = cfg.parallel.for_data_parallel(ctx.dims.dp_size)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     engine.load(path)
     loaded = full_params(engine)
@@ -168,7 +162,7 @@ def two_rank_worker(rank: int, world: int, ckpt_root: str) -> dict:
                                                 Path(ckpt_root) / "one_tied_dp2")
     # The tp=2 checkpoint loaded into FSDP2 over 2 data-parallel ranks: another layout, the same weights.
     cfg = job(strategy="fsdp")
-    engine = build_from_config(cfg, gloo_context(rank, world)).engine
+    engine = build_from_config(cfg, gloo_context(rank, world, parallel=cfg.parallel)).engine
     engine.load(Path(ckpt_root) / "tp")
     results["tp_into_fsdp"] = full_params(engine)
     results["pp_device_skip"] = pipeline_skip_on_device(rank, world)
@@ -190,7 +184,7 @@ def pipeline_skip_on_device(rank: int, world: int) -> dict:
 
     cfg = job(tied=True, pp=2, pp_schedule="1f1b")
     cfg.optim.fused = "on"
-    ctx = gloo_context(rank, world, pp=2)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
     out = {"skipped": [], "changed": [], "steps": []}
     for step in range(2):
@@ -371,68 +365,6 @@ def test_a_tensor_parallel_checkpoint_loads_into_other_layouts(two_rank_results,
         torch.testing.assert_close(value, saved[key], rtol=0, atol=0, msg=key)
 
 
-# --------------------------------------------------------------------------- the layout value
-
-
-def test_ranks_are_laid_out_with_tensor_parallel_innermost():
-    dims = [ParallelDims(8, 4, r, r % 4, pp=2, dp_shard=2, tp=2) for r in range(8)]
-    assert [d.coordinate("tp") for d in dims] == [0, 1] * 4  # consecutive ranks, inside a node
-    assert [d.coordinate("dp_shard") for d in dims] == [0, 0, 1, 1] * 2
-    assert [d.coordinate("pp") for d in dims] == [0] * 4 + [1] * 4  # stages across nodes
-    assert [d.dp_rank for d in dims] == [0, 0, 1, 1] * 2 and dims[0].dp_size == 2
-    assert ParallelDims(8, 8, 0, 0, tp=2).dp_shard == 4  # -1: the ranks left over
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=4, local_world_size=4, tp=3), "does not divide the 4 ranks"),
-    (dict(world_size=4, local_world_size=4, tp=2, dp_shard=4), "make the product equal the world size"),
-    (dict(world_size=8, local_world_size=2, tp=4), "must divide the 2 ranks per node"),
-])
-def test_invalid_world_layouts_are_one_line_errors(kwargs, message):
-    with pytest.raises(LayoutError, match=message) as info:
-        ParallelDims(rank=0, local_rank=0, **kwargs)
-    assert "\n" not in str(info.value)
-
-
-@pytest.mark.parametrize("overrides, message", [
-    ({"parallel.tp": 3}, "parallel.tp=3 must divide model.n_head=4"),
-    ({"parallel.tp": 4}, "parallel.tp=4 must divide model.n_kv_head=2"),
-    ({"parallel.tp": 2, "model.max_seq_len": 15}, "must divide by it"),
-    ({"parallel.tp": 2, "model.dropout": 0.1}, "tensor parallelism here trains without dropout"),
-    ({"parallel.pp": 3}, "model.n_layer=4 must divide into"),
-    ({"parallel.pp": 4, "train.grad_accum_steps": 2}, "must be >= parallel.pp=4"),
-    ({"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b"}, "needs parallel.pp_virtual_stages >= 2"),
-    ({"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "parallel.pp_virtual_stages": 2}, "runs one stage per rank"),
-    ({"parallel.tp": 2, "parallel.strategy": "ddp"}, "use parallel.strategy=fsdp"),
-    ({"parallel.pp": 2, "parallel.strategy": "zero2"}, "use parallel.strategy=fsdp"),
-    ({"parallel.tp": 2, "precision.mode": "fp16"}, "use bf16"),
-    ({"parallel.tp": 2, "precision.mode": "bf16_master"}, "needs parallel.strategy=fsdp"),
-    ({"parallel.tp": 2, "parallel.strategy": "fsdp", "parallel.fsdp_hybrid": True}, "set parallel.dp_replicate"),
-    ({"parallel.dp_replicate": 2, "parallel.strategy": "ddp"}, "HSDP's replicate dimension"),
-    ({"parallel.tp": 2, "train.compile": True, "model.recompute": "full"}, "use model.recompute=op_selective"),
-])
-def test_invalid_layouts_are_one_line_config_errors(overrides, message):
-    base = {f"model.{k}": v for k, v in MODEL.items()} | {"train.grad_accum_steps": ACCUM}
-    with pytest.raises(ConfigError, match=message) as info:
-        load_config(None, [f"--{k}={v}" for k, v in (base | overrides).items()])
-    assert "\n" not in str(info.value)
-
-
-def test_pipeline_stages_keep_their_blocks_under_their_global_names():
-    from model.gpt import GPT
-    from parallel.pp import split_stages, stage_ids
-
-    cfg = job().model
-    torch.manual_seed(0)
-    whole = GPT(cfg)
-    names = set(whole.state_dict())
-    parts = [p for rank in range(2) for p in split_stages(GPT(cfg), stage_ids(rank, 2, 2), 4)]
-    assert [list(p.blocks) for p in parts] == [["0"], ["2"], ["1"], ["3"]]  # looped placement: r, r + pp
-    assert parts[0].tok_emb is not None and parts[0].lm_head is None
-    assert parts[3].tok_emb is None and parts[3].lm_head is not None
-    assert set().union(*(p.state_dict() for p in parts)) == names
-
-
 # --------------------------------------------------------------------------- through train.py
 
 
@@ -449,7 +381,7 @@ def test_train_py_resumes_a_tensor_parallel_run_exactly(tmp_path, corpus_cache):
     step3 = full / "checkpoints" / "step_00000003"
     second = run_torchrun(2, [*tiny, "--resume", str(step3), *tiny_overrides(split, corpus_cache, **common)])
     assert second.returncode == 0, second.stderr[-2000:]
-    assert "layout: tp=2" in second.stdout and "continuing from" in second.stdout
+    assert "layout: strategy=none dp_shard=1 tp=2 pp=1" in second.stdout and "continuing from" in second.stdout
     losses = {r["step"]: r["loss"] for r in read_metrics(split) if "loss" in r}
     assert sorted(losses) == [4, 5, 6]
     assert losses == {r["step"]: r["loss"] for r in read_metrics(full) if "loss" in r and r["step"] > 3}

@@ -1,0 +1,129 @@
+"""Analytic model of one training step on a data x tensor x pipeline layout: memory per GPU,
+communication, time, MFU, and a planner that searches layouts.
+
+Everything here is arithmetic on a ``ModelConfig`` and a ``DeviceSpec``; nothing touches a GPU.
+Parameter counts and FLOPs come from ``model/flops.py`` (the same functions the trainer logs).
+docs/estimator.md is the one home of the derivation: every formula, assumption and fitted
+parameter, where each comes from, and how far the predictions are from published measurements
+(analysis/published.py, docs/results/published_vs_estimator.md).
+
+The package, by concern, each module importing only those above it:
+
+    job.py            the job (JobSpec), the model's parameters (Assumptions), choices, errors
+    activations.py    bytes one layer saves for backward under each recompute policy
+    memory.py         model states, pipeline stages, the peak per GPU
+    communication.py  collectives of every parallel dimension, their bytes and seconds
+    time.py           GEMMs, attention, element-wise work, exposed communication, the bubble
+    step.py           one step's estimate (memory + communication + time) and whether it fits
+    planning.py       the planner, the trainer's fit verdict, layouts in the config's words
+    presets.py        the chapter's models
+
+This file is the public API: everything callers use is importable from ``analysis.estimator``.
+"""
+
+from __future__ import annotations
+
+from analysis.estimator.activations import (
+    activation_bytes_per_layer,
+    korthikanti_bytes_per_layer,
+    saved_bytes_per_layer,
+)
+from analysis.estimator.communication import (
+    CommVolume,
+    collective_seconds,
+    comm_volume,
+    cp_comm_seconds,
+    expert_all_to_all,
+    expert_exchanges,
+    fsdp_collectives,
+    kv_gather_bytes,
+    pp_comm_seconds,
+    reshards_after_forward,
+    tp_comm_seconds,
+)
+from analysis.estimator.job import (
+    ACTIVATION_BYTES,
+    ATTENTION_BACKEND_KIND,
+    ATTENTION_KINDS,
+    FITTED_PARAMETERS,
+    GIB,
+    PP_SCHEDULES,
+    PRECISION_MODES,
+    RECOMPUTE_POLICIES,
+    STATE_BYTES,
+    STRATEGIES,
+    Assumptions,
+    EstimatorError,
+    JobSpec,
+    StateBytes,
+    layout_of,
+)
+from analysis.estimator.memory import (
+    MemoryEstimate,
+    activation_bytes_total,
+    block_parameters_per_gpu,
+    cp_attention_bytes_per_layer,
+    cp_chunk_keys,
+    estimate_memory,
+    model_state_bytes,
+    pipeline_in_flight,
+    routed_parameters_per_block,
+    stage_memory,
+    stage_parameters,
+    stage_routed_parameters,
+    stage_state_bytes,
+)
+from analysis.estimator.planning import (
+    CP_SEARCH_FROM,
+    PLANNER_STRATEGIES,
+    context_parallel_sizes,
+    describe_plan,
+    expert_parallel_sizes,
+    fit_verdict,
+    job_of,
+    job_overrides,
+    job_verdict,
+    job_words,
+    min_gpus_to_fit,
+    model_parallel_sizes,
+    plan_fits,
+    plan_layouts,
+    resolve_device,
+    smallest_power_of_two,
+    trainer_config,
+    trainer_refusal,
+)
+from analysis.estimator.presets import PRESET_NAMES, Preset, preset
+from analysis.estimator.step import Estimate, describe_estimate, estimate, memory_problems
+from analysis.estimator.time import (
+    TimeEstimate,
+    attention_seconds,
+    bubble_fraction,
+    bubble_overhead,
+    causal_pairs,
+    estimate_time,
+    fused_core_share,
+    gemm_seconds,
+    layer_gemms,
+    recompute_flops_per_token,
+)
+from model.flops import count_parameters, flops_per_token, matmul_parameters  # callers read them from here too
+from parallel.layout import Layout  # what a JobSpec's layout is
+
+__all__ = [
+    "ACTIVATION_BYTES", "ATTENTION_BACKEND_KIND", "ATTENTION_KINDS", "FITTED_PARAMETERS", "GIB",
+    "RECOMPUTE_POLICIES", "PP_SCHEDULES", "PRECISION_MODES", "STATE_BYTES", "STRATEGIES",
+    "Assumptions", "EstimatorError", "JobSpec", "StateBytes", "layout_of", "activation_bytes_per_layer",
+    "korthikanti_bytes_per_layer", "saved_bytes_per_layer", "MemoryEstimate", "activation_bytes_total",
+    "block_parameters_per_gpu", "cp_attention_bytes_per_layer", "cp_chunk_keys", "estimate_memory", "model_state_bytes",
+    "pipeline_in_flight", "routed_parameters_per_block", "stage_memory", "stage_parameters",
+    "stage_routed_parameters", "stage_state_bytes", "CommVolume", "collective_seconds", "comm_volume",
+    "cp_comm_seconds", "expert_all_to_all", "expert_exchanges", "fsdp_collectives", "kv_gather_bytes",
+    "pp_comm_seconds", "reshards_after_forward", "tp_comm_seconds", "TimeEstimate", "attention_seconds", "bubble_fraction",
+    "bubble_overhead", "causal_pairs", "estimate_time", "fused_core_share", "gemm_seconds", "layer_gemms", "recompute_flops_per_token", "Estimate",
+    "describe_estimate", "estimate", "memory_problems", "CP_SEARCH_FROM", "PLANNER_STRATEGIES",
+    "context_parallel_sizes", "describe_plan", "expert_parallel_sizes", "fit_verdict", "job_of", "job_verdict", "job_overrides",
+    "job_words", "min_gpus_to_fit", "model_parallel_sizes", "plan_fits", "plan_layouts", "resolve_device",
+    "smallest_power_of_two", "trainer_config", "trainer_refusal", "PRESET_NAMES", "Preset", "preset",
+    "count_parameters", "flops_per_token", "matmul_parameters", "Layout",
+]

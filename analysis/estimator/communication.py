@@ -1,0 +1,238 @@
+"""Communication: what each strategy puts through collectives (ZeRO paper, section 7), and the time
+and bytes of the data-, tensor-, context-, pipeline- and expert-parallel exchanges."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from analysis.estimator.activations import checkpointed_layers
+from analysis.estimator.job import STATE_BYTES, STRATEGIES, JobSpec, check_choice
+from analysis.estimator.memory import stage_routed_parameters
+from common.hardware import DeviceSpec
+from model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class CommVolume:
+    """Bytes of whole tensors entering collectives per optimizer step, and bytes each GPU sends."""
+
+    all_reduce: float  # M of the all-reduces
+    reduce_scatter: float
+    all_gather: float
+    world_size: int  # ranks of those collectives (the data-parallel, or HSDP shard, group)
+    replica_all_reduce: float = 0.0  # HSDP: M of the all-reduce across replicas
+    replicas: int = 1
+    tensor_parallel: float = 0.0  # bytes each GPU sends in tensor-parallel collectives per step
+    pipeline: float = 0.0  # bytes each GPU sends to its neighbouring stages per step
+    expert_all_to_all: float = 0.0  # bytes each GPU sends in expert-parallel dispatch and combine per step
+    expert_sharded: float = 0.0  # bytes each GPU sends gathering and reducing its experts (FSDP over dp_shard / ep)
+
+    @property
+    def sent_per_gpu(self) -> float:
+        extra = self.tensor_parallel + self.pipeline + self.expert_all_to_all + self.expert_sharded
+        if self.replicas > 1:
+            extra += 2 * (self.replicas - 1) / self.replicas * self.replica_all_reduce
+        if self.world_size <= 1:
+            return extra
+        frac = (self.world_size - 1) / self.world_size
+        return frac * (2 * self.all_reduce + self.reduce_scatter + self.all_gather) + extra
+
+
+def comm_volume(n_params: float, strategy: str, world_size: int, precision: str) -> CommVolume:
+    """What each strategy puts through collectives per step (ZeRO paper, section 7)."""
+    check_choice("strategy", strategy, STRATEGIES)
+    per = STATE_BYTES[precision]
+    grads, params = n_params * per.grad, n_params * per.param
+    if strategy == "none" or world_size <= 1:
+        return CommVolume(0.0, 0.0, 0.0, world_size)
+    if strategy == "ddp":
+        return CommVolume(grads, 0.0, 0.0, world_size)
+    if strategy in ("zero1", "zero2"):
+        return CommVolume(0.0, grads, params, world_size)
+    return CommVolume(0.0, grads, 2 * params, world_size)  # all-gather in forward and in backward
+
+
+def collective_seconds(
+    nbytes: float, world_size: int, device: DeviceSpec, link_fraction: float = 0.8, *, ranks_per_node: int | None = None
+) -> float:
+    """One reduce-scatter or all-gather of a ``nbytes`` tensor over ``world_size`` GPUs (two-level).
+
+    ``ranks_per_node``: how many of the group share a node (default: as many as fit, i.e. the
+    group is packed); a data-parallel group strided by tensor parallelism has fewer per node.
+    """
+    if world_size <= 1 or nbytes == 0:
+        return 0.0
+    local = max(1, min(world_size, ranks_per_node or device.gpus_per_node))
+    nodes = math.ceil(world_size / local)
+    intra = (local - 1) / local * nbytes / (device.nvlink_one_way_gb_s * 1e9 * link_fraction)
+    inter = (nodes - 1) / nodes * nbytes / local / (device.network_gb_s * 1e9 * link_fraction)
+    return intra + inter
+
+
+def _per_node(job: JobSpec, stride: int, group: int) -> int:
+    """Ranks of a mesh group whose members sit ``stride`` ranks apart that share one node."""
+    return max(1, min(group, job.device.gpus_per_node // stride))
+
+
+def tp_comm_seconds(job: JobSpec, stage: int = 0) -> tuple[float, float]:
+    """(seconds, bytes sent per GPU) of tensor-parallel collectives for one micro-batch on ``stage``.
+
+    Per layer 8 reduce-scatter/all-gather-equivalents of the s*b*h activation (4 forward, 4
+    backward; an all-reduce counts as two), 4 more for a layer recomputed in full; the embedding
+    and the LM head one each way on their stages (module docstring).
+    """
+    t = job.layout.tp
+    if t == 1:
+        return 0.0, 0.0
+    cfg = job.model
+    activation = job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model
+    one = collective_seconds(activation, t, job.device, job.assumptions.link_fraction,
+                             ranks_per_node=_per_node(job, 1, t))
+    layers = cfg.n_layer // job.layout.pp
+    recomputed = {"full": layers, "every_k": checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.layout.pp}
+    count = 8 * layers + 4 * recomputed.get(job.recompute, 0)
+    count += 2 * (stage == 0) + 2 * (stage == job.layout.pp - 1)
+    return count * one, count * (t - 1) / t * activation
+
+
+def kv_gather_bytes(model_cfg: ModelConfig, seq_len: int, micro_batch: int, dtype_bytes: int, tp: int = 1) -> float:
+    """Bytes of one layer's gathered keys and values on one cp GPU: the whole sequence's K and V of
+    the KV heads it holds (kv_dim / tp wide). The all-gather brings in (cp - 1) / cp of them, and
+    each GPU sends its own share to the cp - 1 others: (cp - 1) / cp of this, per layer and direction."""
+    return dtype_bytes * micro_batch * seq_len * 2 * model_cfg.kv_dim / tp
+
+
+def cp_comm_seconds(job: JobSpec) -> tuple[float, float]:
+    """(seconds, bytes sent per GPU) of context-parallel collectives for one micro-batch: per layer
+    one all-gather of K and V forward and one reduce-scatter of their gradients backward, and one
+    more all-gather for a layer whose core is recomputed (selective, full, every_k's layers). Counted
+    as not overlapped with compute (the trainer issues them in line)."""
+    cp, cfg = job.layout.cp, job.model
+    if cp == 1:
+        return 0.0, 0.0
+    nbytes = kv_gather_bytes(cfg, job.seq_len, job.micro_batch, job.activation_dtype_bytes, job.layout.tp)
+    layers = cfg.n_layer // job.layout.pp
+    recomputed = {"selective": layers, "full": layers,
+                  "every_k": checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.layout.pp}
+    count = 2 * layers + recomputed.get(job.recompute, 0)
+    # cp groups sit inside tp on the mesh (dims.py): members tp ranks apart
+    one = collective_seconds(nbytes, cp, job.device, job.assumptions.link_fraction,
+                             ranks_per_node=_per_node(job, job.layout.tp, cp))
+    return count * one, count * (cp - 1) / cp * nbytes
+
+
+def pp_comm_seconds(job: JobSpec) -> tuple[float, float]:
+    """(seconds, bytes sent per GPU) of one micro-batch's activations and gradients between stages:
+    one of each per model chunk (``pp_virtual_stages`` of them on an interleaved GPU). Under context
+    parallelism each cp rank sends its seq_len / cp tokens to the same cp rank of the next stage."""
+    if job.layout.pp == 1:
+        return 0.0, 0.0
+    cfg, frac = job.model, job.assumptions.link_fraction
+    # Each tensor-parallel rank sends 1/t of the activation: its sequence shard under sequence
+    # parallelism, or its slice of the replicated tensor (Megatron's scatter/gather, which re-gathers it
+    # over NVLink on the receiving stage).
+    nbytes = job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model / job.layout.tp
+    same_node = job.layout.world_size <= job.device.gpus_per_node  # stages are the outermost mesh dimension
+    link = job.device.nvlink_one_way_gb_s if same_node else job.device.network_gb_s
+    sent = 2 * job.layout.pp_virtual_stages * nbytes
+    return sent / (link * 1e9 * frac), sent
+
+
+def fsdp_collectives(job: JobSpec) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of its parameters that a ZeRO-3/FSDP GPU runs per optimizer step.
+
+    Without pp every micro-batch gathers in forward and again in backward (once, when
+    ``fsdp_reshard_after_forward`` keeps the forward's copy) and reduce-scatters its gradients. Under pp,
+    torch.distributed.pipelining keeps gradients unreduced and parameters gathered after the first
+    backward until the step ends; with reshard_after_forward every micro-batch's forward gathers again
+    (m forwards + 1 backward gather), without it the first gather serves the whole step."""
+    m = job.grad_accum
+    if job.layout.pp == 1:
+        return (2 if job.fsdp_reshard_after_forward else 1) * m, m
+    return (m + 1 if reshards_after_forward(job) else 1), 1
+
+
+def reshards_after_forward(job: JobSpec) -> bool:
+    """Whether the trainer's FSDP2 blocks free their gathered weights after forward: the setting,
+    except in a zero_bubble pipeline, which keeps them for its weight-gradient pass
+    (ParallelConfig.reshard_blocks_after_forward)."""
+    return job.fsdp_reshard_after_forward and not (job.layout.pp > 1 and job.layout.pp_schedule == "zero_bubble")
+
+
+def _dp_comm(job: JobSpec, n_params: float, shard: int | None = None) -> tuple[CommVolume, float]:
+    """Data-parallel traffic of one GPU holding ``n_params`` per step, and its time (before overlap).
+    ``shard``: the GPUs that shard these parameters together (default: the dense weights', dp_shard x cp;
+    cp ranks average gradients with the data-parallel ones); HSDP replicates them dp_replicate times."""
+    frac = job.assumptions.link_fraction
+    group = shard or job.layout.dp_shard_cp
+    volume = comm_volume(n_params, job.layout.strategy, group, job.precision)
+    if job.layout.dp_replicate > 1:  # HSDP: FSDP inside the shard group, then the reduced shard is all-reduced across replicas
+        grads = n_params * STATE_BYTES[job.precision].grad / group
+        volume = dataclasses.replace(volume, replica_all_reduce=grads, replicas=job.layout.dp_replicate)
+    if job.layout.strategy in ("zero3", "fsdp") and group > 1:
+        gathers, scatters = fsdp_collectives(job)
+        per = STATE_BYTES[job.precision]
+        volume = dataclasses.replace(volume, all_gather=gathers * n_params * per.param,
+                                     reduce_scatter=scatters * n_params * per.grad)
+    link = dict(ranks_per_node=_per_node(job, job.layout.tp, group))
+    seconds = (
+        2 * collective_seconds(volume.all_reduce, group, job.device, frac, **link)
+        + collective_seconds(volume.reduce_scatter, group, job.device, frac, **link)
+        + collective_seconds(volume.all_gather, group, job.device, frac, **link)
+    )
+    if volume.replicas > 1:
+        outer = dict(ranks_per_node=_per_node(job, job.layout.tp * group, volume.replicas))
+        seconds += 2 * collective_seconds(volume.replica_all_reduce, volume.replicas, job.device, frac, **outer)
+    return volume, seconds
+
+
+def expert_exchanges(job: JobSpec) -> float:
+    """All-to-alls of token rows per micro-batch on a stage (the mean stage): per MoE layer the
+    dispatch and the combine in forward and their gradients in backward (4), and the forward's two
+    again in backward for a layer whose forward is recomputed. That is every layer under ``full``, and
+    under ``op_selective`` too (its policy caches the GEMM and attention outputs only, so the
+    collectives run again); under ``every_k`` the MoE layers whose 1-based index k divides."""
+    cfg = job.model
+    if job.recompute in ("full", "op_selective"):
+        recomputed = cfg.n_moe_layers
+    elif job.recompute == "every_k":
+        k = cfg.recompute_every_k
+        recomputed = sum(1 for i in range(cfg.n_layer) if cfg.is_moe_layer(i) and (i + 1) % k == 0)
+    else:
+        recomputed = 0
+    return (4 * cfg.n_moe_layers + 2 * recomputed) / job.layout.pp
+
+
+def expert_all_to_all(job: JobSpec) -> tuple[float, float]:
+    """(seconds, bytes sent per GPU) of one micro-batch's expert-parallel all-to-alls on a stage.
+
+    ``expert_exchanges`` of them, each of the micro-batch's top-k token copies (d values each);
+    each GPU keeps the 1/ep of its copies routed to its own experts (balanced routing) and sends the
+    rest. An all-to-all is modelled as an all-gather of the same bytes (``collective_seconds``);
+    across nodes it is slower than that (many small messages), which this does not count.
+    """
+    cfg = job.model
+    if job.layout.ep == 1:
+        return 0.0, 0.0
+    # Each tp GPU exchanges the copies of the positions it routes: its own s/t under sequence
+    # parallelism, all of them without; a cp rank routes its chunks only.
+    copies = job.seq_len * job.micro_batch * cfg.moe.top_k / ((job.layout.tp if job.layout.sp else 1) * job.layout.cp)
+    nbytes = copies * cfg.d_model * job.activation_dtype_bytes
+    count = expert_exchanges(job)
+    one = collective_seconds(nbytes, job.layout.ep, job.device, job.assumptions.link_fraction,
+                             ranks_per_node=_per_node(job, job.layout.tp, job.layout.ep))
+    return count * one, count * (job.layout.ep - 1) / job.layout.ep * nbytes
+
+
+def _dp_and_expert_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, float]:
+    """``_dp_comm`` of a stage holding ``n_params``; with ep > 1 its routed experts travel apart, over
+    the dp_shard / ep GPUs holding the same experts (each holding 1/ep of them)."""
+    if job.layout.ep == 1:
+        return _dp_comm(job, n_params)
+    routed = stage_routed_parameters(job)
+    dense, dense_s = _dp_comm(job, n_params - routed)
+    # The GPUs holding the same experts: the shard group over ep (cp ranks are inside the ep group).
+    experts, experts_s = _dp_comm(job, routed / job.layout.ep, shard=job.layout.dp_shard_cp // job.layout.ep)
+    return dataclasses.replace(dense, expert_sharded=experts.sent_per_gpu), dense_s + experts_s

@@ -1,0 +1,173 @@
+"""The job the estimator describes (``JobSpec``: a model and batch on a ``Layout``), the parameters of its
+model (``Assumptions``), the choices it accepts, bytes per element of each precision, and its error type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.errors import ConfigError, LayoutError
+from common.fields import choices
+from common.hardware import DEVICES, DeviceSpec
+from model.config import RECOMPUTE_POLICIES, ModelConfig
+from parallel.config import ParallelConfig
+from parallel.layout import Layout, check_model
+from parallel.precision import PrecisionConfig
+
+GIB = 2**30
+
+# The choices the trainer's config sections accept, read from them (never a second copy).
+STRATEGIES = choices(ParallelConfig, "strategy")
+PRECISION_MODES = choices(PrecisionConfig, "mode")
+PP_SCHEDULES = choices(ParallelConfig, "pp_schedule")
+ATTENTION_KINDS = ("materialized", "flash")
+# Attention backends (model.attention) by what they store: only the reference keeps the scores.
+ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_attn": "flash", "auto": "flash"}
+
+
+class EstimatorError(ValueError):
+    """Bad input to the estimator; the message names the argument and the valid choices."""
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of weights, gradients and optimizer state (AdamW)."""
+
+    param: int
+    grad: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.optimizer
+
+
+STATE_BYTES: dict[str, StateBytes] = {
+    # fp32 weights and grads, fp32 exp_avg and exp_avg_sq.
+    "fp32": StateBytes(4, 4, 8),
+    # torch.autocast keeps fp32 parameters and gradients; only activations are 16-bit. This is why
+    # "AMP halves memory" is wrong for model states.
+    "bf16": StateBytes(4, 4, 8),
+    "fp16": StateBytes(4, 4, 8),
+    # 16-bit weights and grads, fp32 master + exp_avg + exp_avg_sq: the ZeRO paper's 2 + 2 + 12.
+    "bf16_master": StateBytes(2, 2, 12),
+    # Transformer Engine FP8 keeps bf16 weights and fp32 master state; its FP8 weight copies are
+    # per-layer caches and not counted.
+    "fp8": StateBytes(2, 2, 12),
+}
+
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16_master": 2, "fp8": 2}
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise EstimatorError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The parameters of the time and memory model (docs/estimator.md says where each comes from).
+
+    The first six were fitted on the calibration half of the published measurements
+    (analysis/published.py; ``python -m tools.published --fit`` reproduces them); the rest are stated
+    in advance and were never fitted.
+    """
+
+    # fitted (docs/estimator.md, "Calibration")
+    gemm_fraction_ampere: float = 0.92  # A100: a GEMM's share of the dense peak as its output dims grow without bound
+    gemm_fraction_hopper: float = 0.61  # H100/H200: the same
+    gemm_knee: float = 448.0  # an output dimension x runs at x / (x + knee) of that rate
+    attention_fraction: float = 0.31  # a fused (flash) attention kernel's rate, relative to a large GEMM's
+    elementwise_scale: float = 1.68  # multiplier on the counted element-wise memory traffic
+    fp8_gemm_fraction: float = 0.99  # FP8 GEMMs: share of the dense FP8 peak as the output dims grow
+    # stated
+    overlap_efficiency: float = 0.5  # share of an overlappable collective that compute really hides
+    link_fraction: float = 0.8  # of NVLink / NIC / PCIe one-way peak that a large collective reaches
+    hbm_fraction: float = 0.8  # of HBM bandwidth that memory-bound kernels reach
+    cuda_context_gib: float = 0.5  # CUDA context and kernel images, outside PyTorch's allocator
+    comm_buffers_gib: float = 0.5  # NCCL channel buffers, outside PyTorch's allocator
+    fragmentation: float = 0.1  # the caching allocator's reserve above the bytes allocated at the peak
+    unsharded_layers: int = 2  # ZeRO-3/FSDP: the layer in use and the prefetched one
+
+    def gemm_fraction(self, device: DeviceSpec) -> float:
+        return self.gemm_fraction_ampere if device.family == "ampere" else self.gemm_fraction_hopper
+
+
+# The parameters the calibration fits, in the order it searches them.
+FITTED_PARAMETERS = ("gemm_fraction_ampere", "gemm_fraction_hopper", "gemm_knee", "attention_fraction",
+                     "elementwise_scale", "fp8_gemm_fraction")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One training job: model, batch, layout, recompute policy, precision and GPU.
+
+    ``layout`` is the trainer's own value (parallel/layout.py), in the config's words: its world
+    size is the GPU count, its dp_shard counts every data-parallel GPU the dense weights shard over,
+    and it is checked by the same rules (those of this trainer's implementation aside: the estimator
+    also models other frameworks' runs, e.g. Megatron-LM's DDP under tensor parallelism).
+    ``grad_accum`` is the number of micro-batches per step (the pipeline's micro-batches under pp).
+    ``tp_overlap`` and ``dp_overlap`` say whether the framework overlaps those collectives with
+    compute: the trainer does not overlap tensor-parallel collectives and overlaps data-parallel ones
+    (other frameworks' published runs set them as they ran).
+    """
+
+    model: ModelConfig
+    seq_len: int
+    micro_batch: int
+    layout: Layout = field(default_factory=Layout)
+    recompute: str = "none"
+    precision: str = "bf16_master"
+    device: DeviceSpec = field(default_factory=lambda: DEVICES["H100"])
+    grad_accum: int = 1
+    assumptions: Assumptions = field(default_factory=Assumptions)
+    tp_overlap: bool = False
+    dp_overlap: bool = True
+    fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
+
+    def __post_init__(self) -> None:
+        check_choice("strategy", self.layout.strategy, STRATEGIES)
+        check_choice("recompute", self.recompute, RECOMPUTE_POLICIES)
+        check_choice("precision", self.precision, PRECISION_MODES)
+        check_choice("pp_schedule", self.layout.pp_schedule, PP_SCHEDULES)
+        for key in ("seq_len", "micro_batch", "grad_accum"):
+            if getattr(self, key) < 1:
+                raise EstimatorError(f"{key} must be >= 1 (got {getattr(self, key)})")
+        try:
+            check_model(self.layout, self.model, seq_len=self.seq_len, micro_batches=self.grad_accum, seq_key="seq_len")
+        except ConfigError as exc:
+            raise EstimatorError(str(exc)) from None
+        if self.precision == "fp8" and self.device.fp8_tflops is None:
+            raise EstimatorError(f"precision=fp8 needs FP8 tensor cores; {self.device.name} has none (use bf16_master)")
+        if self.model.attention_sinks and self.model.attention in ("sdpa", "flash_attn"):
+            raise EstimatorError(f"model.attention={self.model.attention} cannot run model.attention_sinks (no sink "
+                                 "term in its softmax); use model.attention=reference or auto")
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence on one GPU (seq_len / cp): what activations scale with."""
+        return self.seq_len // self.layout.cp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all GPUs."""
+        return self.micro_batch * self.grad_accum * self.layout.dp
+
+    @property
+    def attention(self) -> str:
+        # sdpa and flash_attn never store the scores on a GPU; only the reference backend does, and
+        # it is the one that runs attention sinks (model/attention.py: the others have no sink term).
+        if self.model.attention_sinks:
+            return "materialized"
+        return ATTENTION_BACKEND_KIND[self.model.attention]
+
+    @property
+    def activation_dtype_bytes(self) -> int:
+        return ACTIVATION_BYTES[self.precision]
+
+
+def layout_of(world_size: int = 1, **keys) -> Layout:
+    """A ``Layout`` of ``world_size`` GPUs (``keys``: its parallel keys), its errors as the estimator's."""
+    try:
+        return Layout(world_size, **keys)
+    except (ConfigError, LayoutError) as exc:
+        raise EstimatorError(str(exc)) from None

@@ -1,0 +1,305 @@
+"""Memory per GPU: model states (ZeRO paper, section 5), what a pipeline stage holds, saved activations
+with the micro-batches in flight, logits, gathered FSDP layers, and the fullest stage's peak."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from analysis.estimator.activations import activation_bytes_per_layer, checkpointed_layers, tp_split
+from analysis.estimator.job import (
+    GIB,
+    PP_SCHEDULES,
+    PRECISION_MODES,
+    STATE_BYTES,
+    STRATEGIES,
+    JobSpec,
+    StateBytes,
+    check_choice,
+)
+from model.config import ModelConfig
+from model.flops import blocks_parameters, moe_parameters
+
+
+def model_state_bytes(n_params: float, strategy: str, world_size: int, precision: str) -> StateBytes:
+    """Bytes per GPU of weights, gradients and optimizer state (ZeRO paper, section 5).
+
+    ``n_params`` is what one GPU holds before data-parallel sharding (all of it without tensor or
+    pipeline parallelism, ``stage_parameters`` with them); ``world_size`` the ranks it is sharded over.
+    """
+    check_choice("strategy", strategy, STRATEGIES)
+    check_choice("precision", precision, PRECISION_MODES)
+    per = STATE_BYTES[precision]
+    n = 1 if strategy in ("none", "ddp") else world_size
+    shard_opt = strategy in ("zero1", "zero2", "zero3", "fsdp")
+    shard_grad = strategy in ("zero2", "zero3", "fsdp")
+    shard_param = strategy in ("zero3", "fsdp")
+    return StateBytes(
+        param=n_params * per.param / (n if shard_param else 1),
+        grad=n_params * per.grad / (n if shard_grad else 1),
+        optimizer=n_params * per.optimizer / (n if shard_opt else 1),
+    )
+
+
+def block_parameters_per_gpu(cfg: ModelConfig, tp: int = 1) -> float:
+    """One block's parameters on one of ``tp`` GPUs: the matmul weights (and column-parallel
+    biases) are split; norm gains and the two row-parallel output biases are whole (Megatron-LM).
+    A MoE layer is whole (router and experts replicated over the tp GPUs, parallel/tp.py). A MoE
+    model's blocks differ (dense and MoE layers): their mean, every expert included."""
+    block = blocks_parameters(cfg) / cfg.n_layer
+    if tp == 1:
+        return block
+    norm = cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+    out_bias = cfg.d_model if cfg.bias else 0
+    moe_share = cfg.n_moe_layers / cfg.n_layer if cfg.moe.experts is not None else 0.0
+    mlp_whole = moe_share * (moe_parameters(cfg) if moe_share else 0) + (1 - moe_share) * out_bias
+    whole = 2 * norm + out_bias + mlp_whole
+    return (block - whole) / tp + whole
+
+
+def stage_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> float:
+    """Parameters one GPU of pipeline stage ``stage`` holds under tensor parallelism ``tp``.
+
+    Each of its L/p blocks counts ``block_parameters_per_gpu``. The first stage holds
+    the vocab-parallel token table (1/t) and the learned positions (whole), the last stage the
+    final norm and the vocab-parallel LM head. Tied embeddings share one table when one stage
+    holds both ends; with p > 1 the last stage keeps its own copy (Megatron-LM keeps the two in
+    sync by all-reducing their gradients). At tp = pp = 1 this is ``count_parameters(cfg)``.
+    """
+    d, v = cfg.d_model, cfg.vocab_size
+    norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+    n = cfg.n_layer // pp * block_parameters_per_gpu(cfg, tp)
+    table = v * d if tp == 1 else v * d / tp
+    if stage == 0:
+        n += table + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
+    if stage == pp - 1:
+        head = 0 if cfg.tie_embeddings and pp == 1 else table
+        n += norm + head
+    return n
+
+
+def pipeline_in_flight(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1, stage: int = 0) -> float:
+    """Micro-batches' worth of its own layers' activations stage ``stage`` holds at its peak.
+
+    Counts forwards whose backward has not run yet, in units of the whole stage (an interleaved
+    GPU runs ``virtual_stages`` chunks, each 1/v of its layers). The warm-up counts are those of
+    torch.distributed.pipelining's schedules (see the module docstring); without a pipeline one
+    micro-batch is in flight (gradient accumulation frees each before the next).
+    """
+    check_choice("pp_schedule", schedule, PP_SCHEDULES)
+    p, m, v, i = stages, microbatches, virtual_stages, stage
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(p - i, m))
+    per_round = m // max(1, m // p)
+    hops = 2 * (p - 1 - i) if schedule == "interleaved_1f1b" else p - 1 - i
+    chunks = min((v - 1) * per_round + hops + 1, m * v)
+    return chunks / v
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU at the peak of a step (forward end / backward start), on the fullest stage.
+
+    ``total`` is what the device holds (what nvidia-smi shows, and what must fit); ``reserved`` is
+    what PyTorch's caching allocator holds (``torch.cuda.max_memory_reserved``): the total less the
+    CUDA context and the communicators' buffers, which live outside it.
+    """
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # saved for backward by all layers, plus one layer's recompute working set
+    logits: float
+    unsharded_params: float  # ZeRO-3/FSDP gathered layers and their unreduced gradients
+    overhead: float  # CUDA context and communicator buffers, outside the allocator
+    host: float  # offloaded activations, in host memory (not part of total)
+    stage: int = 0  # the pipeline stage these figures belong to (the one with the largest total)
+    fragmentation: float = 0.0  # the allocator's reserve above the allocated peak
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def allocated(self) -> float:
+        """Bytes of live tensors at the peak (``torch.cuda.max_memory_allocated``)."""
+        return self.states + self.activations + self.logits + self.unsharded_params
+
+    @property
+    def reserved(self) -> float:
+        return self.allocated + self.fragmentation
+
+    @property
+    def total(self) -> float:
+        return self.reserved + self.overhead
+
+
+def layer_bytes(job: JobSpec, recompute: str) -> float:
+    return activation_bytes_per_layer(
+        job.model, job.local_seq_len, job.micro_batch, recompute, job.activation_dtype_bytes,
+        attention=job.attention, tp=job.layout.tp, sequence_parallel=job.layout.sp,
+    ) + cp_attention_bytes_per_layer(job, recompute)
+
+
+def cp_attention_bytes_per_layer(job: JobSpec, recompute: str) -> float:
+    """What a cp GPU's attention keeps beyond a layer of seq_len / cp tokens: the keys and values
+    gathered from the other cp ranks (saved by the attention kernel), and with a materialized core
+    the scores of its queries against those keys. Rank i's chunks i and 2cp-1-i (c = s / 2cp tokens
+    each) see (i + 1) c and (2cp - i) c keys: c^2 (2cp + 1) scores per head, where a layer of s / cp
+    tokens counts (s / cp)^2. Selective and full recompute rebuild the core, gather included, in
+    backward; every_k keeps it in the layers it does not recompute."""
+    cp, cfg = job.layout.cp, job.model
+    if cp == 1 or recompute in ("selective", "full", "offload"):
+        return 0.0
+    s, b, p = job.seq_len, job.micro_batch, job.activation_dtype_bytes
+    kv = p * b * 2 * cfg.kv_dim * (s - s // cp)  # inside the tensor-parallel region: KV heads split over tp
+    scores = 0.0
+    if job.attention == "materialized":
+        c = s // (2 * cp)
+        per_score = 2 * p + 1 if cfg.dropout > 0 else p
+        seen = sum(cp_chunk_keys(s, cp, cfg.window_of(i)) for i in range(cfg.n_layer)) / cfg.n_layer
+        scores = per_score * cfg.n_head * b * (c * seen - (s // cp) ** 2)
+    extra = (kv + scores) / job.layout.tp
+    if recompute == "every_k":
+        kept = checkpointed_layers(cfg.n_layer, cfg.recompute_every_k)
+        return extra * (cfg.n_layer - kept) / cfg.n_layer
+    return extra
+
+
+def cp_chunk_keys(seq_len: int, cp: int, window: int | None) -> int:
+    """Keys the two chunks of the fullest cp rank attend to together (parallel/cp.py): chunk g sees
+    the keys up to its end, (g + 1) c of them, or with a window of W tokens only the c + W - 1 from
+    W - 1 before its start on. Without a window every rank's pair sees (2cp + 1) c."""
+    c = seq_len // (2 * cp)
+    span = [(g + 1) * c if window is None else min((g + 1) * c, c + window - 1) for g in range(2 * cp)]
+    return max(span[i] + span[2 * cp - 1 - i] for i in range(cp))
+
+
+def _in_flight(job: JobSpec, stage: int) -> float:
+    return pipeline_in_flight(job.layout.pp_schedule, job.layout.pp, job.grad_accum, job.layout.pp_virtual_stages, stage)
+
+
+@dataclass(frozen=True)
+class _LayerActivations:
+    """Per-layer bytes of a job, the same on every stage: computed once per estimate."""
+
+    kept: float  # what the recompute policy keeps per layer and micro-batch (on the host for offload)
+    rebuilt: float  # one layer's recompute (or reload) working set at the peak
+    embeddings: float  # the embedding output, on the first stage
+
+
+def _layer_activations(job: JobSpec) -> _LayerActivations:
+    cfg = job.model
+    none = layer_bytes(job, "none")
+    embeddings = tp_split(job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model, 0,
+                           tp=job.layout.tp, sequence_parallel=job.layout.sp)
+    if job.recompute == "offload":
+        return _LayerActivations(none, none, embeddings)
+    kept = layer_bytes(job, job.recompute)
+    if job.recompute == "every_k":
+        full = layer_bytes(job, "full")
+        rebuilt = none - full if checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) else 0.0
+    else:
+        rebuilt = max(none - kept, 0.0)
+    return _LayerActivations(kept, rebuilt, embeddings)
+
+
+def activation_bytes_total(job: JobSpec, stage: int = 0, layer: _LayerActivations | None = None) -> tuple[float, float]:
+    """(device bytes, host bytes) of saved activations on one GPU of ``stage``, with the recompute working set.
+
+    Each in-flight micro-batch keeps the stage's L/p layers; recomputing (or reloading) a layer
+    during backward rebuilds what that layer dropped, on the device, so every recompute policy but ``none``
+    adds that much for one layer at the peak. The first stage also keeps the embedding output.
+    """
+    layer = layer or _layer_activations(job)
+    layers = job.model.n_layer // job.layout.pp
+    in_flight = _in_flight(job, stage)
+    embeddings = layer.embeddings if stage == 0 else 0.0
+    if job.recompute == "offload":
+        return layer.rebuilt + in_flight * embeddings, in_flight * layers * layer.kept
+    return in_flight * layers * layer.kept + layer.rebuilt + in_flight * embeddings, 0.0
+
+
+def _logits_bytes(job: JobSpec, stage: int | None = None) -> float:
+    """fp32 log-probabilities the loss saves (per in-flight micro-batch), their fp32 gradient and the
+    logits' gradient (one micro-batch at a time); vocab-parallel over tp; on the last stage only."""
+    last = job.layout.pp - 1
+    if stage is not None and stage != last:
+        return 0.0
+    tokens_vocab = job.local_seq_len * job.micro_batch * job.model.vocab_size / job.layout.tp
+    return tokens_vocab * (4 * _in_flight(job, last) + 4 + job.activation_dtype_bytes)
+
+
+def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
+    if job.layout.strategy not in ("zero3", "fsdp") or job.layout.dp_shard_cp == 1:
+        return 0.0
+    per = STATE_BYTES[job.precision]
+    if job.layout.pp > 1:  # pipelining keeps the stage gathered, and its gradients unreduced, until the last backward
+        held = stage_parameters(job.model, job.layout.tp, job.layout.pp, stage) - stage_routed_parameters(job) * (1 - 1 / job.layout.ep)
+        return held * (per.param + per.grad)
+    block = block_parameters_per_gpu(job.model, job.layout.tp) - routed_parameters_per_block(job.model) * (1 - 1 / job.layout.ep)
+    return job.assumptions.unsharded_layers * block * (per.param + per.grad)
+
+
+def stage_memory(job: JobSpec, stage: int, layer: _LayerActivations | None = None) -> MemoryEstimate:
+    """Bytes per GPU of pipeline stage ``stage`` at its peak."""
+    n_params = stage_parameters(job.model, job.layout.tp, job.layout.pp, stage)
+    states = stage_state_bytes(job, n_params)
+    device_acts, host_acts = activation_bytes_total(job, stage, layer)
+    a = job.assumptions
+    logits, unsharded = _logits_bytes(job, stage), _unsharded_bytes(job, stage)
+    return MemoryEstimate(
+        params=states.param,
+        grads=states.grad,
+        optimizer=states.optimizer,
+        activations=device_acts,
+        logits=logits,
+        unsharded_params=unsharded,
+        overhead=(a.cuda_context_gib + a.comm_buffers_gib) * GIB,
+        host=host_acts,
+        stage=stage,
+        # Model states are allocated once, in a few large blocks; what is freed and allocated again
+        # every micro-batch (activations, logits, gathered layers) is what fragments the cache.
+        fragmentation=a.fragmentation * (device_acts + logits + unsharded),
+    )
+
+
+def edge_stages(job: JobSpec) -> tuple[int, ...]:
+    # A middle stage holds no more than the first (the same blocks, no embedding, no more micro-batches
+    # in flight) and computes no more than the first or the last, so these two decide (tested).
+    return (0,) if job.layout.pp == 1 else (0, job.layout.pp - 1)
+
+
+def estimate_memory(job: JobSpec) -> MemoryEstimate:
+    """The fullest stage's memory (every GPU must fit, so the largest decides)."""
+    layer = _layer_activations(job)
+    return max((stage_memory(job, i, layer) for i in edge_stages(job)), key=lambda m: (m.total, m.host))
+
+
+def routed_parameters_per_block(cfg: ModelConfig) -> float:
+    """The routed experts' weights of one block, as ``block_parameters_per_gpu`` averages blocks
+    (shared experts and the router are dense: every GPU holds them)."""
+    if cfg.moe.experts is None:
+        return 0.0
+    matrices = 3 if cfg.mlp == "swiglu" else 2
+    return cfg.n_moe_layers * cfg.moe.experts * matrices * cfg.d_model * cfg.expert_d_ff / cfg.n_layer
+
+
+def stage_routed_parameters(job: JobSpec) -> float:
+    """Routed expert weights among a pipeline stage's parameters (before ep splits them)."""
+    return job.model.n_layer // job.layout.pp * routed_parameters_per_block(job.model)
+
+
+def stage_state_bytes(job: JobSpec, n_params: float) -> StateBytes:
+    """Model-state bytes per GPU of a stage holding ``n_params``: with ep > 1 the routed experts
+    are split over ep GPUs and each split sharded over the dp_shard / ep GPUs holding it; the rest
+    is sharded over the shard group as without ep (with cp, ep is carved out of the shard group, cp included)."""
+    if job.layout.ep == 1:
+        return model_state_bytes(n_params, job.layout.strategy, job.layout.dp_shard_cp, job.precision)
+    routed = stage_routed_parameters(job)
+    dense = model_state_bytes(n_params - routed, job.layout.strategy, job.layout.dp_shard_cp, job.precision)
+    experts = model_state_bytes(routed / job.layout.ep, job.layout.strategy, job.layout.dp_shard_cp // job.layout.ep, job.precision)
+    return StateBytes(dense.param + experts.param, dense.grad + experts.grad, dense.optimizer + experts.optimizer)

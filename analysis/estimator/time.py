@@ -1,0 +1,415 @@
+"""Step time: GEMMs, the attention core, element-wise work, recomputation, what communication leaves
+exposed and the pipeline bubble, on the slowest stage."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from analysis.estimator.activations import checkpointed_layers, mlp_hidden_width
+from analysis.estimator.communication import (
+    _dp_and_expert_comm,
+    cp_comm_seconds,
+    expert_all_to_all,
+    pp_comm_seconds,
+    reshards_after_forward,
+    tp_comm_seconds,
+)
+from analysis.estimator.job import PP_SCHEDULES, RECOMPUTE_POLICIES, Assumptions, JobSpec, check_choice
+from analysis.estimator.memory import edge_stages, layer_bytes, stage_parameters
+from common.hardware import DeviceSpec
+from model.config import ModelConfig
+from model.flops import blocks_parameters, flops_per_token
+
+
+def bubble_overhead(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Pipeline idle time relative to the ideal compute time (Narayanan et al. 2021, section 2.2)."""
+    check_choice("pp_schedule", schedule, PP_SCHEDULES)
+    p, m, v = stages, microbatches, virtual_stages
+    if p == 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / m
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (v * m)
+    # zero_bubble (ZB-H1): weight-gradient work fills the warm-up, leaving (p-1)*(F + B - W) of
+    # 1F1B's (p-1)*(F + B + W) idle; a third with equal F, B and W.
+    return (p - 1) / (3 * v * m)
+
+
+def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Share of the step the pipeline stands idle: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1)
+    interleaved, (p-1)/(3*v*m+p-1) zero-bubble."""
+    idle = bubble_overhead(schedule, stages, microbatches, virtual_stages)
+    return idle / (1 + idle)
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """One optimizer step's time, by what it is spent on (seconds, on the slowest pipeline stage).
+
+    ``step_s`` is the sum of what is on the critical path: compute, memory-bound work, the exposed
+    part of each communication dimension, offload copies and the pipeline bubble. ``comm_s`` and
+    ``tp_comm_s`` are the data- and tensor-parallel collectives' whole time, overlapped or not.
+    """
+
+    compute_s: float  # GEMMs and the attention core, recomputation included
+    comm_s: float  # data-parallel collectives (all of them)
+    exposed_comm_s: float  # the part of comm_s that compute does not hide
+    offload_s: float
+    memory_bound_s: float  # element-wise work, attention-score traffic, the loss and the optimizer step
+    tokens_per_step: int  # over all GPUs
+    model_flops_per_step: float  # over all GPUs, recomputation excluded (MFU convention)
+    peak_tflops: float | None  # per GPU; None for fp8, where no single peak applies
+    world_size: int
+    tp_comm_s: float = 0.0  # tensor-parallel collectives (all of them)
+    pp_comm_s: float = 0.0  # pipeline sends between stages, not overlapped
+    bubble_s: float = 0.0  # pipeline fill and drain
+    tp_exposed_s: float | None = None  # the part of tp_comm_s on the critical path (None: all of it)
+    microbatch_s: float = 0.0  # one micro-batch through the slowest stage (what the bubble is made of)
+    ep_comm_s: float = 0.0  # expert-parallel all-to-alls, not overlapped
+    cp_comm_s: float = 0.0  # context-parallel K/V collectives (all of them, none overlapped)
+
+    @property
+    def tp_exposed(self) -> float:
+        return self.tp_comm_s if self.tp_exposed_s is None else self.tp_exposed_s
+
+    @property
+    def step_s(self) -> float:
+        return (self.compute_s + self.exposed_comm_s + self.offload_s + self.memory_bound_s
+                + self.tp_exposed + self.pp_comm_s + self.bubble_s + self.cp_comm_s + self.ep_comm_s)
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.step_s / self.tokens_per_step
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float | None:
+        if self.peak_tflops is None:
+            return None
+        return self.model_flops_per_step / (self.step_s * self.world_size * self.peak_tflops * 1e12)
+
+    def exposed(self) -> dict[str, float]:
+        """Seconds per step each communication dimension (and the bubble) adds to the critical path."""
+        return {"tp": self.tp_exposed, "pp": self.pp_comm_s, "cp": self.cp_comm_s, "dp": self.exposed_comm_s,
+                "bubble": self.bubble_s}
+
+
+def recompute_flops_per_token(model_cfg: ModelConfig, seq_len: int, recompute: str, every_k: int | None = None) -> float:
+    """Extra forward FLOPs per token that a recompute policy spends in backward (not part of MFU)."""
+    return sum(_recompute_flops_split(model_cfg, seq_len, recompute, every_k))
+
+
+def _recompute_flops_split(model_cfg: ModelConfig, seq_len: int, recompute: str, every_k: int | None = None) -> tuple[float, float]:
+    """(GEMM FLOPs, attention-core FLOPs) recomputed per token."""
+    check_choice("recompute", recompute, RECOMPUTE_POLICIES)
+    L, d = model_cfg.n_layer, model_cfg.d_model
+    core = 4.0 * d * seq_len  # QK^T and @V forward, per layer per token (no causal halving)
+    gemms = 2.0 * blocks_parameters(model_cfg, active=True) / L  # a token's experts only
+    if recompute == "selective":
+        return 0.0, L * core
+    if recompute == "full":
+        return L * gemms, L * core
+    if recompute == "every_k":
+        kept = checkpointed_layers(L, every_k or model_cfg.recompute_every_k)
+        return kept * gemms, kept * core
+    return 0.0, 0.0  # none, offload; op_selective recomputes element-wise ops only (memory-bound, ~no FLOPs)
+
+
+def _peak_tflops(device: DeviceSpec, precision: str) -> float:
+    return device.tf32_tflops if precision == "fp32" else device.bf16_tflops
+
+
+def _shape_factor(dims: tuple[float, ...], knee: float) -> float:
+    """Share of the large-GEMM rate a GEMM reaches for its output dimensions: each costs x/(x+knee)
+    (edge tiles that do not fill, too few tiles to keep every multiprocessor busy)."""
+    factor = 1.0
+    for x in dims:
+        factor *= x / (x + knee)
+    return factor
+
+
+def gemm_seconds(job: JobSpec, m: float, k: float, n: float) -> float:
+    """One (m x k) @ (k x n) GEMM on one GPU, a roofline: 2*m*k*n FLOPs at the device's fitted large-GEMM
+    rate scaled by the output shape factor (FP8 GEMMs at the FP8 peak under precision=fp8), or the
+    operands and the result through HBM, whichever is longer (a short reduction dimension k makes a
+    GEMM memory-bound)."""
+    a = job.assumptions
+    if job.precision == "fp8":
+        rate = job.device.fp8_tflops * 1e12 * a.fp8_gemm_fraction
+    else:
+        rate = _peak_tflops(job.device, job.precision) * 1e12 * a.gemm_fraction(job.device)
+    compute = 2.0 * m * k * n / (rate * _shape_factor((m, n), a.gemm_knee))
+    traffic = job.activation_dtype_bytes * (m * k + k * n + m * n) / (job.device.hbm_tb_s * 1e12 * a.hbm_fraction)
+    return max(compute, traffic)
+
+
+def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1, moe_split: int = 1) -> list[tuple[int, float, float]]:
+    """The forward GEMMs of one transformer layer on one of ``tp`` GPUs, as (m, k, n): the fused QKV
+    and the MLP's first matmul are column-parallel (n / tp), the output projection and the MLP's
+    second matmul row-parallel (k / tp). Their 2*m*k*n sum to 2*tokens*(the block's matmul weights)/tp.
+
+    A MoE model's mean layer: its MoE layers' share of the tokens goes to the router and, k copies
+    each, spread evenly over the experts (one GEMM pair per expert, as the grouped GEMM runs them;
+    experts are not tensor-split), plus the shared experts; the rest to the dense MLP. A MoE layer
+    runs on tokens / ``moe_split`` rows per GPU: tp under sequence parallelism (each tp GPU routes
+    its own positions), else 1 (every tp GPU runs all of them)."""
+    d, f = cfg.d_model, cfg.d_ff
+    gated = 2 if cfg.mlp == "swiglu" else 1
+    gemms = [(tokens, d, (cfg.q_dim + 2 * cfg.kv_dim) / tp), (tokens, cfg.q_dim / tp, d)]
+    moe_share = cfg.n_moe_layers / cfg.n_layer if cfg.moe.experts is not None else 0.0
+    if moe_share < 1:
+        dense = tokens * (1 - moe_share)
+        gemms += [(dense, d, gated * f / tp), (dense, f / tp, d)]
+    if moe_share > 0:
+        routed, fe, shared = tokens * moe_share / moe_split, cfg.expert_d_ff, cfg.moe.shared_experts * cfg.expert_d_ff
+        per_expert = routed * cfg.moe.top_k / cfg.moe.experts
+        gemms += [(routed, d, cfg.moe.experts)] + [(per_expert, d, gated * fe), (per_expert, fe, d)] * cfg.moe.experts
+        if shared:
+            gemms += [(routed, d, gated * shared), (routed, shared, d)]
+    return gemms
+
+
+def _recompute_shares(job: JobSpec) -> tuple[float, float, float]:
+    """Per layer, how much of its forward is run again in backward: (GEMMs and element-wise work of
+    the whole layer, the attention core alone, element-wise work alone)."""
+    cfg = job.model
+    if job.recompute == "full":
+        return 1.0, 0.0, 0.0
+    if job.recompute == "every_k":
+        return checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / cfg.n_layer, 0.0, 0.0
+    if job.recompute == "selective":
+        return 0.0, 1.0, 0.0
+    if job.recompute == "op_selective":
+        return 0.0, 0.0, 1.0
+    return 0.0, 0.0, 0.0
+
+
+def causal_pairs(seq_len: int, window: int | None = None) -> int:
+    """Query-key pairs a causal mask lets through on seq_len positions: query i sees i + 1 keys, or
+    with a window of W tokens min(i + 1, W) (model/attention.py's causal_mask)."""
+    w = seq_len if window is None else min(window, seq_len)
+    return w * (w + 1) // 2 + (seq_len - w) * w
+
+
+def fused_core_share(cfg: ModelConfig, seq_len: int) -> float:
+    """A fused core's work per layer, averaged over the layers, as a share of a plain causal one:
+    flash-attn skips the blocks outside a sliding window's band; SDPA takes the window as an explicit
+    (T, S) mask, so it leaves its causal kernel and runs every block of the square."""
+    whole = causal_pairs(seq_len)
+    shares = []
+    for i in range(cfg.n_layer):
+        window = cfg.window_of(i)
+        if window is None:
+            shares.append(1.0)
+        elif cfg.attention == "sdpa":
+            shares.append(seq_len * seq_len / whole)
+        else:
+            shares.append(causal_pairs(seq_len, window) / whole)
+    return sum(shares) / len(shares)
+
+
+def attention_seconds(job: JobSpec, forwards: float) -> tuple[float, float]:
+    """(compute, memory-bound) seconds of one layer's attention core for one micro-batch on one GPU,
+    with its forward run ``forwards`` times (1, or 2 when recomputed) and its backward once.
+
+    The core's model FLOPs are 4*b*s^2*q forward (QK^T and @V, every query against every key, q =
+    n_head * head_dim), split over tp by heads. A fused (flash) kernel skips the masked half of a causal
+    square (and with flash-attn the blocks outside a sliding window: ``fused_core_share``) and its backward
+    recomputes the scores, 2.5x its forward; it runs at ``attention_fraction`` of the large-GEMM rate.
+    A materialized core (model.attention=reference; Megatron's fused softmax) runs both matmuls on the
+    whole square as batched GEMMs (the head dim is their reduction dimension) and moves the s x s
+    scores through memory: ``_score_traffic_bytes``.
+    """
+    cfg, a, t = job.model, job.assumptions, job.layout.tp
+    b, s, d = job.micro_batch, job.seq_len, cfg.q_dim
+    q = job.local_seq_len  # a cp GPU's queries, against every key: 1/cp of the square, balanced (parallel/cp.py)
+    fwd_flops = 4.0 * b * q * s * d / t
+    if job.attention == "flash":
+        executed = 0.5 * fwd_flops * fused_core_share(cfg, s) * (forwards + 2.5)
+        rate = _gemm_rate(job) * a.attention_fraction
+        return executed / rate, 0.0
+    heads = cfg.n_head / t
+    sixteen = dataclasses.replace(job, precision="bf16_master") if job.precision == "fp8" else job
+    one = 2 * gemm_seconds(sixteen, q, cfg.head_dim, s) * b * heads  # QK^T and @V, each 2*q*s*head_dim per head
+    fwd_bytes, bwd_bytes = _score_traffic_bytes(job)
+    elements = b * heads * q * s
+    hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
+    traffic = elements * (forwards * fwd_bytes + bwd_bytes) * a.elementwise_scale / hbm
+    return one * (forwards + 2), traffic
+
+
+def _gemm_rate(job: JobSpec) -> float:
+    a = job.assumptions
+    if job.precision == "fp8":  # attention stays in 16 bits under FP8 training
+        return job.device.bf16_tflops * 1e12 * a.gemm_fraction(job.device)
+    return _peak_tflops(job.device, job.precision) * 1e12 * a.gemm_fraction(job.device)
+
+
+def _score_traffic_bytes(job: JobSpec) -> tuple[float, float]:
+    """Bytes moved per attention-score element by a materialized core, (forward, backward).
+
+    Forward: QK^T writes the scores, the fused scale-mask-softmax reads and writes them, @V reads the
+    probabilities (4 passes of p bytes); dropout reads and writes them and writes a mask. Backward:
+    @V's weight gradient reads the probabilities and its input gradient writes dP, the softmax backward
+    reads P and dP and writes dS, QK^T's backward reads dS (5 passes); dropout reads the mask and
+    passes the gradient through (2 passes)."""
+    p, m = job.activation_dtype_bytes, 1
+    if job.model.dropout > 0:
+        return 6 * p + m, 7 * p + m
+    return 4 * p, 5 * p
+
+
+def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
+    """Bytes one layer's element-wise work moves for one micro-batch on one GPU, (forward, backward).
+
+    Counted per token in d-wide reads and writes. Outside the tensor-parallel region (split over tp
+    only with sequence parallelism): forward two norms (read, write) and two residual adds (read two,
+    write one), 10 passes; backward 12 (each norm reads input and gradient and writes one, each
+    residual gradient is added, read two, write one). Dropout on the two residual branches adds a
+    read and a write each way and a 1-byte mask. Inside (split over tp): the MLP activation, GELU
+    forward 2*d_ff (read, write) and backward 3*d_ff; SwiGLU 3*d_ff and 5*d_ff; rotary embeddings
+    read and write q and k both ways, 2*(d + kv_dim) each way. FP8 adds the casts of the weights.
+    In a MoE layer the activation runs on each token's top-k experts and the shared ones
+    (``mlp_hidden_width``); the permutation's gathers are not counted.
+    """
+    cfg, p, t = job.model, job.activation_dtype_bytes, job.layout.tp
+    tokens = job.local_seq_len * job.micro_batch
+    d = cfg.d_model
+    outside_fwd, outside_bwd = 10 * d * p, 12 * d * p
+    if cfg.dropout > 0:
+        outside_fwd += 2 * (2 * d * p + d)
+        outside_bwd += 2 * (2 * d * p + d)
+    act_fwd, act_bwd = (3, 5) if cfg.mlp == "swiglu" else (2, 3)
+    width = mlp_hidden_width(cfg)
+    inside_fwd, inside_bwd = act_fwd * width * p, act_bwd * width * p
+    if cfg.position == "rope":
+        inside_fwd += 2 * (d + cfg.kv_dim) * p
+        inside_bwd += 2 * (d + cfg.kv_dim) * p
+    split = t if job.layout.sp else 1
+    fwd = tokens * (outside_fwd / split + inside_fwd / t)
+    bwd = tokens * (outside_bwd / split + inside_bwd / t)
+    if job.precision == "fp8":
+        # FP8 GEMMs read their weights cast to FP8 (read 2 bytes, write 1, once each way per micro-batch);
+        # the activations' casts are fused into the kernels that produce them (norm, activation).
+        weights = sum(k * n for _, k, n in layer_gemms(cfg, tokens, t))
+        fwd += 3 * weights
+        bwd += 3 * weights
+    return fwd, bwd
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    """One micro-batch through one GPU of a pipeline stage (seconds)."""
+
+    compute: float  # GEMMs and the attention core, recomputation included
+    memory_bound: float  # element-wise work, score traffic, the loss
+    tp: float  # tensor-parallel collectives
+    tp_exposed: float
+    pp: float  # sends to the neighbouring stages
+    cp: float = 0.0  # context-parallel K/V all-gathers and reduce-scatters (not overlapped)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.memory_bound + self.tp_exposed + self.pp + self.cp
+
+
+def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
+    """One micro-batch through one GPU of ``stage``.
+
+    Its L/p layers each run their GEMMs forward once and backward twice (input and weight gradients),
+    plus the forward again for the recomputed share, the attention core (``attention_seconds``) and
+    element-wise work at ``hbm_fraction`` of HBM bandwidth (``_elementwise_bytes``, times
+    ``elementwise_scale``). The last stage adds the LM head's GEMM (vocab-parallel) and the loss's
+    memory-bound pass over the logits (16-bit logits written and read, fp32 log-probabilities written
+    and read, 16-bit gradient written).
+    """
+    cfg, a, t = job.model, job.assumptions, job.layout.tp
+    tokens = job.local_seq_len * job.micro_batch
+    layers = cfg.n_layer // job.layout.pp
+    hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
+    redo_layer, redo_core, redo_elementwise = _recompute_shares(job)
+    gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t, moe_split=t if job.layout.sp else 1))
+    core, scores = attention_seconds(job, 1 + redo_core + redo_layer)
+    fwd_bytes, bwd_bytes = _elementwise_bytes(job)
+    elementwise = (fwd_bytes * (1 + redo_layer + redo_elementwise) + bwd_bytes) * a.elementwise_scale / hbm
+    compute = layers * (gemm * (3 + redo_layer) + core)
+    memory_bound = layers * (elementwise + scores)
+    if stage == job.layout.pp - 1:
+        compute += 3 * gemm_seconds(job, tokens, cfg.d_model, cfg.vocab_size / t)
+        p = job.activation_dtype_bytes
+        memory_bound += tokens * cfg.vocab_size / t * (3 * p + 8) * a.elementwise_scale / hbm
+    tp_s, _ = tp_comm_seconds(job, stage)
+    # Overlapped collectives (Megatron's userbuffers, async TP) hide behind the GEMMs they feed.
+    tp_exposed = _exposed(tp_s, compute, a) if job.tp_overlap else tp_s
+    return _MicroBatch(compute, memory_bound, tp_s, tp_exposed, pp_comm_seconds(job)[0], cp_comm_seconds(job)[0])
+
+
+def _exposed(comm: float, hideable: float, a: Assumptions) -> float:
+    """Seconds of a collective of ``comm`` seconds left on the critical path when ``hideable`` seconds of
+    compute can run beside it: only ``overlap_efficiency`` of the overlap is real (the collective's
+    kernels take multiprocessors and memory bandwidth from the compute they run beside)."""
+    return comm - a.overlap_efficiency * min(comm, hideable)
+
+
+def _optimizer_seconds(job: JobSpec, state_bytes: float) -> float:
+    """The optimizer step reads and writes every model-state byte of this GPU once (memory-bound)."""
+    return 2 * state_bytes / (job.device.hbm_tb_s * 1e12 * job.assumptions.hbm_fraction)
+
+
+def largest_stage_parameters(job: JobSpec) -> float:
+    return max(stage_parameters(job.model, job.layout.tp, job.layout.pp, i) for i in edge_stages(job))
+
+
+def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
+    """Step time: m micro-batches through the slowest stage, the bubble, and what communication shows.
+
+    ``state_bytes``: model-state bytes per GPU, which the optimizer step reads and writes.
+    Data-parallel collectives hide behind compute as the strategy allows (docs/estimator.md):
+    FSDP without pp gathers and reduce-scatters every micro-batch, behind that micro-batch's work;
+    FSDP under pp gathers once per step behind the first forward and reduce-scatters after the last
+    backward; DDP and ZeRO-1/2 reduce behind the last micro-batch's backward; ``dp_overlap=False``
+    hides nothing.
+    """
+    a, m = job.assumptions, job.grad_accum
+    slowest = max((_stage_microbatch(job, stage) for stage in edge_stages(job)), key=lambda mb: mb.total)
+    work = m * (slowest.compute + slowest.memory_bound)
+    _, dp_s = _dp_and_expert_comm(job, largest_stage_parameters(job))
+    if job.layout.strategy in ("zero3", "fsdp") and job.layout.pp == 1:
+        hideable = work  # every micro-batch's collectives run beside its own work
+    elif job.layout.strategy in ("zero3", "fsdp"):
+        # gathers prefetch behind forwards (every micro-batch's with reshard_after_forward); the
+        # reduce-scatter after the last backward shows
+        hideable = (m if reshards_after_forward(job) else 1) * slowest.compute / 3
+    else:
+        hideable = 2 / 3 * slowest.compute  # the last micro-batch's backward
+    if not job.dp_overlap:
+        hideable = 0.0
+    exposed_dp = _exposed(dp_s, hideable, a)
+    layers = job.model.n_layer // job.layout.pp
+    offloaded = layers * layer_bytes(job, "none") if job.recompute == "offload" else 0.0
+    offload = m * 2 * offloaded / (job.device.pcie_gb_s * 1e9 * a.link_fraction)
+    peak = None if job.precision == "fp8" else _peak_tflops(job.device, job.precision)
+    tokens = job.seq_len * job.micro_batch * m * job.layout.dp
+    return TimeEstimate(
+        compute_s=m * slowest.compute,
+        comm_s=dp_s,
+        exposed_comm_s=exposed_dp,
+        offload_s=offload,
+        memory_bound_s=m * slowest.memory_bound + _optimizer_seconds(job, state_bytes),
+        tokens_per_step=tokens,
+        model_flops_per_step=flops_per_token(job.model, job.seq_len) * tokens,
+        peak_tflops=peak,
+        world_size=job.layout.world_size,
+        tp_comm_s=m * slowest.tp,
+        pp_comm_s=m * slowest.pp,
+        bubble_s=bubble_overhead(job.layout.pp_schedule, job.layout.pp, m, job.layout.pp_virtual_stages) * m * slowest.total,
+        tp_exposed_s=m * slowest.tp_exposed,
+        microbatch_s=slowest.total,
+        cp_comm_s=m * slowest.cp,
+        ep_comm_s=m * expert_all_to_all(job)[0],
+    )
