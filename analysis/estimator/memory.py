@@ -234,6 +234,9 @@ def _logits_bytes(job: JobSpec, stage: int | None = None) -> float:
 
 
 def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
+    """ZeRO-3/FSDP: the gathered weights and unreduced gradients one GPU holds at the peak beyond its
+    shards: ``unsharded_layers`` blocks (the one in use and the prefetched one); every block's weights
+    without reshard-after-forward; under pp the whole stage, weights and gradients."""
     if job.layout.strategy not in ("zero3", "fsdp") or job.layout.dp_shard_cp == 1:
         return 0.0
     per = STATE_BYTES[job.precision]
@@ -241,6 +244,10 @@ def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
         held = stage_parameters(job.model, job.layout.tp, job.layout.pp, stage) - stage_routed_parameters(job) * (1 - 1 / job.layout.ep)
         return held * (per.param + per.grad)
     block = block_parameters_per_gpu(job.model, job.layout.tp) - routed_parameters_per_block(job.model) * (1 - 1 / job.layout.ep)
+    if not job.fsdp_reshard_after_forward:
+        # Every block keeps its gathered weights from its forward to its backward: all of them at the
+        # peak (the start of backward); gradients are reduced layer by layer as before.
+        return block * (job.model.n_layer * per.param + job.assumptions.unsharded_layers * per.grad)
     return job.assumptions.unsharded_layers * block * (per.param + per.grad)
 
 

@@ -11,6 +11,7 @@ from analysis.estimator.communication import (
     _dp_and_expert_comm,
     cp_comm_seconds,
     expert_all_to_all,
+    gradient_reductions,
     pp_comm_seconds,
     reshards_after_forward,
     tp_comm_seconds,
@@ -372,7 +373,8 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
     Data-parallel collectives hide behind compute as the strategy allows (docs/estimator.md):
     FSDP without pp gathers and reduce-scatters every micro-batch, behind that micro-batch's work;
     FSDP under pp gathers once per step behind the first forward and reduce-scatters after the last
-    backward; DDP and ZeRO-1/2 reduce behind the last micro-batch's backward; ``dp_overlap=False``
+    backward; DDP and ZeRO-1/2 reduce behind the backward of each micro-batch they reduce
+    (``gradient_reductions``: the last one, or every one for DeepSpeed's ZeRO-2); ``dp_overlap=False``
     hides nothing.
     """
     a, m = job.assumptions, job.grad_accum
@@ -386,7 +388,8 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
         # reduce-scatter after the last backward shows
         hideable = (m if reshards_after_forward(job) else 1) * slowest.compute / 3
     else:
-        hideable = 2 / 3 * slowest.compute  # the last micro-batch's backward
+        # each reduction behind the backward of the micro-batch it reduces (the last one's when once per step)
+        hideable = gradient_reductions(job) * 2 / 3 * slowest.compute
     if not job.dp_overlap:
         hideable = 0.0
     exposed_dp = _exposed(dp_s, hideable, a)
