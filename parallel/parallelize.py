@@ -36,6 +36,7 @@ from model.flops import count_parameters, mlp_parameters
 from model.gpt import GPT, indexed_blocks
 from model.interop import check_state_dict
 from model.moe import select_expert_backend
+from model.mup import describe as describe_mup
 from model.recompute import apply_recompute, describe_recompute, no_gain_note
 from parallel.config import ParallelConfig
 from parallel.cp import apply_context_parallel, chunk_ids
@@ -146,6 +147,8 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
              describe_placement(dims, stages)] + [note for note in fp8_notes[:1] if note]
     if optim_cfg.name == "muon":  # the whole model's split, from the model as built (before any pipeline cut)
         notes.append(describe_split(list(model.named_parameters())))
+    if model_cfg.mup:
+        notes.append(describe_mup(model_cfg))
     return Built(engine=engine, model=model if layout.pp == 1 else parts[0], policy=policy, notes=notes,
                  warnings=no_gain_warnings(model_cfg, backend))
 
