@@ -48,6 +48,7 @@ from parallel.float8 import apply_float8, precompute_scales_after_step
 from parallel.fsdp import apply_fsdp
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionConfig, PrecisionPolicy, check_precision_supported, precision_policy
+from parallel.rng import seed_activation_rng
 from parallel.zero import ZERO_STAGES, apply_zero
 
 if TYPE_CHECKING:
@@ -139,6 +140,9 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     else:
         engine = apply_data_parallel(model, parallel_cfg, ctx, policy, optim_cfg, micro_batch_size=micro_batch_size,
                                      grad_accum_steps=grad_accum_steps)
+    # Dropout: the ranks of a tensor-parallel group draw alike, every other rank its own masks
+    # (parallel/rng.py); the weights above were drawn before, from the same seed everywhere.
+    seed_activation_rng(seed, ctx.dims.rank // layout.tp)
     if policy.fp8_torchao:
         for part in engine.optimized_parts():  # a pipeline steps each stage part on its own
             precompute_scales_after_step(part.optimizer, part.model)

@@ -238,9 +238,6 @@ class JobConfig:
         if p.tp > 1 and m.qk_norm:
             raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
         if p.tp > 1:
-            if m.dropout > 0:
-                raise ConfigError(f"model.dropout={m.dropout} with parallel.tp={p.tp}: each rank would draw its own "
-                                  "masks for shared activations; tensor parallelism here trains without dropout")
             if t.compile and m.recompute in ("selective", "full", "every_k"):
                 # torch 2.13's compiler saves the tensor-parallel DeviceMesh among the tensors of a
                 # checkpointed region and fails ("expected all tensors_saved_with_vc_check to be Tensors").
