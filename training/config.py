@@ -281,10 +281,6 @@ class JobConfig:
         if self.model.layers != "torch":
             raise ConfigError("precision.fp8_backend=torchao converts the model's nn.Linear layers, and "
                               f"model.layers={self.model.layers} has none; use model.layers=torch (or fp8_backend=te)")
-        if self.parallel.tp > 1:
-            raise ConfigError("precision.fp8_backend=torchao with parallel.tp > 1 is not supported: FP8 tensor "
-                              "parallelism needs torchao's own float8 parallel styles; use parallel.tp=1 "
-                              "(FSDP2 and pipeline stages work) or precision.mode=bf16")
         # The weight-gradient GEMM reduces over the micro-batch's tokens, and torch._scaled_mm needs
         # its inner dimension divisible by 16.
         tokens = self.train.micro_batch_size * self.seq_len

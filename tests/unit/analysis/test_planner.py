@@ -485,6 +485,18 @@ def test_the_planner_no_longer_proposes_what_the_trainer_refuses():
         spec(unpadded, 64, "full", grad_accum=8, tp=4)
 
 
+def test_fp8_plans_run_the_models_own_layers_through_torchao_with_tensor_parallelism():
+    # FP8 on torch layers is torchao's, which trains under tensor parallelism: the planner proposes
+    # tp layouts for it, and each proposal's overrides name the backend so train.py takes them.
+    p = est.preset("70b")
+    plans = est.plan_layouts(p.model, p.seq_len, 64, H100, "fp8", global_batch=p.micro_batch * 64, top=None)
+    assert any(plan.job.layout.tp > 1 for plan in plans)
+    for plan in plans[:3]:
+        assert "--precision.fp8_backend=torchao" in est.job_overrides(plan.job)
+        assert est.trainer_config(plan.job).precision.fp8_backend == "torchao"
+        assert est.trainer_refusal(plan.job) is None
+
+
 def test_estimate_refuses_a_layout_the_trainer_refuses(capsys):
     from tools import estimate
 
