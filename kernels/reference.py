@@ -84,11 +84,22 @@ def cross_entropy(
     return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction=reduction)
 
 
+def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """(head_dim // 2,) fp32: theta^(-2i / head_dim), the angle per position of each dimension pair."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
+def rope_tables_from(inv_freq: torch.Tensor, seq_len: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (seq_len, len(inv_freq)) in fp32 of position * inv_freq, each multiplied by ``scale``."""
+    angles = torch.outer(torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq)
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
+
+
 def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (seq_len, head_dim // 2), in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    """cos and sin of shape (seq_len, head_dim // 2), in fp32: plain rotary frequencies."""
+    return rope_tables_from(rope_inverse_frequencies(head_dim, theta, device), seq_len)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -106,6 +117,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: b
         s = sin[: x.shape[1]].unsqueeze(1)
     out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).to(x.dtype)
     return x.copy_(out) if inplace else out
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's SwiGLU: gate clamped from above and up on both sides at ``limit``, then
+    (up + 1) * gate * sigmoid(alpha * gate). The clamps keep a rare huge activation finite in
+    low precision; the + 1 lets the up projection pass the gate through at zero."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(alpha * gate))
 
 
 def moe_permute(x: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -11,6 +11,16 @@ head i attends to key/value head i // (H / H_kv), the grouping of flash-attn, SD
 - reference: explicit QK^T / sqrt(d), causal mask, softmax, dropout, @V. It materializes the
   (B, H, T, T) scores, which is what the memory tools measure against, and repeats narrow k/v.
 
+Two variants change what a query sees (``model.sliding_window``, ``model.attention_sinks``):
+- a sliding window of W tokens: query i sees keys i - W < j <= i (itself and W - 1 before it),
+  Hugging Face's convention. flash-attn takes it as ``window_size=(W - 1, 0)``; SDPA and the
+  reference as an explicit (T, S) mask, with which SDPA leaves its flash kernel for one that
+  takes a mask.
+- attention sinks (gpt-oss): a learned logit per head joins each softmax's denominator and
+  carries no value, so a head can put weight on nothing. Neither SDPA nor flash-attn 2 has the
+  term, so a core with sinks runs the reference path, exactly, whatever backend it was given
+  (``select_attention`` says so).
+
 ``select_attention`` resolves ``auto`` and explains the choice in one line for the log.
 """
 
@@ -34,19 +44,29 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def select_attention(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
-    """Resolve model.attention to a concrete backend, with the reason."""
+def select_attention(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, *,
+                     window: int | None = None, sinks: bool = False) -> tuple[str, str]:
+    """Resolve model.attention to a concrete backend, with the reason. ``window``: the sliding
+    window of the layers that have one; ``sinks``: the model has attention sinks."""
+    if sinks:
+        if requested in ("sdpa", "flash_attn"):
+            raise CapabilityError(f"model.attention={requested} cannot run model.attention_sinks: it has no sink term "
+                                  "in its softmax; use model.attention=reference or auto")
+        return "reference", ("attention: reference (model.attention_sinks: SDPA and flash-attn 2 have no sink term in "
+                             "their softmax; the explicit path computes it exactly and keeps the (T, S) scores)")
     flash_ok, flash_why = _flash_usable(device, dtype, head_dim)
+    windowed = "" if window is None else f", sliding window {window} as flash-attn's window_size"
+    masked = "" if window is None else f"; sliding window {window} as an explicit (T, S) mask"
     if requested == "auto":
         if flash_ok:
-            return "flash_attn", "attention: flash_attn (auto: package installed, CUDA >= sm80, half precision)"
-        return "sdpa", f"attention: sdpa (auto: flash_attn not used because {flash_why})"
+            return "flash_attn", f"attention: flash_attn (auto: package installed, CUDA >= sm80, half precision{windowed})"
+        return "sdpa", f"attention: sdpa (auto: flash_attn not used because {flash_why}{masked})"
     if requested == "flash_attn" and not flash_ok:
         raise CapabilityError(
             f"model.attention=flash_attn cannot run: {flash_why}; "
             "install with `pip install perfgpt[flash]` on a CUDA machine or use model.attention=sdpa"
         )
-    return requested, f"attention: {requested} (requested)"
+    return requested, f"attention: {requested} (requested{windowed if requested == 'flash_attn' else masked})"
 
 
 def _flash_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[bool, str]:
@@ -65,43 +85,50 @@ def _flash_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> tu
 
 
 class AttentionCore(nn.Module):
-    """The part Korthikanti-style selective recompute re-runs: scores, softmax, dropout, @V."""
+    """The part Korthikanti-style selective recompute re-runs: scores, softmax, dropout, @V.
 
-    def __init__(self, backend: str, dropout: float):
+    ``window``: this layer's sliding window in tokens (None: the whole context). ``sinks``: the
+    layer has attention sinks, which only the reference path computes (module docstring)."""
+
+    def __init__(self, backend: str, dropout: float, window: int | None = None, sinks: bool = False):
         super().__init__()
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
-        self.backend = backend
+        self.backend = "reference" if sinks else backend
         self.dropout = dropout
+        self.window = window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, T, H, D), k and v (B, S, H_kv, D) with H_kv dividing H -> (B, T, H, D).
 
         S > T when k/v come from a KV cache or cover a longer prefix than the queries (a context-
         parallel chunk, parallel/cp.py): the queries are the last T of S positions, and query i sees
-        keys up to position S - T + i (the causal mask aligned bottom-right). ``documents`` (B, S),
-        the document number of each key position, restricts each query to keys of its own document.
+        keys up to position S - T + i (the causal mask aligned bottom-right), and with a window none
+        before S - T + i - window. ``documents`` (B, S), the document number of each key position,
+        restricts each query to keys of its own document. ``sinks`` (H,): each head's sink logit.
         """
         p = self.dropout if self.training else 0.0
         if self.backend == "flash_attn":
+            window = (-1, -1) if self.window is None else (self.window - 1, 0)
             if documents is not None:
-                return flash_varlen_attention(q, k, v, documents, p)
+                return flash_varlen_attention(q, k, v, documents, p, window)
             from flash_attn import flash_attn_func
 
-            # (B, T, H, D) and GQA natively; causal aligns bottom-right when S > T (flash-attn >= 2.1)
-            return flash_attn_func(q, k, v, dropout_p=p, causal=True)
-        mask = None if documents is None else document_mask(documents, q.shape[1])
+            # (B, T, H, D) and GQA natively; causal and the window align bottom-right when S > T (flash-attn >= 2.1)
+            return flash_attn_func(q, k, v, dropout_p=p, causal=True, window_size=window)
+        mask = attention_mask(q.shape[1], k.shape[1], q.device, documents, self.window)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if self.backend == "sdpa":
             out = sdpa_attention(q, k, v, p, mask)
         else:
             groups = q.shape[1] // k.shape[1]
-            out = reference_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), p, mask)
+            out = reference_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), p, mask, sinks)
         return out.transpose(1, 2)
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend}, dropout={self.dropout}"
+        window = "" if self.window is None else f", window={self.window}"
+        return f"backend={self.backend}, dropout={self.dropout}{window}"
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -137,18 +164,30 @@ def _sdpa_causal(q_len: int, k_len: int, device: torch.device) -> dict:
     return {"attn_mask": causal_mask(q_len, k_len, device)}
 
 
-def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """(q_len, k_len) bool, True where query i, at position k_len - q_len + i, may see key j."""
-    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+def causal_mask(q_len: int, k_len: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """(q_len, k_len) bool, True where query i, at position k_len - q_len + i, may see key j: j up
+    to that position, and with a ``window`` of W tokens, after its position - W."""
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+    return allowed if window is None else allowed.triu(diagonal=k_len - q_len - window + 1)
 
 
-def document_mask(documents: torch.Tensor, q_len: int) -> torch.Tensor:
-    """(B, 1, T, S) bool: causal (bottom-right) and within one document. ``documents`` (B, S) numbers
-    the document of each key position; the T queries are the last T positions. Each query sees at
-    least itself, so no row is empty (an empty row would make softmax NaN)."""
+def attention_mask(q_len: int, k_len: int, device: torch.device, documents: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor | None:
+    """The mask that replaces a backend's plain causal one: (T, S) with a window, (B, 1, T, S) with
+    documents; None when causal alone (every backend has its own)."""
+    if documents is not None:
+        return document_mask(documents, q_len, window)
+    return None if window is None else causal_mask(q_len, k_len, device, window)
+
+
+def document_mask(documents: torch.Tensor, q_len: int, window: int | None = None) -> torch.Tensor:
+    """(B, 1, T, S) bool: causal (bottom-right), within the window if any, and within one document.
+    ``documents`` (B, S) numbers the document of each key position; the T queries are the last T
+    positions. Each query sees at least itself, so no row is empty (an empty row would make
+    softmax NaN)."""
     k_len = documents.shape[1]
     same = documents[:, -q_len:, None] == documents[:, None, :]  # (B, T, S)
-    return (same & causal_mask(q_len, k_len, documents.device)).unsqueeze(1)
+    return (same & causal_mask(q_len, k_len, documents.device, window)).unsqueeze(1)
 
 
 def document_mask_note(backend: str, batch: int, seq_len: int, cp: int = 1) -> str:
@@ -188,16 +227,17 @@ def document_spans(documents: torch.Tensor, q_len: int) -> tuple[torch.Tensor, t
 
 
 def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
-                           dropout_p: float) -> torch.Tensor:
+                           dropout_p: float, window: tuple[int, int] = (-1, -1)) -> torch.Tensor:
     """The document mask through flash-attn's varlen kernel: every document a sequence of its own,
-    nothing (T, S)-sized materialized. q (B, T, H, D), k and v (B, S, H_kv, D)."""
+    nothing (T, S)-sized materialized. q (B, T, H, D), k and v (B, S, H_kv, D); ``window``
+    flash-attn's window_size, aligned bottom-right in each document as the causal mask is."""
     from flash_attn import flash_attn_varlen_func
 
     b, t, h, d = q.shape
     cu_q, cu_k, keys, max_q, max_k = document_spans(documents, t)
     k, v = (z.reshape(-1, z.shape[2], d).index_select(0, keys) for z in (k, v))
     out = flash_attn_varlen_func(q.reshape(b * t, h, d), k, v, cu_q, cu_k, max_q, max_k,
-                                 dropout_p=dropout_p, causal=True)
+                                 dropout_p=dropout_p, causal=True, window_size=window)
     return out.view(b, t, h, d)
 
 
@@ -212,13 +252,18 @@ def _sdpa_takes_gqa(q: torch.Tensor) -> bool:
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
+                        mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(QK^T / sqrt(d) + causal mask) V on q (B, H, T, D), k and v (B, H, S >= T, D); softmax in fp32.
-    ``mask`` (B, 1, T, S) bool replaces the causal mask when given (``document_mask``)."""
+    ``mask`` (T, S) or (B, 1, T, S) bool replaces the causal mask when given (``attention_mask``).
+    ``sinks`` (H,): one more logit per head in the softmax, whose probability goes to no value."""
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     allowed = causal_mask(q.shape[-2], k.shape[-2], q.device) if mask is None else mask
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    scores = scores.masked_fill(~allowed, float("-inf")).float()
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    else:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
     return probs @ v
@@ -228,21 +273,21 @@ class KVCache:
     """Keys and values of every layer, kept between generation steps so each new token attends
     to the past without recomputing it.
 
-    Stored as (n_layer, B, max_len, n_kv_head, D): only the key/value heads, so grouped-query
-    attention shrinks the cache by n_head / n_kv_head. ``length`` positions are filled; the model
-    writes the next T at [length, length + T) in every layer, then ``advance(T)``.
+    Per layer (B, positions, n_kv_head, D): only the key/value heads, so grouped-query attention
+    shrinks the cache by n_head / n_kv_head. A layer with a sliding window of W tokens keeps only
+    its last W - 1 positions (what the next token can still see), so its memory stays bounded
+    however long the generation runs; the others keep every position up to ``max_len``.
+    ``length`` positions have been seen; the model passes the next T to every layer at
+    [length, length + T), then ``advance(T)``.
     """
 
     def __init__(self, n_layer: int, batch: int, max_len: int, n_kv_head: int, head_dim: int,
-                 device: torch.device | str, dtype: torch.dtype):
-        shape = (n_layer, batch, max_len, n_kv_head, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
+                 device: torch.device | str, dtype: torch.dtype, windows: list[int | None] | None = None):
+        self.max_len, self.length = max_len, 0
+        self.windows = list(windows) if windows is not None else [None] * n_layer
+        held = [max_len if w is None else min(max_len, w - 1) for w in self.windows]
+        self.keys = [torch.zeros((batch, n, n_kv_head, head_dim), device=device, dtype=dtype) for n in held]
+        self.values = [torch.zeros_like(k) for k in self.keys]
 
     def layer(self, index: int) -> "LayerKV":
         return LayerKV(self, index)
@@ -258,11 +303,19 @@ class LayerKV:
         self.cache, self.index = cache, index
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, T, H_kv, D) after the cached positions; return every position so far."""
-        start = self.cache.length
+        """Store k, v (B, T, H_kv, D) after the cached positions; return the positions the T new
+        queries may see, in order, ending with these T (the queries are the last T of them)."""
+        start, keys, values = self.cache.length, self.cache.keys[self.index], self.cache.values[self.index]
         end = start + k.shape[1]
         if end > self.cache.max_len:
             raise ValueError(f"KV cache holds {self.cache.max_len} positions; {end} were asked for")
-        self.cache.k[self.index, :, start:end] = k
-        self.cache.v[self.index, :, start:end] = v
-        return self.cache.k[self.index, :, :end], self.cache.v[self.index, :, :end]
+        if self.cache.windows[self.index] is None:
+            keys[:, start:end], values[:, start:end] = k, v
+            return keys[:, :end], values[:, :end]
+        # A window: the store holds the last min(start, W - 1) positions in order; keep the newest again.
+        held = min(start, keys.shape[1])
+        k_all, v_all = torch.cat([keys[:, :held], k], dim=1), torch.cat([values[:, :held], v], dim=1)
+        keep = min(keys.shape[1], k_all.shape[1])
+        if keep:
+            keys[:, :keep], values[:, :keep] = k_all[:, -keep:], v_all[:, -keep:]
+        return k_all, v_all

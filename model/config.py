@@ -49,6 +49,35 @@ class MoEConfig:
     backend: Literal["auto", "grouped_mm", "loop"] = doc(
         "auto", "expert GEMMs: torch._grouped_mm, or one GEMM per expert; auto picks grouped_mm where it runs"
     )
+    bias: bool = doc(False, "biases on the router and on each expert's projections (gpt-oss)")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequencies stretched for a context longer than pre-training's (model/rope.py), with
+    the published parameters of each recipe under Hugging Face's names where they have one."""
+
+    type: Literal["none", "llama3", "yarn"] = doc(
+        "none", "none: plain rotary frequencies; llama3: Llama 3.1's per-wavelength division by factor; yarn: "
+        "YaRN's blend of interpolated and kept frequencies, with an attention factor (Qwen2.5, gpt-oss)"
+    )
+    factor: float = doc(8.0, "context extension factor (Llama 3.1: 8; YaRN: 4 for Qwen2.5, 32 for gpt-oss)")
+    original_max_seq_len: int = doc(
+        8192, "context length of pre-training, before the extension (original_max_position_embeddings)"
+    )
+    low_freq_factor: float = doc(1.0, "llama3: wavelengths longer than original_max_seq_len / this are divided by factor")
+    high_freq_factor: float = doc(
+        4.0, "llama3: wavelengths shorter than original_max_seq_len / this are kept; those between are blended"
+    )
+    beta_fast: float = doc(32.0, "yarn: dimensions turning more than this often over the original context are kept")
+    beta_slow: float = doc(1.0, "yarn: dimensions turning less than this often are divided by factor")
+    truncate: bool = doc(True, "yarn: round the blend's bounds to whole dimensions (gpt-oss: false)")
+    attention_factor: float | None = doc(
+        None, "yarn: cos and sin are multiplied by this (so the scores by its square); null: 0.1 ln(factor) + 1, "
+        "or the ratio of the two mscale terms when both are set"
+    )
+    mscale: float = doc(0.0, "yarn: mscale of the attention factor's numerator, 0.1 mscale ln(factor) + 1 (0: unset)")
+    mscale_all_dim: float = doc(0.0, "yarn: mscale of the attention factor's denominator (0: unset)")
 
 
 @dataclass
@@ -89,10 +118,39 @@ class ModelConfig:
     )
     position: Literal["learned", "rope"] = doc("learned", "learned absolute positions or rotary embeddings")
     rope_theta: float = doc(10000.0, "rotary base")
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     tie_embeddings: bool = doc(True, "share the token embedding with the LM head")
     bias: bool = doc(True, "biases in linear layers and norms")
+    qkv_bias: bool | None = doc(None, "bias on the query/key/value projection; null: model.bias (Qwen2: true, bias false)")
+    proj_bias: bool | None = doc(None, "bias on attention's output projection; null: model.bias")
+    sliding_window: int | None = doc(
+        None, "attention window in tokens: a query sees itself and the sliding_window - 1 positions before it "
+        "(Mistral, gpt-oss); null: the whole context"
+    )
+    sliding_window_every: int = doc(
+        1, "with sliding_window: layer i has the window when i >= sliding_window_first and (i - sliding_window_first) "
+        "% every == 0 (1: every such layer, Mistral; 2: layers 0, 2, 4, ..., gpt-oss)"
+    )
+    sliding_window_first: int = doc(
+        0, "with sliding_window: the first layer with the window; those before it see the whole context (Qwen2's "
+        "max_window_layers)"
+    )
+    attention_sinks: bool = doc(
+        False, "a learned logit per head in each softmax's denominator, a sink that takes attention and gives "
+        "nothing back (gpt-oss)"
+    )
+    swiglu_limit: float | None = doc(
+        None, "gpt-oss's clamped SwiGLU: gate clamped to <= limit, up to [-limit, limit], out = (up + 1) * gate * "
+        "sigmoid(swiglu_alpha * gate); null: plain SwiGLU, silu(gate) * up"
+    )
+    swiglu_alpha: float = doc(1.702, "with swiglu_limit: the gain of the clamped SwiGLU's sigmoid")
     dropout: float = doc(0.0, "dropout on attention probabilities and residual branches")
-    init_std: float = doc(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layer)")
+    init: Literal["gpt2", "llama"] = doc(
+        "gpt2", "initial weights: gpt2 (normal, std model.init_std; residual projections std/sqrt(2*n_layer)); "
+        "llama (torchtitan's scheme: truncated normal, output projections std/sqrt(2*(layer+1)), unit-variance "
+        "embedding, head std d_model^-0.5)"
+    )
+    init_std: float = doc(0.02, "std of the initial weights (model.init says which are scaled down)")
     attention: Literal["auto", "flash_attn", "sdpa", "reference"] = doc(
         "auto", "attention backend; auto picks flash_attn on CUDA when installed, else sdpa"
     )
@@ -116,8 +174,9 @@ class ModelConfig:
     recompute_every_k: int = doc(2, "with recompute=every_k: recompute every k-th block")
     moe: MoEConfig = field(default_factory=MoEConfig)
     init_from: str | None = doc(
-        None, "start training from these weights: a Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory, a nanoGPT ckpt.pt, a "
-        "perfgpt checkpoint or run directory, or a tools/export.py .safetensors; the architecture keys come from it"
+        None, "start training from these weights: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE or "
+        "gpt-oss directory, a nanoGPT ckpt.pt, a perfgpt checkpoint or run directory, or a tools/export.py "
+        ".safetensors; the architecture keys come from it"
     )
 
     def __post_init__(self) -> None:
@@ -135,13 +194,18 @@ class ModelConfig:
         return value
 
     def with_values(self, values: Mapping[str, Any]) -> ModelConfig:
-        """A copy with these keys set (dotted for the nested section: ``{"moe.top_k": 2}``)."""
+        """A copy with these keys set (dotted for the nested sections: ``{"moe.top_k": 2}``)."""
         top = {k: v for k, v in values.items() if "." not in k}
-        moe = {k.removeprefix("moe."): v for k, v in values.items() if k.startswith("moe.")}
-        unknown = set(values) - set(top) - {f"moe.{k}" for k in moe}
+        sections = {"moe": self.moe, "rope_scaling": self.rope_scaling}
+        unknown = [k for k in values if "." in k and (k.split(".")[0] not in sections or k.split(".", 1)[1]
+                                                     not in type(sections[k.split(".")[0]]).__dataclass_fields__)]
         if unknown:
             raise KeyError(f"no model key {sorted(unknown)[0]!r}")
-        return replace(self, **top, moe=replace(self.moe, **moe))
+        for name, section in sections.items():
+            keys = {k.removeprefix(f"{name}."): v for k, v in values.items() if k.startswith(f"{name}.")}
+            if keys:
+                top[name] = replace(top.get(name, section), **keys)
+        return replace(self, **top)
 
     @property
     def expert_d_ff(self) -> int:
@@ -152,6 +216,21 @@ class ModelConfig:
         """Whether block ``layer_idx`` has routed experts in place of its dense MLP."""
         return (self.moe.experts is not None and layer_idx >= self.moe.first_dense
                 and (layer_idx + 1) % self.moe.every == 0)
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """Block ``layer_idx``'s attention window in tokens (None: it sees the whole context)."""
+        first, every = self.sliding_window_first, self.sliding_window_every
+        if self.sliding_window is None or layer_idx < first or (layer_idx - first) % every:
+            return None
+        return self.sliding_window
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def has_proj_bias(self) -> bool:
+        return self.bias if self.proj_bias is None else self.proj_bias
 
     @property
     def n_moe_layers(self) -> int:
@@ -214,8 +293,64 @@ class ModelConfig:
             raise ConfigError(f"model.eot_id={self.eot_id} is outside the vocabulary 0..{self.vocab_size - 1}")
         if self.recompute_every_k < 1:
             raise ConfigError("model.recompute_every_k must be >= 1")
+        self._validate_attention_variants()
+        if self.rope_scaling.type != "none":
+            self._validate_rope_scaling()
         if self.moe.experts is not None:
             self._validate_moe()
+
+    def _validate_attention_variants(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"model.sliding_window must be >= 1 (or null for the whole context), got "
+                              f"{self.sliding_window}")
+        if self.sliding_window_every < 1 or self.sliding_window_first < 0:
+            key = "sliding_window_every" if self.sliding_window_every < 1 else "sliding_window_first"
+            raise ConfigError(f"model.{key} must be >= {1 if key.endswith('every') else 0}, got {getattr(self, key)}")
+        if self.sliding_window is not None and not any(self.window_of(i) for i in range(self.n_layer)):
+            raise ConfigError(f"model.sliding_window_first={self.sliding_window_first} leaves none of the "
+                              f"{self.n_layer} layers a window; lower it, or set model.sliding_window=null")
+        if self.attention_sinks and self.attention in ("sdpa", "flash_attn"):
+            raise ConfigError(f"model.attention={self.attention} cannot run model.attention_sinks: it has no sink term "
+                              "in its softmax; use model.attention=reference or auto")
+        if self.swiglu_limit is not None:
+            if self.mlp != "swiglu":
+                raise ConfigError(f"model.swiglu_limit clamps a SwiGLU: it needs model.mlp=swiglu (got {self.mlp})")
+            for key in ("swiglu_limit", "swiglu_alpha"):
+                if not math.isfinite(getattr(self, key)) or getattr(self, key) <= 0:
+                    raise ConfigError(f"model.{key} must be a finite number > 0 (got {getattr(self, key)})")
+        variants = [key for key, on in (("sliding_window", self.sliding_window is not None),
+                                        ("attention_sinks", self.attention_sinks),
+                                        ("swiglu_limit", self.swiglu_limit is not None),
+                                        ("qkv_bias", self.qkv_bias is not None and self.qkv_bias != self.bias),
+                                        ("proj_bias", self.proj_bias is not None and self.proj_bias != self.bias),
+                                        ("rope_scaling.type", self.rope_scaling.type != "none")) if on]
+        if variants and self.layers == "te":
+            raise ConfigError(f"model.{variants[0]} needs model.layers=torch (Transformer Engine's layers have no such "
+                              "part here)")
+        if self.init != "gpt2" and self.layers == "te":
+            raise ConfigError(f"model.init={self.init} needs model.layers=torch (Transformer Engine's layers draw their "
+                              "weights by GPT-2's scheme)")
+
+    def _validate_rope_scaling(self) -> None:
+        r = self.rope_scaling
+        if self.position != "rope":
+            raise ConfigError(f"model.rope_scaling.type={r.type} scales rotary embeddings: it needs model.position=rope")
+        numbers = {"factor": r.factor, "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor,
+                   "beta_fast": r.beta_fast, "beta_slow": r.beta_slow}
+        for key, value in numbers.items():
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"model.rope_scaling.{key} must be a finite number > 0 (got {value})")
+        if r.factor < 1:
+            raise ConfigError(f"model.rope_scaling.factor={r.factor} must be >= 1 (it stretches the context)")
+        if r.original_max_seq_len < 1:
+            raise ConfigError(f"model.rope_scaling.original_max_seq_len must be >= 1 (got {r.original_max_seq_len})")
+        if r.type == "llama3" and r.high_freq_factor <= r.low_freq_factor:
+            raise ConfigError(f"model.rope_scaling.high_freq_factor={r.high_freq_factor} must be above "
+                              f"low_freq_factor={r.low_freq_factor} (llama3 blends the wavelengths between them)")
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            value = getattr(r, key)
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise ConfigError(f"model.rope_scaling.{key} must be a finite number >= 0 (got {value})")
 
     def _validate_moe(self) -> None:
         moe, e = self.moe, self.moe.experts

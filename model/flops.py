@@ -9,21 +9,25 @@ Convention (stated in every log line that uses it, see ``FLOPS_CONVENTION``):
   its top-k experts, the shared experts); idle experts do no work for it, so MFU must not credit
   them. ``count_parameters(cfg)`` is the total held in memory, ``active=True`` the active count.
 - Training FLOPs per token = 6·N (forward 2·N, backward 4·N) + attention
-  12·L·d·s (QKᵀ and A·V: 2·2·s·d per token per layer forward, times 3 for fwd+bwd; every query
-  head still scores every key, so grouped-query attention shrinks only N, not this term), with
+  12·L·q·s (QKᵀ and A·V: 2·2·s·q per token per layer forward, times 3 for fwd+bwd, with q =
+  n_head·head_dim the query width, d_model unless the heads are set apart; every query head
+  still scores every key, so grouped-query attention shrinks only N, not this term), with
   **no causal halving**, as in PaLM appendix B and Megatron-LM's MFU; so MFU here is comparable
-  to theirs. Activation recomputation is *not* counted (that would be HFU, not MFU).
+  to theirs. A layer with a sliding window of W tokens counts min(W, s) keys per query in
+  place of s: each query is counted against the whole span its mask can reach. Activation
+  recomputation is *not* counted (that would be HFU, not MFU).
 """
 
 from __future__ import annotations
 
 from model.config import ModelConfig
 
-FLOPS_CONVENTION = "6*N_matmul + 12*L*d*s per token (no causal halving, recompute not counted, embeddings lookups excluded)"
+FLOPS_CONVENTION = ("6*N_matmul + 12*L*q*s per token (q = n_head*head_dim; s: min(window, s) in sliding-window layers; "
+                    "no causal halving, recompute not counted, embeddings lookups excluded)")
 
 
 def mlp_parameters(cfg: ModelConfig, d_ff: int, bias: bool) -> int:
-    """One dense MLP (or one expert, which has no biases) of hidden width ``d_ff``."""
+    """One dense MLP (or one expert, with biases where model.moe.bias) of hidden width ``d_ff``."""
     d, mats = cfg.d_model, (3 if cfg.mlp == "swiglu" else 2)
     return mats * d * d_ff + (((mats - 1) * d_ff + d) if bias else 0)
 
@@ -32,7 +36,8 @@ def moe_parameters(cfg: ModelConfig, active: bool = False) -> int:
     """One MoE layer's MLP: router, routed experts (all, or the top-k one token runs), shared experts."""
     routed = cfg.moe.top_k if active else cfg.moe.experts
     shared = cfg.moe.shared_experts * cfg.expert_d_ff
-    return (cfg.d_model * cfg.moe.experts + routed * mlp_parameters(cfg, cfg.expert_d_ff, bias=False)
+    router = (cfg.d_model + (1 if cfg.moe.bias else 0)) * cfg.moe.experts
+    return (router + routed * mlp_parameters(cfg, cfg.expert_d_ff, bias=cfg.moe.bias)
             + (mlp_parameters(cfg, shared, cfg.bias) if shared else 0))
 
 
@@ -41,7 +46,9 @@ def block_parameters(cfg: ModelConfig, layer_idx: int = 0, active: bool = False)
     d = cfg.d_model
     norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     qkv_out = cfg.q_dim + 2 * cfg.kv_dim  # query heads, then the (possibly fewer) key and value heads
-    attn = d * qkv_out + cfg.q_dim * d + ((qkv_out + d) if cfg.bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    biases = (qkv_out if cfg.has_qkv_bias else 0) + (d if cfg.has_proj_bias else 0)
+    extras = (2 * cfg.head_dim if cfg.qk_norm else 0) + (cfg.n_head if cfg.attention_sinks else 0)
+    attn = d * qkv_out + cfg.q_dim * d + biases + extras
     mlp = moe_parameters(cfg, active) if cfg.is_moe_layer(layer_idx) else mlp_parameters(cfg, cfg.d_ff, cfg.bias)
     return 2 * norm + attn + mlp
 
@@ -74,6 +81,13 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     return count_parameters(cfg, include_embeddings=False, active=True)
 
 
+def attention_span(cfg: ModelConfig, seq_len: int) -> int:
+    """Keys per query summed over the layers, as the FLOP convention counts them: seq_len in a
+    layer that sees the whole context, min(window, seq_len) in one with a sliding window."""
+    windows = [cfg.window_of(i) for i in range(cfg.n_layer)]
+    return sum(seq_len if w is None else min(w, seq_len) for w in windows)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token; see the module docstring."""
-    return 6.0 * matmul_parameters(cfg) + 12.0 * cfg.n_layer * cfg.d_model * seq_len
+    return 6.0 * matmul_parameters(cfg) + 12.0 * cfg.q_dim * attention_span(cfg, seq_len)

@@ -8,8 +8,9 @@ is exactly what it would be on its own (the price: the part of a longer prompt b
 shortest one is encoded one token per step).
 
 With ``use_cache`` the keys and values of earlier positions are kept (``model.attention.KVCache``,
-only the n_kv_head heads) and each step runs the model on one new token; without it every step
-re-runs the whole prefix, the slow reference the cache is tested against.
+only the n_kv_head heads; a layer with a sliding window of W keeps only its last W - 1
+positions) and each step runs the model on one new token; without it every step re-runs the
+whole prefix, the slow reference the cache is tested against.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def generate(
     cache = None
     if use_cache:
         dtype = next(model.parameters()).dtype
-        cache = KVCache(cfg.n_layer, len(prompts), total, cfg.kv_heads, cfg.head_dim, device, dtype)
+        cache = KVCache(cfg.n_layer, len(prompts), total, cfg.kv_heads, cfg.head_dim, device, dtype,
+                        windows=[cfg.window_of(i) for i in range(cfg.n_layer)])
     pos = min(lengths)
     logits = model(tokens[:, :pos], cache=cache)[:, -1]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)

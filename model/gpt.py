@@ -2,7 +2,9 @@
 
     tokens -> embedding (+ learned positions) -> n_layer x Block -> final norm -> LM head
     Block:  x + Attention(Norm(x)),  then  x + MLP(Norm(x))        (pre-norm)
-            the MLP is routed experts (model/moe.py) in the layers the model.moe.* keys pick
+            the MLP is routed experts (model/moe.py) in the layers the model.moe.* keys pick;
+            attention has a sliding window in the layers model.sliding_window_* pick, and
+            optionally sinks (a learned logit per head in the softmax) and biases
 
 Nothing here knows about process groups, precision policies or checkpointing; those are
 applied to a built model from ``parallel/`` and ``training/``. Fast paths plug in through two
@@ -24,11 +26,12 @@ import math
 import torch
 import torch.nn as nn
 
-from kernels.reference import rope_tables
+from kernels.reference import clamped_swiglu
 from kernels.registry import REFERENCE_OPS, KernelOps
 from model.attention import AttentionCore, KVCache, LayerKV
 from model.config import ModelConfig
 from model.moe import MoE, join_aux_gradient, take_aux_loss, with_aux_gradient
+from model.rope import rope_tables
 from model.te import TEBlock
 
 
@@ -71,6 +74,11 @@ class Norm(nn.Module):
         return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+def truncated_normal_(weight: torch.Tensor, std: float) -> torch.Tensor:
+    """N(0, std) redrawn beyond 3 std, in place: no rare huge initial weight."""
+    return nn.init.trunc_normal_(weight, 0.0, std, -3 * std, 3 * std)
+
+
 def group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_kv_head: int) -> torch.Tensor:
     """Rows of separate q, k, v projections (weights or biases) in the fused layout: for each
     key/value head, the rows of the query heads that read it, its key rows, its value rows."""
@@ -96,18 +104,32 @@ def indexed_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return list(enumerate(blocks))
 
 
+class Sinks(nn.Module):
+    """gpt-oss's attention sinks: one learned logit per head that joins the head's softmax and
+    carries no value. A module of its own so tensor parallelism splits it by heads, as it splits
+    the projections (parallel/tp.py)."""
+
+    def __init__(self, n_head: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_head))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, attention_backend: str):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, attention_backend: str, layer_idx: int = 0):
         super().__init__()
         self.group, self.head_dim, self.ops = cfg.n_head // cfg.kv_heads, cfg.head_dim, ops
         self.use_rope = cfg.position == "rope"
-        self.qkv = nn.Linear(cfg.d_model, cfg.q_dim + 2 * cfg.kv_dim, bias=cfg.bias)  # rows: see group_qkv
+        self.qkv = nn.Linear(cfg.d_model, cfg.q_dim + 2 * cfg.kv_dim, bias=cfg.has_qkv_bias)  # rows: see group_qkv
         self.qkv.init_rows = lambda q_k_v: group_qkv(*q_k_v.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim)), cfg.kv_heads)
         # Qwen3's query/key norms: one RMSNorm of head_dim shared by the heads, before the rotation.
         self.q_norm = Norm(cfg, ops, cfg.head_dim, "rmsnorm") if cfg.qk_norm else None
         self.k_norm = Norm(cfg, ops, cfg.head_dim, "rmsnorm") if cfg.qk_norm else None
-        self.core = AttentionCore(attention_backend, cfg.dropout)
-        self.proj = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.bias)
+        self.sinks = Sinks(cfg.n_head) if cfg.attention_sinks else None
+        self.core = AttentionCore(attention_backend, cfg.dropout, cfg.window_of(layer_idx), cfg.attention_sinks)
+        self.proj = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.has_proj_bias)
         self.proj.residual_projection = True  # scaled init, see GPT.init_weights
         self.resid_drop = nn.Dropout(cfg.dropout)
 
@@ -127,19 +149,21 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.ops.apply_rope(q, *rope), self.ops.apply_rope(k, *rope)
-        if cache is not None:  # generation: attend to every earlier position too
+        if cache is not None:  # generation: attend to the earlier positions this layer sees too
             k, v = cache.update(k, v)
-        y = self.core(q, k, v, documents).flatten(2)  # (B, T, H * D)
+        y = self.core(q, k, v, documents, None if self.sinks is None else self.sinks()).flatten(2)  # (B, T, H * D)
         return self.resid_drop(self.proj(y))
 
 
 class MLP(nn.Module):
-    """GELU: out(gelu(fc(x))). SwiGLU: out(silu(gate(x)) * fc(x)), fc being the "up" projection."""
+    """GELU: out(gelu(fc(x))). SwiGLU: out(silu(gate(x)) * fc(x)), fc being the "up" projection;
+    with model.swiglu_limit, gpt-oss's clamped form (kernels/reference.py ``clamped_swiglu``)."""
 
     def __init__(self, cfg: ModelConfig, ops: KernelOps):
         super().__init__()
         self.ops = ops
         self.gelu_approximate = "tanh" if cfg.gelu == "tanh" else "none"  # torch's names for the two forms
+        self.clamp = None if cfg.swiglu_limit is None else (cfg.swiglu_alpha, cfg.swiglu_limit)
         # The gate is registered first: GPT.init_weights draws it before fc, as it drew the gate
         # half of the fused gate|up projection this replaces, so a seed gives the same weights.
         self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if cfg.mlp == "swiglu" else None
@@ -149,7 +173,9 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate is not None:
+        if self.gate is not None and self.clamp is not None:
+            h = clamped_swiglu(self.gate(x), self.fc(x), *self.clamp)
+        elif self.gate is not None:
             h = self.ops.swiglu(self.gate(x), self.fc(x))
         else:
             h = self.ops.bias_gelu(self.fc(x), None, self.gelu_approximate)  # the bias is in the GEMM
@@ -170,7 +196,7 @@ class Block(nn.Module):
                  layer_idx: int = 0):
         super().__init__()
         self.norm1 = Norm(cfg, ops)
-        self.attn = Attention(cfg, ops, attention_backend)
+        self.attn = Attention(cfg, ops, attention_backend, layer_idx)
         self.norm2 = Norm(cfg, ops)
         self.mlp = make_mlp(cfg, ops, expert_backend, layer_idx)
 
@@ -211,10 +237,22 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2 initialization: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), zero biases.
+        """The initial weights of ``model.init``; norm gains one, biases and sinks zero.
 
+        gpt2: N(0, 0.02) everywhere, residual projections N(0, 0.02/sqrt(2L)). llama: ``_init_llama``.
         Called after construction, and again after a meta-device model is materialized.
         """
+        if self.cfg.init == "llama":
+            self._init_llama()
+        else:
+            self._init_gpt2()
+        for module in self.modules():
+            if isinstance(module, Sinks):
+                nn.init.zeros_(module.weight)  # a sink starts as one more unit of softmax mass
+        if self.cfg.position == "rope":
+            self.rope_cos, self.rope_sin = rope_tables(self.cfg, next(self.parameters()).device)
+
+    def _init_gpt2(self) -> None:
         std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -233,10 +271,41 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-        if self.cfg.position == "rope":
-            device = next(self.parameters()).device
-            self.rope_cos, self.rope_sin = rope_tables(self.cfg.max_seq_len, self.cfg.head_dim, self.cfg.rope_theta,
-                                                       device)
+
+    def _init_llama(self) -> None:
+        """torchtitan's Llama scheme: normals truncated at 3 std; in block i the output projections
+        (attention's, the MLP's up and down) std/sqrt(2(i + 1)), so deeper blocks add less to the
+        residual stream at first; a unit-variance token table and an LM head of std d_model^-0.5,
+        so the first logits have unit scale (a tied table is drawn as the head)."""
+        std = self.cfg.init_std
+        for i, block in indexed_blocks(self):
+            out_std = std / math.sqrt(2 * (i + 1))
+            up = {id(m.fc) for m in block.modules() if isinstance(m, MLP) and m.gate is not None}  # SwiGLU's
+            for module in block.modules():
+                if isinstance(module, nn.Linear):
+                    w_std = out_std if id(module) in up or getattr(module, "residual_projection", False) else std
+                    truncated_normal_(module.weight, w_std)
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
+                elif isinstance(module, MoE):  # its router is an nn.Linear, drawn above
+                    module.init_weights(std, out_std, draw=truncated_normal_, up_std=out_std)
+                elif isinstance(module, Norm):
+                    nn.init.ones_(module.weight)
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
+        head_std = self.cfg.d_model ** -0.5
+        if self.tok_emb is not None and not self.cfg.tie_embeddings:
+            nn.init.normal_(self.tok_emb.weight, 0.0, 1.0)
+        if self.lm_head is not None:
+            truncated_normal_(self.lm_head.weight, head_std)
+        elif self.tok_emb is not None and self.cfg.tie_embeddings:
+            truncated_normal_(self.tok_emb.weight, head_std)
+        if self.pos_emb is not None:
+            nn.init.normal_(self.pos_emb.weight, 0.0, std)
+        if self.norm_f is not None:
+            nn.init.ones_(self.norm_f.weight)
+            if self.norm_f.bias is not None:
+                nn.init.zeros_(self.norm_f.bias)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None, *,

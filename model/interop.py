@@ -1,10 +1,10 @@
-"""Weights in and out: perfgpt <-> Hugging Face GPT-2 and Llama layouts, and nanoGPT checkpoints.
+"""Weights in and out: perfgpt <-> Hugging Face layouts (GPT-2, Llama, Mistral, Qwen2, Mixtral,
+Qwen3-MoE, gpt-oss), and nanoGPT checkpoints.
 
 Pure functions on a ``ModelConfig`` and a state dict (name -> tensor), plus reading and writing
 a Hugging Face model directory (``config.json`` and ``model.safetensors`` or
 ``pytorch_model.bin``, sharded or not) and a nanoGPT ``ckpt.pt``. Nothing here needs
-``transformers``; the layouts below are what its ``GPT2LMHeadModel`` and ``LlamaForCausalLM``
-read and write.
+``transformers``; the layouts below are what its ``*ForCausalLM`` classes read and write.
 
 Which layout a perfgpt model exports to follows from its shape:
 - GPT-2: learned positions, LayerNorm, GELU MLP (``model.gelu`` tanh = ``gelu_new``, exact =
@@ -12,7 +12,12 @@ Which layout a perfgpt model exports to follows from its shape:
   so they are transposed. GPT-2 always has biases: a bias-free model is written with zero biases.
 - Llama: rotary positions, RMSNorm, SwiGLU; ``num_key_value_heads`` = ``model.n_kv_head``. Our
   fused qkv projection is split into q/k/v_proj and joined back; ``mlp.gate`` is gate_proj and
-  ``mlp.fc`` up_proj.
+  ``mlp.fc`` up_proj. ``attention_bias`` is ``model.qkv_bias`` and ``proj_bias`` together,
+  ``mlp_bias`` ``model.bias``; ``rope_scaling`` carries ``model.rope_scaling`` (llama3 or yarn)
+  in every rotary layout. Mistral is Llama's names with a sliding window in every layer and no
+  biases; Qwen2 adds a bias on the Q/K/V projections only and windows the layers from
+  ``max_window_layers`` on (or those its ``layer_types`` name). A windowless bias-free Mistral is
+  written back as Llama, the same function.
 Our fused qkv stores its rows grouped by key/value head (``model.gpt.group_qkv``); every exchange
 goes through the plain [all q | all k | all v] order first (``_canonical`` / ``_stored``).
   Rotary embeddings use the same convention on both sides (the two halves of a head are the
@@ -25,10 +30,16 @@ goes through the plain [all q | all k | all v] order first (``_canonical`` / ``_
   and stacked into ``w_gate``/``w_up`` (E, d, f) and ``w_down`` (E, f, d), transposed. Qwen3-MoE
   adds per-head query/key norms (``model.qk_norm``), a head width of its own, optional weight
   renormalisation (``norm_topk_prob``) and dense layers (``mlp_only_layers`` as a prefix,
-  ``decoder_sparse_step``). Both run dropless: a ``model.moe.capacity`` only applies in perfgpt.
-Anything else (e.g. learned positions with SwiGLU, GQA in the GPT-2 layout, bias on only some
-layers, shared experts, a sigmoid router, sliding-window attention, attention sinks or expert
-biases) is refused with one line naming the key.
+  ``decoder_sparse_step``). Both run dropless: a ``model.moe.capacity`` only applies in perfgpt;
+  both may window every layer.
+- gpt-oss (a model with attention sinks, expert biases or a clamped SwiGLU): attention biases,
+  ``self_attn.sinks``, windows on the layers ``layer_types`` names, a router with a bias
+  (``mlp.router``; top-k of the logits then a softmax over the k, which is the softmax
+  renormalised over its top-k), and experts stacked as ours, (E, in, out), with gate and up in
+  one ``gate_up_proj`` whose columns alternate (gate even, up odd), biases beside them.
+Anything else (e.g. learned positions with SwiGLU, GQA in the GPT-2 layout, a window on some
+layers of a model without Q/K/V bias, shared experts, a sigmoid router) is refused with one line
+naming the key.
 
 nanoGPT (karpathy/nanoGPT ``ckpt.pt``): ``model_args`` (n_layer, n_head, n_embd, block_size,
 bias, vocab_size, dropout) and a state dict under GPT-2's names but with ``nn.Linear`` weights
@@ -49,21 +60,29 @@ import torch
 
 from common.errors import InteropError
 from common.files import kind_problem, name_problem, read_json, short_repr
-from model.config import ModelConfig, MoEConfig
+from model.config import ModelConfig, MoEConfig, RopeScaling
 from model.flops import count_parameters
 from model.gpt import GPT, group_qkv, split_qkv
 
 State = dict[str, torch.Tensor]
 
-GPT2, LLAMA, MIXTRAL, QWEN3_MOE = "gpt2", "llama", "mixtral", "qwen3_moe"
-MOE_LAYOUTS = (MIXTRAL, QWEN3_MOE)
-HF_ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM",
-                    QWEN3_MOE: "Qwen3MoeForCausalLM"}
-# What both MoE layouts require of a perfgpt MoE model, and why.
+GPT2, LLAMA, MISTRAL, QWEN2 = "gpt2", "llama", "mistral", "qwen2"
+MIXTRAL, QWEN3_MOE, GPT_OSS = "mixtral", "qwen3_moe", "gpt_oss"
+MOE_LAYOUTS = (MIXTRAL, QWEN3_MOE, GPT_OSS)
+ROTARY_LAYOUTS = (LLAMA, MISTRAL, QWEN2, *MOE_LAYOUTS)  # Llama's names for attention, norms and embeddings
+HF_ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MISTRAL: "MistralForCausalLM",
+                    QWEN2: "Qwen2ForCausalLM", MIXTRAL: "MixtralForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM",
+                    GPT_OSS: "GptOssForCausalLM"}
+# What the Mixtral and Qwen3-MoE layouts require of a perfgpt MoE model.
 MOE_NEEDS = (("position", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("bias", False),
              ("moe.router", "softmax"), ("moe.routed_scale", 1.0), ("moe.shared_experts", 0),
              ("moe.bias_update_rate", 0.0))
-# What each layout requires of a perfgpt model: (config key, required value).
+# What gpt-oss requires besides its own parts (sinks, expert and router biases, clamped SwiGLU).
+GPT_OSS_NEEDS = (("position", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("bias", False), ("qk_norm", False),
+                 ("attention_sinks", True), ("moe.bias", True), ("moe.router", "softmax"), ("moe.renormalize", True),
+                 ("moe.routed_scale", 1.0), ("moe.shared_experts", 0), ("moe.bias_update_rate", 0.0),
+                 ("moe.every", 1), ("moe.first_dense", 0))
+# What each dense layout family requires of a perfgpt model: (config key, required value).
 LAYOUT_NEEDS = {
     GPT2: (("position", "learned"), ("norm", "layernorm"), ("mlp", "gelu")),
     LLAMA: (("position", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu")),
@@ -79,17 +98,19 @@ DERIVED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
 def hf_layout(cfg: ModelConfig) -> str:
-    """``gpt2``, ``llama``, ``mixtral`` or ``qwen3_moe``: the Hugging Face layout that expresses this
-    model, or InteropError."""
+    """The Hugging Face layout that expresses this model (``gpt2``, ``llama``, ``mistral``, ``qwen2``,
+    ``mixtral``, ``qwen3_moe`` or ``gpt_oss``), or InteropError naming the key none of them has."""
     if cfg.layers != "torch":
         raise InteropError(
             f"model.layers={cfg.layers}: export from a model.layers=torch build (TE names its weights differently)"
         )
     if cfg.moe.experts is not None:
         return _moe_layout(cfg)
-    if cfg.qk_norm:
-        raise InteropError("model.qk_norm=true: of the Hugging Face layouts perfgpt writes, only Qwen3-MoE has "
-                           "query/key norms (it needs model.moe.experts)")
+    for key, on, who in (("qk_norm", cfg.qk_norm, "Qwen3-MoE"), ("attention_sinks", cfg.attention_sinks, "gpt-oss"),
+                         ("swiglu_limit", cfg.swiglu_limit is not None, "gpt-oss")):
+        if on:
+            raise InteropError(f"model.{key}={cfg.value_of(key)}: of the Hugging Face layouts perfgpt writes, only "
+                               f"{who} has it, a mixture of experts (it needs model.moe.experts)")
     misses = {layout: [k for k, v in needs if getattr(cfg, k) != v] for layout, needs in LAYOUT_NEEDS.items()}
     layout = min(misses, key=lambda name: len(misses[name]))
     if misses[layout]:
@@ -104,20 +125,57 @@ def hf_layout(cfg: ModelConfig) -> str:
             f"model.n_kv_head={cfg.n_kv_head}: the GPT-2 layout has no grouped-query attention "
             "(export needs n_kv_head unset or equal to model.n_head)"
         )
-    return layout
+    if layout == GPT2 and cfg.sliding_window is not None:
+        raise InteropError(f"model.sliding_window={cfg.sliding_window}: GPT-2 attends to the whole context")
+    return layout if layout == GPT2 else _rotary_dense_layout(cfg)
 
 
 def _other(layout: str) -> str:
     return LLAMA if layout == GPT2 else GPT2
 
 
+def _rotary_dense_layout(cfg: ModelConfig) -> str:
+    """Llama, Mistral or Qwen2: which biases and windows the model has decides."""
+    biases = (cfg.has_qkv_bias, cfg.has_proj_bias, cfg.bias)
+    if biases == (True, False, False):
+        return QWEN2  # Q/K/V bias only; any layers windowed
+    if cfg.sliding_window is not None:
+        if any(biases):
+            raise InteropError(f"model.sliding_window={cfg.sliding_window} with biases (model.bias={cfg.bias}, "
+                               f"qkv_bias={cfg.has_qkv_bias}, proj_bias={cfg.has_proj_bias}): Mistral has none, "
+                               "Qwen2 only the query/key/value one (model.bias=false, model.qkv_bias=true)")
+        if not _windows_every_layer(cfg):
+            raise InteropError(f"model.sliding_window_every={cfg.sliding_window_every}, sliding_window_first="
+                               f"{cfg.sliding_window_first}: Mistral windows every layer; a window in some layers is "
+                               "Qwen2's (model.qkv_bias=true, model.bias=false) or gpt-oss's (a mixture of experts)")
+        return MISTRAL
+    if cfg.has_qkv_bias != cfg.has_proj_bias:
+        raise InteropError(f"model.qkv_bias={cfg.has_qkv_bias} with proj_bias={cfg.has_proj_bias}: Llama's "
+                           "attention_bias is both or neither; Qwen2's Q/K/V bias alone needs model.bias=false")
+    return LLAMA
+
+
+def _windows_every_layer(cfg: ModelConfig) -> bool:
+    return cfg.sliding_window is None or (cfg.sliding_window_every == 1 and cfg.sliding_window_first == 0)
+
+
 def _moe_layout(cfg: ModelConfig) -> str:
+    if cfg.attention_sinks or cfg.moe.bias or cfg.swiglu_limit is not None:
+        return _gpt_oss_layout(cfg)
     for key, value in MOE_NEEDS:
         if cfg.value_of(key) != value:
             why = {"moe.bias_update_rate": " (the aux-loss-free routing bias has no place in them)",
                    "moe.shared_experts": " (they have no shared experts)"}.get(key, "")
             raise InteropError(f"model.{key}={cfg.value_of(key)}: the Mixtral and Qwen3-MoE layouts need "
                                f"model.{key}={value}{why}")
+    if cfg.has_qkv_bias or cfg.has_proj_bias:
+        key = "qkv_bias" if cfg.has_qkv_bias else "proj_bias"
+        raise InteropError(f"model.{key}=true: the Mixtral and Qwen3-MoE layouts have no attention biases "
+                           "(gpt-oss has them, with its sinks and expert biases)")
+    if not _windows_every_layer(cfg):
+        raise InteropError(f"model.sliding_window_every={cfg.sliding_window_every}, sliding_window_first="
+                           f"{cfg.sliding_window_first}: Mixtral and Qwen3-MoE window every layer or none (gpt-oss "
+                           "windows some)")
     if cfg.qk_norm:
         return QWEN3_MOE
     for key, value in (("renormalize", True), ("every", 1), ("first_dense", 0)):
@@ -125,6 +183,19 @@ def _moe_layout(cfg: ModelConfig) -> str:
             raise InteropError(f"model.moe.{key}={getattr(cfg.moe, key)} with model.qk_norm=false: Mixtral needs "
                                f"model.moe.{key}={value}, Qwen3-MoE (which has it) needs model.qk_norm=true")
     return MIXTRAL
+
+
+def _gpt_oss_layout(cfg: ModelConfig) -> str:
+    for key, value in GPT_OSS_NEEDS:
+        if cfg.value_of(key) != value:
+            raise InteropError(f"model.{key}={cfg.value_of(key)}: gpt-oss (the layout with attention sinks, expert "
+                               f"biases and a clamped SwiGLU) needs model.{key}={value}")
+    if cfg.swiglu_limit is None:
+        raise InteropError("model.swiglu_limit=null: gpt-oss's experts clamp their SwiGLU (its published limit: 7.0)")
+    if cfg.has_qkv_bias != cfg.has_proj_bias:
+        raise InteropError(f"model.qkv_bias={cfg.has_qkv_bias} with proj_bias={cfg.has_proj_bias}: gpt-oss's "
+                           "attention_bias is both or neither")
+    return GPT_OSS
 
 
 # --------------------------------------------------------------------------- name maps
@@ -151,24 +222,30 @@ def _gpt2_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
 
 
 def _llama_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], tuple[int, ...]]]:
-    """(perfgpt name, Llama names, row sizes of the split) for every tensor; one name = a copy."""
-    d, kv = cfg.q_dim, cfg.kv_dim
+    """(perfgpt name, HF names, row sizes of the split) for every tensor of the rotary layouts but
+    the experts' weights (``_expert_names``, ``_gpt_oss_expert_names``); one name = a copy."""
+    d, kv, layout = cfg.q_dim, cfg.kv_dim, hf_layout(cfg)
     yield "tok_emb.weight", ("model.embed_tokens.weight",), ()
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         yield f"{ours}norm1.weight", (f"{theirs}input_layernorm.weight",), ()
         yield f"{ours}norm2.weight", (f"{theirs}post_attention_layernorm.weight",), ()
         qkv = tuple(f"{theirs}self_attn.{p}_proj" for p in "qkv")
-        pairs = [("attn.proj", "self_attn.o_proj")]
-        if cfg.qk_norm:
-            pairs += [("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm")]
-        if cfg.is_moe_layer(i):
-            pairs += [("mlp.router", "block_sparse_moe.gate" if hf_layout(cfg) == MIXTRAL else "mlp.gate")]
-        else:
-            pairs += [("mlp.gate", "mlp.gate_proj"), ("mlp.fc", "mlp.up_proj"), ("mlp.out", "mlp.down_proj")]
-        for kind in ("weight", "bias") if cfg.bias else ("weight",):
+        for kind in ("weight", "bias") if cfg.has_qkv_bias else ("weight",):
             yield f"{ours}attn.qkv.{kind}", tuple(f"{n}.{kind}" for n in qkv), (d, kv, kv)
-            for a, b in pairs:
+        linears = [("attn.proj", "self_attn.o_proj", cfg.has_proj_bias)]  # (ours, theirs, with a bias)
+        if cfg.qk_norm:
+            linears += [("attn.q_norm", "self_attn.q_norm", False), ("attn.k_norm", "self_attn.k_norm", False)]
+        if cfg.attention_sinks:
+            yield f"{ours}attn.sinks.weight", (f"{theirs}self_attn.sinks",), ()
+        if cfg.is_moe_layer(i):
+            router = {MIXTRAL: "block_sparse_moe.gate", QWEN3_MOE: "mlp.gate", GPT_OSS: "mlp.router"}[layout]
+            linears += [("mlp.router", router, cfg.moe.bias)]
+        else:
+            linears += [(f"mlp.{a}", f"mlp.{b}_proj", cfg.bias) for a, b in (("gate", "gate"), ("fc", "up"),
+                                                                               ("out", "down"))]
+        for a, b, with_bias in linears:
+            for kind in ("weight", "bias") if with_bias else ("weight",):
                 yield f"{ours}{a}.{kind}", (f"{theirs}{b}.{kind}",), ()
     yield "norm_f.weight", ("model.norm.weight",), ()
     if not cfg.tie_embeddings:
@@ -176,8 +253,12 @@ def _llama_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], tuple
 
 
 def _expert_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...]]]:
-    """(perfgpt stacked weight, the per-expert HF weights it holds, transposed) for every MoE layer."""
-    mixtral = hf_layout(cfg) == MIXTRAL
+    """(perfgpt stacked weight, the per-expert HF weights it holds, transposed) for every MoE layer
+    of Mixtral and Qwen3-MoE."""
+    layout = hf_layout(cfg)
+    if layout == GPT_OSS:
+        return
+    mixtral = layout == MIXTRAL
     parts = (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")) if mixtral else (
         ("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
     for i in range(cfg.n_layer):
@@ -185,6 +266,25 @@ def _expert_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...]]]:
             theirs = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}.experts"
             for ours, name in parts:
                 yield f"blocks.{i}.mlp.{ours}", tuple(f"{theirs}.{e}.{name}.weight" for e in range(cfg.moe.experts))
+
+
+def _gpt_oss_expert_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, str], str]]:
+    """((perfgpt gate, perfgpt up) or (perfgpt down, ""), the gpt-oss tensor) for every MoE layer.
+    gpt-oss stacks its experts as perfgpt does, (E, in, out), with gate and up in one tensor whose
+    columns alternate: gate at the even ones, up at the odd ones."""
+    if hf_layout(cfg) != GPT_OSS:
+        return
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp.experts."
+        yield (f"{ours}w_gate", f"{ours}w_up"), f"{theirs}gate_up_proj"
+        yield (f"{ours}b_gate", f"{ours}b_up"), f"{theirs}gate_up_proj_bias"
+        yield (f"{ours}w_down", ""), f"{theirs}down_proj"
+        yield (f"{ours}b_down", ""), f"{theirs}down_proj_bias"
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """(..., f) twice -> (..., 2f) with gate at the even columns and up at the odd ones."""
+    return torch.stack((gate, up), dim=-1).flatten(-2)
 
 
 # --------------------------------------------------------------------------- perfgpt -> HF
@@ -212,9 +312,12 @@ def to_hf_config(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> di
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-            "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
-            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout, "pretraining_tp": 1,
+            "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+            "rope_scaling": _hf_rope_scaling(cfg), "attention_dropout": cfg.dropout,
         }
+        if layout == LLAMA:
+            config.update(attention_bias=cfg.has_qkv_bias, mlp_bias=cfg.bias, pretraining_tp=1)
+        config.update(_hf_window(cfg, layout))
         if layout in MOE_LAYOUTS:
             config.update(_moe_hf_config(cfg, layout))
     config.update({"tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
@@ -223,15 +326,49 @@ def to_hf_config(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> di
     return config
 
 
+def _hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
+    """``rope_scaling`` as transformers 4.x wrote it (5.x reads it into ``rope_parameters``)."""
+    r = cfg.rope_scaling
+    common = {"rope_type": r.type, "factor": r.factor, "original_max_position_embeddings": r.original_max_seq_len}
+    if r.type == "llama3":
+        return common | {"low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor}
+    if r.type == "yarn":
+        extra = {"attention_factor": r.attention_factor} if r.attention_factor is not None else {}
+        extra |= {"mscale": r.mscale, "mscale_all_dim": r.mscale_all_dim} if r.mscale and r.mscale_all_dim else {}
+        return common | {"beta_fast": r.beta_fast, "beta_slow": r.beta_slow, "truncate": r.truncate} | extra
+    return None
+
+
+def _hf_window(cfg: ModelConfig, layout: str) -> dict[str, Any]:
+    """The sliding-window keys of each layout (hf_layout has checked that it expresses the pattern)."""
+    window = cfg.sliding_window
+    if layout in (MISTRAL, MIXTRAL):
+        return {"sliding_window": window}
+    if layout == QWEN3_MOE:
+        return {"use_sliding_window": window is not None, "sliding_window": window}
+    types = ["sliding_attention" if cfg.window_of(i) else "full_attention" for i in range(cfg.n_layer)]
+    if layout == QWEN2:
+        return {"use_sliding_window": window is not None, "sliding_window": window,
+                "max_window_layers": cfg.sliding_window_first if window is not None else cfg.n_layer,
+                "layer_types": types}
+    if layout == GPT_OSS:
+        return {"sliding_window": window, "layer_types": types}
+    return {}
+
+
 def _moe_hf_config(cfg: ModelConfig, layout: str) -> dict[str, Any]:
     common = {"num_experts_per_tok": cfg.moe.top_k, "router_aux_loss_coef": cfg.moe.aux_loss,
-              "output_router_logits": False, "sliding_window": None}
+              "output_router_logits": False}
     if layout == MIXTRAL:
         return common | {"intermediate_size": cfg.expert_d_ff, "num_local_experts": cfg.moe.experts,
                          "router_jitter_noise": 0.0}
+    if layout == GPT_OSS:
+        return common | {"intermediate_size": cfg.expert_d_ff, "num_local_experts": cfg.moe.experts,
+                         "swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit,
+                         "attention_bias": cfg.has_qkv_bias}
     return common | {"moe_intermediate_size": cfg.expert_d_ff, "num_experts": cfg.moe.experts,
                      "norm_topk_prob": cfg.moe.renormalize, "decoder_sparse_step": cfg.moe.every,
-                     "mlp_only_layers": list(range(cfg.moe.first_dense)), "use_sliding_window": False}
+                     "mlp_only_layers": list(range(cfg.moe.first_dense))}
 
 
 def to_hf_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> State:
@@ -247,6 +384,9 @@ def to_hf_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> Sta
     for ours, theirs in _expert_names(cfg):
         stacked = _get(state, ours)
         out.update({name: w.detach().t().contiguous() for name, w in zip(theirs, stacked)})
+    for (first, second), theirs in _gpt_oss_expert_names(cfg):
+        tensor = _get(state, first).detach()
+        out[theirs] = _interleave(tensor, _get(state, second).detach()) if second else tensor.clone()
     return out
 
 
@@ -298,11 +438,12 @@ def _stored(cfg: ModelConfig, state: State) -> State:
 HF_INT_FIELDS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner", "max_position_embeddings",
                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
                  "intermediate_size", "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
-                 "moe_intermediate_size", "decoder_sparse_step")
+                 "moe_intermediate_size", "decoder_sparse_step", "sliding_window")
 HF_ZERO_MEANS_DEFAULT = ("n_inner", "num_key_value_heads")  # 0 (or null): 4 x n_embd, num_attention_heads
 HF_FLOAT_FIELDS = ("layer_norm_epsilon", "rms_norm_eps", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                   "attention_dropout", "initializer_range", "rope_theta", "router_aux_loss_coef")
-HF_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob")
+                   "attention_dropout", "initializer_range", "rope_theta", "router_aux_loss_coef", "swiglu_alpha",
+                   "swiglu_limit")
+HF_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "use_sliding_window")
 HF_STR_FIELDS = ("model_type", "activation_function", "hidden_act")
 HF_OBJECT_FIELDS = ("rope_scaling", "rope_parameters")
 HF_TOKEN_FIELDS = ("eos_token_id", "bos_token_id")  # an id or a list of ids
@@ -327,7 +468,10 @@ def check_hf_config_types(config: Any) -> None:
                            (HF_OBJECT_FIELDS, lambda v: isinstance(v, Mapping), "an object (or null)"),
                            (HF_TOKEN_FIELDS, _is_token_ids, "a token id or a list of them"),
                            (("mlp_only_layers",), lambda v: isinstance(v, list) and all(_is_index(i) for i in v),
-                            "a list of layer indices")):
+                            "a list of layer indices"),
+                           (("layer_types",), lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v),
+                            "a list of layer type names"),
+                           (("max_window_layers",), _is_index, "a layer index")):
         for key in keys:
             value = config.get(key)
             if value is not None and not ok(value):
@@ -356,18 +500,25 @@ def _is_token_ids(value: Any) -> bool:
 
 
 def from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
-    """A perfgpt ModelConfig for an HF GPT-2 or Llama ``config.json``; InteropError for what it cannot express."""
+    """A perfgpt ModelConfig for an HF ``config.json`` of one of HF_ARCHITECTURES' layouts;
+    InteropError for what it cannot express."""
     check_hf_config_types(config)
     model_type = config.get("model_type")
+    quantized = config.get("quantization_config")
+    if quantized is not None:  # e.g. gpt-oss as OpenAI publishes it: MXFP4 expert blocks and scales
+        method = quantized.get("quant_method") if isinstance(quantized, Mapping) else quantized
+        raise InteropError(f"config.json quantization_config quant_method={short_repr(method)}: perfgpt reads "
+                           "unquantized weights; load the model with transformers, dequantized, and save_pretrained "
+                           "it again")
     if model_type == GPT2:
         cfg = _from_gpt2_config(config)
-    elif model_type == LLAMA:
-        cfg = _from_llama_config(config)
+    elif model_type in (LLAMA, MISTRAL, QWEN2):
+        cfg = _from_rotary_config(config, model_type)
     elif model_type in MOE_LAYOUTS:
         cfg = _from_moe_config(config, model_type)
     else:
-        raise InteropError(f"config.json model_type={model_type!r}: perfgpt reads the {GPT2}, {LLAMA}, {MIXTRAL} "
-                           f"and {QWEN3_MOE} layouts only")
+        raise InteropError(f"config.json model_type={model_type!r}: perfgpt reads the {', '.join(HF_ARCHITECTURES)} "
+                           "layouts only")
     cfg.validate()
     return cfg
 
@@ -390,22 +541,11 @@ def _from_gpt2_config(c: Mapping[str, Any]) -> ModelConfig:
     )
 
 
-def _from_llama_config(c: Mapping[str, Any]) -> ModelConfig:
+def _from_rotary_config(c: Mapping[str, Any], layout: str) -> ModelConfig:
+    """Llama, Mistral and Qwen2, and the attention, norms and embeddings of the MoE layouts."""
     if c.get("hidden_act", "silu") != "silu":
         raise InteropError(f"config.json hidden_act={c.get('hidden_act')!r}: perfgpt's SwiGLU uses silu")
-    for key in HF_OBJECT_FIELDS:  # both, where an older writer left rope_scaling beside rope_parameters
-        rope_type = (c.get(key) or {}).get("rope_type", (c.get(key) or {}).get("type", "default"))
-        if rope_type != "default":
-            raise InteropError(f"config.json rope type {short_repr(rope_type)}: perfgpt has plain rotary embeddings "
-                               "(no scaling)")
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if not _is_finite_number(rope.get("rope_theta", 0.0)):
-        raise InteropError(f"config.json rope_theta={short_repr(rope['rope_theta'])} must be a finite number")
-    if c.get("attention_bias", False) != c.get("mlp_bias", False):
-        raise InteropError(
-            f"config.json attention_bias={c.get('attention_bias', False)} with mlp_bias={c.get('mlp_bias', False)}: "
-            "perfgpt's model.bias puts biases on every linear layer or none"
-        )
+    theta, scaling = _rope_from_hf(c, 150000.0 if layout == GPT_OSS else 10000.0)
     d, heads = c.get("hidden_size", 4096), c.get("num_attention_heads", 32)
     head_dim = c.get("head_dim")
     kv_heads = c.get("num_key_value_heads") or heads
@@ -414,23 +554,103 @@ def _from_llama_config(c: Mapping[str, Any]) -> ModelConfig:
         vocab_size=c.get("vocab_size", 32000), max_seq_len=c.get("max_position_embeddings", 2048),
         n_layer=c.get("num_hidden_layers", 32), n_head=heads, n_kv_head=None if kv_heads == heads else kv_heads,
         d_model=d, d_ff=c.get("intermediate_size", 11008), norm="rmsnorm", norm_eps=c.get("rms_norm_eps", 1e-6),
-        mlp="swiglu", position="rope", rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-        tie_embeddings=c.get("tie_word_embeddings", False), bias=bool(c.get("attention_bias", False)),
+        mlp="swiglu", position="rope", rope_theta=theta, rope_scaling=scaling,
+        tie_embeddings=c.get("tie_word_embeddings", False), **_biases_from_hf(c, layout), **_window_from_hf(c, layout),
         dropout=c.get("attention_dropout", 0.0) or 0.0, init_std=c.get("initializer_range", 0.02),
     )
 
 
+def _biases_from_hf(c: Mapping[str, Any], layout: str) -> dict[str, Any]:
+    """model.bias (the MLP's), qkv_bias and proj_bias of each layout."""
+    if layout == QWEN2:
+        return {"bias": False, "qkv_bias": True}  # Qwen2's Q/K/V projections always have one, nothing else
+    if layout in (MISTRAL, MIXTRAL):
+        return {"bias": False}
+    attention = bool(c.get("attention_bias", layout == GPT_OSS))
+    mlp = bool(c.get("mlp_bias", False)) if layout == LLAMA else False
+    return {"bias": mlp} | ({} if attention == mlp else {"qkv_bias": attention, "proj_bias": attention})
+
+
+HF_ROPE_TYPES = ("default", "llama3", "yarn")
+
+
+def _rope_from_hf(c: Mapping[str, Any], default_theta: float) -> tuple[float, RopeScaling]:
+    """(rope_theta, model.rope_scaling) from ``rope_parameters`` (transformers 5) or ``rope_scaling`` and
+    ``rope_theta`` (4.x)."""
+    for key in HF_OBJECT_FIELDS:  # both, where an older writer left rope_scaling beside rope_parameters
+        rope_type = (c.get(key) or {}).get("rope_type", (c.get(key) or {}).get("type", "default"))
+        if rope_type not in HF_ROPE_TYPES:
+            raise InteropError(f"config.json rope type {short_repr(rope_type)}: perfgpt has the rotary scalings "
+                               f"{', '.join(HF_ROPE_TYPES)} (model.rope_scaling.type)")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    numbers = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+               "attention_factor", "mscale", "mscale_all_dim", "partial_rotary_factor")
+    for key in numbers:
+        if rope.get(key) is not None and not _is_finite_number(rope[key]):
+            raise InteropError(f"config.json rope {key}={short_repr(rope[key])} must be a finite number")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise InteropError(f"config.json partial_rotary_factor={rope['partial_rotary_factor']}: perfgpt rotates the "
+                           "whole head")
+    theta = float(rope.get("rope_theta", c.get("rope_theta", default_theta)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return theta, RopeScaling()
+    original = rope.get("original_max_position_embeddings", c.get("max_position_embeddings", 2048))
+    check_size("config.json rope original_max_position_embeddings", original)
+    factor = rope.get("factor") or c.get("max_position_embeddings", original) / original
+    common = {"type": rope_type, "factor": float(factor), "original_max_seq_len": original}
+    if rope_type == "llama3":
+        return theta, RopeScaling(**common, low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                                  high_freq_factor=float(rope.get("high_freq_factor", 4.0)))
+    attention = rope.get("attention_factor")
+    return theta, RopeScaling(**common, beta_fast=float(rope.get("beta_fast") or 32.0),
+                              beta_slow=float(rope.get("beta_slow") or 1.0), truncate=bool(rope.get("truncate", True)),
+                              attention_factor=None if attention is None else float(attention),
+                              mscale=float(rope.get("mscale") or 0.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+
+
+def _window_from_hf(c: Mapping[str, Any], layout: str) -> dict[str, Any]:
+    """model.sliding_window and the layers that have it, from each layout's keys."""
+    window = c.get("sliding_window")
+    if layout in (QWEN2, QWEN3_MOE) and not c.get("use_sliding_window", False):
+        window = None  # their configs carry a window that only use_sliding_window switches on
+    if window is None or layout == LLAMA:
+        return {}
+    n = c.get("num_hidden_layers", 32)
+    types = c.get("layer_types")
+    if types is not None:
+        if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+            raise InteropError(f"config.json layer_types={short_repr(types)}: perfgpt has sliding_attention and "
+                               f"full_attention layers, one type per layer ({n})")
+        windowed = [t == "sliding_attention" for t in types]
+    elif layout == QWEN2:
+        windowed = [i >= c.get("max_window_layers", n) for i in range(n)]
+    elif layout == GPT_OSS:
+        windowed = [i % 2 == 0 for i in range(n)]  # GptOssConfig's default: the even layers
+    else:
+        windowed = [True] * n  # Mistral, Mixtral, Qwen3-MoE: every layer
+    at = [i for i, w in enumerate(windowed) if w]
+    if not at:
+        return {}
+    keys = {"sliding_window": window, "sliding_window_first": at[0],
+            "sliding_window_every": at[1] - at[0] if len(at) > 1 else n}
+    if [i in at for i in range(n)] != [i >= at[0] and (i - at[0]) % keys["sliding_window_every"] == 0
+                                       for i in range(n)]:
+        raise InteropError(f"config.json layer_types={short_repr(types)}: perfgpt windows every k-th layer from a "
+                           "first one (model.sliding_window_every, model.sliding_window_first)")
+    return keys
+
+
 def _from_moe_config(c: Mapping[str, Any], layout: str) -> ModelConfig:
-    """Mixtral / Qwen3-MoE: Llama's attention and norms, plus the router and the experts."""
-    if c.get("sliding_window") is not None and c.get("use_sliding_window", layout == MIXTRAL):
-        raise InteropError(f"config.json sliding_window={c['sliding_window']}: perfgpt attends to the whole context")
-    if c.get("attention_bias", False):
-        raise InteropError("config.json attention_bias=true: perfgpt's MoE layouts have no biases")
-    for key in ("sinks", "shared_expert_intermediate_size", "n_shared_experts", "topk_group"):
+    """Mixtral / Qwen3-MoE / gpt-oss: Llama's attention and norms, plus the router and the experts."""
+    if layout != GPT_OSS and c.get("attention_bias", False):
+        raise InteropError(f"config.json attention_bias=true: perfgpt reads {layout} without attention biases "
+                           "(gpt-oss has them)")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "topk_group"):
         if c.get(key):
             raise InteropError(f"config.json {key}={c[key]!r}: perfgpt's MoE layouts have no such part")
-    base = _from_llama_config({k: v for k, v in c.items() if k not in ("intermediate_size",)}
-                              | {"intermediate_size": c.get("intermediate_size", 14336)})
+    base = _from_rotary_config({k: v for k, v in c.items() if k not in ("intermediate_size",)}
+                               | {"intermediate_size": c.get("intermediate_size", 14336)}, layout)
     experts = c.get("num_experts", c.get("num_local_experts"))
     if not isinstance(experts, int) or isinstance(experts, bool):
         raise InteropError(f"config.json num_experts={experts!r} must be an integer")
@@ -438,6 +658,12 @@ def _from_moe_config(c: Mapping[str, Any], layout: str) -> ModelConfig:
                     aux_loss=float(c.get("router_aux_loss_coef", 0.01)))
     if layout == MIXTRAL:
         return dataclasses.replace(base, moe=moe)  # the experts are intermediate_size wide (moe.d_ff unset)
+    if layout == GPT_OSS:
+        # Top-k of the router's logits, then a softmax over those k: Mixtral's softmax renormalised over
+        # its top-k, the same weights. Every layer routes; the experts are intermediate_size wide.
+        return dataclasses.replace(base, attention_sinks=True, swiglu_limit=float(c.get("swiglu_limit", 7.0)),
+                                   swiglu_alpha=float(c.get("swiglu_alpha", 1.702)),
+                                   moe=dataclasses.replace(moe, renormalize=True, bias=True))
     dense = c.get("mlp_only_layers") or []
     if list(dense) != list(range(len(dense))):
         raise InteropError(f"config.json mlp_only_layers={dense}: perfgpt's dense layers are the first k "
@@ -472,6 +698,11 @@ def from_hf_state_dict(config: Mapping[str, Any], state: Mapping[str, torch.Tens
             out[ours] = torch.cat([state[name] for name in theirs]) if len(theirs) > 1 else state[theirs[0]]
         for ours, theirs in _expert_names(cfg):
             out[ours] = torch.stack([state[name].t() for name in theirs])
+        for (first, second), theirs in _gpt_oss_expert_names(cfg):
+            if second:
+                out[first], out[second] = state[theirs][..., 0::2], state[theirs][..., 1::2]
+            else:
+                out[first] = state[theirs]
     return cfg, _tie(cfg, _stored(cfg, out))
 
 

@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from common.errors import CapabilityError
 from common.values import local_shard
+from kernels.reference import clamped_swiglu
 from kernels.registry import REFERENCE_OPS, KernelOps
 from model.config import ModelConfig
 
@@ -201,15 +202,28 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, backe
     return torch.cat([r @ w_e for r, w_e in zip(rows, w)])
 
 
+ExpertBiases = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]  # (gate, up, down), each (E, width)
+
+
 def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-               w_gate: torch.Tensor | None, ops: KernelOps, gelu_approximate: str, backend: str) -> torch.Tensor:
-    """The experts' MLPs on token rows sorted by expert (A, C) -> (A, C): SwiGLU with a gate, else GELU."""
-    up = grouped_matmul(x, w_up, counts, backend)
+               w_gate: torch.Tensor | None, ops: KernelOps, gelu_approximate: str, backend: str,
+               biases: ExpertBiases | None = None, clamp: tuple[float, float] | None = None) -> torch.Tensor:
+    """The experts' MLPs on token rows sorted by expert (A, C) -> (A, C): SwiGLU with a gate, else GELU.
+
+    ``biases``: each expert's (gate, up, down) biases, added to its rows (gpt-oss); ``clamp``:
+    (alpha, limit) of gpt-oss's clamped SwiGLU (kernels/reference.py ``clamped_swiglu``)."""
+    b_gate, b_up, b_down = biases or (None, None, None)
+
+    def plus(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:  # row r gets its expert's bias
+        return y if b is None else y + torch.repeat_interleave(b.to(y.dtype), counts, dim=0, output_size=y.shape[0])
+
+    up = plus(grouped_matmul(x, w_up, counts, backend), b_up)
     if w_gate is not None:
-        h = ops.swiglu(grouped_matmul(x, w_gate, counts, backend), up)
+        gate = plus(grouped_matmul(x, w_gate, counts, backend), b_gate)
+        h = ops.swiglu(gate, up) if clamp is None else clamped_swiglu(gate, up, *clamp)
     else:
         h = ops.bias_gelu(up, None, gelu_approximate)
-    return grouped_matmul(h, w_down, counts, backend)
+    return plus(grouped_matmul(h, w_down, counts, backend), b_down)
 
 
 # --------------------------------------------------------------------------- 4. unpermute
@@ -273,11 +287,17 @@ class MoE(nn.Module):
         self.scoring, self.renormalize, self.routed_scale = cfg.moe.router, cfg.moe.renormalize, cfg.moe.routed_scale
         self.aux_coef, self.z_coef, self.capacity_factor = cfg.moe.aux_loss, cfg.moe.z_loss, cfg.moe.capacity
         self.gelu_approximate = "tanh" if cfg.gelu == "tanh" else "none"
-        self.router = nn.Linear(d, e, bias=False)
+        self.clamp = None if cfg.swiglu_limit is None else (cfg.swiglu_alpha, cfg.swiglu_limit)
+        self.router = nn.Linear(d, e, bias=cfg.moe.bias)
         # Stacked (E, in, out): x @ w[e] per expert, the layout torch._grouped_mm takes as it is.
         self.w_gate = nn.Parameter(torch.empty(e, d, f)) if cfg.mlp == "swiglu" else None
         self.w_up = nn.Parameter(torch.empty(e, d, f))
         self.w_down = nn.Parameter(torch.empty(e, f, d))
+        # Per-expert biases (gpt-oss), stacked on the same expert dimension as the weights.
+        with_bias = cfg.moe.bias
+        self.b_gate = nn.Parameter(torch.zeros(e, f)) if with_bias and self.w_gate is not None else None
+        self.b_up = nn.Parameter(torch.zeros(e, f)) if with_bias else None
+        self.b_down = nn.Parameter(torch.zeros(e, d)) if with_bias else None
         if cfg.moe.bias_update_rate > 0:  # state of the run, so saved with the weights
             self.register_buffer("expert_bias", torch.zeros(e))
         else:
@@ -300,11 +320,19 @@ class MoE(nn.Module):
         self.earlier_elsewhere: Callable[[torch.Tensor], tuple[torch.Tensor, int]] | None = None
 
     @torch.no_grad()
-    def init_weights(self, std: float, out_std: float) -> None:
-        for w in (self.w_gate, self.w_up):
+    def init_weights(self, std: float, out_std: float, draw: Callable[[torch.Tensor, float], object] | None = None,
+                     up_std: float | None = None) -> None:
+        """Expert weights drawn by ``draw(w, std)`` (default: normal): the gate with ``std``, the up
+        projection with ``up_std`` (default ``std``), the down projection, a residual projection like
+        MLP.out, with ``out_std``; biases zero."""
+        draw = draw or (lambda w, s: nn.init.normal_(w, 0.0, s))
+        for w, w_std in ((self.w_gate, std), (self.w_up, std if up_std is None else up_std)):
             if w is not None:
-                nn.init.normal_(w, 0.0, std)
-        nn.init.normal_(self.w_down, 0.0, out_std)  # a residual projection, like MLP.out
+                draw(w, w_std)
+        draw(self.w_down, out_std)
+        for b in (self.b_gate, self.b_up, self.b_down):
+            if b is not None:
+                b.zero_()
         if self.expert_bias is not None:
             self.expert_bias.zero_()
 
@@ -331,7 +359,7 @@ class MoE(nn.Module):
         """Token rows sorted by expert (A, C), ``counts`` (E,) per expert -> their outputs (A, C).
         The seam expert parallelism replaces (parallel/ep.py: dispatch, local experts, combine)."""
         return expert_mlp(rows, counts, self.w_up, self.w_down, self.w_gate, self.ops, self.gelu_approximate,
-                          self.backend)
+                          self.backend, (self.b_gate, self.b_up, self.b_down), self.clamp)
 
     def _aux_loss(self, routing: Routing) -> torch.Tensor | None:
         aux = None

@@ -32,8 +32,12 @@ NEEDS: tuple[ApiNeed, ...] = (
     ApiNeed("deepspeed", "0.17.1", "bf16.check_grad_overflow (skips non-finite bf16_master steps)", "parallel/zero.py"),
     ApiNeed("flash-attn", "2.7.0", "the torch op flash_attn::_flash_attn_forward, whose output op_selective keeps",
             "model/recompute.py"),
+    ApiNeed("flash-attn", "2.3", "flash_attn_func and flash_attn_varlen_func's window_size (sliding windows)",
+            "model/attention.py"),
     ApiNeed("transformers", "4.41", "LlamaConfig.mlp_bias: a Llama-layout export with biases loads with its MLP "
             "biases (older releases drop them)", "model/interop.py, tests/unit/model/test_interop.py"),
+    ApiNeed("transformers", "4.55", "GptOssConfig and GptOssForCausalLM, the gpt-oss layout model/interop.py reads and "
+            "writes", "tests/unit/model/test_model_families.py"),
     ApiNeed("torchao", "0.9", "Float8LinearConfig.from_recipe_name (the tensorwise and rowwise float8 training "
             "recipes by name)", "parallel/float8.py"),
     ApiNeed("lm-eval", "0.4.12", "TaskManager(include_defaults=...), TaskManager.task_index and "

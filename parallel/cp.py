@@ -14,7 +14,9 @@ model code has no cp in it. With cp ranks and sequences of T tokens:
                backend does (flash-attn, SDPA, the reference). Backward reduce-scatters (sums) the
                gradients of the gathered keys and values back to the ranks that computed them.
                This is the all-gather form Llama 3 used in production: exact, backend-independent,
-               and its traffic is 2 (cp - 1) / cp of one layer's K/V per rank.
+               and its traffic is 2 (cp - 1) / cp of one layer's K/V per rank. A layer with a
+               sliding window of W tokens gives each chunk only the keys its queries can see,
+               from W - 1 before the chunk's start on (crossing into earlier chunks as needed).
     loss       each rank returns cp * (its summed token losses) / (tokens of the whole sequence), so
                the mean over the cp ranks is the mean over every token, and the gradients the cp
                ranks average (as data-parallel ranks: ``ParallelDims.fsdp_dims`` folds cp into the
@@ -98,17 +100,21 @@ class ContextParallelCore(nn.Module):
         super().__init__()
         self.inner, self.group, self.chunks = inner, group, chunk_ids(cp, rank)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q, k, v: this rank's chunks (B, 2c, heads, D); ``documents`` (B, T): of the whole sequence."""
         kv = gather_sequence(torch.stack((k, v), dim=2), self.group)  # one collective: (B, T, 2, H_kv, D)
         k_all, v_all = kv.unbind(2)
         c = q.shape[1] // 2
+        window = self.inner.window
         out = []
         for j, g in enumerate(self.chunks):
             end = (g + 1) * c  # keys up to the end of this chunk; the queries are its last c of them
-            docs = None if documents is None else documents[:, :end]
-            out.append(self.inner(q[:, j * c:(j + 1) * c], k_all[:, :end], v_all[:, :end], docs))
+            # With a sliding window the chunk's first query sees back to end - c - window + 1 only; the
+            # keys before, possibly in earlier chunks, are left out (the masks align bottom-right).
+            start = 0 if window is None else max(0, end - c - window + 1)
+            docs = None if documents is None else documents[:, start:end]
+            out.append(self.inner(q[:, j * c:(j + 1) * c], k_all[:, start:end], v_all[:, start:end], docs, sinks))
         return torch.cat(out, dim=1)
 
     def extra_repr(self) -> str:

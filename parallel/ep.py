@@ -60,7 +60,7 @@ import torch.nn as nn
 from common.values import local_shard
 from model.moe import MoE, expert_mlp, moe_layers
 
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")  # stacked on the expert dimension
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -159,10 +159,12 @@ class ExpertParallelMoE(MoE):
         return super().forward(x).clone()
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w_up, w_down, w_gate = (self._local(w, rows.dtype) for w in (self.w_up, self.w_down, self.w_gate))
+        w_up, w_down, w_gate, *biases = (self._local(w, rows.dtype) for w in
+                                         (self.w_up, self.w_down, self.w_gate, self.b_gate, self.b_up, self.b_down))
 
         def local_experts(x: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
-            return expert_mlp(x, local_counts, w_up, w_down, w_gate, self.ops, self.gelu_approximate, self.backend)
+            return expert_mlp(x, local_counts, w_up, w_down, w_gate, self.ops, self.gelu_approximate, self.backend,
+                              tuple(biases), self.clamp)
 
         return dispatch_and_combine(rows, counts, self.ep_group, local_experts)
 

@@ -217,7 +217,8 @@ def choose_attention(model_cfg: ModelConfig, device: torch.device, policy: Preci
     """The attention backend for this device and compute dtype, and one line saying why."""
     if model_cfg.layers == "te":
         return "sdpa", "attention: Transformer Engine's own (model.layers=te)"
-    return select_attention(model_cfg.attention, device, policy.compute_dtype, model_cfg.head_dim)
+    return select_attention(model_cfg.attention, device, policy.compute_dtype, model_cfg.head_dim,
+                            window=model_cfg.sliding_window, sinks=model_cfg.attention_sinks)
 
 
 def choose_expert_backend(model_cfg: ModelConfig, device: torch.device, policy: PrecisionPolicy

@@ -7,7 +7,8 @@ no TP in it. Per block, with t ranks:
     norm1, norm2     SequenceParallel: each rank normalizes T/t positions (params replicated)
     attn             all-gather the sequence, then qkv column-parallel (each rank computes its
                      key/value groups and their query heads), the attention core on local
-                     heads, proj row-parallel with a reduce-scatter back to T/t positions
+                     heads (attention sinks split with them), proj row-parallel with a
+                     reduce-scatter back to T/t positions
     mlp              all-gather, fc column-parallel, activation on local columns, out
                      row-parallel with a reduce-scatter
     MoE layer        not split: router, experts and shared experts replicated over the tp ranks,
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -83,6 +84,8 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
             "attn.proj": RowwiseParallel(output_layouts=seq),
             "norm2": _norm_style(sequence_parallel),
         }
+        if block.attn.sinks is not None:
+            plan["attn.sinks"] = ShardedByHeads()
         if isinstance(block.mlp, MoE):
             # The MoE layer takes the positions this rank holds as a plain tensor (its own T/t slice
             # under sequence parallelism, the whole sequence otherwise) and returns them.
@@ -160,6 +163,20 @@ class ReplicatedModule(ParallelStyle):
         return distribute_module(module, device_mesh, _replicate_parameters, to_dtensors, to_local)
 
 
+class ShardedByHeads(ParallelStyle):
+    """A parameter with one entry per query head (attention sinks), split as ``attn.qkv`` splits the
+    heads: rank r holds heads [r H/t, (r + 1) H/t), contiguous because the fused projection keeps
+    each key/value group's query heads together. The module returns its local entries."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for p_name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(p_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
+                                                            requires_grad=param.requires_grad))
+
+        return distribute_module(module, device_mesh, shard, output_fn=lambda mod, out, mesh: out.to_local())
+
+
 def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
     for p_name, param in list(module.named_parameters(recurse=False)):
         module.register_parameter(p_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()],
@@ -197,9 +214,11 @@ class ReplicatedMoE(MoE):
     expert_grad_placements: tuple = (Replicate(),)
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w_up, w_down, w_gate = (None if w is None else w.to_local(grad_placements=self.expert_grad_placements)
-                                for w in (self.w_up, self.w_down, self.w_gate))
-        return expert_mlp(rows, counts, w_up, w_down, w_gate, self.ops, self.gelu_approximate, self.backend)
+        w_up, w_down, w_gate, *biases = (None if w is None else w.to_local(grad_placements=self.expert_grad_placements)
+                                         for w in (self.w_up, self.w_down, self.w_gate, self.b_gate, self.b_up,
+                                                   self.b_down))
+        return expert_mlp(rows, counts, w_up, w_down, w_gate, self.ops, self.gelu_approximate, self.backend,
+                          tuple(biases), self.clamp)
 
 
 def replicate_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:

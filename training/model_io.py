@@ -9,8 +9,8 @@ Sources ``load_source`` reads:
   checkpoint's meta.json holds the model config and the dataset's tokenizer;
 - a ``.safetensors`` file written by ``tools/export.py --format safetensors`` (the same facts in
   its metadata);
-- a Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE model directory, and a nanoGPT ``ckpt.pt``
-  (model/interop.py).
+- a Hugging Face GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE or gpt-oss model directory, and a
+  nanoGPT ``ckpt.pt`` (model/interop.py).
 
 Weights leave as that safetensors file or as a Hugging Face directory (``write_export``).
 """
@@ -25,7 +25,7 @@ from typing import Any, Collection, Mapping
 import torch
 
 from common.errors import CheckpointError, ConfigError, InteropError
-from model.config import ModelConfig
+from model.config import ModelConfig, RopeScaling
 from model.gpt import GPT
 from model.interop import CONFIG_FILE, check_state_dict, read_hf_dir, read_nanogpt_ckpt, write_hf_dir
 from parallel.checkpoint import FULL_STATE_FILE, has_sharded_state, read_model_weights, safe_torch_load
@@ -34,15 +34,19 @@ from training import checkpoint as ckpt
 from training.config import JobConfig, from_dict, to_dict, upgrade_renamed
 
 FORMATS = ("hf", "safetensors")
-# What a source defines: the function its weights compute (shapes, norms, positions, heads, and which
-# experts a token runs and how their outputs are weighed). The other model keys (dropout, backends,
-# recompute, the MoE balancing losses, routing bias rate and capacity) stay the run's.
+# What a source defines: the function its weights compute (shapes, norms, positions, heads, attention
+# windows and sinks, biases, which experts a token runs and how their outputs are weighed). The other
+# model keys (dropout, backends, recompute, init, the MoE balancing losses, routing bias rate and
+# capacity) stay the run's.
 ARCHITECTURE_KEYS = ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "attention_head_dim",
-                     "qk_norm", "d_ff", "norm", "norm_eps", "mlp", "gelu", "position", "rope_theta", "tie_embeddings",
-                     "bias", "moe.experts", "moe.top_k", "moe.shared_experts", "moe.d_ff", "moe.every",
-                     "moe.first_dense", "moe.router", "moe.renormalize", "moe.routed_scale")
+                     "qk_norm", "d_ff", "norm", "norm_eps", "mlp", "gelu", "swiglu_limit", "swiglu_alpha", "position",
+                     "rope_theta", *(f"rope_scaling.{k}" for k in RopeScaling.__dataclass_fields__), "tie_embeddings",
+                     "bias", "qkv_bias", "proj_bias", "sliding_window", "sliding_window_every", "sliding_window_first",
+                     "attention_sinks", "moe.experts", "moe.top_k", "moe.shared_experts", "moe.d_ff", "moe.every",
+                     "moe.first_dense", "moe.router", "moe.renormalize", "moe.routed_scale", "moe.bias")
 # Keys whose unset value means a derived one: a config and a source agree when the derived values do.
-DERIVED = {"n_kv_head": "kv_heads", "attention_head_dim": "head_dim", "moe.d_ff": "expert_d_ff"}
+DERIVED = {"n_kv_head": "kv_heads", "attention_head_dim": "head_dim", "moe.d_ff": "expert_d_ff",
+           "qkv_bias": "has_qkv_bias", "proj_bias": "has_proj_bias"}
 SAFETENSORS_NAME = "model.safetensors"
 EXPORT_FILES = frozenset({CONFIG_FILE, SAFETENSORS_NAME})  # what either format writes into --out
 # Keys of the safetensors metadata (strings only) and of an exported HF config.json.

@@ -107,6 +107,7 @@ def activation_bytes_per_layer(
         raise EstimatorError(f"tp must be >= 1 (got {tp})")
     s, b, h, a = seq_len, micro_batch, model_cfg.d_model, model_cfg.n_head
     kv = model_cfg.kv_dim  # K and V are each kv wide; h with multi-head attention, less with GQA
+    q = model_cfg.q_dim  # the query and the core's output: h unless the heads are set apart (head_dim)
     p, m = dtype_bytes, dropout_mask_bytes
     with_dropout = model_cfg.dropout > 0 if dropout is None else dropout
     tokens = s * b
@@ -135,7 +136,7 @@ def activation_bytes_per_layer(
     if recompute == "op_selective":
         moe = _moe_activation_share(model_cfg, _moe_matmul_output_elements(model_cfg)) if model_cfg.moe.experts else 0.0
         outside = h + h + h + moe  # block input, projection output, MLP output (+ MoE layers' matmul outputs)
-        inside = (h + 2 * kv) + h + _mlp_matmul_output_elements(model_cfg) - moe  # qkv, core output, fc
+        inside = (q + 2 * kv) + q + _mlp_matmul_output_elements(model_cfg) - moe  # qkv, core output, fc
         core_extra = 4.0 * a * s * b if attention == "flash" else p * a * s * s * b  # lse, or the QK^T bmm output
         return tp_split(p * tokens * outside, p * tokens * inside + core_extra, **split)
 
@@ -147,8 +148,8 @@ def activation_bytes_per_layer(
     moe = _moe_activation_share(model_cfg, _moe_activation_elements(model_cfg, p)) if model_cfg.moe.experts else 0.0
     outside += moe
     inside = (
-        h + 2 * kv  # Q and K (for QK^T) and V (for @V)
-        + h  # output projection input
+        q + 2 * kv  # Q and K (for QK^T) and V (for @V)
+        + q  # output projection input
         + _mlp_activation_elements(model_cfg, p) - moe
     )
     masks = 2 * m * tokens * h if with_dropout else 0  # after attention and after the MLP: outside

@@ -20,6 +20,10 @@ STRATEGIES = choices(ParallelConfig, "strategy")
 PRECISION_MODES = choices(PrecisionConfig, "mode")
 PP_SCHEDULES = choices(ParallelConfig, "pp_schedule")
 ATTENTION_KINDS = ("materialized", "flash")
+# How a framework's ZeRO-1/2 reduces gradients: DeepSpeed's (the trainer's) all-reduces its gradient buckets,
+# ZeRO-2 every micro-batch; Megatron's distributed optimizer (and the ZeRO paper's count) reduce-scatters
+# the accumulated gradients once per step.
+ZERO_REDUCTIONS = ("deepspeed", "reduce_scatter")
 # Attention backends (model.attention) by what they store: only the reference keeps the scores.
 ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_attn": "flash", "auto": "flash"}
 
@@ -75,9 +79,9 @@ class Assumptions:
     # fitted (docs/estimator.md, "Calibration")
     gemm_fraction_ampere: float = 0.92  # A100: a GEMM's share of the dense peak as its output dims grow without bound
     gemm_fraction_hopper: float = 0.61  # H100/H200: the same
-    gemm_knee: float = 448.0  # an output dimension x runs at x / (x + knee) of that rate
+    gemm_knee: float = 420.0  # an output dimension x runs at x / (x + knee) of that rate
     attention_fraction: float = 0.31  # a fused (flash) attention kernel's rate, relative to a large GEMM's
-    elementwise_scale: float = 1.68  # multiplier on the counted element-wise memory traffic
+    elementwise_scale: float = 1.80  # multiplier on the counted element-wise memory traffic
     fp8_gemm_fraction: float = 0.99  # FP8 GEMMs: share of the dense FP8 peak as the output dims grow
     # stated
     overlap_efficiency: float = 0.5  # share of an overlappable collective that compute really hides
@@ -123,12 +127,15 @@ class JobSpec:
     tp_overlap: bool = False
     dp_overlap: bool = True
     fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
+    zero_reduction: str = "deepspeed"  # ZERO_REDUCTIONS: how ZeRO-1/2 reduce gradients (communication.py)
+    ddp_no_sync: bool = True  # DDP reduces once per step (the trainer's no_sync); False: every micro-batch
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.layout.strategy, STRATEGIES)
         check_choice("recompute", self.recompute, RECOMPUTE_POLICIES)
         check_choice("precision", self.precision, PRECISION_MODES)
         check_choice("pp_schedule", self.layout.pp_schedule, PP_SCHEDULES)
+        check_choice("zero_reduction", self.zero_reduction, ZERO_REDUCTIONS)
         for key in ("seq_len", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise EstimatorError(f"{key} must be >= 1 (got {getattr(self, key)})")
@@ -138,6 +145,9 @@ class JobSpec:
             raise EstimatorError(str(exc)) from None
         if self.precision == "fp8" and self.device.fp8_tflops is None:
             raise EstimatorError(f"precision=fp8 needs FP8 tensor cores; {self.device.name} has none (use bf16_master)")
+        if self.model.attention_sinks and self.model.attention in ("sdpa", "flash_attn"):
+            raise EstimatorError(f"model.attention={self.model.attention} cannot run model.attention_sinks (no sink "
+                                 "term in its softmax); use model.attention=reference or auto")
 
     @property
     def local_seq_len(self) -> int:
@@ -151,7 +161,10 @@ class JobSpec:
 
     @property
     def attention(self) -> str:
-        # sdpa and flash_attn never store the scores on a GPU; only the reference backend does.
+        # sdpa and flash_attn never store the scores on a GPU; only the reference backend does, and
+        # it is the one that runs attention sinks (model/attention.py: the others have no sink term).
+        if self.model.attention_sinks:
+            return "materialized"
         return ATTENTION_BACKEND_KIND[self.model.attention]
 
     @property

@@ -160,12 +160,22 @@ def cp_attention_bytes_per_layer(job: JobSpec, recompute: str) -> float:
     if job.attention == "materialized":
         c = s // (2 * cp)
         per_score = 2 * p + 1 if cfg.dropout > 0 else p
-        scores = per_score * cfg.n_head * b * (c * c * (2 * cp + 1) - (s // cp) ** 2)
+        seen = sum(cp_chunk_keys(s, cp, cfg.window_of(i)) for i in range(cfg.n_layer)) / cfg.n_layer
+        scores = per_score * cfg.n_head * b * (c * seen - (s // cp) ** 2)
     extra = (kv + scores) / job.layout.tp
     if recompute == "every_k":
         kept = checkpointed_layers(cfg.n_layer, cfg.recompute_every_k)
         return extra * (cfg.n_layer - kept) / cfg.n_layer
     return extra
+
+
+def cp_chunk_keys(seq_len: int, cp: int, window: int | None) -> int:
+    """Keys the two chunks of the fullest cp rank attend to together (parallel/cp.py): chunk g sees
+    the keys up to its end, (g + 1) c of them, or with a window of W tokens only the c + W - 1 from
+    W - 1 before its start on. Without a window every rank's pair sees (2cp + 1) c."""
+    c = seq_len // (2 * cp)
+    span = [(g + 1) * c if window is None else min((g + 1) * c, c + window - 1) for g in range(2 * cp)]
+    return max(span[i] + span[2 * cp - 1 - i] for i in range(cp))
 
 
 def _in_flight(job: JobSpec, stage: int) -> float:
@@ -224,6 +234,9 @@ def _logits_bytes(job: JobSpec, stage: int | None = None) -> float:
 
 
 def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
+    """ZeRO-3/FSDP: the gathered weights and unreduced gradients one GPU holds at the peak beyond its
+    shards: ``unsharded_layers`` blocks (the one in use and the prefetched one); every block's weights
+    without reshard-after-forward; under pp the whole stage, weights and gradients."""
     if job.layout.strategy not in ("zero3", "fsdp") or job.layout.dp_shard_cp == 1:
         return 0.0
     per = STATE_BYTES[job.precision]
@@ -231,6 +244,10 @@ def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
         held = stage_parameters(job.model, job.layout.tp, job.layout.pp, stage) - stage_routed_parameters(job) * (1 - 1 / job.layout.ep)
         return held * (per.param + per.grad)
     block = block_parameters_per_gpu(job.model, job.layout.tp) - routed_parameters_per_block(job.model) * (1 - 1 / job.layout.ep)
+    if not job.fsdp_reshard_after_forward:
+        # Every block keeps its gathered weights from its forward to its backward: all of them at the
+        # peak (the start of backward); gradients are reduced layer by layer as before.
+        return block * (job.model.n_layer * per.param + job.assumptions.unsharded_layers * per.grad)
     return job.assumptions.unsharded_layers * block * (per.param + per.grad)
 
 

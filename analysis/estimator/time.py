@@ -11,6 +11,7 @@ from analysis.estimator.communication import (
     _dp_and_expert_comm,
     cp_comm_seconds,
     expert_all_to_all,
+    gradient_reductions,
     pp_comm_seconds,
     reshards_after_forward,
     tp_comm_seconds,
@@ -189,23 +190,48 @@ def _recompute_shares(job: JobSpec) -> tuple[float, float, float]:
     return 0.0, 0.0, 0.0
 
 
-def _attention_seconds(job: JobSpec, forwards: float) -> tuple[float, float]:
+def causal_pairs(seq_len: int, window: int | None = None) -> int:
+    """Query-key pairs a causal mask lets through on seq_len positions: query i sees i + 1 keys, or
+    with a window of W tokens min(i + 1, W) (model/attention.py's causal_mask)."""
+    w = seq_len if window is None else min(window, seq_len)
+    return w * (w + 1) // 2 + (seq_len - w) * w
+
+
+def fused_core_share(cfg: ModelConfig, seq_len: int) -> float:
+    """A fused core's work per layer, averaged over the layers, as a share of a plain causal one:
+    flash-attn skips the blocks outside a sliding window's band; SDPA takes the window as an explicit
+    (T, S) mask, so it leaves its causal kernel and runs every block of the square."""
+    whole = causal_pairs(seq_len)
+    shares = []
+    for i in range(cfg.n_layer):
+        window = cfg.window_of(i)
+        if window is None:
+            shares.append(1.0)
+        elif cfg.attention == "sdpa":
+            shares.append(seq_len * seq_len / whole)
+        else:
+            shares.append(causal_pairs(seq_len, window) / whole)
+    return sum(shares) / len(shares)
+
+
+def attention_seconds(job: JobSpec, forwards: float) -> tuple[float, float]:
     """(compute, memory-bound) seconds of one layer's attention core for one micro-batch on one GPU,
     with its forward run ``forwards`` times (1, or 2 when recomputed) and its backward once.
 
-    The core's model FLOPs are 4*b*s^2*d forward (QK^T and @V, every query against every key), split
-    over tp by heads. A fused (flash) kernel skips the masked half of a causal square and its backward
+    The core's model FLOPs are 4*b*s^2*q forward (QK^T and @V, every query against every key, q =
+    n_head * head_dim), split over tp by heads. A fused (flash) kernel skips the masked half of a causal
+    square (and with flash-attn the blocks outside a sliding window: ``fused_core_share``) and its backward
     recomputes the scores, 2.5x its forward; it runs at ``attention_fraction`` of the large-GEMM rate.
     A materialized core (model.attention=reference; Megatron's fused softmax) runs both matmuls on the
     whole square as batched GEMMs (the head dim is their reduction dimension) and moves the s x s
     scores through memory: ``_score_traffic_bytes``.
     """
     cfg, a, t = job.model, job.assumptions, job.layout.tp
-    b, s, d = job.micro_batch, job.seq_len, cfg.d_model
+    b, s, d = job.micro_batch, job.seq_len, cfg.q_dim
     q = job.local_seq_len  # a cp GPU's queries, against every key: 1/cp of the square, balanced (parallel/cp.py)
     fwd_flops = 4.0 * b * q * s * d / t
     if job.attention == "flash":
-        executed = 0.5 * fwd_flops * (forwards + 2.5)
+        executed = 0.5 * fwd_flops * fused_core_share(cfg, s) * (forwards + 2.5)
         rate = _gemm_rate(job) * a.attention_fraction
         return executed / rate, 0.0
     heads = cfg.n_head / t
@@ -297,7 +323,7 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     """One micro-batch through one GPU of ``stage``.
 
     Its L/p layers each run their GEMMs forward once and backward twice (input and weight gradients),
-    plus the forward again for the recomputed share, the attention core (``_attention_seconds``) and
+    plus the forward again for the recomputed share, the attention core (``attention_seconds``) and
     element-wise work at ``hbm_fraction`` of HBM bandwidth (``_elementwise_bytes``, times
     ``elementwise_scale``). The last stage adds the LM head's GEMM (vocab-parallel) and the loss's
     memory-bound pass over the logits (16-bit logits written and read, fp32 log-probabilities written
@@ -309,7 +335,7 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
     redo_layer, redo_core, redo_elementwise = _recompute_shares(job)
     gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t, moe_split=t if job.layout.sp else 1))
-    core, scores = _attention_seconds(job, 1 + redo_core + redo_layer)
+    core, scores = attention_seconds(job, 1 + redo_core + redo_layer)
     fwd_bytes, bwd_bytes = _elementwise_bytes(job)
     elementwise = (fwd_bytes * (1 + redo_layer + redo_elementwise) + bwd_bytes) * a.elementwise_scale / hbm
     compute = layers * (gemm * (3 + redo_layer) + core)
@@ -347,7 +373,8 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
     Data-parallel collectives hide behind compute as the strategy allows (docs/estimator.md):
     FSDP without pp gathers and reduce-scatters every micro-batch, behind that micro-batch's work;
     FSDP under pp gathers once per step behind the first forward and reduce-scatters after the last
-    backward; DDP and ZeRO-1/2 reduce behind the last micro-batch's backward; ``dp_overlap=False``
+    backward; DDP and ZeRO-1/2 reduce behind the backward of each micro-batch they reduce
+    (``gradient_reductions``: the last one, or every one for DeepSpeed's ZeRO-2); ``dp_overlap=False``
     hides nothing.
     """
     a, m = job.assumptions, job.grad_accum
@@ -361,7 +388,8 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
         # reduce-scatter after the last backward shows
         hideable = (m if reshards_after_forward(job) else 1) * slowest.compute / 3
     else:
-        hideable = 2 / 3 * slowest.compute  # the last micro-batch's backward
+        # each reduction behind the backward of the micro-batch it reduces (the last one's when once per step)
+        hideable = gradient_reductions(job) * 2 / 3 * slowest.compute
     if not job.dp_overlap:
         hideable = 0.0
     exposed_dp = _exposed(dp_s, hideable, a)

@@ -2,12 +2,15 @@
 
 The layouts' numbers are checked against a model that runs whole sequences in one process, built
 from the same seed inside each worker: logits and loss of one forward (fp32, within 1e-5) for
-multi-head and grouped-query attention, the causal and the document mask, and an MoE layer whose
-capacity drops copies (kept as one process keeps them over whole sequences); the gradients (a cp
+multi-head and grouped-query attention, the causal and the document mask, a sliding window that
+reaches across chunk borders with attention sinks, and an MoE layer whose capacity drops copies
+(kept as one process keeps them over whole sequences); the gradients (a cp
 rank's gradients summed over its cp group are cp times the whole-sequence gradient, which is what
 FSDP2's average over dp x cp turns into the mean); and the build path's FSDP2 engine over cp, cp x
 dp_shard, cp x tp, cp with selective recompute and cp x pp (1f1b with the causal mask, interleaved
-1f1b and zero_bubble with the document mask and per-document positions; GQA) trained for 10 steps (losses, gradient norms, validation loss, the
+1f1b and zero_bubble with the document mask and per-document positions; GQA), and gpt-oss's parts
+(windows, sinks, biases, YaRN, expert biases, the clamped SwiGLU, the llama init) under cp, cp x tp,
+cp x pp and cp x ep, trained for 10 steps (losses, gradient norms, validation loss, the
 first step's gradients and the weights after the last step), resumed bit for bit from its DCP
 checkpoint, and loaded into another cp size. A pipeline with the document mask and no cp checks
 that the document numbers reach the stages after the first. One 4-rank launch runs all of it.
@@ -38,6 +41,10 @@ MODELS = {
     "gqa": {"n_kv_head": 2, "position": "rope", "norm": "rmsnorm", "mlp": "swiglu"},
     "gqa_document": {"n_kv_head": 2, "position": "rope", "attention_mask": "document", "eot_id": EOT},
     "mha_document_positions": {"attention_mask": "document", "eot_id": EOT, "document_positions": True},
+    # A window of 3 reaches back across chunk borders (chunks of 2 and 4 tokens); sinks; a Q/K/V bias.
+    "window_sinks_document": {"n_kv_head": 2, "position": "rope", "norm": "rmsnorm", "mlp": "swiglu",
+                              "sliding_window": 3, "sliding_window_every": 2, "attention_sinks": True,
+                              "qkv_bias": True, "bias": False, "attention_mask": "document", "eot_id": EOT},
     # capacity 1.0 drops copies: each cp rank must keep the copies one process keeps over whole sequences
     "moe_capacity": {"mlp": "swiglu", "moe": MoEConfig(experts=4, top_k=2, d_ff=16, capacity=1.0)},
 }
@@ -50,12 +57,22 @@ LAYOUTS = {"cp4": {"cp": 4}, "cp2_x_dp2": {"cp": 2, "dp_shard": 2}, "cp2_x_tp2":
                                               "pp_virtual_stages": 2},
            "cp2_x_pp2_zero_bubble_document": {"cp": 2, "pp": 2, "pp_schedule": "zero_bubble",
                                               "pp_virtual_stages": 2},
-           "pp2_x_dp2_document": {"pp": 2, "dp_shard": 2}}
+           "pp2_x_dp2_document": {"pp": 2, "dp_shard": 2},
+           # gpt-oss's parts (model VARIANTS) under FSDP2 over cp, tp, pp and ep.
+           "cp4_variants": {"cp": 4}, "cp2_x_tp2_variants": {"cp": 2, "tp": 2}, "cp2_x_pp2_variants": {"cp": 2, "pp": 2},
+           "cp2_x_ep2_variants": {"cp": 2, "ep": 2}}
 DOCUMENT = {"attention_mask": "document", "eot_id": EOT, "document_positions": True}
+# A sliding window on every other layer crossing the chunk borders, sinks, attention biases, YaRN, the
+# llama init, and routed experts with biases and the clamped SwiGLU.
+VARIANTS = {"sliding_window": 3, "sliding_window_every": 2, "attention_sinks": True, "qkv_bias": True,
+            "proj_bias": True, "bias": False, "rope_scaling.type": "yarn", "rope_scaling.factor": 4.0,
+            "rope_scaling.original_max_seq_len": 8, "init": "llama", "swiglu_limit": 1.0, "moe.experts": 4,
+            "moe.top_k": 2, "moe.d_ff": 16, "moe.bias": True}
 # Per layout, what its model (and the one-process run it is checked against) changes.
 MODEL_KEYS = {"cp4_selective_recompute": {"recompute": "selective"},  # the core, K/V gather included, rebuilt in backward
               "cp2_x_pp2_interleaved_document": DOCUMENT | {"n_layer": 4},
-              "cp2_x_pp2_zero_bubble_document": DOCUMENT | {"n_layer": 4}, "pp2_x_dp2_document": DOCUMENT}
+              "cp2_x_pp2_zero_bubble_document": DOCUMENT | {"n_layer": 4}, "pp2_x_dp2_document": DOCUMENT,
+              **{name: VARIANTS for name in LAYOUTS if name.endswith("_variants")}}
 PIPELINE_ACCUM = 2  # micro-batches per step of the pipelined layouts (pipeline micro-batches: >= pp)
 
 

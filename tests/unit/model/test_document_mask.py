@@ -68,29 +68,36 @@ def test_document_numbers_and_restarting_positions():
     assert document_positions(docs).tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]]
 
 
-def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, causal=True):
+def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, causal=True, window_size=(-1, -1)):
     """flash_attn_varlen_func as documented: sequence i is q[cu_q[i]:cu_q[i+1]] against
-    k[cu_k[i]:cu_k[i+1]], causal aligned bottom-right; (total, H, D) layouts, GQA by head groups."""
+    k[cu_k[i]:cu_k[i+1]], causal aligned bottom-right; (total, H, D) layouts, GQA by head groups;
+    window_size=(left, 0): query i sees keys i + s_k - s_q - left <= j <= i + s_k - s_q."""
     out = torch.empty_like(q)
     for i in range(len(cu_q) - 1):
         qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
         assert qs.stop - qs.start <= max_q and ks.stop - ks.start <= max_k
         qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (q[qs], k[ks], v[ks]))
-        out[qs] = sdpa_attention(qi, ki, vi)[0].transpose(0, 1)
+        s_q, s_k = qs.stop - qs.start, ks.stop - ks.start
+        rows, cols = torch.arange(s_q)[:, None] + s_k - s_q, torch.arange(s_k)[None, :]
+        band = (cols <= rows) & ((cols >= rows - window_size[0]) if window_size[0] >= 0 else True)
+        out[qs] = sdpa_attention(qi, ki, vi, 0.0, band)[0].transpose(0, 1)
     return out
 
 
 # The whole sequence; a context-parallel chunk's queries (at 4, row 0's first two documents hold
 # no query and are left out, keys too).
+@pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("q_len", [16, 8, 4])
-def test_flash_varlen_spans_equal_the_document_mask(monkeypatch, q_len):
+def test_flash_varlen_spans_equal_the_document_mask(monkeypatch, q_len, window):
+    """With a sliding window too: flash-attn's window_size (W - 1, 0) inside each document span is
+    the window of the (T, S) mask the other backends get."""
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=_varlen_stand_in))
     g = torch.Generator().manual_seed(0)
     documents = torch.tensor([[0] * 4 + [1] * 6 + [2] * 6, [0] * 11 + [1] * 5])  # (2, 16)
     q = torch.randn(2, q_len, 4, 8, generator=g)
     k, v = torch.randn(2, 16, 2, 8, generator=g), torch.randn(2, 16, 2, 8, generator=g)
-    got = flash_varlen_attention(q, k, v, documents, 0.0)
-    mask = document_mask(documents, q_len)
+    got = flash_varlen_attention(q, k, v, documents, 0.0, (-1, -1) if window is None else (window - 1, 0))
+    mask = document_mask(documents, q_len, window)
     want = sdpa_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, mask).transpose(1, 2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -269,8 +269,9 @@ def test_import_refuses_gpt2_variants_perfgpt_lacks(changes, needle):
 
 
 @pytest.mark.parametrize("changes,needle", [
-    (dict(attention_bias=True, mlp_bias=False), "attention_bias=True with mlp_bias=False"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}), "'llama3'"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 500000.0, "factor": 8.0}), "'linear'"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor=0.5"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
 ])
 def test_import_refuses_llama_variants_perfgpt_lacks(changes, needle):
@@ -394,18 +395,23 @@ def test_gelu_exact_with_te_layers_is_refused_in_one_line():
 @pytest.mark.parametrize("attention", ["sdpa", "reference"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_greedy_generation_equals_transformers(family, attention):
-    hf_model = hf_gpt2(seed=3) if family == "gpt2" else hf_llama(kv_heads=2, seed=3)
+    assert_greedy_like_transformers(hf_gpt2(seed=3) if family == "gpt2" else hf_llama(kv_heads=2, seed=3), attention)
+
+
+def assert_greedy_like_transformers(hf_model, attention: str, new_tokens: int = 32) -> None:
+    """Our greedy continuations of two prompts of different lengths, with and without the KV cache,
+    are transformers' ``generate``'s."""
     cfg, state = interop.from_hf_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
     ours = perfgpt_from(cfg, state, attention)
     prompts = [tokens(seed=5, batch=1, length=9)[0].tolist(), tokens(seed=6, batch=1, length=4)[0].tolist()]
     expected = []
     for prompt in prompts:
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         expected.append(out[0, len(prompt):].tolist())
-    assert all(len(row) == 32 for row in expected)
-    assert generate(ours, prompts, 32, use_cache=True) == expected
-    assert generate(ours, prompts, 32, use_cache=False) == expected
+    assert all(len(row) == new_tokens for row in expected)
+    assert generate(ours, prompts, new_tokens, use_cache=True) == expected
+    assert generate(ours, prompts, new_tokens, use_cache=False) == expected
 
 
 def test_cache_holds_only_the_kv_heads_and_stops_at_end_of_text(monkeypatch):
@@ -419,7 +425,7 @@ def test_cache_holds_only_the_kv_heads_and_stops_at_end_of_text(monkeypatch):
     real = generate_module.KVCache
     monkeypatch.setattr(generate_module, "KVCache", lambda *a, **k: caches.append(real(*a, **k)) or caches[-1])
     free = generate(model, [[1, 2, 3]], 20)[0]
-    assert caches[0].k.shape == (2, 1, 23, 1, cfg.head_dim)  # (layers, batch, positions, kv heads, head dim)
+    assert [k.shape for k in caches[0].keys] == [(1, 23, 1, cfg.head_dim)] * 2  # per layer (batch, positions, kv heads, head dim)
     eos = free[5]
     stopped = generate(model, [[1, 2, 3]], 20, eos_id=eos)[0]
     assert stopped == free[: free.index(eos) + 1]

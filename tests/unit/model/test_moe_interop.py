@@ -78,9 +78,10 @@ def test_import_refuses_moe_parts_perfgpt_lacks_naming_the_field(tmp_path):
     model = hf_mixtral()
     model.save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    for changes, needle in [({"sliding_window": 4096}, "config.json sliding_window=4096"),
+    for changes, needle in [({"sliding_window": 8, "layer_types": ["chunked_attention", "full_attention"]},
+                             "config.json layer_types="),
                             ({"attention_bias": True}, "config.json attention_bias=true"),
-                            ({"model_type": "gpt_oss"}, "model_type='gpt_oss'"),
+                            ({"model_type": "jamba"}, "model_type='jamba'"),
                             ({"model_type": "qwen3_moe", "mlp_only_layers": [1]}, "mlp_only_layers=[1]")]:
         with pytest.raises(InteropError, match=needle.replace("[", r"\[").replace("]", r"\]")) as err:
             interop.from_hf_config(config | changes)

@@ -139,6 +139,7 @@ BAD_VALUES = [
     ("llama", {"num_attention_heads": 0}, "num_attention_heads=0 must be between 1 and"),
     ("llama", {"rope_scaling": "linear"}, "rope_scaling='linear' must be an object"),
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope type 'linear'"),
+    ("llama", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config quant_method='mxfp4'"),
     ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": "big"}}, "rope_theta='big'"),
     ("gpt2", {"activation_function": ["gelu"]}, "activation_function=['gelu'] must be a string"),
     ("qwen3_moe", {"mlp_only_layers": 5}, "mlp_only_layers=5 must be a list of layer indices"),

@@ -1,0 +1,109 @@
+"""The estimator on sliding windows, attention sinks and heads set apart from d_model: its counts
+against the masks the model itself builds (model/attention.py) and the chunks context parallelism
+gives each rank (parallel/cp.py), and its times and bytes against hand-written formulas."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from analysis import estimator as est
+from common.hardware import DEVICES
+from model.attention import causal_mask
+from model.config import ModelConfig
+from parallel.cp import chunk_ids
+
+H100 = DEVICES["H100"]
+
+
+def small(**changes) -> ModelConfig:
+    base = dict(n_layer=4, n_head=4, n_kv_head=2, d_model=64, max_seq_len=64, position="rope", norm="rmsnorm",
+                mlp="swiglu", bias=False)
+    return ModelConfig(**{**base, **changes})
+
+
+@pytest.mark.parametrize("window", [1, 7, 32, 64, 100])
+def test_causal_pairs_are_the_models_own_mask(window):
+    s = 64
+    assert est.causal_pairs(s, window) == int(causal_mask(s, s, torch.device("cpu"), window).sum())
+    assert est.causal_pairs(s) == int(causal_mask(s, s, torch.device("cpu")).sum())
+
+
+@pytest.mark.parametrize("cp, window", [(2, 5), (2, 16), (4, 3), (4, 20), (4, None), (2, 1000)])
+def test_cp_chunk_keys_are_the_keys_each_ranks_queries_can_see(cp, window):
+    s = 64
+    c = s // (2 * cp)
+    visible = causal_mask(s, s, torch.device("cpu"), window)
+    per_rank = []
+    for rank in range(cp):
+        # the keys parallel/cp.py hands a chunk: from the first key any of its queries sees to its end
+        keys = 0
+        for g in chunk_ids(cp, rank):
+            seen = visible[g * c:(g + 1) * c].any(dim=0).nonzero().flatten()
+            keys += int(seen.max() - seen.min() + 1)
+        per_rank.append(keys)
+    assert est.cp_chunk_keys(s, cp, window) == max(per_rank)
+
+
+def _flash_seconds(cfg: ModelConfig, seq_len: int = 4096, **job) -> float:
+    spec = est.JobSpec(cfg, seq_len, 1, device=H100, **job)
+    return est.attention_seconds(spec, 1)[0]
+
+
+def test_a_windowed_layer_costs_a_flash_kernel_its_band_and_sdpa_the_whole_square():
+    s, w = 4096, 512
+    plain = _flash_seconds(small(attention="auto"), s)
+    band = est.causal_pairs(s, w) / est.causal_pairs(s)
+    every = _flash_seconds(small(attention="auto", sliding_window=w), s)
+    assert every == pytest.approx(plain * band)
+    # gpt-oss's pattern: windows on layers 0 and 2 of 4, the whole context on 1 and 3
+    alternate = _flash_seconds(small(attention="flash_attn", sliding_window=w, sliding_window_every=2), s)
+    assert alternate == pytest.approx(plain * (band + 1) / 2)
+    # SDPA with an explicit mask runs every block: s^2 pairs where the causal kernel runs s(s + 1)/2
+    sdpa = _flash_seconds(small(attention="sdpa", sliding_window=w), s)
+    assert sdpa == pytest.approx(plain * s * s / est.causal_pairs(s))
+    # a window as long as the sequence changes nothing
+    assert _flash_seconds(small(attention="auto", sliding_window=s), s) == pytest.approx(plain)
+
+
+def test_the_reference_core_builds_the_whole_square_with_or_without_a_window():
+    plain = est.JobSpec(small(attention="reference"), 1024, 1, device=H100)
+    windowed = dataclasses.replace(plain, model=small(attention="reference", sliding_window=64))
+    assert est.attention_seconds(windowed, 1) == est.attention_seconds(plain, 1)
+    assert est.estimate_memory(windowed).activations == est.estimate_memory(plain).activations
+
+
+def test_attention_work_and_activations_follow_the_query_width_not_d_model():
+    # 4 heads of 32 (query width 128) on d_model 64, against 4 heads of 16 (query width 64)
+    wide, narrow = small(attention_head_dim=32, n_kv_head=4), small(n_kv_head=4)
+    assert _flash_seconds(wide) == pytest.approx(2 * _flash_seconds(narrow))
+    s, b, p = 256, 2, 2
+    extra = est.activation_bytes_per_layer(wide, s, b, "none", p, attention="flash") - est.activation_bytes_per_layer(
+        narrow, s, b, "none", p, attention="flash")
+    # Q, K, V and the core output each 64 wider; the fp32 log-sum-exp and the rest unchanged
+    assert extra == p * s * b * 4 * 64
+
+
+def test_sinks_run_the_reference_core_and_name_the_backends_that_cannot():
+    sinks = small(attention_sinks=True)
+    job = est.JobSpec(sinks, 512, 1, device=H100)
+    assert job.attention == "materialized"
+    reference = est.JobSpec(small(attention="reference"), 512, 1, device=H100)
+    assert est.estimate_memory(job).activations == est.estimate_memory(reference).activations
+    for backend in ("sdpa", "flash_attn"):
+        with pytest.raises(est.EstimatorError, match=f"model.attention={backend} cannot run model.attention_sinks"):
+            est.JobSpec(small(attention_sinks=True, attention=backend), 512, 1, device=H100)
+
+
+def test_under_cp_a_windowed_materialized_core_keeps_scores_against_the_keys_it_sees():
+    s, cp, w, b, p = 4096, 4, 256, 1, 2
+    cfg = small(attention="reference", sliding_window=w, sliding_window_every=2, max_seq_len=s)
+    job = est.JobSpec(cfg, s, b, est.Layout(cp, strategy="fsdp", cp=cp), device=H100)
+    c = s // (2 * cp)
+    kv = p * b * 2 * cfg.kv_dim * (s - s // cp)
+    windowed = cfg.n_head * b * p * (c * est.cp_chunk_keys(s, cp, w) - (s // cp) ** 2)
+    whole = cfg.n_head * b * p * (c * c * (2 * cp + 1) - (s // cp) ** 2)
+    assert est.cp_attention_bytes_per_layer(job, "none") == pytest.approx(kv + (windowed + whole) / 2)
+    assert est.cp_chunk_keys(s, cp, w) == 2 * (c + w - 1)  # each chunk: its own c and the W - 1 before
