@@ -19,13 +19,15 @@ import torch.nn.functional as F
 
 from parallel.distributed import DistContext
 from tests.gloo import gloo_context, run_workers
+from tests.integration.parallel.test_tp_pp import ACCUM, MICRO
+from tests.integration.parallel.test_tp_pp import MODEL as TP_PP_MODEL
+from tests.integration.parallel.test_tp_pp import micro_batches as tp_pp_micro_batches
 from training.build import build_from_config
 from training.config import load_config
 
-MODEL = {"vocab_size": 64, "max_seq_len": 16, "n_layer": 2, "n_head": 4, "d_model": 32, "n_kv_head": 2,
-         "tie_embeddings": False, "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.2,
-         "attention": "reference"}
-MICRO, ACCUM, STEPS = 2, 2, 3
+# test_tp_pp.py's model and batches, with fewer layers, dropout and the reference attention
+MODEL = TP_PP_MODEL | {"n_layer": 2, "dropout": 0.2, "attention": "reference"}
+STEPS = 3
 LAYOUTS = {"tp": {"tp": 2}, "tp_no_sp": {"tp": 2, "sequence_parallel": False, "loss_parallel": False}}
 P = MODEL["dropout"]
 
@@ -36,15 +38,6 @@ def job(grad_accum: int = ACCUM, **parallel):
                   "--optim.warmup_steps=1", "--optim.lr=1e-2", "--train.max_steps=10"]
     overrides += [f"--parallel.{k}={v}" for k, v in parallel.items()]
     return load_config(None, overrides)
-
-
-def micro_batches(step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    out = []
-    for micro in range(ACCUM):
-        g = torch.Generator().manual_seed(1000 * step + 10 * dp_rank + micro)
-        tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, MODEL["max_seq_len"] + 1), generator=g)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
-    return out
 
 
 @contextlib.contextmanager
@@ -67,6 +60,10 @@ def dropout_masks(replay=None):
         yield masks
     finally:
         F.dropout = plain
+
+
+def micro_batches(step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return tp_pp_micro_batches(step, dp_rank, 1)
 
 
 def full_grads(engine) -> dict[str, torch.Tensor]:
