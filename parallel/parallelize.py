@@ -36,6 +36,7 @@ from model.flops import count_parameters, mlp_parameters
 from model.gpt import GPT, indexed_blocks
 from model.interop import check_state_dict
 from model.moe import select_expert_backend
+from model.mup import describe as describe_mup
 from model.recompute import apply_recompute, describe_recompute, no_gain_note
 from parallel.config import ParallelConfig
 from parallel.cp import apply_context_parallel, chunk_ids
@@ -46,7 +47,7 @@ from parallel.engine import DDPEngine, Engine, ShardedEngine, TorchEngine
 from parallel.ep import apply_expert_parallel
 from parallel.float8 import apply_float8, precompute_scales_after_step
 from parallel.fsdp import apply_fsdp
-from parallel.optim import OptimConfig
+from parallel.optim import OptimConfig, describe_split
 from parallel.precision import PrecisionConfig, PrecisionPolicy, check_precision_supported, precision_policy
 from parallel.rng import seed_activation_rng
 from parallel.zero import ZERO_STAGES, apply_zero
@@ -150,6 +151,10 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
             precompute_scales_after_step(part.optimizer, part.model)
     notes = [kernel_note, attention_note] + ([expert_note] if expert_note else []) + [policy.describe(layout.strategy), describe_recompute(parts[0]),
              describe_placement(dims, stages)] + [note for note in fp8_notes[:1] if note]
+    if optim_cfg.name == "muon":  # the whole model's split, from the model as built (before any pipeline cut)
+        notes.append(describe_split(list(model.named_parameters())))
+    if model_cfg.mup:
+        notes.append(describe_mup(model_cfg))
     return Built(engine=engine, model=model if layout.pp == 1 else parts[0], policy=policy, notes=notes,
                  warnings=no_gain_warnings(model_cfg, backend))
 

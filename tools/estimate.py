@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="activation recompute policy, as model.recompute (default: the config's, or none)")
     parser.add_argument("--policy", dest="recompute", choices=est.RECOMPUTE_POLICIES, help=argparse.SUPPRESS)  # old name
     parser.add_argument("--precision", choices=est.PRECISION_MODES, help="default: the config's, or bf16_master")
+    parser.add_argument("--optimizer", choices=est.OPTIMIZERS, help="default: the config's optim.name, or adamw")
     layout = parser.add_argument_group("layout (default: the config's parallel section, or 1)")
     layout.add_argument("--tp", type=int, help="tensor-parallel GPUs (inside a node)")
     layout.add_argument("--pp", type=int, help="pipeline stages")
@@ -136,13 +137,14 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
     if args.preset:
         p = est.preset(args.preset)
         model, seq_len, micro_batch, gpus, grad_accum = p.model, p.seq_len, p.micro_batch, p.world_size, 1
-        strategy, recompute, precision, layout = "fsdp", "none", "bf16_master", {}
+        strategy, recompute, precision, layout, optimizer = "fsdp", "none", "bf16_master", {}, "adamw"
         device, reshard = DEVICES[args.device or p.device], True
     else:
         cfg = cfg or load_config(args.config, overrides)
         model, seq_len, micro_batch, gpus = cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 1
         grad_accum = cfg.train.grad_accum_steps
         strategy, recompute, precision = cfg.parallel.strategy, cfg.model.recompute, cfg.precision.mode
+        optimizer = cfg.optim.name
         layout = {key: getattr(cfg.parallel, key) for key in LAYOUT_FLAGS}
         reshard = cfg.parallel.fsdp_reshard_after_forward
     if args.gpus_per_node:
@@ -170,6 +172,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         grad_accum=args.grad_accum or grad_accum,
         fsdp_reshard_after_forward=reshard if args.reshard_after_forward is None else args.reshard_after_forward == "true",
         tp_overlap=args.tp_overlap,
+        optimizer=args.optimizer or optimizer,
     )
     problem = est.trainer_refusal(job, cfg)
     if problem and not args.allow_refused:
@@ -250,6 +253,22 @@ def strategy_section(job: est.JobSpec, cfg: JobConfig | None = None) -> tuple[li
     return headers, rows
 
 
+def muon_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
+    """With Muon: what it steps, the state it saves, and its work and traffic per step."""
+    m = est.muon_matrices(job.model)
+    sent, a2a_s, ns_s = est.muon_step(job)
+    n_split, n_whole = est.muon_groups(job)
+    rows = [
+        ["hidden matrices on Muon", f"{sum(est.muon_numel(k) for k in (m.split, m.whole, m.routed)):,.0f} parameters "
+                                    "(embeddings, head, norms, biases, routers on AdamW)"],
+        ["optimizer state saved/GPU", f"{gib(est.muon_buffer_saving(job))} (one momentum buffer instead of two moments)"],
+        ["matrices sharded over", f"{n_split} GPUs (attention, dense MLPs)" + (f", {n_whole} (shared experts)" if m.whole else "")],
+        ["sent to owners and back/GPU/step", human_bytes(sent) + f" (bf16 pieces, all-to-all {a2a_s * 1e3:.3g} ms)"],
+        ["Newton-Schulz/GPU/step", f"{ns_s * 1e3:.3g} ms ({est.MUON_NS_STEPS} iterations, owners spread evenly)"],
+    ]
+    return ["Muon", "value"], rows
+
+
 def stage_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
     """Under pp: what each stage holds (every GPU must fit, so the largest decides)."""
     rows = []
@@ -323,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             (f"Per GPU on {job.layout.world_size}x {job.device.name} (recompute {job.recompute}, micro-batch {job.micro_batch})",
              *strategy_section(job, cfg)),
         ]
+        if job.optimizer == "muon":
+            sections.append(("Muon (optim.name=muon, parallel/muon.py)", *muon_section(job)))
         if job.layout.pp > 1:
             sections.append((_pipeline_title(job), *stage_section(job)))
         global_batch = args.global_batch or job.global_batch

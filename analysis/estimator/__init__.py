@@ -49,6 +49,9 @@ from analysis.estimator.job import (
     ATTENTION_KINDS,
     FITTED_PARAMETERS,
     GIB,
+    MUON_NS_STEPS,
+    MUON_PIECE_BYTES,
+    OPTIMIZERS,
     PP_SCHEDULES,
     PRECISION_MODES,
     RECOMPUTE_POLICIES,
@@ -63,12 +66,17 @@ from analysis.estimator.job import (
 )
 from analysis.estimator.memory import (
     MemoryEstimate,
+    MuonMatrices,
     activation_bytes_total,
     block_parameters_per_gpu,
     cp_attention_bytes_per_layer,
     cp_chunk_keys,
     estimate_memory,
     model_state_bytes,
+    muon_buffer_saving,
+    muon_groups,
+    muon_matrices,
+    muon_numel,
     pipeline_in_flight,
     routed_parameters_per_block,
     stage_memory,
@@ -108,6 +116,7 @@ from analysis.estimator.time import (
     fused_core_share,
     gemm_seconds,
     layer_gemms,
+    muon_step,
     recompute_flops_per_token,
 )
 from model.flops import count_parameters, flops_per_token, matmul_parameters  # callers read them from here too
@@ -128,5 +137,6 @@ __all__ = [
     "context_parallel_sizes", "describe_plan", "expert_parallel_sizes", "fit_verdict", "job_of", "job_verdict", "job_overrides",
     "job_words", "min_gpus_to_fit", "model_parallel_sizes", "plan_fits", "plan_layouts", "resolve_device",
     "smallest_power_of_two", "trainer_config", "trainer_refusal", "PRESET_NAMES", "Preset", "preset",
-    "count_parameters", "flops_per_token", "matmul_parameters", "Layout",
+    "count_parameters", "flops_per_token", "matmul_parameters", "Layout", "MUON_NS_STEPS", "MUON_PIECE_BYTES",
+    "OPTIMIZERS", "MuonMatrices", "muon_buffer_saving", "muon_groups", "muon_matrices", "muon_numel", "muon_step",
 ]

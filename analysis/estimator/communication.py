@@ -28,10 +28,11 @@ class CommVolume:
     pipeline: float = 0.0  # bytes each GPU sends to its neighbouring stages per step
     expert_all_to_all: float = 0.0  # bytes each GPU sends in expert-parallel dispatch and combine per step
     expert_sharded: float = 0.0  # bytes each GPU sends gathering and reducing its experts (FSDP over dp_shard / ep)
+    muon: float = 0.0  # bytes each GPU sends moving sharded Muon matrices to their owners and back
 
     @property
     def sent_per_gpu(self) -> float:
-        extra = self.tensor_parallel + self.pipeline + self.expert_all_to_all + self.expert_sharded
+        extra = self.tensor_parallel + self.pipeline + self.expert_all_to_all + self.expert_sharded + self.muon
         if self.replicas > 1:
             extra += 2 * (self.replicas - 1) / self.replicas * self.replica_all_reduce
         if self.world_size <= 1:

@@ -24,6 +24,12 @@ ATTENTION_KINDS = ("materialized", "flash")
 # ZeRO-2 every micro-batch; Megatron's distributed optimizer (and the ZeRO paper's count) reduce-scatters
 # the accumulated gradients once per step.
 ZERO_REDUCTIONS = ("deepspeed", "reduce_scatter")
+# The optimizers the trainer offers (optim.name): AdamW everywhere, or Muon on the hidden matrices.
+OPTIMIZERS = ("adamw", "muon")
+# Muon as the trainer runs it on a GPU: optim.muon.ns_steps' default, and the Newton-Schulz dtype of
+# optim.muon.ns_dtype=auto (bf16 on CUDA), in which sharded matrices travel to their owners and back.
+MUON_NS_STEPS = 5
+MUON_PIECE_BYTES = 2
 # Attention backends (model.attention) by what they store: only the reference keeps the scores.
 ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_attn": "flash", "auto": "flash"}
 
@@ -129,6 +135,7 @@ class JobSpec:
     fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
     zero_reduction: str = "deepspeed"  # ZERO_REDUCTIONS: how ZeRO-1/2 reduce gradients (communication.py)
     ddp_no_sync: bool = True  # DDP reduces once per step (the trainer's no_sync); False: every micro-batch
+    optimizer: str = "adamw"  # optim.name: muon keeps one state buffer per hidden matrix instead of two
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.layout.strategy, STRATEGIES)
@@ -136,6 +143,7 @@ class JobSpec:
         check_choice("precision", self.precision, PRECISION_MODES)
         check_choice("pp_schedule", self.layout.pp_schedule, PP_SCHEDULES)
         check_choice("zero_reduction", self.zero_reduction, ZERO_REDUCTIONS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
         for key in ("seq_len", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise EstimatorError(f"{key} must be >= 1 (got {getattr(self, key)})")
