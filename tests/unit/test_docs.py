@@ -2,6 +2,7 @@
 
 - docs/architecture.md's code map names every module that exists, and nothing else;
 - links between the pages, and the files and test ids the pages name, exist;
+- a refusal a page quotes ("refused: `message`") is still what the code says;
 - every command shown in README.md and docs/ parses with the parser of the program it runs: train.py's
   own arguments and the project's config loader (plus the layout check for the launched world size),
   each tool's argparse, torchrun's own parser, the extras pip is asked for. Nothing is trained: this is
@@ -77,6 +78,11 @@ def test_the_code_map_names_only_modules_that_exist():
 # ----------------------------------------------------------------------------- links and named files
 
 
+def prose(page: Path) -> str:
+    """A page's text without its fenced code blocks."""
+    return re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+
+
 def slug(heading: str) -> str:
     """The anchor GitHub gives a heading."""
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
@@ -84,12 +90,12 @@ def slug(heading: str) -> str:
 
 
 def anchors(page: Path) -> set[str]:
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    text = prose(page)
     return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
 
 
 def links(page: Path) -> list[str]:
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    text = prose(page)
     return [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", t)]
 
 
@@ -112,7 +118,7 @@ NAMED = re.compile(r"^((?:common|kernels|model|data|parallel|training|analysis|t
 
 def named_files(page: Path) -> list[tuple[str, str | None]]:
     """Repository files named in code spans, with the test function named after '::'."""
-    spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", page.read_text(), flags=re.S))
+    spans = re.findall(r"`([^`\n]+)`", prose(page))
     return [(m.group(1), m.group(2)) for m in map(NAMED.match, spans) if m]
 
 
@@ -126,6 +132,57 @@ def test_named_files_and_tests_exist(page):
         elif test and not re.search(rf"^\s*def {test}\(", file.read_text(), flags=re.M):
             bad.append(f"{path}::{test} (no such test)")
     assert not bad, f"{page.relative_to(ROOT)} names " + "; ".join(bad)
+
+
+# ----------------------------------------------------------------------------- quoted refusals
+
+REFUSAL = re.compile(r"refused: `([^`\n]+)`")
+ELIDED = "..."  # where a quoted refusal leaves out the run's values (an f-string's fields) or words
+SHORTEST_QUOTE = 20  # a quote must keep a fragment at least this long: "`...`" alone would match anything
+
+
+def code_text() -> str:
+    """Every Python source of the project, with string literals continued on the next line joined (a
+    message split over lines in the code is one line to the user)."""
+    files = [ROOT / "train.py", *(p for package in PACKAGES if (ROOT / package).is_dir()
+                                  for p in sorted((ROOT / package).rglob("*.py")))]
+    return "\n".join(re.sub(r"[\"']\s*\n\s*[rRbBfF]*[\"']", "", f.read_text()) for f in files)
+
+
+@pytest.fixture(scope="module")
+def code() -> str:
+    return code_text()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_quoted_refusals_are_in_the_code(page, code):
+    """A page quoting a refusal ("refused: `message`") quotes what the code still says, '...' standing
+    for the values and words it leaves out: each piece between them appears in the code, in order."""
+    bad = []
+    for quote in REFUSAL.findall(prose(page)):
+        pieces = [piece.strip() for piece in quote.split(ELIDED) if piece.strip()]
+        if not pieces or max(map(len, pieces)) < SHORTEST_QUOTE:
+            bad.append(f"{quote!r} (quotes too little to find)")
+            continue
+        start = code.find(pieces[0])
+        while start != -1 and not _in_order(code, pieces, start):
+            start = code.find(pieces[0], start + 1)
+        if start == -1:
+            bad.append(f"{quote!r} (not in the code: copy the message as it is now)")
+    assert not bad, f"{page.relative_to(ROOT)} quotes " + "; ".join(bad)
+
+
+def _in_order(code: str, pieces: list[str], start: int) -> bool:
+    """Whether ``pieces`` follow each other from ``start`` within one line of the joined code."""
+    line_end = code.find("\n", start)
+    line = code[start:line_end if line_end != -1 else len(code)]
+    at = 0
+    for piece in pieces:
+        at = line.find(piece, at)
+        if at == -1:
+            return False
+        at += len(piece)
+    return True
 
 
 # ----------------------------------------------------------------------------- commands
