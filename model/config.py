@@ -31,6 +31,16 @@ class MoEConfig:
     router: Literal["softmax", "sigmoid"] = doc(
         "softmax", "router scoring: softmax over experts (Mixtral, Qwen) or per-expert sigmoid (DeepSeek-V3)"
     )
+    groups: int = doc(
+        1, "group-limited routing (DeepSeek-V3's n_group): the experts form this many equal groups, and a token "
+        "chooses its top_k only within the groups_kept groups whose two best scores sum highest (1: no groups)"
+    )
+    groups_kept: int | None = doc(None, "with groups: the groups a token may choose from (DeepSeek-V3's topk_group); "
+                                        "null: all")
+    score_bias: bool = doc(
+        False, "a per-expert bias added to the scores only to choose experts (DeepSeek-V3's e_score_correction_bias, "
+        "held with the weights); always on with bias_update_rate > 0, which moves it"
+    )
     renormalize: bool = doc(True, "rescale the top-k weights to sum to 1 (Mixtral: true; Qwen norm_topk_prob)")
     routed_scale: float = doc(1.0, "the top-k weights are multiplied by this (DeepSeek-V3's routed_scaling_factor)")
     aux_loss: float = doc(
@@ -365,6 +375,14 @@ class ModelConfig:
             raise ConfigError(f"model.moe.every must be >= 1 (got {moe.every})")
         if moe.d_ff is not None and moe.d_ff < 1:
             raise ConfigError(f"model.moe.d_ff must be >= 1 (got {moe.d_ff})")
+        if moe.groups < 1 or e % moe.groups:
+            raise ConfigError(f"model.moe.groups={moe.groups} must be >= 1 and divide model.moe.experts={e}")
+        kept = moe.groups if moe.groups_kept is None else moe.groups_kept
+        if not 1 <= kept <= moe.groups:
+            raise ConfigError(f"model.moe.groups_kept={kept} must be between 1 and model.moe.groups={moe.groups}")
+        if moe.top_k > kept * (e // moe.groups):
+            raise ConfigError(f"model.moe.top_k={moe.top_k} is more than the {kept * (e // moe.groups)} experts of the "
+                              f"model.moe.groups_kept={kept} groups; keep more groups or lower top_k")
         for key in ("routed_scale", "aux_loss", "z_loss", "bias_update_rate", "capacity"):
             value = getattr(moe, key)
             if not math.isfinite(value) or value < 0 or (key == "routed_scale" and value == 0):
