@@ -237,6 +237,16 @@ class JobConfig:
         m, p, t = self.model, self.parallel, self.train
         if p.tp > 1 and m.qk_norm:
             raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
+        if m.mtp_depth:  # the modules follow the head: a pipeline's last stage, whole sequences, unsplit heads
+            for key in ("tp", "cp", "pp"):
+                if getattr(p, key) > 1:
+                    raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.{key}={getattr(p, key)} is not "
+                                      f"supported yet; use parallel.{key}=1 or model.mtp_depth=0")
+        if m.is_mla:  # latent attention's heads are not split over tp ranks, nor its latent over cp chunks here
+            for key in ("tp", "cp", "pp"):
+                if getattr(p, key) > 1:
+                    raise ConfigError(f"model.attention_kind=mla with parallel.{key}={getattr(p, key)} is not supported "
+                                      f"yet; use parallel.{key}=1")
         if p.tp > 1:
             if m.dropout > 0:
                 raise ConfigError(f"model.dropout={m.dropout} with parallel.tp={p.tp}: each rank would draw its own "
