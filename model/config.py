@@ -203,7 +203,7 @@ class ModelConfig:
     recompute_every_k: int = doc(2, "with recompute=every_k: recompute every k-th block")
     moe: MoEConfig = field(default_factory=MoEConfig)
     init_from: str | None = doc(
-        None, "start training from these weights: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE or "
+        None, "start training from these weights: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE, DeepSeek-V3 or "
         "gpt-oss directory, a nanoGPT ckpt.pt, a perfgpt checkpoint or run directory, or a tools/export.py "
         ".safetensors; the architecture keys come from it"
     )

@@ -1,5 +1,5 @@
 """Weights in and out: perfgpt <-> Hugging Face layouts (GPT-2, Llama, Mistral, Qwen2, Mixtral,
-Qwen3-MoE, gpt-oss), and nanoGPT checkpoints.
+Qwen3-MoE, gpt-oss, DeepSeek-V3), and nanoGPT checkpoints.
 
 Pure functions on a ``ModelConfig`` and a state dict (name -> tensor), plus reading and writing
 a Hugging Face model directory (``config.json`` and ``model.safetensors`` or
@@ -37,6 +37,13 @@ goes through the plain [all q | all k | all v] order first (``_canonical`` / ``_
   (``mlp.router``; top-k of the logits then a softmax over the k, which is the softmax
   renormalised over its top-k), and experts stacked as ours, (E, in, out), with gate and up in
   one ``gate_up_proj`` whose columns alternate (gate even, up odd), biases beside them.
+- DeepSeek-V3 (a model with ``model.attention_kind=mla``): latent attention under ``self_attn.q_a_proj``,
+  ``q_a_layernorm``, ``q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+  ``kv_b_proj``; a sigmoid router ``mlp.gate`` with its ``e_score_correction_bias`` (our
+  ``expert_bias``), experts per expert as Qwen3-MoE's, ``mlp.shared_experts``. Its rotary pairs
+  are adjacent dims when ``rope_interleave`` (the default): the rotary rows are reordered on
+  import and written in halves with ``rope_interleave: false``. Multi-token-prediction layers
+  (after the last) are neither read nor written.
 Anything else (e.g. learned positions with SwiGLU, GQA in the GPT-2 layout, a window on some
 layers of a model without Q/K/V bias, shared experts, a sigmoid router) is refused with one line
 naming the key.
