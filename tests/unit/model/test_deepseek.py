@@ -105,7 +105,7 @@ def test_bad_group_mla_and_mtp_keys_are_one_line_errors(changes, message):
 def hf_deepseek(seed: int = 0, **changes):
     """A random DeepseekV3ForCausalLM whose every part counts: router, correction bias and norms drawn."""
     torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(hf_deepseek_config(vocab_size=VOCAB, **changes))
+    model = transformers.DeepseekV3ForCausalLM(hf_deepseek_config(**({"vocab_size": VOCAB} | changes)))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -294,3 +294,21 @@ def test_counts_and_flops_follow_the_built_model(path, changes):
     attention = 6 * s * (cfg.n_layer + cfg.mtp_depth) * cfg.n_head * (
         cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     assert flops_per_token(cfg, s) == 6 * n + attention
+
+
+def test_init_from_a_deepseek_v3_directory_builds_that_model(tmp_path):
+    """configs/tiny.yaml (learned positions, LayerNorm, GELU, multi-head attention, dense) started from a
+    DeepSeek-V3 directory: the run's model is the source's (latent attention, groups, score bias,
+    shared experts, dense first layer), and the trainer's build computes its logits."""
+    from tests.unit.model.test_moe_interop import init_from
+    from training.model_io import ARCHITECTURE_KEYS
+
+    hf = hf_deepseek(seed=4, vocab_size=256, hidden_size=128, num_hidden_layers=4, max_position_embeddings=128)
+    cfg, ours, note = init_from("configs/tiny.yaml", hf, tmp_path)
+    idx = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, rtol=0, atol=1e-5)
+    m, source = cfg.model, interop.read_hf_dir(tmp_path / "hf")[0]
+    assert {k: m.value_of(k) for k in ARCHITECTURE_KEYS} == {k: source.value_of(k) for k in ARCHITECTURE_KEYS}
+    assert (m.attention_kind, m.moe.groups_kept, m.moe.shared_experts) == ("mla", 2, 2)
+    assert "attention_kind gqa -> mla" in note
