@@ -564,7 +564,7 @@ def priority_table(measured: Measured) -> Table:
     none70 = est.activation_bytes_per_layer(cfg70, s70, b70, "none")
     sel70 = est.activation_bytes_per_layer(cfg70, s70, b70, "selective")
     full70 = est.activation_bytes_per_layer(cfg70, s70, b70, "full")
-    zero2_64 = job(strategy="zero2", gpus=64)  # DDP's 2Ψ traffic; DDP itself does not fit (16Ψ)
+    zero2_64 = job(strategy="zero2", gpus=64)  # DeepSpeed's all-reduce + all-gather; DDP does not fit (16Ψ)
     t = zero2_64.time
     serial_step = t.compute_s + t.comm_s + t.offload_s + t.memory_bound_s
     att = measured.attention

@@ -41,13 +41,15 @@ FLOPS_CONVENTIONS = ("megatron_eq3", "perfgpt")
 ROW_KEYS = {
     "id", "table", "model", "system", "seq_len", "gpus", "tp", "pp", "cp", "micro_batch", "grad_accum",
     "global_batch", "strategy", "recompute", "precision", "pp_schedule", "pp_virtual_stages", "sequence_parallel",
-    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "compile", "num_params", "memory_gib", "reason",
+    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "compile", "num_params", "memory_gib", "reason",
     *THROUGHPUT_KEYS,
 }
 SOURCE_KEYS = {"source", "citation", "read_from", "framework", "calibration", "flops_convention", "memory_kind",
-               "defaults", "model_defaults", "models", "rows"}
+               "defaults", "model_defaults", "models", "rows", "left_out_reason"}
 # An error beyond this needs a written reason in the row (``reason:``).
-REASON_THRESHOLD = 0.30
+REASON_THRESHOLD = 0.25
+# The median error a source left out of the fit should reach; beyond it the source says why (left_out_reason).
+LEFT_OUT_TARGET = 0.10
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class Source:
     calibration: str  # alternate | none
     flops_convention: str | None
     memory_kind: str  # reserved (torch.cuda.max_memory_reserved) | device (nvidia-smi)
+    left_out_reason: str = ""  # why the source, left out of the fit, is predicted worse (validation by source)
 
 
 @dataclass(frozen=True, eq=False)  # identity: a row is one line of one file
@@ -92,15 +95,13 @@ class PublishedRow:
         return self.global_batch // (self.micro_batch * dp)
 
     def unsupported(self) -> str | None:
-        """Why the estimator cannot predict this row, or None."""
-        if self.cp > 1:
-            return f"context parallelism (cp={self.cp}) is not modelled"
+        """Why the estimator cannot predict this row, or None (every row it holds today is predicted)."""
         return None
 
     def job(self, assumptions: est.Assumptions | None = None) -> est.JobSpec:
         keys = {k: v for k, v in self.layout.items() if k in LAYOUT_KEYS}
         rest = {k: v for k, v in self.layout.items() if k not in LAYOUT_KEYS}
-        return est.JobSpec(self.model, self.seq_len, self.micro_batch, est.layout_of(self.gpus, **keys),
+        return est.JobSpec(self.model, self.seq_len, self.micro_batch, est.layout_of(self.gpus, cp=self.cp, **keys),
                            device=SYSTEMS[self.system].device, grad_accum=self.grad_accum,
                            assumptions=assumptions or est.Assumptions(), **rest)
 
@@ -120,7 +121,7 @@ def _load_source(path: Path) -> list[PublishedRow]:
     if convention is not None and convention not in FLOPS_CONVENTIONS:
         raise ConfigError(f"{where}: flops_convention {convention!r} is not one of {', '.join(FLOPS_CONVENTIONS)}")
     source = Source(raw["source"], raw["citation"], raw["read_from"], raw["framework"], raw["calibration"],
-                    convention, raw.get("memory_kind", "device"))
+                    convention, raw.get("memory_kind", "device"), raw.get("left_out_reason", ""))
     models = raw.get("models", {})
     rows = []
     for index, entry in enumerate(raw["rows"]):
@@ -149,6 +150,7 @@ def _load_source(path: Path) -> list[PublishedRow]:
             "pp_schedule": fields.get("pp_schedule", "1f1b"), "pp_virtual_stages": fields.get("pp_virtual_stages", 1),
             "tp_overlap": fields.get("tp_overlap", False), "dp_overlap": fields.get("dp_overlap", True),
             "fsdp_reshard_after_forward": fields.get("fsdp_reshard_after_forward", True),
+            "zero_reduction": fields.get("zero_reduction", "deepspeed"),
         }
         if "sequence_parallel" in fields:
             layout["sequence_parallel"] = fields["sequence_parallel"]
@@ -291,16 +293,22 @@ def unexplained(comparisons: list[Comparison]) -> list[Comparison]:
 # --------------------------------------------------------------------------- calibration
 
 
-def calibration_loss(rows: list[PublishedRow], assumptions: est.Assumptions) -> float:
-    """Mean absolute log-ratio of predicted to published throughput over the calibration rows (absolute,
-    not squared, so that a row the model cannot explain pulls no harder than any other)."""
-    errors = [math.log(1 + c.error) for c in compare([r for r in rows if r.role == "calibration"], assumptions)
+def throughput_loss(rows: list[PublishedRow], assumptions: est.Assumptions) -> float:
+    """Mean absolute log-ratio of predicted to published throughput over every throughput figure of ``rows``
+    (absolute, not squared, so that a row the model cannot explain pulls no harder than any other)."""
+    errors = [math.log(1 + c.error) for c in compare(rows, assumptions)
               if c.quantity == "throughput" and c.error is not None]
     return sum(abs(e) for e in errors) / len(errors)
 
 
+def calibration_loss(rows: list[PublishedRow], assumptions: est.Assumptions) -> float:
+    """``throughput_loss`` over the calibration rows."""
+    return throughput_loss([r for r in rows if r.role == "calibration"], assumptions)
+
+
 def _is_fraction(name: str) -> bool:
-    return name.endswith(("_fraction", "_efficiency"))
+    # gemm_fraction_ampere and gemm_fraction_hopper are fractions too, not only names ending in one
+    return "_fraction" in name or name.endswith("_efficiency")
 
 
 def _to_search(name: str, value: float) -> float:
@@ -322,6 +330,12 @@ def fit(rows: list[PublishedRow], start: est.Assumptions | None = None, iteratio
     Nelder-Mead on transformed parameters (a fraction's logit keeps it inside (0, 1), a scale's
     logarithm keeps it positive), from ``start`` with a simplex 0.2 wide, restarted from the best point
     ``restarts`` times; deterministic, so the same rows give the same parameters."""
+    return fit_on([r for r in rows if r.role == "calibration"], start, iterations, restarts)
+
+
+def fit_on(rows: list[PublishedRow], start: est.Assumptions | None = None, iterations: int = 600,
+           restarts: int = 2) -> est.Assumptions:
+    """As ``fit``, minimizing ``throughput_loss`` over every row given (whatever its role)."""
     best = start or est.Assumptions()
     for _ in range(restarts + 1):
         best = _nelder_mead(rows, best, iterations)
@@ -335,7 +349,7 @@ def _nelder_mead(rows: list[PublishedRow], start: est.Assumptions, iterations: i
         return dataclasses.replace(start, **{n: _from_search(n, x) for n, x in zip(names, point)})
 
     def loss(point: list[float]) -> float:
-        return calibration_loss(rows, assumptions(point))
+        return throughput_loss(rows, assumptions(point))
 
     origin = [_to_search(n, getattr(start, n)) for n in names]
     simplex = [origin] + [[x + (0.2 if i == j else 0.0) for j, x in enumerate(origin)] for i in range(len(names))]
@@ -369,6 +383,50 @@ def _nelder_mead(rows: list[PublishedRow], start: est.Assumptions, iterations: i
                 values = [values[0]] + [loss(point) for point in simplex[1:]]
     best = min(range(len(simplex)), key=values.__getitem__)
     return assumptions(simplex[best])
+
+
+# --------------------------------------------------------------------------- validation by source
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One source left out: the parameters fitted on every other source's throughput figures, and the
+    left-out source's figures predicted with them."""
+
+    source: str
+    assumptions: est.Assumptions
+    comparisons: list[Comparison]
+
+
+def fold(rows: list[PublishedRow], source: str, assumptions: est.Assumptions) -> Fold:
+    """``source``'s figures predicted with ``assumptions`` (fitted without it)."""
+    return Fold(source, assumptions, compare([r for r in rows if r.source.name == source], assumptions))
+
+
+def leave_one_source_out(rows: list[PublishedRow], start: est.Assumptions | None = None, iterations: int = 300,
+                         restarts: int = 0) -> list[Fold]:
+    """For every source in turn, ``fit_on`` every row of the others (from ``start``, default the committed
+    parameters), then predict the source's figures: how the estimator does on a source it never saw.
+    Memory has no fitted parameter, so its figures come out as in ``compare``."""
+    folds = []
+    for source in dict.fromkeys(r.source.name for r in rows):
+        others = [r for r in rows if r.source.name != source]
+        folds.append(fold(rows, source, fit_on(others, start, iterations, restarts)))
+    return folds
+
+
+def fold_summaries(folds: list[Fold]) -> list[Summary]:
+    """Median and worst absolute error per left-out source and quantity, then over all sources."""
+    out = []
+    pooled = [c for f in folds for c in f.comparisons if c.error is not None]
+    for name, chosen in [(f.source, [c for c in f.comparisons if c.error is not None]) for f in folds] + [("all", pooled)]:
+        for quantity in QUANTITIES:
+            figures = [c for c in chosen if c.quantity == quantity]
+            if figures:
+                worst = max(figures, key=lambda c: abs(c.error))
+                out.append(Summary(name, quantity, ("left out",), len(figures),
+                                   statistics.median(abs(c.error) for c in figures), abs(worst.error), worst.row.id))
+    return out
 
 
 # --------------------------------------------------------------------------- rendering
@@ -463,6 +521,74 @@ def render_markdown(comparisons: list[Comparison], assumptions: est.Assumptions,
         lines.append("")
     lines.append("![published vs estimator](published_vs_estimator.png)")
     return "\n".join(lines) + "\n"
+
+
+def render_leave_one_out(folds: list[Fold], alternate: list[Summary], command: str) -> str:
+    """The validation by source as Markdown: per left-out source and quantity n, median and worst, the
+    parameters each fold fitted, and every figure beyond REASON_THRESHOLD with its row's written reason."""
+    summaries = fold_summaries(folds)
+    pooled = {s.quantity: s for s in summaries if s.source == "all"}
+    alt = {s.quantity: s for s in alternate if s.source == "all"}
+    names = est.FITTED_PARAMETERS
+    lines = [
+        "# Published measurements, validated by source (leave one source out)",
+        "",
+        f"Generated by `{command}` from analysis/published/*.yaml. For every source in turn, the estimator's "
+        f"free parameters ({', '.join(names)}) are fitted on every throughput figure of the other sources "
+        "(analysis/published.py `leave_one_source_out`: Nelder-Mead from the committed parameters), and the "
+        "left-out source's figures are predicted with them: how the estimator does on a framework, a "
+        "hardware generation and a team it never saw. Memory has no fitted parameter, so its errors are those "
+        "of [published_vs_estimator.md](published_vs_estimator.md); only torchtitan publishes memory with "
+        "full layouts. Error = predicted / published − 1 (for an iteration time, published / predicted − 1).",
+        "",
+    ]
+    for quantity in QUANTITIES:
+        s = pooled.get(quantity)
+        if s is not None:
+            lines.append(f"- **Left-out sources, {quantity}: median absolute error {s.median:.1%} over {s.count} "
+                         f"figures of {len([f for f in folds if any(c.quantity == quantity for c in f.comparisons)])} "
+                         f"sources, worst {s.worst:.1%} ({s.worst_row}).**")
+    for quantity in QUANTITIES:
+        s = alt.get(quantity)
+        if s is not None:
+            lines.append(f"- Secondary (alternate rows of the same sources held out, one fit): {quantity} median "
+                         f"{s.median:.1%} over {s.count} figures.")
+    lines += ["", "## Error per left-out source", "",
+              "| left-out source | quantity | n | median abs error | worst abs error (row) |",
+              "|---|---|---:|---:|---|"]
+    for s in summaries:
+        name = "**all sources**" if s.source == "all" else s.source
+        lines.append(f"| {name} | {s.quantity} | {s.count} | {s.median:.1%} | {s.worst:.1%} ({s.worst_row}) |")
+    off = [s for s in summaries if s.source != "all" and s.median > LEFT_OUT_TARGET]
+    if off:
+        lines += ["", f"Why a left-out source's median is beyond {LEFT_OUT_TARGET:.0%} (its file's `left_out_reason`):", ""]
+        reasons = {f.source: next((c.row.source.left_out_reason for c in f.comparisons), "") for f in folds}
+        lines += [f"- {s.source} ({s.quantity}, {s.median:.1%}): {reasons.get(s.source) or 'no written reason'}"
+                  for s in off]
+    lines += ["", "## Parameters fitted without each source", "",
+              "| left out | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for f in folds:
+        lines.append(f"| {f.source} | " + " | ".join(f"{getattr(f.assumptions, n):.3g}" for n in names) + " |")
+    beyond = [c for f in folds for c in f.comparisons if c.error is not None and abs(c.error) > REASON_THRESHOLD]
+    lines += ["", f"## Figures beyond {REASON_THRESHOLD:.0%} on their left-out source", ""]
+    if not beyond:
+        lines.append("None.")
+    lines += [f"- {c.row.key} ({c.quantity}, {_pct(c.error)}): "
+              + (c.row.reason or (f"its source's: {c.row.source.left_out_reason}" if c.row.source.left_out_reason
+                                  else "no written reason")) for c in beyond]
+    return "\n".join(lines) + "\n"
+
+
+def fold_parameters(folds: list[Fold]) -> list[dict]:
+    """Each fold's source and fitted parameters (what ``render_leave_one_out`` needs to be redrawn)."""
+    return [{"source": f.source, "parameters": {n: getattr(f.assumptions, n) for n in est.FITTED_PARAMETERS}}
+            for f in folds]
+
+
+def folds_from(rows: list[PublishedRow], saved: list[dict]) -> list[Fold]:
+    """The folds of ``fold_parameters``' record, predicted again with today's estimator."""
+    return [fold(rows, entry["source"], dataclasses.replace(est.Assumptions(), **entry["parameters"]))
+            for entry in saved]
 
 
 def plot(comparisons: list[Comparison], path: Path) -> None:

@@ -9,6 +9,14 @@ the vendors' datasheets:
   dense); HBM3e 4.8 TB/s; NVLink 900 GB/s bidirectional.
 - A100 SXM4 80 GB: NVIDIA A100 datasheet: BF16 312 TFLOP/s, TF32 156 dense; no FP8;
   HBM2e 2.039 TB/s; NVLink 3 600 GB/s bidirectional.
+- H100 96 GB (HBM2e) at 500 W, the GPU of torchtitan's benchmarks (pytorch/torchtitan
+  benchmarks/llama3_h100_202412_torchtitan.md, "Hardware": 96 GB HBM2e at 2.4 TB/s, NVLink, 400 Gb/s
+  RDMA per GPU, the default 500 W power limit). Its dense peak at that power is not published (the
+  file's footnote: "between SXM and NVL, and we don't know its exact value"), so the SXM figures stand
+  for the tensor cores: an upper bound on the clocks.
+- H800 SXM5 80 GB: the H100 SXM die with NVLink cut to 400 GB/s bidirectional (DeepSeek-AI, "Insights
+  into DeepSeek-V3", arXiv:2505.09343, the cluster DeepSeek-V3 trained on; the 400 GB/s figure as read
+  in philisun.com's "NVIDIA H800 vs H100" comparison); tensor cores, HBM3 and PCIe as the H100 SXM's.
 Network figures are per-GPU NIC: 400 Gb/s InfiniBand NDR (50 GB/s) for H100/H200 systems,
 200 Gb/s HDR (25 GB/s) for A100 systems (DGX H100 / DGX A100 reference architectures).
 
@@ -29,7 +37,7 @@ Figures the analytic estimator (``analysis/estimator/``) also uses:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,14 @@ DEVICES: dict[str, DeviceSpec] = {
         "H200 SXM 141GB", 989.0, 1979.0, 495.0, 141.0, 4.8, 900.0, 50.0,
         fp32_tflops=67.0, pcie_gb_s=64.0, host_mem_gib=256.0,
     ),
+    "H100-96GB": DeviceSpec(
+        "H100 96GB HBM2e (500 W)", 989.0, 1979.0, 495.0, 96.0, 2.4, 900.0, 50.0,
+        fp32_tflops=67.0, pcie_gb_s=64.0, host_mem_gib=256.0,
+    ),
+    "H800": DeviceSpec(
+        "H800 SXM5 80GB", 989.0, 1979.0, 495.0, 80.0, 3.35, 400.0, 50.0,
+        fp32_tflops=67.0, pcie_gb_s=64.0, host_mem_gib=256.0,
+    ),
     "A100": DeviceSpec(
         "A100 SXM4 80GB", 312.0, None, 156.0, 80.0, 2.039, 600.0, 25.0,
         fp32_tflops=19.5, pcie_gb_s=32.0, host_mem_gib=128.0, family="ampere",
@@ -80,10 +96,6 @@ class System:
     name: str
     device: DeviceSpec
     source: str
-
-
-def _with(key: str, **changes) -> DeviceSpec:
-    return replace(DEVICES[key], **changes)
 
 
 SYSTEMS: dict[str, System] = {
@@ -106,8 +118,7 @@ SYSTEMS: dict[str, System] = {
                           "The Llama 3 Herd of Models, section 3.3.1"),
     # torchtitan's benchmark machines: the same platform with H100 96GB HBM2e (2.4 TB/s) at a 500 W cap;
     # the dense peak at 500 W is not published (between the SXM and NVL figures), so the SXM figure stands.
-    "grand-teton-96gb-500w": System("Grand Teton H100 96GB HBM2e at 500 W, RDMA 400 Gb/s per GPU",
-                                    _with("H100", name="H100 96GB HBM2e (500 W)", hbm_gib=96.0, hbm_tb_s=2.4),
+    "grand-teton-96gb-500w": System("Grand Teton H100 96GB HBM2e at 500 W, RDMA 400 Gb/s per GPU", DEVICES["H100-96GB"],
                                     "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, 'Hardware'"),
 }
 

@@ -276,6 +276,28 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
     return probs @ v
 
 
+@torch.no_grad()
+def head_max_logits(q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
+    """(H,) per query head, the largest pre-softmax logit q . k / sqrt(D) over every query and the
+    keys it may see (causal, within ``window`` tokens and within its document when given), over the batch.
+    q (B, T, H, D), k (B, S, H_kv, D), the last T of S positions being the queries.
+
+    What QK-clip reads (parallel/qk_clip.py). It recomputes QK^T, which no fused kernel returns, in
+    fp32 and in blocks of queries so the scores held at once stay small."""
+    b, t, h, d = q.shape
+    q = q.transpose(1, 2).float()  # (B, H, T, D)
+    k = repeat_kv(k.transpose(1, 2), h // k.shape[2]).float()  # (B, H, S, D)
+    allowed = causal_mask(t, k.shape[2], q.device, window) if documents is None else document_mask(documents, t, window)
+    best = torch.full((h,), float("-inf"), device=q.device)
+    block = max(1, 2**22 // max(1, b * h * k.shape[2]))
+    for start in range(0, t, block):
+        scores = (q[:, :, start:start + block] @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+        scores = scores.masked_fill(~allowed[..., start:start + block, :], float("-inf"))
+        best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+    return best
+
+
 class KVCache:
     """Keys and values of every layer, kept between generation steps so each new token attends
     to the past without recomputing it.

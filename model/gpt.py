@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from kernels.reference import clamped_swiglu
 from kernels.registry import REFERENCE_OPS, KernelOps
-from model.attention import AttentionCore, KVCache, LayerKV
+from model.attention import AttentionCore, KVCache, LayerKV, head_max_logits
 from model.config import ModelConfig
 from model.moe import MoE, join_aux_gradient, take_aux_loss, with_aux_gradient
 from model.rope import latent_softmax_gain, rope_tables
@@ -133,6 +133,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.has_proj_bias)
         self.proj.residual_projection = True  # scaled init, see GPT.init_weights
         self.resid_drop = nn.Dropout(cfg.dropout)
+        # QK-clip's seam (parallel/qk_clip.py): a tensor here asks training forwards to keep each
+        # head's largest attention logit in it (a running max, reset by the optimizer step); None: off.
+        self.max_logit: torch.Tensor | None = None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerKV | None = None,
@@ -152,6 +155,8 @@ class Attention(nn.Module):
             q, k = self.ops.apply_rope(q, *rope), self.ops.apply_rope(k, *rope)
         if cache is not None:  # generation: attend to the earlier positions this layer sees too
             k, v = cache.update(k, v)
+        if self.max_logit is not None and self.training and torch.is_grad_enabled():
+            self.max_logit = torch.maximum(self.max_logit, head_max_logits(q, k, documents, self.core.window))
         y = self.core(q, k, v, documents, None if self.sinks is None else self.sinks()).flatten(2)  # (B, T, H * D)
         return self.resid_drop(self.proj(y))
 

@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from common.errors import CheckpointError
 from common.values import is_dtensor
-from parallel.optim import decay_groups
+from parallel.optim import stepping_groups
 
 DCP_SUBDIR = "dcp"
 FULL_STATE_FILE = "model_optim.pt"  # a single process's checkpoint: whole tensors, the optimizer's state by index
@@ -471,8 +471,9 @@ def full_state_by_name(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """A one-process checkpoint (``TorchEngine.state_dict``) under DCP's flat names: model entries
     by parameter name (a tied head under both names; the fp32 masters' values where it kept
     masters) and optimizer entries "state.<param>.<field>" / "param_groups.<param>.<field>". Its
-    optimizer numbers parameters in the order the engine handed them over: ``decay_groups`` of
-    the model's parameters, in the model's order (a shared weight once)."""
+    optimizer numbers parameters in the order the engine handed them over: ``stepping_groups`` of
+    the model's parameters, in the model's order (a shared weight once), Muon's hidden matrices
+    first when its groups say Muon stepped them."""
     model = dict(state["model"])
     owner: dict[tuple, str] = {}  # where a tensor's data lives -> the first name that holds it
     first_of: dict[str, str] = {}  # each key's parameter: itself, or for a tied head the embedding
@@ -486,10 +487,11 @@ def full_state_by_name(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if "masters" in state:  # bf16 weights stepped through fp32 masters: the masters are the values
         model.update(zip(params, state["masters"]))
     model = {name: model[first_of[name]] for name in first_of}
-    groups = decay_groups([(name, model[name]) for name in params], 0.0)
+    optim = state["optimizer"]
+    muon = any(group.get("muon") for group in optim["param_groups"])
+    groups = stepping_groups([(name, model[name]) for name in params], 0.0, muon=muon)
     by_id = {id(model[name]): name for name in params}
     order = [by_id[id(t)] for group in groups for t in group["params"]]
-    optim = state["optimizer"]
     stepped = sum(len(group["params"]) for group in optim["param_groups"])
     if stepped != len(order):
         raise CheckpointError(f"the one-process checkpoint's optimizer steps {stepped} parameters, its model "
@@ -500,9 +502,10 @@ def full_state_by_name(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
             flat.update({f"param_groups.{order[index]}.{k}": v for k, v in group.items() if k != "params"})
     for index, fields in optim["state"].items():
         name = order[index]
-        if "exp_avg" in fields and fields["exp_avg"].shape != model[name].shape:
+        moment = fields.get("exp_avg", fields.get("momentum_buffer"))
+        if moment is not None and moment.shape != model[name].shape:
             raise CheckpointError(f"the one-process checkpoint's optimizer state for {name} has shape "
-                                  f"{tuple(fields['exp_avg'].shape)}, the parameter {tuple(model[name].shape)}")
+                                  f"{tuple(moment.shape)}, the parameter {tuple(model[name].shape)}")
         flat.update({f"state.{name}.{k}": v for k, v in fields.items()})
     return {"model": model, "optimizer": flat}
 

@@ -45,7 +45,7 @@ from parallel.checkpoint import (
 )
 from parallel.optim import OptimConfig
 from parallel.precision import PrecisionPolicy
-from parallel.step import OptimizedPart, OptimizerStep, StepResult
+from parallel.step import OptimizedPart, OptimizerStep, StepResult, muon_comm_stats
 
 
 class Engine(abc.ABC):
@@ -183,7 +183,7 @@ class TorchEngine(Engine):
         self.model.train(mode)
 
     def comm_stats(self) -> dict[str, float]:
-        return {}
+        return muon_comm_stats(self.parts)
 
     def local_weights(self) -> list[torch.Tensor]:
         return [t for part in self.parts for t in part.local_weights()]
@@ -248,7 +248,8 @@ class DDPEngine(TorchEngine):
         return contextlib.nullcontext() if is_last_micro else self.model.no_sync()
 
     def comm_stats(self) -> dict[str, float]:
-        return {} if self._comm_counter is None else self._comm_counter.pop_step()
+        hook = {} if self._comm_counter is None else self._comm_counter.pop_step()
+        return hook | muon_comm_stats(self.parts)
 
 
 class ShardedEngine(TorchEngine):

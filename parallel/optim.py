@@ -1,15 +1,20 @@
-"""AdamW and its learning-rate schedule: ``OptimConfig`` (the ``optim`` section) and what it builds.
+"""The optimizer and its learning-rate schedule: ``OptimConfig`` (the ``optim`` section, with its
+``optim.muon`` subsection) and what it builds.
 
 The engines (``parallel/engine.py``, ``parallel/zero.py``) own the optimizer, so its config and
-its construction live next to them. Weight decay applies to matrices only (linear weights and
-embeddings), never to norm gains and biases. The schedule is a linear warmup to the peak, a
-cosine decay to ``min_lr`` at ``decay_steps`` (counted from step 0), then flat.
+its construction live next to them. ``optim.name=adamw``: AdamW on every parameter.
+``optim.name=muon``: Muon (parallel/muon.py) on the hidden weight matrices (attention and MLP
+projections, expert stacks), AdamW on the rest: embeddings, the LM head, norms, biases and MoE
+routers (``muon_split``). Weight decay applies to matrices only (linear weights and embeddings),
+never to norm gains and biases. The schedule is a linear warmup to the peak, a cosine decay to
+``min_lr`` at ``decay_steps`` (counted from step 0), then flat; a Muon peak of its own
+(``optim.muon.lr``) follows the same schedule, scaled.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
@@ -17,10 +22,42 @@ import torch.nn as nn
 
 from common.errors import ConfigError
 from common.fields import doc, require_finite
+from parallel.muon import JORDAN_COEFFICIENTS, Muon
+
+
+@dataclass(frozen=True)
+class MuonConfig:
+    """Muon's keys (``optim.muon.*``), read with optim.name=muon. Frozen, so a config copied with
+    ``dataclasses.replace`` never shares a section that one copy changes."""
+
+    momentum: float = doc(0.95, "momentum mu of the buffer M <- mu M + (1 - mu) G, in [0, 1)")
+    nesterov: bool = doc(True, "orthogonalise (1 - mu) G + mu M (Nesterov) instead of M")
+    ns_steps: int = doc(5, "Newton-Schulz iterations per step, 1-99")
+    ns_coefficients: list[float] = doc(list(JORDAN_COEFFICIENTS),
+                                       "quintic Newton-Schulz coefficients (a, b, c); Keller Jordan's by default")
+    ns_dtype: Literal["auto", "bf16", "fp32"] = doc(
+        "auto", "dtype Newton-Schulz runs in (and sharded pieces travel in); auto: bf16 on CUDA (as torch.optim.Muon), "
+        "fp32 elsewhere (CPU bf16 matmuls are slower than fp32 ones)"
+    )
+    scale: Literal["match_rms_adamw", "original", "none"] = doc(
+        "match_rms_adamw", "update scale of an A x B matrix: match_rms_adamw 0.2 sqrt(max(A, B)) (Moonlight: "
+        "AdamW's lr and weight decay carry over), original sqrt(max(1, A/B)) (Keller Jordan), none 1"
+    )
+    lr: float | None = doc(None, "peak learning rate of the Muon matrices (same schedule); null: optim.lr")
+    weight_decay: float | None = doc(None, "decoupled weight decay of the Muon matrices; null: optim.weight_decay")
+    qk_clip_tau: float | None = doc(
+        None, "QK-clip (Kimi K2's MuonClip): after a step whose largest pre-softmax attention logit of a head "
+        "exceeded this, that head's query and key weights are scaled to bring it to the threshold (K2: 100); "
+        "null: off"
+    )
 
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "muon"] = doc(
+        "adamw", "adamw: AdamW everywhere; muon: Muon on hidden weight matrices (attention, MLP, experts), AdamW "
+        "on embeddings, head, norms, biases and routers (keys: optim.muon.*)"
+    )
     lr: float = doc(6e-4, "peak learning rate reached at the end of warmup")
     min_lr: float = doc(6e-5, "learning rate at the end of the cosine decay")
     warmup_steps: int = doc(
@@ -38,8 +75,9 @@ class OptimConfig:
     grad_clip: float = doc(1.0, "clip the global gradient norm to this value; 0 disables")
     fused: Literal["auto", "on", "off"] = doc(
         "auto", "fused AdamW kernel (skips a non-finite step without a host sync): auto uses it on CUDA; on "
-        "uses it on any device PyTorch's fused AdamW runs on (CPU too)"
+        "uses it on any device PyTorch's fused AdamW runs on (CPU too); not with optim.name=muon"
     )
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
     def validate(self) -> None:
         # An infinite lr turns the first update into NaN weights: finiteness comes first.
@@ -72,6 +110,47 @@ class OptimConfig:
             raise ConfigError(f"optim.eps must be > 0 (got {self.eps})")
         if self.grad_clip < 0:
             raise ConfigError(f"optim.grad_clip must be >= 0, 0 disables clipping (got {self.grad_clip})")
+        self._validate_muon()
+
+    def _validate_muon(self) -> None:
+        m = self.muon
+        if self.name != "muon":  # Muon keys without Muon would be ignored: say so instead
+            changed = [f.name for f in fields(m) if getattr(m, f.name) != getattr(MuonConfig(), f.name)]
+            if changed:
+                raise ConfigError(f"optim.muon.{changed[0]}={getattr(m, changed[0])} has no effect with optim.name="
+                                  f"{self.name}; set optim.name=muon or leave the optim.muon keys at their defaults")
+            return
+        if self.fused == "on":
+            raise ConfigError("optim.fused=on is AdamW's fused kernel; with optim.name=muon the AdamW parameters step "
+                              "inside Muon's optimizer without it: use optim.fused=auto or off")
+        for key in ("momentum", "lr", "weight_decay", "qk_clip_tau"):
+            require_finite(f"optim.muon.{key}", getattr(m, key), ConfigError)
+        if not 0 <= m.momentum < 1:
+            raise ConfigError(f"optim.muon.momentum must be in [0, 1) (got {m.momentum})")
+        if not 1 <= m.ns_steps < 100:
+            raise ConfigError(f"optim.muon.ns_steps must be between 1 and 99 (got {m.ns_steps})")
+        if len(m.ns_coefficients) != 3 or not all(math.isfinite(c) for c in m.ns_coefficients):
+            raise ConfigError(f"optim.muon.ns_coefficients must be three finite numbers (a, b, c), e.g. "
+                              f"{list(JORDAN_COEFFICIENTS)} (got {m.ns_coefficients})")
+        if m.lr is not None and m.lr <= 0:
+            raise ConfigError(f"optim.muon.lr must be > 0, or null for optim.lr (got {m.lr})")
+        if m.weight_decay is not None and m.weight_decay < 0:
+            raise ConfigError(f"optim.muon.weight_decay must be >= 0, or null for optim.weight_decay (got {m.weight_decay})")
+        lr, wd = self.muon_lr, self.muon_weight_decay
+        if lr * wd >= 1:
+            raise ConfigError(f"Muon's lr x weight decay = {lr * wd:g} must be < 1 (optim.muon.lr or optim.lr, "
+                              "optim.muon.weight_decay or optim.weight_decay): the decay multiplies every matrix by "
+                              "1 - lr x weight_decay each step")
+        if m.qk_clip_tau is not None and m.qk_clip_tau <= 0:
+            raise ConfigError(f"optim.muon.qk_clip_tau must be > 0, or null to turn QK-clip off (got {m.qk_clip_tau})")
+
+    @property
+    def muon_lr(self) -> float:
+        return self.lr if self.muon.lr is None else self.muon.lr
+
+    @property
+    def muon_weight_decay(self) -> float:
+        return self.weight_decay if self.muon.weight_decay is None else self.muon.weight_decay
 
     def schedule(self, max_steps: int) -> dict[str, Any]:
         """The schedule of a run of ``max_steps`` steps: ``lr_at``'s keyword arguments, and what a
@@ -113,6 +192,79 @@ def decay_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: flo
     decay = [p for _, p in named_params if p.ndim >= 2]
     no_decay = [p for _, p in named_params if p.ndim < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def is_hidden_matrix(name: str, tensor: torch.Tensor) -> bool:
+    """What Muon steps: the matrices inside the transformer blocks (linear weights of attention and
+    the MLPs, shared experts, and expert stacks), not the MoE router, whose few rows score experts as
+    the LM head scores tokens. Embeddings, the head, norms and biases are outside or not matrices;
+    per-expert biases (E, out) are 2-D but a bias each, so the name decides, not the shape."""
+    if "blocks." not in name or name.endswith("router.weight"):
+        return False
+    return (tensor.ndim == 2 and name.endswith(".weight")) or (tensor.ndim == 3 and _is_expert_stack(name))
+
+
+def _is_expert_stack(name: str) -> bool:
+    return name.rsplit(".", 1)[-1].startswith("w_")
+
+
+def muon_split(named_params: list[tuple[str, torch.Tensor]]) -> tuple[list, list]:
+    """(Muon's, AdamW's) of ``named_params``, each a list of (name, tensor) in the given order."""
+    muon = [(n, p) for n, p in named_params if is_hidden_matrix(n, p)]
+    return muon, [(n, p) for n, p in named_params if not is_hidden_matrix(n, p)]
+
+
+def stepping_groups(named_params: list[tuple[str, torch.Tensor]], weight_decay: float, *, muon: bool) -> list[dict]:
+    """The optimizer's parameter groups in its order: AdamW's ``decay_groups``; with Muon, the
+    hidden matrices first, then ``decay_groups`` of the rest. A one-process checkpoint numbers its
+    parameters in this order (parallel/checkpoint.py reads it back)."""
+    if not muon:
+        return decay_groups(named_params, weight_decay)
+    matrices, rest = muon_split(named_params)
+    return [{"params": [p for _, p in matrices], "muon": True}] + decay_groups(rest, weight_decay)
+
+
+def build_optimizer(named_params: list[tuple[str, torch.Tensor]], optim_cfg: OptimConfig,
+                    device: torch.device) -> torch.optim.Optimizer:
+    """The ``optim`` section's optimizer over ``named_params`` (what the engine steps: parameters or
+    their fp32 masters, by parameter name)."""
+    if optim_cfg.name == "adamw":
+        return build_adamw(decay_groups(named_params, optim_cfg.weight_decay), optim_cfg, device)
+    m = optim_cfg.muon
+    groups = stepping_groups(named_params, optim_cfg.weight_decay, muon=True)
+    groups[0].update(lr=optim_cfg.muon_lr, lr_scale=optim_cfg.muon_lr / optim_cfg.lr,
+                     weight_decay=optim_cfg.muon_weight_decay, momentum=m.momentum, nesterov=m.nesterov,
+                     ns_steps=m.ns_steps, ns_coefficients=tuple(m.ns_coefficients),
+                     ns_dtype=m.ns_dtype if m.ns_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32"),
+                     scale=m.scale)
+    return Muon(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
+
+
+def describe_split(named_params: list[tuple[str, torch.Tensor]]) -> str:
+    """One log line: which parameters Muon steps and which AdamW, with counts (whole tensors)."""
+    matrices, rest = muon_split(named_params)
+    experts = [p for _, p in matrices if p.ndim == 3]
+
+    def count(items) -> str:
+        return f"{sum(p.numel() for _, p in items) / 1e6:.3g}M parameters"
+
+    expert_part = (f", {len(experts)} expert stacks of them orthogonalised per expert "
+                   f"({sum(p.shape[0] for p in experts)} matrices)" if experts else "")
+    kinds = sorted({_kind(n, p) for n, p in rest})
+    return (f"optimizer: muon on {len(matrices)} hidden matrices ({count(matrices)}: attention and MLP projections"
+            f"{expert_part}); adamw on {len(rest)} tensors ({count(rest)}: {', '.join(kinds)})")
+
+
+def _kind(name: str, tensor: torch.Tensor) -> str:
+    if "router" in name:
+        return "MoE routers"
+    if "emb" in name:
+        return "embeddings"
+    if "lm_head" in name:
+        return "LM head"
+    if name.endswith("bias") or name.rsplit(".", 1)[-1].startswith("b_"):
+        return "biases"
+    return "norm gains" if tensor.ndim == 1 else "other"
 
 
 def build_adamw(params_or_groups, optim_cfg: OptimConfig, device: torch.device, *,

@@ -46,7 +46,7 @@ from parallel.engine import DDPEngine, Engine, ShardedEngine, TorchEngine
 from parallel.ep import apply_expert_parallel
 from parallel.float8 import apply_float8, precompute_scales_after_step
 from parallel.fsdp import apply_fsdp
-from parallel.optim import OptimConfig
+from parallel.optim import OptimConfig, describe_split
 from parallel.precision import PrecisionConfig, PrecisionPolicy, check_precision_supported, precision_policy
 from parallel.zero import ZERO_STAGES, apply_zero
 
@@ -144,6 +144,8 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
             precompute_scales_after_step(part.optimizer, part.model)
     notes = [kernel_note, attention_note] + ([expert_note] if expert_note else []) + [policy.describe(layout.strategy), describe_recompute(parts[0]),
              describe_placement(dims, stages)] + [note for note in fp8_notes[:1] if note]
+    if optim_cfg.name == "muon":  # the whole model's split, from the model as built (before any pipeline cut)
+        notes.append(describe_split(list(model.named_parameters())))
     return Built(engine=engine, model=model if layout.pp == 1 else parts[0], policy=policy, notes=notes,
                  warnings=no_gain_warnings(model_cfg, backend))
 

@@ -1,6 +1,6 @@
 """The optimizer step of the torch engines, written once.
 
-Every torch engine steps its ``OptimizedPart``s (a module with the AdamW that steps it: the whole
+Every torch engine steps its ``OptimizedPart``s (a module with the optimizer that steps it: the whole
 model under one process, DDP, FSDP2 or tensor parallelism; one per pipeline stage this rank holds)
 through the same ``OptimizerStep``, in this order:
 
@@ -14,7 +14,8 @@ through the same ``OptimizerStep``, in this order:
        device tensor (``found_inf``), so the step reads nothing on the host; the other
        implementations need it there (a sync each step). The GradScaler skips on its own.
     6. clipping to ``optim.grad_clip`` with that norm, on the device (``clip_grad_norm_``'s rule)
-    7. the optimizer step (skipped as decided), masters back into the bf16 weights, zero_grad
+    7. the optimizer step (skipped as decided), then QK-clip where Muon has it (parallel/qk_clip.py:
+       each stage's heads, counts summed over the pipeline), masters back into the bf16 weights, zero_grad
 
 DeepSpeed's ZeRO engine (parallel/zero.py) shares only step 1 and the ``StepResult``: its
 ``engine.step()`` owns the rest, and the ZeRO optimizers require it to, because the gradients
@@ -33,8 +34,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common.values import full_value, is_dtensor, local_shard
-from parallel.optim import OptimConfig, build_adamw, decay_groups
+from parallel.optim import OptimConfig, build_optimizer
 from parallel.precision import MasterWeights, PrecisionPolicy
+from parallel.qk_clip import QKClip
 
 
 @dataclass
@@ -44,11 +46,17 @@ class StepResult:
     # (fused AdamW's found_inf): the loop reads those at log intervals and before saves.
     skipped: bool | torch.Tensor
     loss_scale: float | None = None
+    # With QK-clip (optim.muon.qk_clip_tau): heads clipped after this step and the step's largest
+    # attention logit, over the whole model (device tensors, read at log intervals).
+    qk_clipped: torch.Tensor | None = None
+    max_logit: torch.Tensor | None = None
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's ``lr`` into every group, times the group's ``lr_scale`` where it has one (a
+    Muon group with a peak of its own: optim.muon.lr / optim.lr)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -67,15 +75,23 @@ def step_unless_skipped(optimizer: torch.optim.Optimizer, skipped: bool | torch.
         optimizer.step()
 
 
+def muon_comm_stats(parts: list) -> dict[str, float]:
+    """Bytes this rank sent since the last call to orthogonalise sharded Muon matrices
+    (``muon_bytes_sent``, for ``Engine.comm_stats``); empty where no part steps with Muon."""
+    counts = [part.optimizer.pop_comm_bytes() for part in parts if hasattr(part.optimizer, "pop_comm_bytes")]
+    return {"muon_bytes_sent": sum(counts)} if counts else {}
+
+
 @dataclass
 class OptimizedPart:
-    """A module (a whole model or one pipeline stage) with the AdamW that steps it."""
+    """A module (a whole model or one pipeline stage) with the optimizer that steps it."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     masters: MasterWeights | None  # fp32 copies of bf16 weights, which the optimizer steps instead
     params: list[nn.Parameter]  # the model's trainable parameters
     stepped: list[torch.Tensor]  # what the optimizer steps, aligned with params
+    qk_clip: QKClip | None = None  # Muon's QK-clip over this module's attention layers
 
     @classmethod
     def build(cls, model: nn.Module, policy: PrecisionPolicy, optim_cfg: OptimConfig,
@@ -83,8 +99,10 @@ class OptimizedPart:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         masters = MasterWeights([p for _, p in named]) if policy.engine_masters else None
         stepped = named if masters is None else [(n, m) for (n, _), m in zip(named, masters.masters)]
-        optimizer = build_adamw(decay_groups(stepped, optim_cfg.weight_decay), optim_cfg, device)
-        return cls(model, optimizer, masters, [p for _, p in named], [p for _, p in stepped])
+        optimizer = build_optimizer(stepped, optim_cfg, device)
+        tau = optim_cfg.muon.qk_clip_tau if optim_cfg.name == "muon" else None
+        qk_clip = QKClip(model, dict(stepped), tau) if tau is not None else None
+        return cls(model, optimizer, masters, [p for _, p in named], [p for _, p in stepped], qk_clip)
 
     def local_weights(self) -> list[torch.Tensor]:
         """The values this rank holds: its shards of the parameters, and the fp32 masters."""
@@ -136,13 +154,29 @@ class OptimizerStep:
                 step_unless_skipped(part.optimizer, skipped)
         if self.scaler is not None:
             self.scaler.update()
+        clipped, max_logit = self.qk_clip(skipped)
         for part in self.parts:
             if part.masters is not None and (on_device or not skipped):
                 part.masters.masters_to_model()  # after a skip the masters are unchanged: the copy is a no-op
             part.optimizer.zero_grad(set_to_none=True)
             part.model.zero_grad(set_to_none=True)
         scale = self.scaler.get_scale() if self.scaler is not None else None
-        return StepResult(grad_norm=grad_norm, skipped=skipped, loss_scale=scale)
+        return StepResult(grad_norm=grad_norm, skipped=skipped, loss_scale=scale, qk_clipped=clipped,
+                          max_logit=max_logit)
+
+    def qk_clip(self, skipped: bool | torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """QK-clip of every part that has one; the heads clipped and the largest logit, over the
+        pipeline when there is one (None, None without QK-clip)."""
+        clips = [part.qk_clip for part in self.parts if part.qk_clip is not None]
+        if not clips:
+            return None, None
+        stats = [clip(not bool(skipped)) for clip in clips]  # Muon decides skips on the host anyway
+        clipped = torch.stack([c for c, _ in stats]).sum().reshape(1)
+        max_logit = torch.stack([m for _, m in stats]).max().reshape(1)
+        if self.group is not None:
+            dist.all_reduce(clipped, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=self.group)
+        return clipped[0], max_logit[0]
 
     def total_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The 2-norm of the whole model's gradient, as a plain tensor on every rank."""

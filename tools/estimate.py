@@ -11,7 +11,7 @@ Examples:
   python -m tools.estimate --config configs/tiny.yaml --model.n_layer=12 --gpus 1 --device A100
   python -m tools.estimate --config configs/llama3-8b.yaml --scaling 8,16,32,64,128,256,512,1024 --plot /tmp/s.png
 Presets: 70b (h=8192, a=64, L=80, s=4096, b=4 on 64 GPUs), gpt3-175b (h=12288, a=96, L=96, s=2048),
-llama2-7b. Devices: H100, H200, A100 (common/hardware.py, with sources).
+llama2-7b. Devices: H100, H200, H100-96GB (torchtitan's, 500 W), H800, A100 (common/hardware.py, with sources).
 
 --plan searches dp_replicate x dp_shard x cp x tp x pp (x ep for an MoE model) over any GPU count, the pipeline schedule and
 virtual stages, the strategy, the recompute policy and the micro-batch, at a fixed global batch
@@ -25,7 +25,8 @@ parallel/layout.py Layout.of).
 global batch), and prints predicted tokens/s, model TFLOP/s per GPU, scaling efficiency, the share of the
 step each communication dimension leaves exposed, and the count where each first shows.
 
-How far these predictions are from published runs: docs/results/published_vs_estimator.md.
+How far these predictions are from published runs: docs/results/published_leave_one_source_out.md (each
+source predicted by a fit on the others) and docs/results/published_vs_estimator.md (every row).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="activation recompute policy, as model.recompute (default: the config's, or none)")
     parser.add_argument("--policy", dest="recompute", choices=est.RECOMPUTE_POLICIES, help=argparse.SUPPRESS)  # old name
     parser.add_argument("--precision", choices=est.PRECISION_MODES, help="default: the config's, or bf16_master")
+    parser.add_argument("--optimizer", choices=est.OPTIMIZERS, help="default: the config's optim.name, or adamw")
     layout = parser.add_argument_group("layout (default: the config's parallel section, or 1)")
     layout.add_argument("--tp", type=int, help="tensor-parallel GPUs (inside a node)")
     layout.add_argument("--pp", type=int, help="pipeline stages")
@@ -78,6 +80,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     layout.add_argument("--pp-virtual-stages", type=int, help="model chunks per GPU (interleaved_1f1b, zero_bubble)")
     layout.add_argument("--sequence-parallel", choices=("true", "false"), help="default: true with tp > 1")
     layout.add_argument("--ep", type=int, help="expert-parallel GPUs, carved out of dp_shard x cp (a multiple of cp; MoE models, fsdp)")
+    layout.add_argument("--reshard-after-forward", choices=("true", "false"),
+                        help="FSDP frees gathered weights after forward, as parallel.fsdp_reshard_after_forward "
+                        "(false: kept until backward, one gather fewer; default: the config's, or true)")
+    layout.add_argument("--tp-overlap", action="store_true",
+                        help="tensor-parallel collectives hidden behind the GEMMs (Megatron's userbuffers, async TP; "
+                        "the trainer does not overlap them)")
+    parser.add_argument("--allow-refused", action="store_true",
+                        help="estimate a job train.py refuses (another framework's run: FP8 or dropout under tp, "
+                        "DDP under tp or pp, ...); the output says train.py refuses it and why")
     parser.add_argument("--plan", action="store_true", help="list the cheapest layouts that fit (see above)")
     parser.add_argument("--global-batch", type=int, help="--plan: sequences per optimizer step")
     parser.add_argument("--top", type=int, default=10, help="rows of --plan (default 10)")
@@ -126,14 +137,16 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
     if args.preset:
         p = est.preset(args.preset)
         model, seq_len, micro_batch, gpus, grad_accum = p.model, p.seq_len, p.micro_batch, p.world_size, 1
-        strategy, recompute, precision, layout = "fsdp", "none", "bf16_master", {}
-        device = DEVICES[args.device or p.device]
+        strategy, recompute, precision, layout, optimizer = "fsdp", "none", "bf16_master", {}, "adamw"
+        device, reshard = DEVICES[args.device or p.device], True
     else:
         cfg = cfg or load_config(args.config, overrides)
         model, seq_len, micro_batch, gpus = cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 1
         grad_accum = cfg.train.grad_accum_steps
         strategy, recompute, precision = cfg.parallel.strategy, cfg.model.recompute, cfg.precision.mode
+        optimizer = cfg.optim.name
         layout = {key: getattr(cfg.parallel, key) for key in LAYOUT_FLAGS}
+        reshard = cfg.parallel.fsdp_reshard_after_forward
     if args.gpus_per_node:
         device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
     for key in LAYOUT_FLAGS:
@@ -157,10 +170,13 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         precision=args.precision or precision,
         device=device,
         grad_accum=args.grad_accum or grad_accum,
+        fsdp_reshard_after_forward=reshard if args.reshard_after_forward is None else args.reshard_after_forward == "true",
+        tp_overlap=args.tp_overlap,
+        optimizer=args.optimizer or optimizer,
     )
     problem = est.trainer_refusal(job, cfg)
-    if problem:
-        raise est.EstimatorError(f"train.py refuses this layout: {problem}")
+    if problem and not args.allow_refused:
+        raise est.EstimatorError(f"train.py refuses this layout: {problem} (--allow-refused estimates it all the same)")
     return job
 
 
@@ -237,6 +253,22 @@ def strategy_section(job: est.JobSpec, cfg: JobConfig | None = None) -> tuple[li
     return headers, rows
 
 
+def muon_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
+    """With Muon: what it steps, the state it saves, and its work and traffic per step."""
+    m = est.muon_matrices(job.model)
+    sent, a2a_s, ns_s = est.muon_step(job)
+    n_split, n_whole = est.muon_groups(job)
+    rows = [
+        ["hidden matrices on Muon", f"{sum(est.muon_numel(k) for k in (m.split, m.whole, m.routed)):,.0f} parameters "
+                                    "(embeddings, head, norms, biases, routers on AdamW)"],
+        ["optimizer state saved/GPU", f"{gib(est.muon_buffer_saving(job))} (one momentum buffer instead of two moments)"],
+        ["matrices sharded over", f"{n_split} GPUs (attention, dense MLPs)" + (f", {n_whole} (shared experts)" if m.whole else "")],
+        ["sent to owners and back/GPU/step", human_bytes(sent) + f" (bf16 pieces, all-to-all {a2a_s * 1e3:.3g} ms)"],
+        ["Newton-Schulz/GPU/step", f"{ns_s * 1e3:.3g} ms ({est.MUON_NS_STEPS} iterations, owners spread evenly)"],
+    ]
+    return ["Muon", "value"], rows
+
+
 def stage_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
     """Under pp: what each stage holds (every GPU must fit, so the largest decides)."""
     rows = []
@@ -284,8 +316,8 @@ def scaling_main(args: argparse.Namespace, overrides: list[str], cfg: JobConfig 
              f"sequences of {seq_len} tokens per GPU per step, strong = {per_gpu * max(args.scaling)} per step")
     print(f"{title}\n" + text_table(headers, rows))
     print("\n".join(scaling.exposure_lines(weak, strong)))
-    print("Predictions of analysis/estimator (held-out error against published runs: "
-          "docs/results/published_vs_estimator.md), the planner's cheapest layout at each count.")
+    print("Predictions of analysis/estimator (error on published runs of a source left out of the fit: "
+          "docs/results/published_leave_one_source_out.md), the planner's cheapest layout at each count.")
     if args.plot:
         scaling.plot(weak, strong, args.plot, name)
         print(f"wrote {args.plot}")
@@ -310,14 +342,20 @@ def main(argv: list[str] | None = None) -> int:
             (f"Per GPU on {job.layout.world_size}x {job.device.name} (recompute {job.recompute}, micro-batch {job.micro_batch})",
              *strategy_section(job, cfg)),
         ]
+        if job.optimizer == "muon":
+            sections.append(("Muon (optim.name=muon, parallel/muon.py)", *muon_section(job)))
         if job.layout.pp > 1:
             sections.append((_pipeline_title(job), *stage_section(job)))
         global_batch = args.global_batch or job.global_batch
         plan = plan_lines(job, global_batch, args.top, cfg) if args.plan else []
         verdict = est.job_verdict(job, cfg)
+        refused = est.trainer_refusal(job, cfg)  # only with --allow-refused
     except (est.EstimatorError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if refused:
+        verdict = f"Estimated beyond the trainer: train.py refuses this job ({refused}).\n{verdict}"
+        print(verdict.splitlines()[0])
     for title, headers, rows in sections:
         print(f"\n{title}\n" + text_table(headers, rows, numeric=headers[0] != "model"))
     plan_title = (f"Cheapest layouts that fit on {job.layout.world_size}x {job.device.name} ({job.device.gpus_per_node} per "

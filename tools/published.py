@@ -13,6 +13,7 @@ Examples:
   python -m tools.published --out /tmp/pub      # write elsewhere
   python -m tools.published --rows              # also print every row
   python -m tools.published --fit               # refit the free parameters (about a minute)
+  python -m tools.published --leave-one-source-out   # validation by source (a fit per source, minutes)
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from common.report import text_table, write_results
 
 COMMAND = "python -m tools.published"
 NAME = "published_vs_estimator"
+LOSO_NAME = "published_leave_one_source_out"
+LOSO_COMMAND = "python -m tools.published --leave-one-source-out"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fit", action="store_true",
                         help="refit the free parameters on the calibration rows and print them (writes nothing)")
     parser.add_argument("--no-plot", action="store_true", help="write the Markdown and JSON only")
+    parser.add_argument("--leave-one-source-out", action="store_true",
+                        help="fit on every source but one, predict that one, for each source in turn; writes "
+                        f"{LOSO_NAME}.md and .json")
     return parser.parse_args(argv)
 
 
@@ -81,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in est.FITTED_PARAMETERS:
             print(f"  {name} = {getattr(fitted, name):.4g}  (default {getattr(est.Assumptions(), name):g})")
         return 0
+    if args.leave_one_source_out:
+        return leave_one_source_out(rows, args.out, start)
     assumptions = est.Assumptions()
     comparisons = pub.compare(rows, assumptions)
     summaries = pub.summarize(comparisons)
@@ -99,6 +107,18 @@ def main(argv: list[str] | None = None) -> int:
         written.append(png)
     print(f"\n{len(rows)} rows, {len(comparisons)} figures in {time.perf_counter() - start:.1f} s; wrote "
           + ", ".join(str(p) for p in written))
+    return 0
+
+
+def leave_one_source_out(rows: list[pub.PublishedRow], out: Path, start: float) -> int:
+    folds = pub.leave_one_source_out(rows)
+    alternate = pub.summarize(pub.compare(rows))
+    markdown = pub.render_leave_one_out(folds, alternate, LOSO_COMMAND)
+    print("\n".join(line for line in markdown.splitlines() if line.startswith(("|", "- **"))))
+    comparisons = [c for f in folds for c in f.comparisons]
+    written = write_results(out / f"{LOSO_NAME}.md", markdown, "Published measurements, validated by source",
+                            json_rows(comparisons), folds=pub.fold_parameters(folds))
+    print(f"\n{len(folds)} folds in {time.perf_counter() - start:.0f} s; wrote " + ", ".join(str(p) for p in written))
     return 0
 
 

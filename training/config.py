@@ -282,6 +282,33 @@ class JobConfig:
                 raise ConfigError("precision.mode=bf16_master with parallel.tp or parallel.pp needs "
                                   "parallel.strategy=fsdp (its fp32 shards are the masters); or use precision.mode=bf16")
 
+    def _validate_muon(self) -> None:
+        """What optim.name=muon (and its QK-clip) needs from the layout, the precision and the model."""
+        o, p, m = self.optim, self.parallel, self.model
+        if o.name != "muon":
+            return
+        if p.strategy.startswith("zero"):
+            raise ConfigError(f"optim.name=muon with parallel.strategy={p.strategy} is not supported: DeepSpeed's ZeRO "
+                              "hands a client optimizer flat 1-D partitions, never whole matrices, so Newton-Schulz "
+                              "cannot run on them (DeepSpeed's own Muon works inside its partitioning code, by its own "
+                              "rules); use parallel.strategy=fsdp")
+        if m.layers == "te" or self.precision.mode == "fp8":
+            raise ConfigError("optim.name=muon with model.layers=te or precision.mode=fp8 is not supported: Muon is not "
+                              "verified on FP8 weight wrappers; use model.layers=torch and another precision.mode")
+        if o.muon.qk_clip_tau is None:
+            return
+        clip = f"optim.muon.qk_clip_tau={o.muon.qk_clip_tau:g}"
+        off = "or turn QK-clip off (optim.muon.qk_clip_tau=null)"
+        if p.tp > 1 or p.cp > 1:
+            raise ConfigError(f"{clip} with parallel.tp or parallel.cp > 1 is not supported: QK-clip reads each "
+                              f"head's logits where one rank holds all heads and whole sequences; {off}")
+        if m.qk_norm:
+            raise ConfigError(f"{clip} with model.qk_norm: the norms rescale queries and keys after the projections, so "
+                              f"scaling W_q and W_k cannot lower the logits; set model.qk_norm=false {off}")
+        if self.precision.mode == "fp16":
+            raise ConfigError(f"{clip} with precision.mode=fp16: the loss scaler skips steps inside its own step, which "
+                              f"QK-clip must follow; use precision.mode=bf16 or fp32 {off}")
+
     def _validate_context_parallel(self) -> None:
         """What this trainer's context parallelism (parallel/cp.py) does not support."""
         if self.model.layers == "te":
@@ -308,6 +335,7 @@ class JobConfig:
 
     def _validate_cross_sections(self) -> None:
         self._validate_parallel_support()
+        self._validate_muon()
         fp8_backend = self.precision.fp8_backend if self.precision.mode == "fp8" else None
         if fp8_backend == "torchao":
             self._validate_fp8_torchao()

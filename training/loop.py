@@ -200,7 +200,7 @@ class Window:
 
     def add(self, outcome: StepOutcome, comm: dict[str, int]) -> None:
         self.data_wait_s += outcome.data_wait_s
-        for key in ("comm_bytes_sent", "comm_bytes_uncompressed"):  # counts add up; ratios are recomputed
+        for key in ("comm_bytes_sent", "comm_bytes_uncompressed", "muon_bytes_sent"):  # counts add up; ratios are recomputed
             if key in comm:
                 self.comm[key] = self.comm.get(key, 0) + comm[key]
         self.outcomes.append(outcome)
@@ -243,6 +243,10 @@ def window_metrics(window: Window, result: StepResult, lr: float, ctx: DistConte
     if result.loss_scale is not None:
         metrics["loss_scale"] = result.loss_scale
     metrics.update({k: v / n for k, v in window.comm.items()})
+    clip = [(o.result.qk_clipped, o.result.max_logit) for o in window.outcomes if o.result.qk_clipped is not None]
+    if clip:  # QK-clip (optim.muon.qk_clip_tau): read here, with the loss
+        metrics["qk_clipped_heads"] = int(torch.stack([c for c, _ in clip]).sum())
+        metrics["max_attention_logit"] = float(torch.stack([m for _, m in clip]).max())
     if metrics.get("comm_bytes_sent"):
         metrics["comm_saving"] = metrics["comm_bytes_uncompressed"] / metrics["comm_bytes_sent"]
     return metrics
@@ -268,6 +272,12 @@ def format_line(step: int, max_steps: int, m: dict, n_steps: int) -> str:
     if "comm_bytes_sent" in m:
         line += (f" | comm {m['comm_bytes_sent'] / 2**20:.2f} MiB/step sent vs "
                  f"{m['comm_bytes_uncompressed'] / 2**20:.2f} uncompressed")
+    if m.get("muon_bytes_sent"):
+        line += f" | muon {m['muon_bytes_sent'] / 2**20:.2f} MiB/step sent"
+    if "max_attention_logit" in m:
+        line += f" | max logit {m['max_attention_logit']:.1f}"
+        if m["qk_clipped_heads"]:
+            line += f", qk-clip fired on {m['qk_clipped_heads']} heads"
     shares = {k.split("/")[1]: v for k, v in m.items() if k.startswith("data/") and k.endswith("/share")}
     if shares:
         line += " | read " + " ".join(f"{name} {share:.0%}" for name, share in shares.items())

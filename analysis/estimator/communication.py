@@ -28,10 +28,11 @@ class CommVolume:
     pipeline: float = 0.0  # bytes each GPU sends to its neighbouring stages per step
     expert_all_to_all: float = 0.0  # bytes each GPU sends in expert-parallel dispatch and combine per step
     expert_sharded: float = 0.0  # bytes each GPU sends gathering and reducing its experts (FSDP over dp_shard / ep)
+    muon: float = 0.0  # bytes each GPU sends moving sharded Muon matrices to their owners and back
 
     @property
     def sent_per_gpu(self) -> float:
-        extra = self.tensor_parallel + self.pipeline + self.expert_all_to_all + self.expert_sharded
+        extra = self.tensor_parallel + self.pipeline + self.expert_all_to_all + self.expert_sharded + self.muon
         if self.replicas > 1:
             extra += 2 * (self.replicas - 1) / self.replicas * self.replica_all_reduce
         if self.world_size <= 1:
@@ -161,6 +162,30 @@ def reshards_after_forward(job: JobSpec) -> bool:
     return job.fsdp_reshard_after_forward and not (job.layout.pp > 1 and job.layout.pp_schedule == "zero_bubble")
 
 
+def gradient_reductions(job: JobSpec) -> int:
+    """Gradient reductions per optimizer step of DDP and ZeRO-1/2: one, at the accumulation boundary,
+    except where the framework reduces every micro-batch's gradients. DeepSpeed's ZeRO-2 does (its
+    backward hooks reduce each bucket as it fills and the reduced partition accumulates; its engine
+    says "ZeRO stage >= 2 communicates during non gradient accumulation boundaries as well"), and
+    so does DDP without ``no_sync`` (``ddp_no_sync=False``); DeepSpeed's ZeRO-1, the trainer's DDP
+    and Megatron's distributed optimizer reduce once."""
+    strategy, m = job.layout.strategy, job.grad_accum
+    if strategy == "zero2" and job.zero_reduction == "deepspeed":
+        return m
+    if strategy == "ddp" and not job.ddp_no_sync:
+        return m
+    return 1
+
+
+def dp_volume(job: JobSpec, n_params: float, shard: int | None = None) -> CommVolume:
+    """What a GPU holding ``n_params`` of the job's weights puts through data-parallel collectives per
+    step (``_dp_comm``): for ZeRO-1/2 as the framework runs them (``JobSpec.zero_reduction``:
+    DeepSpeed all-reduces the gradients, ``gradient_reductions`` times, and all-gathers the updated
+    partitions; a reduce-scatter implementation reduce-scatters instead), for FSDP
+    ``fsdp_collectives``' gathers and reduce-scatters."""
+    return _dp_comm(job, n_params, shard)[0]
+
+
 def _dp_comm(job: JobSpec, n_params: float, shard: int | None = None) -> tuple[CommVolume, float]:
     """Data-parallel traffic of one GPU holding ``n_params`` per step, and its time (before overlap).
     ``shard``: the GPUs that shard these parameters together (default: the dense weights', dp_shard x cp;
@@ -171,11 +196,17 @@ def _dp_comm(job: JobSpec, n_params: float, shard: int | None = None) -> tuple[C
     if job.layout.dp_replicate > 1:  # HSDP: FSDP inside the shard group, then the reduced shard is all-reduced across replicas
         grads = n_params * STATE_BYTES[job.precision].grad / group
         volume = dataclasses.replace(volume, replica_all_reduce=grads, replicas=job.layout.dp_replicate)
+    per = STATE_BYTES[job.precision]
     if job.layout.strategy in ("zero3", "fsdp") and group > 1:
         gathers, scatters = fsdp_collectives(job)
-        per = STATE_BYTES[job.precision]
         volume = dataclasses.replace(volume, all_gather=gathers * n_params * per.param,
                                      reduce_scatter=scatters * n_params * per.grad)
+    elif job.layout.strategy in ("ddp", "zero1", "zero2") and group > 1:
+        reductions = gradient_reductions(job)
+        if job.layout.strategy == "ddp" or job.zero_reduction == "deepspeed":
+            volume = dataclasses.replace(volume, all_reduce=reductions * n_params * per.grad, reduce_scatter=0.0)
+        else:
+            volume = dataclasses.replace(volume, reduce_scatter=reductions * n_params * per.grad)
     link = dict(ranks_per_node=_per_node(job, job.layout.tp, group))
     seconds = (
         2 * collective_seconds(volume.all_reduce, group, job.device, frac, **link)

@@ -20,6 +20,16 @@ STRATEGIES = choices(ParallelConfig, "strategy")
 PRECISION_MODES = choices(PrecisionConfig, "mode")
 PP_SCHEDULES = choices(ParallelConfig, "pp_schedule")
 ATTENTION_KINDS = ("materialized", "flash")
+# How a framework's ZeRO-1/2 reduces gradients: DeepSpeed's (the trainer's) all-reduces its gradient buckets,
+# ZeRO-2 every micro-batch; Megatron's distributed optimizer (and the ZeRO paper's count) reduce-scatters
+# the accumulated gradients once per step.
+ZERO_REDUCTIONS = ("deepspeed", "reduce_scatter")
+# The optimizers the trainer offers (optim.name): AdamW everywhere, or Muon on the hidden matrices.
+OPTIMIZERS = ("adamw", "muon")
+# Muon as the trainer runs it on a GPU: optim.muon.ns_steps' default, and the Newton-Schulz dtype of
+# optim.muon.ns_dtype=auto (bf16 on CUDA), in which sharded matrices travel to their owners and back.
+MUON_NS_STEPS = 5
+MUON_PIECE_BYTES = 2
 # Attention backends (model.attention) by what they store: only the reference keeps the scores.
 ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_attn": "flash", "auto": "flash"}
 
@@ -75,9 +85,9 @@ class Assumptions:
     # fitted (docs/estimator.md, "Calibration")
     gemm_fraction_ampere: float = 0.92  # A100: a GEMM's share of the dense peak as its output dims grow without bound
     gemm_fraction_hopper: float = 0.61  # H100/H200: the same
-    gemm_knee: float = 448.0  # an output dimension x runs at x / (x + knee) of that rate
+    gemm_knee: float = 420.0  # an output dimension x runs at x / (x + knee) of that rate
     attention_fraction: float = 0.31  # a fused (flash) attention kernel's rate, relative to a large GEMM's
-    elementwise_scale: float = 1.68  # multiplier on the counted element-wise memory traffic
+    elementwise_scale: float = 1.80  # multiplier on the counted element-wise memory traffic
     fp8_gemm_fraction: float = 0.99  # FP8 GEMMs: share of the dense FP8 peak as the output dims grow
     # stated
     overlap_efficiency: float = 0.5  # share of an overlappable collective that compute really hides
@@ -123,12 +133,17 @@ class JobSpec:
     tp_overlap: bool = False
     dp_overlap: bool = True
     fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
+    zero_reduction: str = "deepspeed"  # ZERO_REDUCTIONS: how ZeRO-1/2 reduce gradients (communication.py)
+    ddp_no_sync: bool = True  # DDP reduces once per step (the trainer's no_sync); False: every micro-batch
+    optimizer: str = "adamw"  # optim.name: muon keeps one state buffer per hidden matrix instead of two
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.layout.strategy, STRATEGIES)
         check_choice("recompute", self.recompute, RECOMPUTE_POLICIES)
         check_choice("precision", self.precision, PRECISION_MODES)
         check_choice("pp_schedule", self.layout.pp_schedule, PP_SCHEDULES)
+        check_choice("zero_reduction", self.zero_reduction, ZERO_REDUCTIONS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
         for key in ("seq_len", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise EstimatorError(f"{key} must be >= 1 (got {getattr(self, key)})")

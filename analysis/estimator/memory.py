@@ -3,6 +3,7 @@ with the micro-batches in flight, logits, gathered FSDP layers, and the fullest 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from analysis.estimator.activations import activation_bytes_per_layer, checkpointed_layers, tp_split
@@ -234,6 +235,9 @@ def _logits_bytes(job: JobSpec, stage: int | None = None) -> float:
 
 
 def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
+    """ZeRO-3/FSDP: the gathered weights and unreduced gradients one GPU holds at the peak beyond its
+    shards: ``unsharded_layers`` blocks (the one in use and the prefetched one); every block's weights
+    without reshard-after-forward; under pp the whole stage, weights and gradients."""
     if job.layout.strategy not in ("zero3", "fsdp") or job.layout.dp_shard_cp == 1:
         return 0.0
     per = STATE_BYTES[job.precision]
@@ -241,6 +245,10 @@ def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
         held = stage_parameters(job.model, job.layout.tp, job.layout.pp, stage) - stage_routed_parameters(job) * (1 - 1 / job.layout.ep)
         return held * (per.param + per.grad)
     block = block_parameters_per_gpu(job.model, job.layout.tp) - routed_parameters_per_block(job.model) * (1 - 1 / job.layout.ep)
+    if not job.fsdp_reshard_after_forward:
+        # Every block keeps its gathered weights from its forward to its backward: all of them at the
+        # peak (the start of backward); gradients are reduced layer by layer as before.
+        return block * (job.model.n_layer * per.param + job.assumptions.unsharded_layers * per.grad)
     return job.assumptions.unsharded_layers * block * (per.param + per.grad)
 
 
@@ -297,9 +305,63 @@ def stage_state_bytes(job: JobSpec, n_params: float) -> StateBytes:
     """Model-state bytes per GPU of a stage holding ``n_params``: with ep > 1 the routed experts
     are split over ep GPUs and each split sharded over the dp_shard / ep GPUs holding it; the rest
     is sharded over the shard group as without ep (with cp, ep is carved out of the shard group, cp included)."""
+    saving = muon_buffer_saving(job)
     if job.layout.ep == 1:
-        return model_state_bytes(n_params, job.layout.strategy, job.layout.dp_shard_cp, job.precision)
+        states = model_state_bytes(n_params, job.layout.strategy, job.layout.dp_shard_cp, job.precision)
+        return dataclasses.replace(states, optimizer=states.optimizer - saving)
     routed = stage_routed_parameters(job)
     dense = model_state_bytes(n_params - routed, job.layout.strategy, job.layout.dp_shard_cp, job.precision)
     experts = model_state_bytes(routed / job.layout.ep, job.layout.strategy, job.layout.dp_shard_cp // job.layout.ep, job.precision)
-    return StateBytes(dense.param + experts.param, dense.grad + experts.grad, dense.optimizer + experts.optimizer)
+    return StateBytes(dense.param + experts.param, dense.grad + experts.grad,
+                      dense.optimizer + experts.optimizer - saving)
+
+
+# --------------------------------------------------------------------------- Muon
+
+
+@dataclass(frozen=True)
+class MuonMatrices:
+    """The matrices Muon orthogonalises in the whole model, each kind as (count, rows, columns):
+    those tensor parallelism splits (attention's QKV and output projections, the dense MLPs), those
+    a MoE layer keeps whole on every tp GPU (shared experts), and the routed experts, one matrix per
+    expert. Routers, embeddings, the head, norms and biases stay on AdamW (parallel/optim.py)."""
+
+    split: tuple[tuple[int, int, int], ...]
+    whole: tuple[tuple[int, int, int], ...]
+    routed: tuple[tuple[int, int, int], ...]
+
+
+def muon_matrices(cfg: ModelConfig) -> MuonMatrices:
+    d, per_mlp, moe = cfg.d_model, (3 if cfg.mlp == "swiglu" else 2), cfg.n_moe_layers
+    split = [(cfg.n_layer, cfg.q_dim + 2 * cfg.kv_dim, d), (cfg.n_layer, d, cfg.q_dim)]
+    if cfg.n_layer > moe:  # the down projection is the up one transposed: the same size and cost
+        split.append(((cfg.n_layer - moe) * per_mlp, cfg.d_ff, d))
+    whole, routed = [], []
+    if moe and cfg.moe.shared_experts:
+        whole.append((moe * per_mlp, cfg.moe.shared_experts * cfg.expert_d_ff, d))
+    if moe:
+        routed.append((moe * cfg.moe.experts * per_mlp, cfg.expert_d_ff, d))
+    return MuonMatrices(tuple(split), tuple(whole), tuple(routed))
+
+
+def muon_numel(kind: tuple[tuple[int, int, int], ...]) -> float:
+    return sum(count * rows * cols for count, rows, cols in kind)
+
+
+def muon_groups(job: JobSpec) -> tuple[int, int]:
+    """GPUs each split matrix and each whole (shared-expert) matrix is sharded over: tensor
+    parallelism times FSDP's shard group (ddp and none keep the data-parallel copies whole)."""
+    shard = job.layout.dp_shard_cp if job.layout.strategy in ("fsdp", "zero3") else 1
+    return job.layout.tp * shard, shard
+
+
+def muon_buffer_saving(job: JobSpec) -> float:
+    """Optimizer-state bytes per GPU Muon saves against AdamW: one fp32 momentum per hidden matrix
+    element instead of two moments (4 bytes less; fp32 masters, where kept, stay)."""
+    if job.optimizer != "muon":
+        return 0.0
+    m, layout = muon_matrices(job.model), job.layout
+    shard = layout.dp_shard_cp if layout.strategy in ("zero1", "zero2", "zero3", "fsdp") else 1
+    dense = muon_numel(m.split) / layout.tp + muon_numel(m.whole)
+    routed = muon_numel(m.routed) / layout.ep / (shard // layout.ep if shard > 1 else 1)
+    return 4 * (dense / shard + routed) / layout.pp

@@ -51,6 +51,7 @@ def trainer_config(job: JobSpec, base: JobConfig | None = None) -> JobConfig:
     )
     return dataclasses.replace(
         base,
+        optim=dataclasses.replace(base.optim, name=job.optimizer),
         model=dataclasses.replace(job.model, recompute=job.recompute),
         data=dataclasses.replace(base.data, seq_len=job.seq_len),
         train=dataclasses.replace(base.train, micro_batch_size=job.micro_batch, grad_accum_steps=job.grad_accum),

@@ -14,7 +14,7 @@ from analysis.estimator.communication import (
 )
 from analysis.estimator.job import GIB, JobSpec
 from analysis.estimator.memory import MemoryEstimate, edge_stages, estimate_memory
-from analysis.estimator.time import TimeEstimate, estimate_time, largest_stage_parameters
+from analysis.estimator.time import TimeEstimate, estimate_time, largest_stage_parameters, muon_step
 from common.report import gib
 from model.flops import count_parameters, flops_per_token
 
@@ -44,7 +44,7 @@ def estimate_with(job: JobSpec, memory: MemoryEstimate) -> Estimate:
     comm, _ = _dp_and_expert_comm(job, largest_stage_parameters(job))
     tp_bytes = job.grad_accum * max(tp_comm_seconds(job, i)[1] for i in edge_stages(job))
     comm = dataclasses.replace(comm, tensor_parallel=tp_bytes, pipeline=job.grad_accum * pp_comm_seconds(job)[1],
-                               expert_all_to_all=job.grad_accum * expert_all_to_all(job)[1])
+                               expert_all_to_all=job.grad_accum * expert_all_to_all(job)[1], muon=muon_step(job)[0])
     time = estimate_time(job, memory.states)
     return Estimate(job, n_params, flops_per_token(job.model, job.seq_len), memory, time, comm,
                     memory_problems(job, memory))

@@ -9,14 +9,25 @@ from dataclasses import dataclass
 from analysis.estimator.activations import checkpointed_layers, mlp_hidden_width
 from analysis.estimator.communication import (
     _dp_and_expert_comm,
+    _per_node,
+    collective_seconds,
     cp_comm_seconds,
     expert_all_to_all,
+    gradient_reductions,
     pp_comm_seconds,
     reshards_after_forward,
     tp_comm_seconds,
 )
-from analysis.estimator.job import PP_SCHEDULES, RECOMPUTE_POLICIES, Assumptions, JobSpec, check_choice
-from analysis.estimator.memory import edge_stages, layer_bytes, stage_parameters
+from analysis.estimator.job import (
+    MUON_NS_STEPS,
+    MUON_PIECE_BYTES,
+    PP_SCHEDULES,
+    RECOMPUTE_POLICIES,
+    Assumptions,
+    JobSpec,
+    check_choice,
+)
+from analysis.estimator.memory import edge_stages, layer_bytes, muon_groups, muon_matrices, muon_numel, stage_parameters
 from common.hardware import DeviceSpec
 from model.config import ModelConfig
 from model.flops import blocks_parameters, flops_per_token
@@ -68,6 +79,7 @@ class TimeEstimate:
     tp_exposed_s: float | None = None  # the part of tp_comm_s on the critical path (None: all of it)
     microbatch_s: float = 0.0  # one micro-batch through the slowest stage (what the bubble is made of)
     ep_comm_s: float = 0.0  # expert-parallel all-to-alls, not overlapped
+    muon_s: float = 0.0  # Muon: Newton-Schulz and the all-to-alls to and from the owners, after the backward
     cp_comm_s: float = 0.0  # context-parallel K/V collectives (all of them, none overlapped)
 
     @property
@@ -77,7 +89,7 @@ class TimeEstimate:
     @property
     def step_s(self) -> float:
         return (self.compute_s + self.exposed_comm_s + self.offload_s + self.memory_bound_s
-                + self.tp_exposed + self.pp_comm_s + self.bubble_s + self.cp_comm_s + self.ep_comm_s)
+                + self.tp_exposed + self.pp_comm_s + self.bubble_s + self.cp_comm_s + self.ep_comm_s + self.muon_s)
 
     @property
     def seconds_per_token(self) -> float:
@@ -372,7 +384,8 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
     Data-parallel collectives hide behind compute as the strategy allows (docs/estimator.md):
     FSDP without pp gathers and reduce-scatters every micro-batch, behind that micro-batch's work;
     FSDP under pp gathers once per step behind the first forward and reduce-scatters after the last
-    backward; DDP and ZeRO-1/2 reduce behind the last micro-batch's backward; ``dp_overlap=False``
+    backward; DDP and ZeRO-1/2 reduce behind the backward of each micro-batch they reduce
+    (``gradient_reductions``: the last one, or every one for DeepSpeed's ZeRO-2); ``dp_overlap=False``
     hides nothing.
     """
     a, m = job.assumptions, job.grad_accum
@@ -386,7 +399,8 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
         # reduce-scatter after the last backward shows
         hideable = (m if reshards_after_forward(job) else 1) * slowest.compute / 3
     else:
-        hideable = 2 / 3 * slowest.compute  # the last micro-batch's backward
+        # each reduction behind the backward of the micro-batch it reduces (the last one's when once per step)
+        hideable = gradient_reductions(job) * 2 / 3 * slowest.compute
     if not job.dp_overlap:
         hideable = 0.0
     exposed_dp = _exposed(dp_s, hideable, a)
@@ -412,4 +426,33 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
         microbatch_s=slowest.total,
         cp_comm_s=m * slowest.cp,
         ep_comm_s=m * expert_all_to_all(job)[0],
+        muon_s=sum(muon_step(job)[1:]),
     )
+
+
+def _newton_schulz_flops(kind: tuple[tuple[int, int, int], ...], steps: int) -> float:
+    """Per iteration on an a x b matrix (a <= b): the Gram matrix (2a^2 b), its square (2a^3), and
+    the polynomial times X (2a^2 b)."""
+    return steps * sum(count * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3) for count, r, c in kind)
+
+
+def muon_step(job: JobSpec) -> tuple[float, float, float]:
+    """Muon's extra work per step on one GPU (the mean stage): (bytes sent, all-to-all seconds,
+    Newton-Schulz seconds). A matrix sharded over n GPUs goes to one owner and back: each sends
+    2 (n - 1) / n^2 of its bytes on average (parallel/muon.py), and the owners, spread evenly,
+    share its Newton-Schulz work n ways. Whole matrices (replicas, experts held whole under ep) are
+    orthogonalised where they are, with nothing sent; replicas repeat the work."""
+    if job.optimizer != "muon":
+        return 0.0, 0.0, 0.0
+    m, layout = muon_matrices(job.model), job.layout
+    n_split, n_whole = muon_groups(job)
+    sent = sum(2 * (n - 1) / n**2 * muon_numel(kind) * MUON_PIECE_BYTES
+               for kind, n in ((m.split, n_split), (m.whole, n_whole)) if n > 1) / layout.pp
+    expert_shard = layout.dp_shard_cp // layout.ep if layout.strategy in ("fsdp", "zero3") else 1
+    flops = (_newton_schulz_flops(m.split, MUON_NS_STEPS) / n_split + _newton_schulz_flops(m.whole, MUON_NS_STEPS) / n_whole
+             + _newton_schulz_flops(m.routed, MUON_NS_STEPS) / (layout.ep * expert_shard)) / layout.pp
+    n = max(n_split, n_whole)
+    link = dict(ranks_per_node=_per_node(job, 1, n))
+    # an all-to-all sending S bytes per GPU moves what a reduce-scatter of S n / (n - 1) bytes does
+    a2a = collective_seconds(sent * n / (n - 1), n, job.device, job.assumptions.link_fraction, **link) if n > 1 else 0.0
+    return sent, a2a, flops / _gemm_rate(job)

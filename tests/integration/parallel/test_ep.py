@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.values import full_value
+from common.values import full_value, local_shard
 from parallel.distributed import DistContext
 from parallel.layout import Layout
 from tests.gloo import gloo_context, run_workers, save_on_every_rank
@@ -55,10 +55,16 @@ ACCUM = 2  # micro-batches per step: a pipeline needs at least pp of them
 # micro-batch's whole sequences, the cp ranks counting together).
 MODEL_KEYS = {"capacity": {"moe.capacity": 1.0}}
 CAPACITY_LAYOUTS = {2: {"ep2": {"ep": 2}}, 4: {"ep4_x_cp2": {"ep": 4, "cp": 2}}}
+# Muon (optim.name=muon) trained STEPS steps under these layouts: each rank orthogonalises the experts it
+# holds (whole, split only over experts) where they are, and the dense matrices through their FSDP2
+# shards; Newton-Schulz in fp32, so the layouts agree to rounding.
+OPTIM_KEYS = {"muon": {"name": "muon", "muon.ns_dtype": "fp32"}}
+MUON_LAYOUTS = {2: {"ep2": {"ep": 2}}, 4: {"ep2_of_dp4": {"ep": 2, "dp_shard": 4}}}
 
 
 def job(name: str | None = None, **parallel):
     overrides = [f"--model.{k}={v}" for k, v in (MODEL | MODEL_KEYS.get(name, {})).items()]
+    overrides += [f"--optim.{k}={v}" for k, v in OPTIM_KEYS.get(name, {}).items()]
     overrides += [f"--train.micro_batch_size={MICRO}", f"--train.grad_accum_steps={ACCUM}",
                   "--optim.warmup_steps=1", "--optim.lr=1e-2", f"--train.max_steps={STEPS}"]
     return load_config(None, overrides + [f"--parallel.{k}={v}" for k, v in parallel.items()])
@@ -184,14 +190,31 @@ def row_exchanges(rank: int, world: int) -> dict[str, int]:
     return out
 
 
-def train_with_capacity(rank: int, world: int, layout: dict) -> dict:
-    """SAVE_AFTER steps of the capacity model: losses, and the router metrics the log would show."""
-    cfg = job("capacity", **layout)
+def train_named(name: str, rank: int, world: int, layout: dict, steps: range):
+    """``steps`` steps of job(name) under ``layout``: the config, context, engine and losses."""
+    cfg = job(name, **layout)
     ctx = context(rank, world, cfg)
     engine = build_from_config(cfg, ctx).engine
-    losses, _ = train(engine, ctx, cfg, range(SAVE_AFTER))
+    losses, _ = train(engine, ctx, cfg, steps)
+    return cfg, ctx, engine, losses
+
+
+def train_with_capacity(rank: int, world: int, layout: dict) -> dict:
+    """SAVE_AFTER steps of the capacity model: losses, and the router metrics the log would show."""
+    cfg, ctx, engine, losses = train_named("capacity", rank, world, layout, range(SAVE_AFTER))
     return {"losses": losses, "router": router_window_metrics(engine_moe_layers(engine), cfg.model, ctx),
             "dp_size": ctx.layout.dp}
+
+
+def train_with_muon(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
+    """STEPS steps with Muon, saved after SAVE_AFTER of them: losses, the whole weights after them, and
+    the experts this rank holds."""
+    cfg, ctx, engine, losses = train_named("muon", rank, world, layout, range(SAVE_AFTER))
+    save_on_every_rank(engine, Path(root) / f"muon_{name}", rank)
+    losses += train(engine, ctx, cfg, range(SAVE_AFTER, STEPS))[0]
+    experts = {n: tuple(local_shard(p).shape) for n, p in engine.module().named_parameters() if n.endswith("w_up")}
+    return {"losses": losses, "weights": whole_state(engine.module()), "dp_size": ctx.layout.dp,
+            "local_experts": experts}
 
 
 def two_rank_worker(rank: int, world: int, root: str) -> dict:
@@ -220,6 +243,22 @@ def launches():
         # ep=2's checkpoint into one process (ep=1), which then steps on two ranks' batches.
         ep2_into_one = one_process([2] * STEPS, range(SAVE_AFTER, STEPS), load=Path(root) / "ep2")["losses"]
         yield {"ranks": ranks, "ep2_into_one": ep2_into_one}
+
+
+def muon_worker(rank: int, world: int, root: str) -> dict:
+    return {name: train_with_muon(rank, world, name, layout, root) for name, layout in MUON_LAYOUTS[world].items()}
+
+
+@pytest.fixture(scope="module")
+def muon_launches():
+    """Muon's layouts, in launches of their own (the ones above fill theirs on a loaded machine), and
+    each layout's checkpoint after SAVE_AFTER steps loaded into one process, which trains on to STEPS."""
+    with tempfile.TemporaryDirectory() as root:
+        ranks = {world: run_workers(muon_worker, world, root) for world in MUON_LAYOUTS}
+        resumed = {name: one_process([ranks[world][0][name]["dp_size"]] * STEPS, range(SAVE_AFTER, STEPS),
+                                     load=Path(root) / f"muon_{name}", name="muon")
+                   for world, layouts in MUON_LAYOUTS.items() for name in layouts}
+        yield {"ranks": ranks, "resumed": resumed}
 
 
 @functools.cache
@@ -267,6 +306,24 @@ def test_capacity_and_router_metrics_under_ep_equal_one_process(launches, world,
         assert got["router"].keys() == ref["router"].keys()
         for key, value in ref["router"].items():
             assert got["router"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (key, got["router"])
+
+
+@pytest.mark.parametrize("world,name", [(world, name) for world, layouts in MUON_LAYOUTS.items() for name in layouts])
+def test_muon_under_ep_equals_one_process_over_ten_steps(muon_launches, world, name):
+    ranks = muon_launches["ranks"][world]
+    ref = one_process([ranks[0][name]["dp_size"]] * STEPS, name="muon")
+    for got in ranks:
+        got = got[name]
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+        for key, want in ref["weights"].items():
+            torch.testing.assert_close(got["weights"][key], want, rtol=0, atol=1e-5, msg=key)
+        # each rank held whole experts, a share of them: orthogonalised where they were
+        assert all(shape[0] < MODEL["moe.experts"] for shape in got["local_experts"].values())
+    # the layout's checkpoint (experts saved by the ranks holding them, with Muon's momentum) into one process
+    resumed = muon_launches["resumed"][name]
+    assert resumed["losses"] == pytest.approx(ref["losses"][SAVE_AFTER:], abs=1e-5)
+    for key, want in ref["weights"].items():
+        torch.testing.assert_close(resumed["weights"][key], want, rtol=0, atol=1e-5, msg=key)
 
 
 def test_init_on_meta_with_ep_draws_like_one_process(launches):

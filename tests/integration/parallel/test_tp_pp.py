@@ -6,7 +6,8 @@ tensors by parameter name), and the validation loss on a set that leaves padding
 1e-5. Checkpoints resume bit for bit on the same layout and load into other
 layouts. Layouts named ``*_tied`` train the model with the embedding tied to the LM head: a
 pipeline keeps a copy of it on the last stage, and the two copies must stay bit-equal. Process
-launches are shared: one 2-rank launch runs every 2-rank layout, one 4-rank launch the 2-D ones.
+launches are shared: one 2-rank launch runs every 2-rank layout, one 4-rank launch the 2-D ones;
+Muon (optim.name=muon) has a 2-rank and a 4-rank launch of its own.
 """
 
 from __future__ import annotations
@@ -58,16 +59,39 @@ FOUR_RANKS = {
     "pp4_tied": {"pp": 4, "pp_schedule": "1f1b"},  # middle stages hold neither copy
 }
 
+# Muon (optim.name=muon) on layouts that shard its matrices, or hold them whole on every rank, against
+# one process over MUON_STEPS steps; the qk_clip ones with QK-clip at a threshold it crosses. Newton-
+# Schulz in fp32 (in bf16 the layouts' last-bit differences would round into 1e-3 ones), and no
+# biases: the key bias's gradient is zero up to rounding, and AdamW's normalised step turns that
+# rounding into lr-sized noise that differs between layouts.
+MUON = {"optim.name": "muon", "optim.muon.ns_dtype": "fp32", "model.bias": False}
+QK_CLIP = {"optim.muon.qk_clip_tau": 0.06}  # about the largest logits of this small model: some heads cross it
+MUON_STEPS = 10
+# (parallel section, other keys, ranks each matrix is sharded over)
+MUON_TWO_RANKS = {
+    "muon_fsdp": ({"strategy": "fsdp"}, {}, 2),
+    "muon_fsdp_qk_clip": ({"strategy": "fsdp"}, QK_CLIP, 2),
+    "muon_ddp_qk_clip": ({"strategy": "ddp"}, QK_CLIP, 1),
+    "muon_tp": ({"tp": 2}, {}, 2),
+    "muon_pp_qk_clip": ({"pp": 2, "pp_schedule": "1f1b"}, QK_CLIP, 1),
+}
+MUON_SAVE_AFTER = 5  # Muon steps under FSDP2 before the checkpoint that tensor parallelism and one process resume
+MUON_FOUR_RANKS = {
+    "muon_fsdp_x_tp": ({"strategy": "fsdp", "dp_shard": 2, "tp": 2}, {}, 4),  # strided dim-0 shards, a 2-D group
+    "muon_pp_x_fsdp_qk_clip": ({"strategy": "fsdp", "pp": 2, "dp_shard": 2}, QK_CLIP, 2),
+}
+
 
 def is_tied(name: str) -> bool:
     return name.endswith("_tied")
 
 
-def job(grad_accum: int = ACCUM, tied: bool = False, **parallel):
+def job(grad_accum: int = ACCUM, tied: bool = False, extra: dict | None = None, **parallel):
     overrides = [f"--model.{k}={v}" for k, v in (MODEL | {"tie_embeddings": tied}).items()]
     overrides += [f"--train.micro_batch_size={MICRO}", f"--train.grad_accum_steps={grad_accum}",
                   "--optim.warmup_steps=1", "--optim.lr=1e-2", "--train.max_steps=10"]
     overrides += [f"--parallel.{k}={v}" for k, v in parallel.items()]
+    overrides += [f"--{k}={v}" for k, v in (extra or {}).items()]
     return load_config(None, overrides)
 
 
@@ -152,6 +176,62 @@ def resume_from(rank: int, world: int, name: str, parallel: dict, path: Path) ->
     return {"loaded": loaded, "losses": losses, "final": full_params(engine)}
 
 
+def run_muon_layout(rank: int, world: int, parallel: dict, extra: dict, sharded_over: int) -> dict:
+    """MUON_STEPS steps of a layout with Muon: losses, the final weights, the bytes Muon sent each step,
+    the heads QK-clip scaled, and one more step's bytes as the dispatcher-level counter sees them."""
+    from analysis.collective_bytes import CommBytes
+
+    cfg = job(accum_steps(parallel), extra=MUON | extra, **parallel)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
+    engine = build_from_config(cfg, ctx).engine
+    losses, sent, clipped = [], [], 0
+    for step in range(MUON_STEPS):
+        batches = iter(micro_batches(step, ctx.dims.dp_rank, ctx.layout.dp, cfg.train.grad_accum_steps))
+        loss, _ = engine.forward_backward_step(batches, cfg.train.grad_accum_steps)
+        result = engine.optimizer_step(cfg.optim.lr, loss)
+        clipped += int(result.qk_clipped) if result.qk_clipped is not None else 0
+        losses.append(float(ctx.all_reduce_mean(loss.detach().clone())))
+        sent.append(engine.comm_stats().get("muon_bytes_sent"))
+    final = full_params(engine)
+    loss, _ = engine.forward_backward_step(iter(micro_batches(MUON_STEPS, ctx.dims.dp_rank, ctx.layout.dp,
+                                                              cfg.train.grad_accum_steps)), cfg.train.grad_accum_steps)
+    with CommBytes() as counter:
+        engine.optimizer_step(cfg.optim.lr, loss)
+    seen = sum(b for (_, kind), b in counter.sent.items() if kind == "all_to_all")
+    return {"losses": losses, "final": final, "muon_bytes": sent, "clipped": clipped, "all_to_all_bytes": seen,
+            "last_muon_bytes": engine.comm_stats().get("muon_bytes_sent")}
+
+
+def batches_of(step: int, dp_rank: int, dp_size: int, of_ranks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The micro-batches of ``of_ranks`` data-parallel ranks, split over ``dp_size`` of them: one rank of a
+    layout with fewer data-parallel ranks takes several ranks' share (the global batch stays the same)."""
+    k = of_ranks // dp_size
+    return [mb for r in range(dp_rank * k, (dp_rank + 1) * k) for mb in micro_batches(step, r, of_ranks)]
+
+
+def muon_resume_across_layouts(rank: int, world: int, ckpt_root: str) -> dict:
+    """Muon under FSDP2 over both ranks for MUON_SAVE_AFTER steps, saved; tensor parallelism over both
+    (one data-parallel rank, the same global batch) loads it and trains to MUON_STEPS."""
+    saved_at = Path(ckpt_root) / "muon_fsdp"
+    for parallel, steps in (({"strategy": "fsdp"}, range(MUON_SAVE_AFTER)), ({"tp": 2}, range(MUON_SAVE_AFTER, MUON_STEPS))):
+        dp = world // parallel.get("tp", 1)
+        accum = ACCUM * world // dp
+        cfg = job(accum, extra=MUON, **parallel)
+        ctx = gloo_context(rank, world, parallel=cfg.parallel)
+        engine = build_from_config(cfg, ctx).engine
+        if steps.start:
+            engine.load(saved_at)
+        losses = []
+        for step in steps:
+            loss, _ = engine.forward_backward_step(iter(batches_of(step, ctx.dims.dp_rank, ctx.layout.dp, world)),
+                                                   accum)
+            engine.optimizer_step(cfg.optim.lr, loss)
+            losses.append(float(ctx.all_reduce_mean(loss.detach().clone())))
+        if not steps.start:
+            save_on_every_rank(engine, saved_at, rank)
+    return {"losses": losses, "final": full_params(engine)}
+
+
 def two_rank_worker(rank: int, world: int, ckpt_root: str) -> dict:
     results = {name: run_layout(rank, world, name, parallel, ckpt_root) for name, parallel in TWO_RANKS.items()}
     # A tied model's checkpoint saved by one process (the test's own, before this launch) into a
@@ -205,6 +285,15 @@ def four_rank_worker(rank: int, world: int, ckpt_root: str) -> dict:
     return {name: run_layout(rank, world, name, parallel, ckpt_root) for name, parallel in FOUR_RANKS.items()}
 
 
+def muon_worker(rank: int, world: int, ckpt_root: str) -> dict:
+    """Muon's layouts (a launch of their own: the layouts above fill theirs on a loaded machine)."""
+    results = {name: run_muon_layout(rank, world, *layout)
+               for name, layout in (MUON_TWO_RANKS if world == 2 else MUON_FOUR_RANKS).items()}
+    if world == 2:
+        results["muon_fsdp_into_tp"] = muon_resume_across_layouts(rank, world, ckpt_root)
+    return results
+
+
 def reference(dp_size: int, tied: bool = False, save_after: Path | None = None, accum: int = ACCUM) -> dict:
     """One process, the same global batch: every data-parallel rank's micro-batches accumulated.
     ``save_after``: where to save its checkpoint after SAVE_AFTER steps; its state is also written
@@ -227,6 +316,83 @@ def reference(dp_size: int, tied: bool = False, save_after: Path | None = None, 
         losses.append(float(loss))
     val = evaluate(engine, val_source(0, 1), VAL, DistContext.single())
     return {"losses": losses, "norms": norms, "grads": grads, "saved": saved, "val": val}
+
+
+def muon_reference(dp_size: int, extra: dict, accum: int = ACCUM) -> dict:
+    """One process with Muon over the global batch of ``dp_size`` data-parallel ranks."""
+    cfg = job(grad_accum=accum * dp_size, extra=MUON | extra)
+    engine = build_from_config(cfg, DistContext.single()).engine
+    losses, clipped = [], 0
+    for step in range(MUON_STEPS):
+        batches = iter([mb for r in range(dp_size) for mb in micro_batches(step, r, dp_size, accum)])
+        loss, _ = engine.forward_backward_step(batches, accum * dp_size)
+        result = engine.optimizer_step(cfg.optim.lr, loss)
+        clipped += int(result.qk_clipped) if result.qk_clipped is not None else 0
+        losses.append(float(loss))
+    return {"losses": losses, "final": full_params(engine), "clipped": clipped}
+
+
+def muon_matrix_bytes() -> int:
+    """Bytes of the hidden matrices of MODEL in fp32: attention's qkv and proj, SwiGLU's gate, fc and out."""
+    d, heads, kv = MODEL["d_model"], MODEL["n_head"], MODEL["n_kv_head"]
+    head_dim, d_ff = d // heads, 64 * ((8 * d // 3 + 63) // 64)
+    per_layer = (heads + 2 * kv) * head_dim * d + heads * head_dim * d + 3 * d * d_ff
+    return 4 * MODEL["n_layer"] * per_layer
+
+
+def _check_muon(results: list[dict], name: str, layout: tuple[dict, dict, int]) -> None:
+    parallel, extra, n = layout
+    world = len(results)
+    dp_size = world // (parallel.get("pp", 1) * parallel.get("tp", 1))
+    ref = muon_reference(dp_size, extra, accum_steps(parallel))
+    for got in results:
+        got = got[name]
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5), name
+        for key, value in got["final"].items():
+            torch.testing.assert_close(value, ref["final"][key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
+        if extra:
+            assert ref["clipped"] > 0 and got["clipped"] == ref["clipped"], name  # the same heads, summed over stages
+        assert got["last_muon_bytes"] == got["all_to_all_bytes"], name  # its own count, and the dispatcher's
+    # A matrix sharded over n ranks crosses to its owner and back: 2 (n - 1) / n of its bytes in all
+    # (each matrix is held by one group of ranks here: no replicas).
+    expected = 2 * (n - 1) / n * muon_matrix_bytes()
+    for step in range(MUON_STEPS):
+        assert sum(r[name]["muon_bytes"][step] for r in results) == pytest.approx(expected), name
+
+
+def test_a_muon_checkpoint_resumes_exactly_in_other_layouts(muon_two_rank_results, checkpoints):
+    """Saved by FSDP2 after MUON_SAVE_AFTER steps (each rank its shards of the weights and of Muon's
+    momentum): tensor parallelism and one process load it, train to MUON_STEPS, and land where one
+    process training all MUON_STEPS without a break lands."""
+    ref = muon_reference(2, {})
+    for got in muon_two_rank_results:
+        got = got["muon_fsdp_into_tp"]
+        assert got["losses"] == pytest.approx(ref["losses"][MUON_SAVE_AFTER:], abs=1e-5)
+        for key, value in got["final"].items():
+            torch.testing.assert_close(value, ref["final"][key], rtol=0, atol=1e-5, msg=key)
+    cfg = job(2 * ACCUM, extra=MUON)
+    engine = build_from_config(cfg, DistContext.single()).engine
+    engine.load(Path(checkpoints) / "muon_fsdp")
+    [part] = engine.optimized_parts()
+    assert sum("momentum_buffer" in state for state in part.optimizer.state.values()) > 0
+    losses = []
+    for step in range(MUON_SAVE_AFTER, MUON_STEPS):
+        loss, _ = engine.forward_backward_step(iter(batches_of(step, 0, 1, 2)), 2 * ACCUM)
+        engine.optimizer_step(cfg.optim.lr, loss)
+        losses.append(float(loss))
+    assert losses == pytest.approx(ref["losses"][MUON_SAVE_AFTER:], abs=1e-5)
+    for key, value in full_params(engine).items():
+        torch.testing.assert_close(value, ref["final"][key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("name", list(MUON_TWO_RANKS))
+def test_muon_on_two_ranks_matches_one_process_over_ten_steps(name, muon_two_rank_results):
+    _check_muon(muon_two_rank_results, name, MUON_TWO_RANKS[name])
+
+
+@pytest.mark.parametrize("name", list(MUON_FOUR_RANKS))
+def test_muon_on_composed_layouts_matches_one_process_over_ten_steps(name, muon_four_rank_results):
+    _check_muon(muon_four_rank_results, name, MUON_FOUR_RANKS[name])
 
 
 def whole_state(engine) -> dict[str, torch.Tensor]:
@@ -259,6 +425,16 @@ def two_rank_results(checkpoints, one_process_tied, one_process_tied_dp2):
 @pytest.fixture(scope="module")
 def four_rank_results(checkpoints):
     return run_workers(four_rank_worker, 4, checkpoints)
+
+
+@pytest.fixture(scope="module")
+def muon_two_rank_results(checkpoints):
+    return run_workers(muon_worker, 2, checkpoints)
+
+
+@pytest.fixture(scope="module")
+def muon_four_rank_results(checkpoints):
+    return run_workers(muon_worker, 4, checkpoints)
 
 
 def _check_against_reference(results: list[dict], name: str, ref: dict) -> None:

@@ -525,6 +525,55 @@ def test_fsdp_collectives_per_step_follow_the_trainers_resharding():
     assert comm.sent_per_gpu == pytest.approx(7 / 8 * n * (5 * 2 + 1 * 2) + comm.pipeline)
 
 
+def test_without_reshard_after_forward_every_block_stays_gathered_until_its_backward():
+    cfg = paper_model(16, 2048, 16, tie_embeddings=False, dropout=0.0)
+    kept = spec(cfg, 16, "none", grad_accum=4)
+    held = dataclasses.replace(kept, fsdp_reshard_after_forward=False)
+    block = est.block_parameters_per_gpu(cfg, 1)
+    # 2-byte weights of every block instead of two, the same two blocks' unreduced 2-byte gradients
+    extra = (cfg.n_layer - 2) * block * 2
+    assert est.estimate_memory(held).unsharded_params - est.estimate_memory(kept).unsharded_params == pytest.approx(extra)
+    # and one gather fewer per micro-batch
+    assert est.estimate(held).comm.all_gather == pytest.approx(est.estimate(kept).comm.all_gather / 2)
+
+
+def test_estimate_reads_reshard_after_forward_from_the_config_and_the_flag():
+    common = ["--config", "configs/llama3-8b.yaml", "--gpus", "8", "--micro-batch", "2", "--strategy", "fsdp"]
+
+    def total(*extra: str) -> str:
+        return next(line for line in _run_estimate(*common, *extra).splitlines() if line.startswith("fit:"))
+
+    default = total()
+    assert total("--reshard-after-forward", "false") != default
+    assert total("--parallel.fsdp_reshard_after_forward=false") == total("--reshard-after-forward", "false")
+    assert total("--parallel.fsdp_reshard_after_forward=false", "--reshard-after-forward", "true") == default
+
+
+def test_estimate_estimates_a_refused_job_when_asked_and_says_so(capsys):
+    from tools import estimate
+
+    assert estimate.main(["--preset", "70b", "--tp", "8"]) == 2  # dropout under tp: refused
+    text = _run_estimate("--preset", "70b", "--tp", "8", "--allow-refused")
+    first = text.strip().splitlines()[0]
+    assert first.startswith("Estimated beyond the trainer: train.py refuses this job (model.dropout=0.1 with parallel.tp=8")
+    assert "Per GPU on 64x" in text
+
+
+def test_devices_of_published_runs_are_in_the_table_with_their_figures():
+    h100 = DEVICES["H100"]
+    titan, h800 = DEVICES["H100-96GB"], DEVICES["H800"]
+    assert (titan.hbm_gib, titan.hbm_tb_s) == (96.0, 2.4) and titan.bf16_tflops == h100.bf16_tflops
+    assert h800.nvlink_gb_s == 400.0 and (h800.bf16_tflops, h800.hbm_tb_s) == (h100.bf16_tflops, h100.hbm_tb_s)
+    from common.hardware import SYSTEMS
+
+    assert SYSTEMS["grand-teton-96gb-500w"].device is titan
+    # a slower NVLink makes tensor parallelism's collectives slower, nothing else
+    job = spec(paper_model(16, 2048, 16, dropout=0.0), 8, "none", tp=8)
+    on_h800 = dataclasses.replace(job, device=h800)
+    assert est.estimate(on_h800).time.tp_comm_s == pytest.approx(est.estimate(job).time.tp_comm_s * 900 / 400)
+    assert est.estimate(on_h800).time.compute_s == pytest.approx(est.estimate(job).time.compute_s)
+
+
 def test_estimate_takes_recompute_and_its_old_name():
     from tools import estimate
 
