@@ -302,6 +302,9 @@ class JobConfig:
         if p.tp > 1 or p.cp > 1:
             raise ConfigError(f"{clip} with parallel.tp or parallel.cp > 1 is not supported: QK-clip reads each "
                               f"head's logits where one rank holds all heads and whole sequences; {off}")
+        if m.is_mla:
+            raise ConfigError(f"{clip} with model.attention_kind=mla is not supported yet: QK-clip rescales the fused "
+                              f"Q/K/V projection, which latent attention does not have; {off}")
         if m.qk_norm:
             raise ConfigError(f"{clip} with model.qk_norm: the norms rescale queries and keys after the projections, so "
                               f"scaling W_q and W_k cannot lower the logits; set model.qk_norm=false {off}")

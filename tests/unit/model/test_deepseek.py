@@ -213,6 +213,14 @@ def test_deepseek_v3_config_has_the_published_parameter_counts():
     assert active == pytest.approx(37e9, rel=2e-2)  # "37B activated", given to two figures
 
 
+def test_qk_clip_with_latent_attention_is_refused_in_one_line():
+    from training.config import load_config
+
+    with pytest.raises(ConfigError, match="with model.attention_kind=mla is not supported yet: QK-clip") as err:
+        load_config("configs/tiny-mla.yaml", ["--optim.name=muon", "--optim.muon.qk_clip_tau=100"])
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("key", ["tp", "cp", "pp"])
 @pytest.mark.parametrize("model, message", [([], "model.attention_kind=mla with parallel.{}=2 is not supported"),
                                             (["--model.attention_kind=gqa", "--model.mtp_depth=1"],
