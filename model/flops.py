@@ -25,6 +25,7 @@ from __future__ import annotations
 from model.config import ModelConfig
 
 FLOPS_CONVENTION = ("6*N_matmul + 12*L*q*s per token (q = n_head*head_dim; s: min(window, s) in sliding-window layers; "
+                    "latent attention 6*L*(q + v)*s; multi-token-prediction modules count as layers and rerun the head; "
                     "no causal halving, recompute not counted, embeddings lookups excluded)")
 
 
