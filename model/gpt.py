@@ -288,9 +288,12 @@ class MTPModule(nn.Module):
         self.norm_out = Norm(cfg, ops)
 
     def forward(self, h: torch.Tensor, ahead: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
-                ) -> torch.Tensor:
-        """h (B, T', C) the previous depth's states, ``ahead`` (B, T', C) the embeddings k ahead -> (B, T', C)."""
-        return self.block(self.proj(torch.cat([self.norm_h(h), self.norm_e(ahead)], dim=-1)), rope)
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (B, T', C) the previous depth's states, ``ahead`` (B, T', C) the embeddings k ahead -> this
+        depth's states (B, T', C) and their final norm, for the head (inside forward: FSDP2 gathers the
+        module's parameters for its forward only)."""
+        h = self.block(self.proj(torch.cat([self.norm_h(h), self.norm_e(ahead)], dim=-1)), rope)
+        return h, self.norm_out(h)
 
 
 class GPT(nn.Module):
@@ -473,8 +476,8 @@ class GPT(nn.Module):
         for k, module in enumerate(self.mtp, start=1):
             if k >= t:
                 break
-            h = module(h[:, : t - k], self.tok_emb(idx[:, k:]), rope)
-            logits = self.lm_head(module.norm_out(h))
+            h, normed = module(h[:, : t - k], self.tok_emb(idx[:, k:]), rope)
+            logits = self.lm_head(normed)
             losses.append(self.ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, k:].reshape(-1)))
         mean = torch.stack(losses).mean()
         self.mtp_window.append(mean.detach())
