@@ -13,7 +13,6 @@ what is missing. No cell quotes a figure from anywhere else.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -337,12 +336,8 @@ def _planner_figures(p70) -> dict:
     global_batch = p70.micro_batch * p70.world_size
     plans = est.plan_layouts(p70.model, p70.seq_len, p70.world_size, h100, global_batch=global_batch, top=1)
     data_parallel = sorted({plan.job.recompute for plan in est.plan_fits(p70.model, p70.seq_len, p70.world_size, h100, top=None)})
-    # The preset keeps Korthikanti's dropout; the trainer's tensor parallelism trains without it.
-    no_dropout = dataclasses.replace(p70.model, dropout=0.0)
-    tp_plans = est.plan_layouts(no_dropout, p70.seq_len, p70.world_size, h100, global_batch=global_batch, top=1)
     return {"p70": p70, "global_batch": global_batch, "plan": est.describe_plan(plans[0]) if plans else None,
-            "data_parallel_policies": " or ".join(data_parallel) or "nothing",
-            "tp_plan": est.describe_plan(tp_plans[0]) if plans and tp_plans else None}
+            "data_parallel_policies": " or ".join(data_parallel) or "nothing"}
 
 
 def per_layer_none(cfg, s, b) -> float:

@@ -122,6 +122,14 @@ def markdown_table(headers: list[str], rows: list[list[str]], left: int = 1) -> 
 # (same stem), so that other tools read numbers instead of parsing each other's Markdown.
 
 
+def relative_link(target: Path, markdown_path: Path) -> str:
+    """How a Markdown file links ``target``: relative to its own folder where it can, else as given."""
+    try:
+        return str(Path(target).resolve().relative_to(Path(markdown_path).resolve().parent))
+    except ValueError:
+        return str(target)
+
+
 def rows_path(markdown_path: Path) -> Path:
     """Where the rows of a Markdown results file live: the same stem, ``.json``."""
     return Path(markdown_path).with_suffix(".json")

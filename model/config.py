@@ -180,6 +180,14 @@ class ModelConfig:
         "embedding, head std d_model^-0.5)"
     )
     init_std: float = doc(0.02, "std of the initial weights (model.init says which are scaled down)")
+    mup: bool = doc(
+        False, "maximal update parametrization for width (model/mup.py): hidden matrices' init std x m^-1/2 and "
+        "AdamW LR x 1/m, logits x 1/m, attention logits / d_head, with m = d_model / model.mup_base_width"
+    )
+    mup_base_width: int | None = doc(
+        None, "with model.mup: the d_model the hyperparameters were tuned at (there µP equals the standard "
+        "parametrization)"
+    )
     attention: Literal["auto", "flash_attn", "sdpa", "reference"] = doc(
         "auto", "attention backend; auto picks flash_attn on CUDA when installed, else sdpa"
     )
@@ -354,6 +362,29 @@ class ModelConfig:
             self._validate_rope_scaling()
         if self.moe.experts is not None:
             self._validate_moe()
+        if self.mup or self.mup_base_width is not None:
+            self._validate_mup()
+
+    def _validate_mup(self) -> None:
+        if not self.mup:
+            raise ConfigError(f"model.mup_base_width={self.mup_base_width} has no effect without model.mup=true; set "
+                              "model.mup=true or leave model.mup_base_width unset")
+        if self.mup_base_width is None or self.mup_base_width < 1:
+            raise ConfigError(f"model.mup=true needs model.mup_base_width >= 1, the d_model the hyperparameters were "
+                              f"tuned at (got {self.mup_base_width})")
+        if self.layers == "te":
+            raise ConfigError("model.mup=true needs model.layers=torch (Transformer Engine layers take no µP "
+                              "multipliers)")
+        if self.init != "gpt2":
+            raise ConfigError(f"model.mup=true needs model.init=gpt2 (model.init={self.init} draws the embedding and head "
+                              "with a std that shrinks with d_model, which µP keeps fixed)")
+        if self.moe.experts is not None:
+            raise ConfigError("model.mup=true is not defined here for mixture-of-experts layers (the router's and the "
+                              "experts' scaling); use a dense model (model.moe.experts=null)")
+        if self.is_mla or self.mtp_depth:
+            key = "attention_kind=mla" if self.is_mla else f"mtp_depth={self.mtp_depth}"
+            raise ConfigError(f"model.mup=true with model.{key} is not supported yet (its attention scale and extra "
+                              "modules have no µP multipliers here); use model.mup=false")
 
     def _validate_attention_variants(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:

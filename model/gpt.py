@@ -31,6 +31,7 @@ from kernels.registry import REFERENCE_OPS, KernelOps
 from model.attention import AttentionCore, KVCache, LayerKV, head_max_logits
 from model.config import ModelConfig
 from model.moe import MoE, join_aux_gradient, take_aux_loss, with_aux_gradient
+from model.mup import output_multiplier, query_scale, scale_hidden_init
 from model.rope import latent_softmax_gain, rope_tables
 from model.te import TEBlock
 
@@ -136,6 +137,7 @@ class Attention(nn.Module):
         # QK-clip's seam (parallel/qk_clip.py): a tensor here asks training forwards to keep each
         # head's largest attention logit in it (a running max, reset by the optimizer step); None: off.
         self.max_logit: torch.Tensor | None = None
+        self.q_scale = query_scale(cfg)  # µP: attention logits over d_head, not sqrt(d_head) (model/mup.py)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerKV | None = None,
@@ -153,6 +155,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.ops.apply_rope(q, *rope), self.ops.apply_rope(k, *rope)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         if cache is not None:  # generation: attend to the earlier positions this layer sees too
             k, v = cache.update(k, v)
         if self.max_logit is not None and self.training and torch.is_grad_enabled():
@@ -315,6 +319,7 @@ class GPT(nn.Module):
         self.mtp_window: list[torch.Tensor] = []
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.output_multiplier = output_multiplier(cfg)  # µP: logits x base width / width (model/mup.py)
         # Rotary tables are derived, not learned: non-persistent, rebuilt by init_weights().
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
@@ -330,7 +335,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """The initial weights of ``model.init``; norm gains one, biases and sinks zero.
+        """The initial weights of ``model.init``; norm gains one, biases and sinks zero;
+        under µP the hidden matrices then scaled by (width / base width)^-1/2 (model/mup.py).
 
         gpt2: N(0, 0.02) everywhere, residual projections N(0, 0.02/sqrt(2L)). llama: ``_init_llama``.
         Called after construction, and again after a meta-device model is materialized.
@@ -339,6 +345,7 @@ class GPT(nn.Module):
             self._init_llama()
         else:
             self._init_gpt2()
+        scale_hidden_init(self, self.cfg)
         for module in self.modules():
             if isinstance(module, Sinks):
                 nn.init.zeros_(module.weight)  # a sink starts as one more unit of softmax mass
@@ -458,6 +465,8 @@ class GPT(nn.Module):
         if self.lm_head is None:
             return x if aux is None else with_aux_gradient(x, aux)
         logits = self.lm_head(self.norm_f(x))
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
         if targets is None:
             return logits if aux is None else with_aux_gradient(logits, aux)
         loss = self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))

@@ -115,6 +115,7 @@ def hf_layout(cfg: ModelConfig) -> str:
         raise InteropError(
             f"model.layers={cfg.layers}: export from a model.layers=torch build (TE names its weights differently)"
         )
+    refuse_mup(cfg, "the Hugging Face layouts")
     if cfg.is_mla:
         return _deepseek_layout(cfg)
     if cfg.moe.experts is not None:
@@ -141,6 +142,15 @@ def hf_layout(cfg: ModelConfig) -> str:
     if layout == GPT2 and cfg.sliding_window is not None:
         raise InteropError(f"model.sliding_window={cfg.sliding_window}: GPT-2 attends to the whole context")
     return layout if layout == GPT2 else _rotary_dense_layout(cfg)
+
+
+def refuse_mup(cfg: ModelConfig, target: str) -> None:
+    """µP multiplies the logits by base/width and scales attention by 1/d_head (model/mup.py): weights
+    written without those factors would compute another function."""
+    if cfg.mup:
+        raise InteropError(f"model.mup=true: {target} cannot express µP's output multiplier and 1/d_head attention "
+                           "scale, so the exported weights would compute another function; export with --format "
+                           "safetensors (perfgpt's own, which keeps the model config)")
 
 
 def _other(layout: str) -> str:
@@ -856,6 +866,7 @@ def from_nanogpt(checkpoint: Mapping[str, Any]) -> tuple[ModelConfig, State]:
 
 def to_nanogpt(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """A nanoGPT checkpoint dict (``model_args`` and ``model``) for a model nanoGPT expresses."""
+    refuse_mup(cfg, "nanoGPT's GPT")
     needs = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "gelu": "exact", "tie_embeddings": True,
              "layers": "torch", "d_ff": 4 * cfg.d_model, "norm_eps": 1e-5, "kv_heads": cfg.n_head}
     for key, value in needs.items():

@@ -20,8 +20,15 @@ Which layers: every ``nn.Linear`` of the transformer blocks (qkv, proj, fc, out 
 gate), but not the LM head (its logits feed the softmax directly, where FP8's 3-bit mantissa costs
 the most, and torchtitan and TE's recipes leave it out too), and not a layer whose in or out
 features are not multiples of 16, which ``torch._scaled_mm`` cannot multiply. Embeddings are not
-``nn.Linear``. The conversion runs in the build path after tensor parallelism and before
+``nn.Linear``. The conversion runs in the build path before tensor parallelism and before
 recompute, compile and FSDP2 wrap the blocks (``parallel/parallelize.py``).
+
+Under tensor parallelism a Float8Linear is laid out by the same styles as an ``nn.Linear`` (it is
+one): its weight becomes a DTensor shard, and the dynamic scale of a weight, input or gradient is
+taken over the whole DTensor (an all-reduce of the amax), as one process takes it. The
+activations the styles all-gather or reduce-scatter stay bf16; torchao's float8 parallel styles
+would all-gather the inputs of the column-parallel layers in FP8 instead (tensorwise only), which
+perfgpt does not use.
 
 Where it runs: FP8 GEMMs need FP8 tensor cores (compute capability 8.9, Ada/Hopper, or newer).
 Some CPU builds of torch have a ``torch._scaled_mm`` kernel too; where the device has none, torchao's

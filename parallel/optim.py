@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from common.errors import ConfigError
 from common.fields import doc, require_finite
+from model.mup import LrScale
 from parallel.muon import JORDAN_COEFFICIENTS, Muon
 
 
@@ -187,11 +188,30 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, decay_steps
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def decay_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (linear weights, embeddings), none on norm gains and biases."""
-    decay = [p for _, p in named_params if p.ndim >= 2]
-    no_decay = [p for _, p in named_params if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def decay_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: float,
+                 lr_scale: LrScale | None = None) -> list[dict]:
+    """Weight decay on matrices (linear weights, embeddings), none on norm gains and biases.
+
+    ``lr_scale`` (µP's per-parameter LR multipliers, ``model.mup.lr_multipliers``) splits each of
+    the two into runs of consecutive parameters with one multiplier, kept as the group's
+    ``lr_scale`` (``set_lr`` applies it). The parameters keep their order across the groups, decay
+    first: a checkpoint's optimizer numbers them the same with µP and without."""
+    decay = [(n, p) for n, p in named_params if p.ndim >= 2]
+    no_decay = [(n, p) for n, p in named_params if p.ndim < 2]
+    groups = []
+    for params, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        runs: list[tuple[float, list[nn.Parameter]]] = []
+        for name, param in params:
+            scale = 1.0 if lr_scale is None else lr_scale(name, param)
+            if not runs or runs[-1][0] != scale:
+                runs.append((scale, []))
+            runs[-1][1].append(param)
+        for scale, members in runs or [(1.0, [])]:
+            group = {"params": members, "weight_decay": wd}
+            if lr_scale is not None:
+                group["lr_scale"] = scale
+            groups.append(group)
+    return groups
 
 
 def is_hidden_matrix(name: str, tensor: torch.Tensor) -> bool:
@@ -214,25 +234,43 @@ def muon_split(named_params: list[tuple[str, torch.Tensor]]) -> tuple[list, list
     return muon, [(n, p) for n, p in named_params if not is_hidden_matrix(n, p)]
 
 
-def stepping_groups(named_params: list[tuple[str, torch.Tensor]], weight_decay: float, *, muon: bool) -> list[dict]:
+def stepping_groups(named_params: list[tuple[str, torch.Tensor]], weight_decay: float, *, muon: bool,
+                    lr_scale: LrScale | None = None) -> list[dict]:
     """The optimizer's parameter groups in its order: AdamW's ``decay_groups``; with Muon, the
     hidden matrices first, then ``decay_groups`` of the rest. A one-process checkpoint numbers its
-    parameters in this order (parallel/checkpoint.py reads it back)."""
+    parameters in this order (parallel/checkpoint.py reads it back); µP's ``lr_scale`` splits groups
+    but keeps the order."""
     if not muon:
-        return decay_groups(named_params, weight_decay)
+        return decay_groups(named_params, weight_decay, lr_scale)
     matrices, rest = muon_split(named_params)
-    return [{"params": [p for _, p in matrices], "muon": True}] + decay_groups(rest, weight_decay)
+    return [{"params": [p for _, p in matrices], "muon": True}] + decay_groups(rest, weight_decay, lr_scale)
+
+
+# How each of Muon's update scales sizes a hidden matrix's update, in µP's terms (model/mup.py): scaled
+# to AdamW's RMS per entry its spectral norm grows with the width; the other two are width-free.
+MUON_MUP_UPDATE = {"match_rms_adamw": "rms_matched", "original": "spectral", "none": "spectral"}
+
+
+def muon_update(optim_cfg: OptimConfig) -> str:
+    """How the optimizer's hidden-matrix updates scale with width (model.mup's ``Update``)."""
+    return MUON_MUP_UPDATE[optim_cfg.muon.scale] if optim_cfg.name == "muon" else "adam"
 
 
 def build_optimizer(named_params: list[tuple[str, torch.Tensor]], optim_cfg: OptimConfig,
-                    device: torch.device) -> torch.optim.Optimizer:
+                    device: torch.device, lr_scale: LrScale | None = None,
+                    muon_lr_scale: LrScale | None = None) -> torch.optim.Optimizer:
     """The ``optim`` section's optimizer over ``named_params`` (what the engine steps: parameters or
-    their fp32 masters, by parameter name)."""
+    their fp32 masters, by parameter name). ``lr_scale``: µP's LR multipliers of what AdamW steps;
+    ``muon_lr_scale``: those of the matrices Muon steps (one value: they are all hidden matrices)."""
     if optim_cfg.name == "adamw":
-        return build_adamw(decay_groups(named_params, optim_cfg.weight_decay), optim_cfg, device)
+        return build_adamw(decay_groups(named_params, optim_cfg.weight_decay, lr_scale), optim_cfg, device)
     m = optim_cfg.muon
-    groups = stepping_groups(named_params, optim_cfg.weight_decay, muon=True)
-    groups[0].update(lr=optim_cfg.muon_lr, lr_scale=optim_cfg.muon_lr / optim_cfg.lr,
+    groups = stepping_groups(named_params, optim_cfg.weight_decay, muon=True, lr_scale=lr_scale)
+    scales = {muon_lr_scale(n, p) for n, p in muon_split(named_params)[0]} if muon_lr_scale else {1.0}
+    if len(scales) > 1:
+        raise ValueError(f"Muon's matrices would need {len(scales)} different LR multipliers; it keeps one")
+    mup = scales.pop() if scales else 1.0
+    groups[0].update(lr=optim_cfg.muon_lr * mup, lr_scale=optim_cfg.muon_lr / optim_cfg.lr * mup,
                      weight_decay=optim_cfg.muon_weight_decay, momentum=m.momentum, nesterov=m.nesterov,
                      ns_steps=m.ns_steps, ns_coefficients=tuple(m.ns_coefficients),
                      ns_dtype=m.ns_dtype if m.ns_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32"),

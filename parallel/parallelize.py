@@ -4,10 +4,10 @@
     2. kernels and attention  the fused ops and the attention backend this device can run
     3. the GPT                built from the seed (on the meta device with ``init_on_meta``)
     4. pipeline split         each rank keeps its stages (parallel/pp.py)
-    5. tensor parallelism     DTensor shards over the tp mesh dimension (parallel/tp.py)
+    5. FP8 linears            torchao's Float8Linear swapped in (fp8_backend=torchao, parallel/float8.py)
+       tensor parallelism     DTensor shards over the tp mesh dimension (parallel/tp.py)
        context parallelism    each rank its chunks of every sequence, K/V gathered per layer (parallel/cp.py)
        expert parallelism     each rank its experts of every MoE layer, tokens exchanged by all-to-all (parallel/ep.py)
-       FP8 linears            torchao's Float8Linear swapped in (fp8_backend=torchao, parallel/float8.py)
     6. activation recompute   wrappers must exist before compile traces the blocks
     7. torch.compile          per block, so compiled regions stay inside FSDP units
     8. data parallelism       none / DDP / FSDP2 (over the dp mesh dimensions) / DeepSpeed ZeRO
@@ -36,6 +36,7 @@ from model.flops import count_parameters, mlp_parameters
 from model.gpt import GPT, indexed_blocks
 from model.interop import check_state_dict
 from model.moe import select_expert_backend
+from model.mup import describe as describe_mup
 from model.recompute import apply_recompute, describe_recompute, no_gain_note
 from parallel.config import ParallelConfig
 from parallel.cp import apply_context_parallel, chunk_ids
@@ -48,6 +49,7 @@ from parallel.float8 import apply_float8, precompute_scales_after_step
 from parallel.fsdp import apply_fsdp
 from parallel.optim import OptimConfig, describe_split
 from parallel.precision import PrecisionConfig, PrecisionPolicy, check_precision_supported, precision_policy
+from parallel.rng import seed_activation_rng
 from parallel.zero import ZERO_STAGES, apply_zero
 
 if TYPE_CHECKING:
@@ -111,7 +113,13 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     loss_parallel = layout.tp > 1 and parallel_cfg.loss_parallel
     fp8_notes = []
     for part in parts:
-        # 5. Tensor parallelism, on the plain modules (before wrappers change their classes).
+        # 5. FP8 linears swap module classes, so they go in before tensor parallelism lays out their
+        # weights and inputs (a swap after it would drop the layout hooks) and before the recompute
+        # and compile wrappers.
+        fp8_notes.append(apply_float8(part, mode=policy.mode, backend=precision_cfg.fp8_backend,
+                                      recipe=precision_cfg.fp8_recipe, device=ctx.device,
+                                      fsdp=layout.fsdp))
+        # Tensor parallelism, on the plain modules (before wrappers change their classes).
         if layout.tp > 1:
             from parallel.tp import apply_tensor_parallel  # DTensor's parallel styles: tp runs only
 
@@ -122,10 +130,6 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
         apply_context_parallel(part, ctx.submesh("cp").get_group() if layout.cp > 1 else None)
         # Expert parallelism: each rank keeps its experts of every MoE layer, tokens exchanged by all-to-all.
         apply_expert_parallel(part, ctx.submesh("ep") if layout.ep > 1 else None)
-        # FP8 linears swap module classes, so they go in before the recompute and compile wrappers.
-        fp8_notes.append(apply_float8(part, mode=policy.mode, backend=precision_cfg.fp8_backend,
-                                      recipe=precision_cfg.fp8_recipe, device=ctx.device,
-                                      fsdp=layout.fsdp))
         # 6-7. Recompute, then compile.
         apply_recompute(part, model_cfg.recompute, model_cfg.recompute_every_k)
         apply_compile(part, compile, compile_mode, compile_loss)
@@ -139,6 +143,9 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     else:
         engine = apply_data_parallel(model, parallel_cfg, ctx, policy, optim_cfg, micro_batch_size=micro_batch_size,
                                      grad_accum_steps=grad_accum_steps)
+    # Dropout: the ranks of a tensor-parallel group draw alike, every other rank its own masks
+    # (parallel/rng.py); the weights above were drawn before, from the same seed everywhere.
+    seed_activation_rng(seed, ctx.dims.rank // layout.tp)
     if policy.fp8_torchao:
         for part in engine.optimized_parts():  # a pipeline steps each stage part on its own
             precompute_scales_after_step(part.optimizer, part.model)
@@ -146,6 +153,8 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
              describe_placement(dims, stages)] + [note for note in fp8_notes[:1] if note]
     if optim_cfg.name == "muon":  # the whole model's split, from the model as built (before any pipeline cut)
         notes.append(describe_split(list(model.named_parameters())))
+    if model_cfg.mup:
+        notes.append(describe_mup(model_cfg))
     return Built(engine=engine, model=model if layout.pp == 1 else parts[0], policy=policy, notes=notes,
                  warnings=no_gain_warnings(model_cfg, backend))
 

@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common.values import full_value, is_dtensor, local_shard
-from parallel.optim import OptimConfig, build_optimizer
+from model.mup import lr_multipliers
+from parallel.optim import OptimConfig, build_optimizer, muon_update
 from parallel.precision import MasterWeights, PrecisionPolicy
 from parallel.qk_clip import QKClip
 
@@ -53,8 +54,8 @@ class StepResult:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """The schedule's ``lr`` into every group, times the group's ``lr_scale`` where it has one (a
-    Muon group with a peak of its own: optim.muon.lr / optim.lr)."""
+    """The schedule's ``lr`` into every group, times the group's ``lr_scale`` where it has one (µP's
+    multipliers; a Muon group with a peak of its own: optim.muon.lr / optim.lr)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
@@ -99,7 +100,8 @@ class OptimizedPart:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         masters = MasterWeights([p for _, p in named]) if policy.engine_masters else None
         stepped = named if masters is None else [(n, m) for (n, _), m in zip(named, masters.masters)]
-        optimizer = build_optimizer(stepped, optim_cfg, device)
+        optimizer = build_optimizer(stepped, optim_cfg, device, lr_multipliers(model),
+                                    lr_multipliers(model, muon_update(optim_cfg)))
         tau = optim_cfg.muon.qk_clip_tau if optim_cfg.name == "muon" else None
         qk_clip = QKClip(model, dict(stepped), tau) if tau is not None else None
         return cls(model, optimizer, masters, [p for _, p in named], [p for _, p in stepped], qk_clip)

@@ -49,9 +49,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from model.attention import AttentionCore
 from model.gpt import GPT
 from model.moe import MoE, expert_mlp
 from parallel.ep import EXPERT_WEIGHTS
+from parallel.rng import split_rng
 
 
 def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
@@ -98,6 +100,39 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
             "mlp.fc": ColwiseParallel(),
             "mlp.out": RowwiseParallel(output_layouts=seq),
         })
+    if model.cfg.dropout > 0:
+        split_dropout(model, tp_mesh.get_local_rank(), sequence_parallel)
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+class SplitRNG:
+    """Mixin placed in front of a dropout's own class: its forward draws from ``split_rng``."""
+
+    split_rank: int
+
+    @torch.compiler.disable  # seeding a generator has no graph; the dropout runs eagerly
+    def forward(self, *args, **kwargs):
+        with split_rng(self.split_rank):
+            return super().forward(*args, **kwargs)
+
+
+@functools.cache
+def _split_class(cls: type) -> type:
+    return type(f"Split{cls.__name__}", (SplitRNG, cls), {})
+
+
+def split_dropout(model: nn.Module, rank: int, sequence_parallel: bool) -> None:
+    """Give the dropouts that act on this rank's own part of an activation their own masks: the
+    attention core's (its heads' probabilities) always; the residual stream's (``nn.Dropout``:
+    after the embedding, after each sub-layer's reduction, inside MoE layers) under sequence
+    parallelism, where each rank holds its own positions. The rest see replicated activations and
+    keep the default generator, which the ranks of a tp group keep in step."""
+    for module in model.modules():
+        if isinstance(module, AttentionCore) or (sequence_parallel and isinstance(module, nn.Dropout)):
+            module.__class__ = _split_class(type(module))
+            module.split_rank = rank
 
 
 def _norm_style(sequence_parallel: bool):

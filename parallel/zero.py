@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 
 from common.errors import CapabilityError, CheckpointError, ConfigError
+from model.mup import lr_multipliers
 from parallel.api_floors import install_floor
 from parallel.config import ParallelConfig
 from parallel.engine import Engine, unwrap
@@ -139,7 +140,8 @@ def apply_zero(model: nn.Module, parallel_cfg: ParallelConfig, policy: Precision
     ds_config = deepspeed_config(parallel_cfg, policy, optim_cfg, micro_batch_size=micro_batch_size,
                                  grad_accum_steps=grad_accum_steps, world_size=world_size)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    optimizer = _optimizer(decay_groups(params, optim_cfg.weight_decay), parallel_cfg, optim_cfg, device)
+    optimizer = _optimizer(decay_groups(params, optim_cfg.weight_decay, lr_multipliers(model)), parallel_cfg, optim_cfg,
+                           device)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
     return ZeroEngine(engine, policy, device)

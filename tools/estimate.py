@@ -87,8 +87,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="tensor-parallel collectives hidden behind the GEMMs (Megatron's userbuffers, async TP; "
                         "the trainer does not overlap them)")
     parser.add_argument("--allow-refused", action="store_true",
-                        help="estimate a job train.py refuses (another framework's run: FP8 or dropout under tp, "
-                        "DDP under tp or pp, ...); the output says train.py refuses it and why")
+                        help="estimate a job train.py refuses (another framework's run: DDP under tp or pp, "
+                        "Transformer Engine layers under tp, ...); the output says train.py refuses it and why")
     parser.add_argument("--plan", action="store_true", help="list the cheapest layouts that fit (see above)")
     parser.add_argument("--global-batch", type=int, help="--plan: sequences per optimizer step")
     parser.add_argument("--top", type=int, default=10, help="rows of --plan (default 10)")

@@ -248,9 +248,6 @@ class JobConfig:
                     raise ConfigError(f"model.attention_kind=mla with parallel.{key}={getattr(p, key)} is not supported "
                                       f"yet; use parallel.{key}=1")
         if p.tp > 1:
-            if m.dropout > 0:
-                raise ConfigError(f"model.dropout={m.dropout} with parallel.tp={p.tp}: each rank would draw its own "
-                                  "masks for shared activations; tensor parallelism here trains without dropout")
             if t.compile and m.recompute in ("selective", "full", "every_k"):
                 # torch 2.13's compiler saves the tensor-parallel DeviceMesh among the tensors of a
                 # checkpointed region and fails ("expected all tensors_saved_with_vc_check to be Tensors").
@@ -324,10 +321,6 @@ class JobConfig:
         if self.model.layers != "torch":
             raise ConfigError("precision.fp8_backend=torchao converts the model's nn.Linear layers, and "
                               f"model.layers={self.model.layers} has none; use model.layers=torch (or fp8_backend=te)")
-        if self.parallel.tp > 1:
-            raise ConfigError("precision.fp8_backend=torchao with parallel.tp > 1 is not supported: FP8 tensor "
-                              "parallelism needs torchao's own float8 parallel styles; use parallel.tp=1 "
-                              "(FSDP2 and pipeline stages work) or precision.mode=bf16")
         # The weight-gradient GEMM reduces over the micro-batch's tokens, and torch._scaled_mm needs
         # its inner dimension divisible by 16.
         tokens = self.train.micro_batch_size * self.seq_len

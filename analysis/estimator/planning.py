@@ -55,9 +55,14 @@ def trainer_config(job: JobSpec, base: JobConfig | None = None) -> JobConfig:
         model=dataclasses.replace(job.model, recompute=job.recompute),
         data=dataclasses.replace(base.data, seq_len=job.seq_len),
         train=dataclasses.replace(base.train, micro_batch_size=job.micro_batch, grad_accum_steps=job.grad_accum),
-        precision=dataclasses.replace(base.precision, mode=job.precision),
+        precision=dataclasses.replace(base.precision, mode=job.precision, **_fp8_backend(job)),
         parallel=parallel,
     )
+
+
+def _fp8_backend(job: JobSpec) -> dict[str, str]:
+    """FP8 on the model's own torch layers is torchao's (Transformer Engine's needs model.layers=te)."""
+    return {"fp8_backend": "torchao"} if job.precision == "fp8" and job.model.layers == "torch" else {}
 
 
 def trainer_refusal(job: JobSpec, base: JobConfig | None = None) -> str | None:
@@ -88,7 +93,8 @@ def job_of(config: JobConfig, layout: Layout, device: DeviceSpec | None = None) 
 def job_overrides(job: JobSpec) -> list[str]:
     """The job as the trainer's ``--section.key=value`` overrides (what ``job_words`` says)."""
     return job.layout.overrides() + [f"--model.recompute={job.recompute}", f"--train.micro_batch_size={job.micro_batch}",
-                                     f"--train.grad_accum_steps={job.grad_accum}", f"--precision.mode={job.precision}"]
+                                     f"--train.grad_accum_steps={job.grad_accum}", f"--precision.mode={job.precision}"
+                                     ] + [f"--precision.{key}={value}" for key, value in _fp8_backend(job).items()]
 
 
 def plan_fits(

@@ -546,8 +546,9 @@ def test_a_tensor_parallel_checkpoint_loads_into_other_layouts(two_rank_results,
 
 def test_train_py_resumes_a_tensor_parallel_run_exactly(tmp_path, corpus_cache):
     """The real CLI under torchrun: 6 steps straight (saving at step 3 on the way), and a second run
-    resumed from that step-3 checkpoint, give the same losses for steps 4-6."""
-    common = {"model.tie_embeddings": False, "parallel.tp": 2, "optim.decay_steps": 6, "train.max_steps": 6,
+    resumed from that step-3 checkpoint, give the same losses for steps 4-6. With dropout, so the
+    resumed run must also draw the masks the first drew (each rank's generator in the checkpoint)."""
+    common = {"model.tie_embeddings": False, "parallel.tp": 2, "model.dropout": 0.1, "optim.decay_steps": 6, "train.max_steps": 6,
               "train.grad_accum_steps": 2, "train.eval_interval": 6, "train.eval_steps": 2,
               "checkpoint.interval": 3}
     full, split = tmp_path / "full", tmp_path / "split"

@@ -213,6 +213,16 @@ def test_deepseek_v3_config_has_the_published_parameter_counts():
     assert active == pytest.approx(37e9, rel=2e-2)  # "37B activated", given to two figures
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"attention_kind": "mla"}, "model.mup=true with model.attention_kind=mla is not supported yet"),
+    ({"mtp_depth": 1}, "model.mup=true with model.mtp_depth=1 is not supported yet")])
+def test_mup_with_latent_attention_or_mtp_is_refused_in_one_line(changes, message):
+    cfg = ModelConfig(position="rope", mup=True, mup_base_width=64, **changes)
+    with pytest.raises(ConfigError, match=message) as err:
+        cfg.validate()
+    assert "\n" not in str(err.value)
+
+
 def test_qk_clip_with_latent_attention_is_refused_in_one_line():
     from training.config import load_config
 

@@ -177,7 +177,6 @@ def test_torchao_missing_is_a_capability_error_with_the_install_line(monkeypatch
      "precision.fp8_recipe applies to precision.fp8_backend=torchao, not te"),
     (["--precision.fp8_amax_history_len=4"], "precision.fp8_amax_history_len applies to precision.fp8_backend=te"),
     (["--model.layers=te"], "model.layers=te has none; use model.layers=torch"),
-    (["--parallel.tp=2"], "precision.fp8_backend=torchao with parallel.tp > 1 is not supported"),
     (["--train.micro_batch_size=1", "--model.max_seq_len=24"],
      "needs train.micro_batch_size x model.max_seq_len divisible by 16"),
 ])

@@ -77,10 +77,10 @@ def test_a_non_finite_gradient_skips_the_step_read_on_the_host():
     assert layer.weight.grad is None  # the gradients are cleared for the next step all the same
 
 
-def _trained_engine(mode: str):
+def _trained_engine(mode: str, *extra: str):
     cfg = load_config(None, ["--model.vocab_size=64", "--model.max_seq_len=8", "--model.n_layer=2",
                              "--model.n_head=2", "--model.d_model=16", f"--precision.mode={mode}",
-                             "--optim.warmup_steps=1", "--train.max_steps=2"])
+                             "--optim.warmup_steps=1", "--train.max_steps=2", *extra])
     engine = build_from_config(cfg, DistContext.single()).engine
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     loss = engine.forward_backward(tokens[:, :-1], tokens[:, 1:], True, 1)
@@ -88,10 +88,12 @@ def _trained_engine(mode: str):
     return engine
 
 
-def test_a_one_process_checkpoint_is_named_as_torchs_distributed_state_dict_names_it():
+@pytest.mark.parametrize("mup", [[], ["--model.mup=true", "--model.mup_base_width=8"]], ids=["sp", "mup"])
+def test_a_one_process_checkpoint_is_named_as_torchs_distributed_state_dict_names_it(mup):
+    """With µP too, whose AdamW holds more param groups (one per LR multiplier)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    engine = _trained_engine("fp32")  # tied embeddings: the head's weight is the embedding's
+    engine = _trained_engine("fp32", *mup)  # tied embeddings: the head's weight is the embedding's
     ours = full_state_by_name(engine.state_dict())
     [part] = engine.optimized_parts()
     model, optim = get_state_dict(engine.module(), part.optimizer,

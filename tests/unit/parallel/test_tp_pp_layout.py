@@ -28,7 +28,6 @@ def test_ranks_are_laid_out_with_tensor_parallel_innermost():
     ({"parallel.tp": 3}, "parallel.tp=3 must divide model.n_head=4"),
     ({"parallel.tp": 4}, "parallel.tp=4 must divide model.n_kv_head=2"),
     ({"parallel.tp": 2, "model.max_seq_len": 15}, "must divide by it"),
-    ({"parallel.tp": 2, "model.dropout": 0.1}, "tensor parallelism here trains without dropout"),
     ({"parallel.pp": 3}, "model.n_layer=4 must divide into"),
     ({"parallel.pp": 4, "train.grad_accum_steps": 2}, "must be >= parallel.pp=4"),
     ({"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b"}, "needs parallel.pp_virtual_stages >= 2"),

@@ -1,0 +1,152 @@
+"""Dropout under tensor parallelism, on 2 gloo ranks, against one process that drops the same elements.
+
+Every rank records each dropout mask it draws (``torch.nn.functional.dropout`` wrapped; the
+attention runs the reference backend, whose probabilities go through it too). The one-process
+reference replays them: where the activation is replicated over the tp ranks the two ranks' masks
+must be equal and are used as they are; where each rank holds a part (its heads, or under sequence
+parallelism its positions) they must differ and are joined along the split dimension. Then losses,
+gradient norms and first-step gradients of a few steps must match one process, with and without
+sequence parallelism. A third launch layout, two data-parallel ranks, must draw different masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel.distributed import DistContext
+from tests.gloo import gloo_context, run_workers
+from tests.integration.parallel.test_tp_pp import ACCUM, MICRO
+from tests.integration.parallel.test_tp_pp import MODEL as TP_PP_MODEL
+from tests.integration.parallel.test_tp_pp import micro_batches as tp_pp_micro_batches
+from training.build import build_from_config
+from training.config import load_config
+
+# test_tp_pp.py's model and batches, with fewer layers, dropout and the reference attention
+MODEL = TP_PP_MODEL | {"n_layer": 2, "dropout": 0.2, "attention": "reference"}
+STEPS = 3
+LAYOUTS = {"tp": {"tp": 2}, "tp_no_sp": {"tp": 2, "sequence_parallel": False, "loss_parallel": False}}
+P = MODEL["dropout"]
+
+
+def job(grad_accum: int = ACCUM, **parallel):
+    overrides = [f"--model.{k}={v}" for k, v in MODEL.items()]
+    overrides += [f"--train.micro_batch_size={MICRO}", f"--train.grad_accum_steps={grad_accum}",
+                  "--optim.warmup_steps=1", "--optim.lr=1e-2", "--train.max_steps=10"]
+    overrides += [f"--parallel.{k}={v}" for k, v in parallel.items()]
+    return load_config(None, overrides)
+
+
+@contextlib.contextmanager
+def dropout_masks(replay=None):
+    """Record every training-mode dropout's mask into the yielded list, or, with ``replay`` (a
+    function from the input to a mask), drop what it returns instead of drawing."""
+    plain, masks = F.dropout, []
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return plain(x, p, training, inplace)
+        if replay is not None:
+            return x * (replay(x).to(x.dtype) / (1 - p))
+        out = plain(x, p, training, inplace)
+        masks.append(((out != 0) | (x == 0)).detach().clone())  # where x is 0 either mask gives 0
+        return out
+
+    F.dropout = dropout
+    try:
+        yield masks
+    finally:
+        F.dropout = plain
+
+
+def micro_batches(step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return tp_pp_micro_batches(step, dp_rank, 1)
+
+
+def full_grads(engine) -> dict[str, torch.Tensor]:
+    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for name, p in engine.module().named_parameters() if p.grad is not None}
+
+
+def train(engine, ctx, cfg, micro_batches_of, accum: int) -> dict:
+    losses, norms, grads = [], [], {}
+    for step in range(STEPS):
+        loss, _ = engine.forward_backward_step(iter(micro_batches_of(step)), accum)
+        if step == 0:
+            grads = full_grads(engine)
+        norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
+        losses.append(float(ctx.all_reduce_mean(loss.detach().clone())))
+    return {"losses": losses, "norms": norms, "grads": grads}
+
+
+def worker(rank: int, world: int) -> dict:
+    results = {}
+    for name, parallel in LAYOUTS.items():
+        cfg = job(**parallel)
+        ctx = gloo_context(rank, world, parallel=cfg.parallel)
+        engine = build_from_config(cfg, ctx).engine
+        with dropout_masks() as masks:
+            results[name] = train(engine, ctx, cfg, lambda step: micro_batches(step, ctx.dims.dp_rank), ACCUM)
+        results[name]["masks"] = masks
+    cfg = job(strategy="ddp")
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
+    engine = build_from_config(cfg, ctx).engine
+    with dropout_masks() as masks:
+        engine.forward_backward_step(iter(micro_batches(0, 0)[:1]), 1)  # the same batch on both ranks
+    results["dp"] = masks
+    return results
+
+
+def one_process_replaying(rank_masks: list[list[torch.Tensor]]) -> dict:
+    """One process over the same global batch, dropping what the tp ranks dropped."""
+    calls = iter(zip(*rank_masks, strict=True))
+    seen = {"replicated": 0, "split": 0}
+
+    def replay(x: torch.Tensor) -> torch.Tensor:
+        first, second = next(calls)
+        if first.shape == x.shape:
+            assert torch.equal(first, second), "tp ranks drew different masks for a replicated activation"
+            seen["replicated"] += 1
+            return first
+        dim = next(d for d in range(x.dim()) if first.shape[d] != x.shape[d])
+        assert first.shape[dim] * 2 == x.shape[dim]
+        assert not torch.equal(first, second), "tp ranks drew the same mask for different elements"
+        seen["split"] += 1
+        return torch.cat([first, second], dim)
+
+    cfg = job()
+    engine = build_from_config(cfg, DistContext.single()).engine
+    with dropout_masks(replay):
+        out = train(engine, DistContext.single(), cfg, lambda step: micro_batches(step, 0), ACCUM)
+    assert next(calls, None) is None, "the ranks drew more masks than one process"
+    return out | seen
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_workers(worker, 2)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tensor_parallel_dropout_matches_one_process_dropping_the_same_elements(name, results):
+    ref = one_process_replaying([r[name]["masks"] for r in results])
+    per_forward = 1 + 3 * MODEL["n_layer"]  # embedding, then per block attention core, after attn, after mlp
+    calls = STEPS * ACCUM * per_forward
+    # The attention cores always hold their own heads; the residual stream is split only under
+    # sequence parallelism.
+    split = STEPS * ACCUM * (MODEL["n_layer"] if name == "tp_no_sp" else per_forward)
+    assert (ref["split"], ref["replicated"]) == (split, calls - split)
+    for r in results:
+        assert r[name]["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+        assert r[name]["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    for key, grad in ref["grads"].items():
+        torch.testing.assert_close(results[0][name]["grads"][key], grad, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_data_parallel_ranks_draw_different_masks(results):
+    first, second = (r["dp"] for r in results)
+    assert len(first) == len(second) == 1 + 3 * MODEL["n_layer"]
+    assert all(not torch.equal(a, b) for a, b in zip(first, second))
