@@ -8,7 +8,7 @@ is exactly what it would be on its own (the price: the part of a longer prompt b
 shortest one is encoded one token per step).
 
 With ``use_cache`` the keys and values of earlier positions are kept (``model.attention.KVCache``,
-only the n_kv_head heads; a layer with a sliding window of W keeps only its last W - 1
+only the n_kv_head heads, or latent attention's latent and rotary key; a layer with a sliding window of W keeps only its last W - 1
 positions) and each step runs the model on one new token; without it every step re-runs the
 whole prefix, the slow reference the cache is tested against.
 """
@@ -112,8 +112,12 @@ def generate(
     cache = None
     if use_cache:
         dtype = next(model.parameters()).dtype
-        cache = KVCache(cfg.n_layer, len(prompts), total, cfg.kv_heads, cfg.head_dim, device, dtype,
-                        windows=[cfg.window_of(i) for i in range(cfg.n_layer)])
+        if cfg.is_mla:  # the latent and the shared rotary key (model.gpt.LatentAttention)
+            cache = KVCache(cfg.n_layer, len(prompts), total, 1, cfg.kv_lora_rank, device, dtype,
+                            value_dim=cfg.qk_rope_head_dim)
+        else:
+            cache = KVCache(cfg.n_layer, len(prompts), total, cfg.kv_heads, cfg.head_dim, device, dtype,
+                            windows=[cfg.window_of(i) for i in range(cfg.n_layer)])
     pos = min(lengths)
     logits = model(tokens[:, :pos], cache=cache)[:, -1]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
