@@ -45,9 +45,16 @@ def flash_attn_available() -> bool:
 
 
 def select_attention(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, *,
-                     window: int | None = None, sinks: bool = False) -> tuple[str, str]:
+                     window: int | None = None, sinks: bool = False, latent: bool = False) -> tuple[str, str]:
     """Resolve model.attention to a concrete backend, with the reason. ``window``: the sliding
-    window of the layers that have one; ``sinks``: the model has attention sinks."""
+    window of the layers that have one; ``sinks``: the model has attention sinks; ``latent``:
+    DeepSeek's latent attention, whose values are narrower than its queries and keys."""
+    if latent and requested in ("auto", "flash_attn"):
+        if requested == "flash_attn":
+            raise CapabilityError("model.attention=flash_attn cannot run model.attention_kind=mla: flash-attn 2 wants "
+                                  "values as wide as queries and keys; use model.attention=sdpa, reference or auto")
+        return "sdpa", ("attention: sdpa (auto: model.attention_kind=mla has values narrower than its queries and "
+                        "keys, which flash-attn 2 does not take)")
     if sinks:
         if requested in ("sdpa", "flash_attn"):
             raise CapabilityError(f"model.attention={requested} cannot run model.attention_sinks: it has no sink term "
@@ -296,7 +303,9 @@ class KVCache:
     to the past without recomputing it.
 
     Per layer (B, positions, n_kv_head, D): only the key/value heads, so grouped-query attention
-    shrinks the cache by n_head / n_kv_head. A layer with a sliding window of W tokens keeps only
+    shrinks the cache by n_head / n_kv_head. Latent attention (``model.gpt.LatentAttention``) keeps
+    one "head" of its latent in the keys' place and its rotary key in the values' (``value_dim``:
+    their widths differ), kv_lora_rank + qk_rope_head_dim numbers per token and layer. A layer with a sliding window of W tokens keeps only
     its last W - 1 positions (what the next token can still see), so its memory stays bounded
     however long the generation runs; the others keep every position up to ``max_len``.
     ``length`` positions have been seen; the model passes the next T to every layer at
@@ -304,12 +313,14 @@ class KVCache:
     """
 
     def __init__(self, n_layer: int, batch: int, max_len: int, n_kv_head: int, head_dim: int,
-                 device: torch.device | str, dtype: torch.dtype, windows: list[int | None] | None = None):
+                 device: torch.device | str, dtype: torch.dtype, windows: list[int | None] | None = None,
+                 value_dim: int | None = None):
         self.max_len, self.length = max_len, 0
         self.windows = list(windows) if windows is not None else [None] * n_layer
         held = [max_len if w is None else min(max_len, w - 1) for w in self.windows]
         self.keys = [torch.zeros((batch, n, n_kv_head, head_dim), device=device, dtype=dtype) for n in held]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.values = [torch.zeros((batch, n, n_kv_head, value_dim or head_dim), device=device, dtype=dtype)
+                       for n in held]
 
     def layer(self, index: int) -> "LayerKV":
         return LayerKV(self, index)

@@ -31,6 +31,16 @@ class MoEConfig:
     router: Literal["softmax", "sigmoid"] = doc(
         "softmax", "router scoring: softmax over experts (Mixtral, Qwen) or per-expert sigmoid (DeepSeek-V3)"
     )
+    groups: int = doc(
+        1, "group-limited routing (DeepSeek-V3's n_group): the experts form this many equal groups, and a token "
+        "chooses its top_k only within the groups_kept groups whose two best scores sum highest (1: no groups)"
+    )
+    groups_kept: int | None = doc(None, "with groups: the groups a token may choose from (DeepSeek-V3's topk_group); "
+                                        "null: all")
+    score_bias: bool = doc(
+        False, "a per-expert bias added to the scores only to choose experts (DeepSeek-V3's e_score_correction_bias, "
+        "held with the weights); always on with bias_update_rate > 0, which moves it"
+    )
     renormalize: bool = doc(True, "rescale the top-k weights to sum to 1 (Mixtral: true; Qwen norm_topk_prob)")
     routed_scale: float = doc(1.0, "the top-k weights are multiplied by this (DeepSeek-V3's routed_scaling_factor)")
     aux_loss: float = doc(
@@ -106,6 +116,25 @@ class ModelConfig:
     attention_head_dim: int | None = doc(
         None, "width of one attention head; default d_model / n_head (Qwen3 sets it apart: 128 with d_model 2048)"
     )
+    attention_kind: Literal["gqa", "mla"] = doc(
+        "gqa", "gqa: query heads over n_kv_head key/value heads (multi-head when equal); mla: DeepSeek's multi-head "
+        "latent attention (keys and values up-projected from one compressed latent, a rotary key shared by the heads)"
+    )
+    q_lora_rank: int | None = doc(None, "mla: width of the compressed query (DeepSeek-V3: 1536); null: a full query "
+                                        "projection")
+    kv_lora_rank: int = doc(512, "mla: width of the key/value latent, what the KV cache holds per token besides the "
+                                 "rotary key")
+    qk_nope_head_dim: int = doc(128, "mla: per-head query/key dims without rotary embeddings")
+    qk_rope_head_dim: int = doc(64, "mla: per-head query dims with rotary embeddings, and of the one rotary key the "
+                                    "heads share")
+    v_head_dim: int = doc(128, "mla: per-head value dims")
+    mtp_depth: int = doc(
+        0, "multi-token prediction (DeepSeek-V3): this many extra modules after the last block, module k predicting "
+        "the token k + 1 further on from the previous one's hidden state and the embedding of the token k ahead; "
+        "training only (0: off)"
+    )
+    mtp_loss_weight: float = doc(0.3, "with mtp_depth: the mean of the modules' losses is added to the loss times "
+                                      "this (its gradient; the loss logged stays the next-token loss, mtp_loss beside)")
     qk_norm: bool = doc(False, "RMSNorm on each head's queries and keys before rotary embeddings (Qwen3)")
     d_ff: int | None = doc(
         None, "MLP hidden width; default 4*d_model for gelu, 8/3*d_model rounded up to 64 for swiglu"
@@ -182,7 +211,7 @@ class ModelConfig:
     recompute_every_k: int = doc(2, "with recompute=every_k: recompute every k-th block")
     moe: MoEConfig = field(default_factory=MoEConfig)
     init_from: str | None = doc(
-        None, "start training from these weights: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE or "
+        None, "start training from these weights: a Hugging Face GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE, DeepSeek-V3 or "
         "gpt-oss directory, a nanoGPT ckpt.pt, a perfgpt checkpoint or run directory, or a tools/export.py "
         ".safetensors; the architecture keys come from it"
     )
@@ -245,13 +274,30 @@ class ModelConfig:
         return sum(self.is_moe_layer(i) for i in range(self.n_layer))
 
     @property
+    def is_mla(self) -> bool:
+        return self.attention_kind == "mla"
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of a head the rotary embedding turns: MLA's rotary part, else the whole head."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head if self.attention_head_dim is None else self.attention_head_dim
 
     @property
     def q_dim(self) -> int:
-        """Width of the query projection (and of the attention output): n_head * head_dim."""
+        """Width of the query projection (and of the attention output): n_head * head_dim (MLA: the
+        query's, n_head * (qk_nope_head_dim + qk_rope_head_dim))."""
+        if self.is_mla:
+            return self.n_head * (self.qk_nope_head_dim + self.qk_rope_head_dim)
         return self.n_head * self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Width of the attention output (the values of every head): q_dim, or MLA's n_head * v_head_dim."""
+        return self.n_head * self.v_head_dim if self.is_mla else self.q_dim
 
     @property
     def kv_heads(self) -> int:
@@ -270,7 +316,7 @@ class ModelConfig:
                 raise ConfigError(f"model.{key} must be >= 1 (got {getattr(self, key)})")
         if self.attention_head_dim is not None and self.attention_head_dim < 1:
             raise ConfigError(f"model.attention_head_dim must be >= 1 (got {self.attention_head_dim})")
-        if self.attention_head_dim is None and self.d_model % self.n_head:
+        if self.attention_head_dim is None and not self.is_mla and self.d_model % self.n_head:
             raise ConfigError(
                 f"model.n_head={self.n_head} must divide model.d_model={self.d_model} "
                 f"(e.g. n_head in {[h for h in range(1, 65) if self.d_model % h == 0][-6:]})"
@@ -280,7 +326,7 @@ class ModelConfig:
                 f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head} "
                 f"(choose one of {[k for k in range(1, min(self.n_head, 1024) + 1) if self.n_head % k == 0]})"
             )
-        if self.position == "rope" and self.head_dim % 2:
+        if self.position == "rope" and not self.is_mla and self.head_dim % 2:
             raise ConfigError(f"model.position=rope needs an even head dim; d_model/n_head={self.head_dim}")
         if self.layers == "te" and (self.attention_head_dim is not None or self.qk_norm):
             raise ConfigError("model.attention_head_dim and model.qk_norm need model.layers=torch")
@@ -301,7 +347,17 @@ class ModelConfig:
             raise ConfigError(f"model.eot_id={self.eot_id} is outside the vocabulary 0..{self.vocab_size - 1}")
         if self.recompute_every_k < 1:
             raise ConfigError("model.recompute_every_k must be >= 1")
+        if self.mtp_depth < 0 or not (math.isfinite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0):
+            raise ConfigError(f"model.mtp_depth must be >= 0 and model.mtp_loss_weight a finite number >= 0 (got "
+                              f"{self.mtp_depth}, {self.mtp_loss_weight})")
+        if self.mtp_depth and self.attention_mask == "document":
+            raise ConfigError("model.mtp_depth with model.attention_mask=document is not supported yet: use "
+                              "attention_mask=causal or mtp_depth=0")
+        if self.mtp_depth and self.layers != "torch":
+            raise ConfigError("model.mtp_depth needs model.layers=torch")
         self._validate_attention_variants()
+        if self.is_mla:
+            self._validate_mla()
         if self.rope_scaling.type != "none":
             self._validate_rope_scaling()
         if self.moe.experts is not None:
@@ -325,6 +381,10 @@ class ModelConfig:
         if self.moe.experts is not None:
             raise ConfigError("model.mup=true is not defined here for mixture-of-experts layers (the router's and the "
                               "experts' scaling); use a dense model (model.moe.experts=null)")
+        if self.is_mla or self.mtp_depth:
+            key = "attention_kind=mla" if self.is_mla else f"mtp_depth={self.mtp_depth}"
+            raise ConfigError(f"model.mup=true with model.{key} is not supported yet (its attention scale and extra "
+                              "modules have no µP multipliers here); use model.mup=false")
 
     def _validate_attention_variants(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -357,6 +417,24 @@ class ModelConfig:
         if self.init != "gpt2" and self.layers == "te":
             raise ConfigError(f"model.init={self.init} needs model.layers=torch (Transformer Engine's layers draw their "
                               "weights by GPT-2's scheme)")
+
+    def _validate_mla(self) -> None:
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"model.{key} must be >= 1 with model.attention_kind=mla (got {value})")
+        if self.position != "rope" or self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.attention_kind=mla needs model.position=rope and an even model.qk_rope_head_dim "
+                              f"(got position={self.position}, qk_rope_head_dim={self.qk_rope_head_dim})")
+        for key, on in (("n_kv_head", self.n_kv_head is not None), ("attention_head_dim", self.attention_head_dim),
+                        ("qk_norm", self.qk_norm), ("attention_sinks", self.attention_sinks),
+                        ("sliding_window", self.sliding_window is not None), ("layers", self.layers != "torch")):
+            if on:
+                raise ConfigError(f"model.{key}={self.value_of(key)} with model.attention_kind=mla: latent attention "
+                                  "here has none (its heads are set by the mla keys); unset it or use attention_kind=gqa")
+        if self.attention == "flash_attn":
+            raise ConfigError("model.attention=flash_attn with model.attention_kind=mla: flash-attn 2 wants values as "
+                              "wide as queries and keys; use model.attention=sdpa, reference or auto")
 
     def _validate_rope_scaling(self) -> None:
         r = self.rope_scaling
@@ -392,6 +470,14 @@ class ModelConfig:
             raise ConfigError(f"model.moe.every must be >= 1 (got {moe.every})")
         if moe.d_ff is not None and moe.d_ff < 1:
             raise ConfigError(f"model.moe.d_ff must be >= 1 (got {moe.d_ff})")
+        if moe.groups < 1 or e % moe.groups:
+            raise ConfigError(f"model.moe.groups={moe.groups} must be >= 1 and divide model.moe.experts={e}")
+        kept = moe.groups if moe.groups_kept is None else moe.groups_kept
+        if not 1 <= kept <= moe.groups:
+            raise ConfigError(f"model.moe.groups_kept={kept} must be between 1 and model.moe.groups={moe.groups}")
+        if moe.top_k > kept * (e // moe.groups):
+            raise ConfigError(f"model.moe.top_k={moe.top_k} is more than the {kept * (e // moe.groups)} experts of the "
+                              f"model.moe.groups_kept={kept} groups; keep more groups or lower top_k")
         for key in ("routed_scale", "aux_loss", "z_loss", "bias_update_rate", "capacity"):
             value = getattr(moe, key)
             if not math.isfinite(value) or value < 0 or (key == "routed_scale" and value == 0):

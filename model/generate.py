@@ -12,7 +12,7 @@ document numbers come from the tokens, and so does one with sliding-window layer
 cache keeps no mask for the positions it dropped).
 
 With ``use_cache`` the keys and values of earlier positions are kept (``model.attention.KVCache``,
-only the n_kv_head heads; a layer with a sliding window of W keeps only its last W - 1
+only the n_kv_head heads, or latent attention's latent and rotary key; a layer with a sliding window of W keeps only its last W - 1
 positions) and each step runs the model on one new token; without it every step re-runs the
 whole prefix, the slow reference the cache is tested against.
 """
@@ -107,7 +107,7 @@ def generate(
     device = model.tok_emb.weight.device
     longest = max(lengths)
     # Left padding needs every key position in the document mask: not with a sliding window's bounded cache.
-    windowed = any(cfg.window_of(i) for i in range(cfg.n_layer))
+    windowed = cfg.is_mla or any(cfg.window_of(i) for i in range(cfg.n_layer))  # latent cache: not tested padded
     pad = ([longest - n for n in lengths] if len(set(lengths)) > 1 and cfg.attention_mask == "causal" and not windowed
            else None)
     tokens = torch.zeros(len(prompts), total, dtype=torch.long, device=device)
@@ -129,8 +129,12 @@ def generate(
     cache = None
     if use_cache:
         dtype = next(model.parameters()).dtype
-        cache = KVCache(cfg.n_layer, len(prompts), total, cfg.kv_heads, cfg.head_dim, device, dtype,
-                        windows=[cfg.window_of(i) for i in range(cfg.n_layer)])
+        if cfg.is_mla:  # the latent and the shared rotary key (model.gpt.LatentAttention)
+            cache = KVCache(cfg.n_layer, len(prompts), total, 1, cfg.kv_lora_rank, device, dtype,
+                            value_dim=cfg.qk_rope_head_dim)
+        else:
+            cache = KVCache(cfg.n_layer, len(prompts), total, cfg.kv_heads, cfg.head_dim, device, dtype,
+                            windows=[cfg.window_of(i) for i in range(cfg.n_layer)])
 
     def forward(start: int, end: int) -> torch.Tensor:
         """The logits after column end - 1, from the columns [start, end) (the cache holds the rest)."""

@@ -32,7 +32,7 @@ from model.attention import AttentionCore, KVCache, LayerKV, head_max_logits
 from model.config import ModelConfig
 from model.moe import MoE, join_aux_gradient, take_aux_loss, with_aux_gradient
 from model.mup import output_multiplier, query_scale, scale_hidden_init
-from model.rope import rope_tables
+from model.rope import latent_softmax_gain, rope_tables
 from model.te import TEBlock
 
 
@@ -62,9 +62,10 @@ class Norm(nn.Module):
     ``width``/``kind`` default to the residual stream's; a head's query/key norm is an RMSNorm
     of head_dim."""
 
-    def __init__(self, cfg: ModelConfig, ops: KernelOps, width: int | None = None, kind: str | None = None):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, width: int | None = None, kind: str | None = None,
+                 eps: float | None = None):
         super().__init__()
-        self.kind, self.eps, self.ops = kind or cfg.norm, cfg.norm_eps, ops
+        self.kind, self.eps, self.ops = kind or cfg.norm, cfg.norm_eps if eps is None else eps, ops
         self.weight = nn.Parameter(torch.ones(width or cfg.d_model))
         with_bias = cfg.bias and self.kind == "layernorm"
         self.bias = nn.Parameter(torch.zeros(width or cfg.d_model)) if with_bias else None
@@ -164,6 +165,65 @@ class Attention(nn.Module):
         return self.resid_drop(self.proj(y))
 
 
+LATENT_NORM_EPS = 1e-6  # DeepSeek's query and key/value latent norms keep their own epsilon, whatever the model's
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention (MLA), model.attention_kind=mla.
+
+        query:  x -> q_down (q_lora_rank) -> RMSNorm -> q_up -> per head [nope | rope]   (or one projection)
+        keys:   x -> kv_down -> [latent (kv_lora_rank) | one rotary key (qk_rope_head_dim)]
+                latent -> RMSNorm -> kv_up -> per head [key nope | value]
+                key = [key nope | the shared rotary key], the same rotary part in every head
+
+    A generation cache keeps only the normalised latent and the rotated shared key per token
+    (``kv_lora_rank + qk_rope_head_dim`` numbers, whatever the head count) and up-projects them at
+    every step. Head counts are read from the projections' widths, as in ``Attention``.
+    """
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, attention_backend: str, layer_idx: int = 0):
+        super().__init__()
+        self.ops, self.nope, self.rope, self.v_dim = ops, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_rank = cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            self.q_down, self.q_norm = None, None
+            self.q_up = nn.Linear(cfg.d_model, cfg.q_dim, bias=False)
+        else:
+            self.q_down = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=cfg.has_qkv_bias)
+            self.q_norm = Norm(cfg, ops, cfg.q_lora_rank, "rmsnorm", LATENT_NORM_EPS)
+            self.q_up = nn.Linear(cfg.q_lora_rank, cfg.q_dim, bias=False)
+        self.kv_down = nn.Linear(cfg.d_model, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.has_qkv_bias)
+        self.kv_norm = Norm(cfg, ops, cfg.kv_lora_rank, "rmsnorm", LATENT_NORM_EPS)
+        self.kv_up = nn.Linear(cfg.kv_lora_rank, cfg.n_head * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        # The scores' scale is 1/sqrt(nope + rope) (the core's, from the query width) times this.
+        self.gain = latent_softmax_gain(cfg.rope_scaling)
+        # flash-attn 2 wants values as wide as keys; model.attention=flash_attn is refused, auto's pick replaced
+        self.core = AttentionCore("sdpa" if attention_backend == "flash_attn" else attention_backend, cfg.dropout)
+        self.proj = nn.Linear(cfg.n_head * cfg.v_head_dim, cfg.d_model, bias=cfg.has_proj_bias)
+        self.proj.residual_projection = True
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerKV | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_up(x if self.q_down is None else self.q_norm(self.q_down(x)))
+        q_nope, q_rot = q.view(b, t, -1, self.nope + self.rope).split((self.nope, self.rope), dim=-1)
+        latent, k_rot = self.kv_down(x).split((self.kv_rank, self.rope), dim=-1)
+        latent, k_rot = self.kv_norm(latent).unsqueeze(2), self.ops.apply_rope(k_rot.unsqueeze(2), *rope)
+        if cache is not None:  # (B, S, 1, kv_lora_rank) and (B, S, 1, qk_rope_head_dim): what the cache holds
+            latent, k_rot = cache.update(latent, k_rot)
+        kv = self.kv_up(latent.squeeze(2))
+        k_nope, v = kv.view(*kv.shape[:2], -1, self.nope + self.v_dim).split((self.nope, self.v_dim), dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        q = torch.cat([q_nope, self.ops.apply_rope(q_rot, *rope)], dim=-1)
+        if self.gain != 1.0:
+            q = q * self.gain
+        y = self.core(q, k, v, documents).flatten(2)  # (B, T, H * v_head_dim)
+        return self.resid_drop(self.proj(y))
+
+
 class MLP(nn.Module):
     """GELU: out(gelu(fc(x))). SwiGLU: out(silu(gate(x)) * fc(x)), fc being the "up" projection;
     with model.swiglu_limit, gpt-oss's clamped form (kernels/reference.py ``clamped_swiglu``)."""
@@ -205,7 +265,7 @@ class Block(nn.Module):
                  layer_idx: int = 0):
         super().__init__()
         self.norm1 = Norm(cfg, ops)
-        self.attn = Attention(cfg, ops, attention_backend, layer_idx)
+        self.attn = (LatentAttention if cfg.is_mla else Attention)(cfg, ops, attention_backend, layer_idx)
         self.norm2 = Norm(cfg, ops)
         self.mlp = make_mlp(cfg, ops, expert_backend, layer_idx)
 
@@ -215,6 +275,29 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope, cache, documents)
         return x + self.mlp(self.norm2(x))
+
+
+class MTPModule(nn.Module):
+    """One multi-token-prediction module (DeepSeek-V3): position i joins the previous depth's hidden
+    state at i with the embedding of the token k positions ahead, each RMS-normalised, projects the
+    pair [h; e] back to d_model and runs one block; its own final norm, then the model's shared head,
+    predicts the token k + 1 ahead. Embedding and head are the model's (passed in, not held)."""
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, attention_backend: str, expert_backend: str,
+                 layer_idx: int):
+        super().__init__()
+        self.norm_h, self.norm_e = Norm(cfg, ops), Norm(cfg, ops)
+        self.proj = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
+        self.block = Block(cfg, ops, attention_backend, expert_backend, layer_idx)
+        self.norm_out = Norm(cfg, ops)
+
+    def forward(self, h: torch.Tensor, ahead: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (B, T', C) the previous depth's states, ``ahead`` (B, T', C) the embeddings k ahead -> this
+        depth's states (B, T', C) and their final norm, for the head (inside forward: FSDP2 gathers the
+        module's parameters for its forward only)."""
+        h = self.block(self.proj(torch.cat([self.norm_h(h), self.norm_e(ahead)], dim=-1)), rope)
+        return h, self.norm_out(h)
 
 
 class GPT(nn.Module):
@@ -229,6 +312,11 @@ class GPT(nn.Module):
                                      for i in range(cfg.n_layer)})
         self.norm_f = Norm(cfg, ops)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # Multi-token prediction, after the head in the state dict's order; its blocks number on from the last.
+        self.mtp = nn.ModuleList([MTPModule(cfg, ops, attention_backend, expert_backend, cfg.n_layer + k)
+                                  for k in range(cfg.mtp_depth)]) if cfg.mtp_depth else None
+        # Sum and count of the multi-token-prediction losses (mean over depths, detached) since the log read them.
+        self.mtp_window: list[torch.Tensor] = []
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.output_multiplier = output_multiplier(cfg)  # µP: logits x base width / width (model/mup.py)
@@ -305,6 +393,17 @@ class GPT(nn.Module):
                     nn.init.ones_(module.weight)
                     if module.bias is not None:
                         nn.init.zeros_(module.bias)
+        for k, module in enumerate(self.mtp or []):  # as block n_layer + k, its projection an input one
+            out_std = std / math.sqrt(2 * (self.cfg.n_layer + k + 1))
+            up = {id(m.fc) for m in module.modules() if isinstance(m, MLP) and m.gate is not None}
+            for sub in module.modules():
+                if isinstance(sub, nn.Linear):
+                    residual = id(sub) in up or getattr(sub, "residual_projection", False)
+                    truncated_normal_(sub.weight, out_std if residual else std)
+                elif isinstance(sub, MoE):
+                    sub.init_weights(std, out_std, draw=truncated_normal_, up_std=out_std)
+                elif isinstance(sub, Norm):
+                    nn.init.ones_(sub.weight)
         head_std = self.cfg.d_model ** -0.5
         if self.tok_emb is not None and not self.cfg.tie_embeddings:
             nn.init.normal_(self.tok_emb.weight, 0.0, 1.0)
@@ -368,15 +467,44 @@ class GPT(nn.Module):
         if self.lm_head is None:
             return x if aux is None else with_aux_gradient(x, aux)
         if targets is not None and self.ops.head_loss is not None:  # kernels.loss_chunk_tokens: no whole logits
-            loss = self.ops.head_loss(self.norm_f(x), self.lm_head.weight, targets)
-            return loss if aux is None else join_aux_gradient(loss, aux)
-        logits = self.lm_head(self.norm_f(x))
-        if self.output_multiplier != 1.0:
-            logits = logits * self.output_multiplier
-        if targets is None:
-            return logits if aux is None else with_aux_gradient(logits, aux)
-        loss = self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+            h = self.norm_f(x)  # (logits x m) = (h x m) @ W^T: the multiplier goes on the hidden states
+            loss = self.ops.head_loss(h * self.output_multiplier if self.output_multiplier != 1.0 else h,
+                                      self.lm_head.weight, targets)
+        else:
+            logits = self.lm_head(self.norm_f(x))
+            if self.output_multiplier != 1.0:
+                logits = logits * self.output_multiplier
+            if targets is None:
+                return logits if aux is None else with_aux_gradient(logits, aux)
+            loss = self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        if self.mtp is not None and self.training:
+            mtp = self._mtp_loss(x, idx, targets, rope)
+            aux = mtp if aux is None else aux + mtp
         return loss if aux is None else join_aux_gradient(loss, aux)
+
+    def _mtp_loss(self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """model.mtp_loss_weight x the mean over depths k = 1..D of depth k's loss: at position i (of
+        T - k) it reads the token at i + k and predicts the one at i + k + 1, ``targets[:, i + k]``.
+        Each depth's sequence is k shorter, so all its targets are in the batch. MoE layers of the
+        modules add their balancing losses."""
+        losses, t = [], idx.shape[1]
+        for k, module in enumerate(self.mtp, start=1):
+            if k >= t:
+                break
+            h, normed = module(h[:, : t - k], self.tok_emb(idx[:, k:]), rope)
+            logits = self.lm_head(normed)
+            losses.append(self.ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, k:].reshape(-1)))
+        mean = torch.stack(losses).mean()
+        self.mtp_window.append(mean.detach())
+        total = mean * self.cfg.mtp_loss_weight
+        aux = take_aux_loss(self.mtp.modules())
+        return total if aux is None else total + aux
+
+    def take_mtp_loss(self) -> torch.Tensor | None:
+        """The mean multi-token-prediction loss of the training forwards since the last call (None: none ran)."""
+        window, self.mtp_window = self.mtp_window, []
+        return torch.stack(window).mean() if window else None
 
     def document_ids(self, idx: torch.Tensor) -> torch.Tensor | None:
         """(B, T) the document number of each token under model.attention_mask=document, else None

@@ -1,5 +1,5 @@
 """Weights in and out: perfgpt <-> Hugging Face layouts (GPT-2, Llama, Mistral, Qwen2, Mixtral,
-Qwen3-MoE, gpt-oss), and nanoGPT checkpoints.
+Qwen3-MoE, gpt-oss, DeepSeek-V3), and nanoGPT checkpoints.
 
 Pure functions on a ``ModelConfig`` and a state dict (name -> tensor), plus reading and writing
 a Hugging Face model directory (``config.json`` and ``model.safetensors`` or
@@ -37,6 +37,13 @@ goes through the plain [all q | all k | all v] order first (``_canonical`` / ``_
   (``mlp.router``; top-k of the logits then a softmax over the k, which is the softmax
   renormalised over its top-k), and experts stacked as ours, (E, in, out), with gate and up in
   one ``gate_up_proj`` whose columns alternate (gate even, up odd), biases beside them.
+- DeepSeek-V3 (a model with ``model.attention_kind=mla``): latent attention under ``self_attn.q_a_proj``,
+  ``q_a_layernorm``, ``q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+  ``kv_b_proj``; a sigmoid router ``mlp.gate`` with its ``e_score_correction_bias`` (our
+  ``expert_bias``), experts per expert as Qwen3-MoE's, ``mlp.shared_experts``. Its rotary pairs
+  are adjacent dims when ``rope_interleave`` (the default): the rotary rows are reordered on
+  import and written in halves with ``rope_interleave: false``. Multi-token-prediction layers
+  (after the last) are neither read nor written.
 Anything else (e.g. learned positions with SwiGLU, GQA in the GPT-2 layout, a window on some
 layers of a model without Q/K/V bias, shared experts, a sigmoid router) is refused with one line
 naming the key.
@@ -67,12 +74,12 @@ from model.gpt import GPT, group_qkv, split_qkv
 State = dict[str, torch.Tensor]
 
 GPT2, LLAMA, MISTRAL, QWEN2 = "gpt2", "llama", "mistral", "qwen2"
-MIXTRAL, QWEN3_MOE, GPT_OSS = "mixtral", "qwen3_moe", "gpt_oss"
-MOE_LAYOUTS = (MIXTRAL, QWEN3_MOE, GPT_OSS)
+MIXTRAL, QWEN3_MOE, GPT_OSS, DEEPSEEK_V3 = "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"
+MOE_LAYOUTS = (MIXTRAL, QWEN3_MOE, GPT_OSS, DEEPSEEK_V3)
 ROTARY_LAYOUTS = (LLAMA, MISTRAL, QWEN2, *MOE_LAYOUTS)  # Llama's names for attention, norms and embeddings
 HF_ARCHITECTURES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MISTRAL: "MistralForCausalLM",
                     QWEN2: "Qwen2ForCausalLM", MIXTRAL: "MixtralForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM",
-                    GPT_OSS: "GptOssForCausalLM"}
+                    GPT_OSS: "GptOssForCausalLM", DEEPSEEK_V3: "DeepseekV3ForCausalLM"}
 # What the Mixtral and Qwen3-MoE layouts require of a perfgpt MoE model.
 MOE_NEEDS = (("position", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("bias", False),
              ("moe.router", "softmax"), ("moe.routed_scale", 1.0), ("moe.shared_experts", 0),
@@ -82,6 +89,10 @@ GPT_OSS_NEEDS = (("position", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu"), (
                  ("attention_sinks", True), ("moe.bias", True), ("moe.router", "softmax"), ("moe.renormalize", True),
                  ("moe.routed_scale", 1.0), ("moe.shared_experts", 0), ("moe.bias_update_rate", 0.0),
                  ("moe.every", 1), ("moe.first_dense", 0))
+# What DeepSeek-V3 requires besides latent attention (model.attention_kind=mla).
+DEEPSEEK_NEEDS = (("position", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("bias", False), ("moe.bias", False),
+                  ("moe.router", "sigmoid"), ("moe.score_bias", True), ("moe.every", 1), ("attention_sinks", False),
+                  ("swiglu_limit", None))
 # What each dense layout family requires of a perfgpt model: (config key, required value).
 LAYOUT_NEEDS = {
     GPT2: (("position", "learned"), ("norm", "layernorm"), ("mlp", "gelu")),
@@ -105,6 +116,8 @@ def hf_layout(cfg: ModelConfig) -> str:
             f"model.layers={cfg.layers}: export from a model.layers=torch build (TE names its weights differently)"
         )
     refuse_mup(cfg, "the Hugging Face layouts")
+    if cfg.is_mla:
+        return _deepseek_layout(cfg)
     if cfg.moe.experts is not None:
         return _moe_layout(cfg)
     for key, on, who in (("qk_norm", cfg.qk_norm, "Qwen3-MoE"), ("attention_sinks", cfg.attention_sinks, "gpt-oss"),
@@ -195,6 +208,20 @@ def _moe_layout(cfg: ModelConfig) -> str:
     return MIXTRAL
 
 
+def _deepseek_layout(cfg: ModelConfig) -> str:
+    if cfg.moe.experts is None:
+        raise InteropError("model.attention_kind=mla without model.moe.experts: DeepSeek-V3, the layout with latent "
+                           "attention, routes experts (its dense layers are model.moe.first_dense)")
+    for key, value in DEEPSEEK_NEEDS:
+        if cfg.value_of(key) != value:
+            raise InteropError(f"model.{key}={cfg.value_of(key)}: DeepSeek-V3 (the layout with latent attention) "
+                               f"needs model.{key}={value}")
+    if cfg.has_qkv_bias != cfg.has_proj_bias:
+        raise InteropError(f"model.qkv_bias={cfg.has_qkv_bias} with proj_bias={cfg.has_proj_bias}: DeepSeek-V3's "
+                           "attention_bias is both or neither")
+    return DEEPSEEK_V3
+
+
 def _gpt_oss_layout(cfg: ModelConfig) -> str:
     for key, value in GPT_OSS_NEEDS:
         if cfg.value_of(key) != value:
@@ -240,17 +267,25 @@ def _llama_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], tuple
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         yield f"{ours}norm1.weight", (f"{theirs}input_layernorm.weight",), ()
         yield f"{ours}norm2.weight", (f"{theirs}post_attention_layernorm.weight",), ()
-        qkv = tuple(f"{theirs}self_attn.{p}_proj" for p in "qkv")
-        for kind in ("weight", "bias") if cfg.has_qkv_bias else ("weight",):
-            yield f"{ours}attn.qkv.{kind}", tuple(f"{n}.{kind}" for n in qkv), (d, kv, kv)
-        linears = [("attn.proj", "self_attn.o_proj", cfg.has_proj_bias)]  # (ours, theirs, with a bias)
+        if cfg.is_mla:
+            linears = list(_latent_attention_names(cfg))
+        else:
+            qkv = tuple(f"{theirs}self_attn.{p}_proj" for p in "qkv")
+            for kind in ("weight", "bias") if cfg.has_qkv_bias else ("weight",):
+                yield f"{ours}attn.qkv.{kind}", tuple(f"{n}.{kind}" for n in qkv), (d, kv, kv)
+            linears = [("attn.proj", "self_attn.o_proj", cfg.has_proj_bias)]  # (ours, theirs, with a bias)
         if cfg.qk_norm:
             linears += [("attn.q_norm", "self_attn.q_norm", False), ("attn.k_norm", "self_attn.k_norm", False)]
         if cfg.attention_sinks:
             yield f"{ours}attn.sinks.weight", (f"{theirs}self_attn.sinks",), ()
         if cfg.is_moe_layer(i):
-            router = {MIXTRAL: "block_sparse_moe.gate", QWEN3_MOE: "mlp.gate", GPT_OSS: "mlp.router"}[layout]
+            router = {MIXTRAL: "block_sparse_moe.gate", GPT_OSS: "mlp.router"}.get(layout, "mlp.gate")
             linears += [("mlp.router", router, cfg.moe.bias)]
+            if layout == DEEPSEEK_V3:
+                yield f"{ours}mlp.expert_bias", (f"{theirs}mlp.gate.e_score_correction_bias",), ()
+                if cfg.moe.shared_experts:
+                    linears += [(f"mlp.shared.{a}", f"mlp.shared_experts.{b}_proj", False)
+                                for a, b in (("gate", "gate"), ("fc", "up"), ("out", "down"))]
         else:
             linears += [(f"mlp.{a}", f"mlp.{b}_proj", cfg.bias) for a, b in (("gate", "gate"), ("fc", "up"),
                                                                                ("out", "down"))]
@@ -260,6 +295,36 @@ def _llama_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], tuple
     yield "norm_f.weight", ("model.norm.weight",), ()
     if not cfg.tie_embeddings:
         yield "lm_head.weight", ("lm_head.weight",), ()
+
+
+def _latent_attention_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
+    """(ours, theirs under the layer, with a bias) of DeepSeek-V3's latent attention."""
+    bias = cfg.has_qkv_bias
+    if cfg.q_lora_rank is None:
+        yield "attn.q_up", "self_attn.q_proj", False
+    else:
+        yield from (("attn.q_down", "self_attn.q_a_proj", bias), ("attn.q_norm", "self_attn.q_a_layernorm", False),
+                    ("attn.q_up", "self_attn.q_b_proj", False))
+    yield from (("attn.kv_down", "self_attn.kv_a_proj_with_mqa", bias),
+                ("attn.kv_norm", "self_attn.kv_a_layernorm", False), ("attn.kv_up", "self_attn.kv_b_proj", False),
+                ("attn.proj", "self_attn.o_proj", cfg.has_proj_bias))
+
+
+def _rope_deinterleaved(cfg: ModelConfig, state: State) -> State:
+    """DeepSeek's ``rope_interleave``: its rotary pairs are adjacent dims (0, 1), (2, 3), ..., ours the
+    two halves. Reordering the rotary rows of the query and key projections (evens, then odds)
+    turns the one into the other exactly (the rotated result is the same numbers in the same order)."""
+    r = cfg.qk_rope_head_dim
+    order = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
+    out = dict(state)
+    for name, tensor in state.items():
+        if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
+            heads = tensor.view(cfg.n_head, cfg.qk_nope_head_dim + r, -1)
+            out[name] = torch.cat([heads[:, :cfg.qk_nope_head_dim], heads[:, cfg.qk_nope_head_dim:][:, order]],
+                                  dim=1).reshape(tensor.shape)
+        elif name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
+            out[name] = torch.cat([tensor[:cfg.kv_lora_rank], tensor[cfg.kv_lora_rank:][order]])
+    return out
 
 
 def _expert_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...]]]:
@@ -327,6 +392,10 @@ def to_hf_config(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> di
         }
         if layout == LLAMA:
             config.update(attention_bias=cfg.has_qkv_bias, mlp_bias=cfg.bias, pretraining_tp=1)
+        if layout == DEEPSEEK_V3:  # rotary rows in halves, as perfgpt keeps them (not interleaved)
+            config.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.rope_dim,
+                          qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.rope_dim,
+                          num_key_value_heads=cfg.n_head, rope_interleave=False, attention_bias=cfg.has_qkv_bias)
         config.update(_hf_window(cfg, layout))
         if layout in MOE_LAYOUTS:
             config.update(_moe_hf_config(cfg, layout))
@@ -372,6 +441,12 @@ def _moe_hf_config(cfg: ModelConfig, layout: str) -> dict[str, Any]:
     if layout == MIXTRAL:
         return common | {"intermediate_size": cfg.expert_d_ff, "num_local_experts": cfg.moe.experts,
                          "router_jitter_noise": 0.0}
+    if layout == DEEPSEEK_V3:
+        return common | {"moe_intermediate_size": cfg.expert_d_ff, "n_routed_experts": cfg.moe.experts,
+                         "n_shared_experts": cfg.moe.shared_experts, "n_group": cfg.moe.groups,
+                         "topk_group": cfg.moe.groups_kept or cfg.moe.groups, "routed_scaling_factor": cfg.moe.routed_scale,
+                         "norm_topk_prob": cfg.moe.renormalize, "first_k_dense_replace": cfg.moe.first_dense,
+                         "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
     if layout == GPT_OSS:
         return common | {"intermediate_size": cfg.expert_d_ff, "num_local_experts": cfg.moe.experts,
                          "swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit,
@@ -448,12 +523,14 @@ def _stored(cfg: ModelConfig, state: State) -> State:
 HF_INT_FIELDS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner", "max_position_embeddings",
                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
                  "intermediate_size", "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
-                 "moe_intermediate_size", "decoder_sparse_step", "sliding_window")
+                 "moe_intermediate_size", "decoder_sparse_step", "sliding_window", "kv_lora_rank", "qk_rope_head_dim",
+                 "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "n_group", "topk_group", "first_k_dense_replace")
 HF_ZERO_MEANS_DEFAULT = ("n_inner", "num_key_value_heads")  # 0 (or null): 4 x n_embd, num_attention_heads
 HF_FLOAT_FIELDS = ("layer_norm_epsilon", "rms_norm_eps", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                    "attention_dropout", "initializer_range", "rope_theta", "router_aux_loss_coef", "swiglu_alpha",
-                   "swiglu_limit")
-HF_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "use_sliding_window")
+                   "swiglu_limit", "routed_scaling_factor")
+HF_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "use_sliding_window",
+                  "rope_interleave")
 HF_STR_FIELDS = ("model_type", "activation_function", "hidden_act")
 HF_OBJECT_FIELDS = ("rope_scaling", "rope_parameters")
 HF_TOKEN_FIELDS = ("eos_token_id", "bos_token_id")  # an id or a list of ids
@@ -524,6 +601,8 @@ def from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
         cfg = _from_gpt2_config(config)
     elif model_type in (LLAMA, MISTRAL, QWEN2):
         cfg = _from_rotary_config(config, model_type)
+    elif model_type == DEEPSEEK_V3:
+        cfg = _from_deepseek_config(config)
     elif model_type in MOE_LAYOUTS:
         cfg = _from_moe_config(config, model_type)
     else:
@@ -684,6 +763,33 @@ def _from_moe_config(c: Mapping[str, Any], layout: str) -> ModelConfig:
     return dataclasses.replace(base, qk_norm=True, moe=moe)
 
 
+def _from_deepseek_config(c: Mapping[str, Any]) -> ModelConfig:
+    """DeepSeek-V3: latent attention, a sigmoid router choosing within groups by its corrected scores,
+    shared experts, the first k layers dense. Its multi-token-prediction layers (after the last
+    layer, ``num_nextn_predict_layers``) are not read: transformers skips them too."""
+    for key, value in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+        if c.get(key, value) != value:
+            raise InteropError(f"config.json {key}={short_repr(c[key])}: perfgpt reads DeepSeek-V3's {key}={value}")
+    q_rank = c.get("q_lora_rank", 1536)
+    if q_rank is not None and not _is_index(q_rank):
+        raise InteropError(f"config.json q_lora_rank={short_repr(q_rank)} must be an integer or null")
+    base = _from_rotary_config(c | {"head_dim": None, "num_key_value_heads": None}, DEEPSEEK_V3)
+    experts = check_size("config.json n_routed_experts", c.get("n_routed_experts", 256))
+    groups = c.get("n_group") or 1
+    moe = MoEConfig(experts=experts, top_k=c.get("num_experts_per_tok", 8), d_ff=c.get("moe_intermediate_size", 2048),
+                    shared_experts=c.get("n_shared_experts") or 0, router="sigmoid", score_bias=True,
+                    renormalize=bool(c.get("norm_topk_prob", True)),
+                    routed_scale=float(c.get("routed_scaling_factor", 2.5)), groups=groups,
+                    groups_kept=c.get("topk_group") or groups, first_dense=c.get("first_k_dense_replace", 3) or 0,
+                    aux_loss=float(c.get("router_aux_loss_coef", 0.0)))
+    attention = bool(c.get("attention_bias", False))
+    return dataclasses.replace(
+        base, attention_kind="mla", q_lora_rank=q_rank, kv_lora_rank=c.get("kv_lora_rank", 512),
+        qk_nope_head_dim=c.get("qk_nope_head_dim", 128), qk_rope_head_dim=c.get("qk_rope_head_dim", 64),
+        v_head_dim=c.get("v_head_dim", 128), bias=False, qkv_bias=attention or None, proj_bias=attention or None,
+        moe=moe)
+
+
 def _refuse_if(c: Mapping[str, Any], key: str, value: Any, why: str) -> None:
     if c.get(key, not value) == value:
         raise InteropError(f"config.json {key}={value}: {why}")
@@ -696,6 +802,10 @@ def from_hf_state_dict(config: Mapping[str, Any], state: Mapping[str, torch.Tens
     """
     cfg = from_hf_config(config)
     state = _without_derived(state)
+    if cfg.is_mla:  # its multi-token-prediction layers come after the last one; transformers skips them too
+        state = {k: v for k, v in state.items() if not k.startswith(f"model.layers.{cfg.n_layer}.")}
+        if config.get("rope_interleave", True):
+            state = _rope_deinterleaved(cfg, state)
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)  # some tied checkpoints store the shared table twice
     check_shapes(state, to_hf_state_dict(cfg, _meta_state(cfg)), "the config.json")

@@ -65,14 +65,24 @@ class Routing:
 
 
 def route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, routed_scale: float,
-          bias: torch.Tensor | None = None) -> Routing:
+          bias: torch.Tensor | None = None, groups: int = 1, groups_kept: int | None = None) -> Routing:
     """Choose ``top_k`` experts per token from router logits (T, E).
 
-    ``bias`` (aux-loss-free balancing) shifts which experts are chosen, never the weights.
+    ``bias`` (aux-loss-free balancing, DeepSeek-V3's score correction) shifts which experts are
+    chosen, never the weights. With ``groups`` > 1 (DeepSeek-V3's group-limited routing) the E
+    experts form equal groups, a group's score is the sum of its two best (biased) scores, and a
+    token chooses only within its ``groups_kept`` best groups: under expert parallelism with a
+    group per node, each token's copies reach at most that many nodes.
     """
     logits = logits.float()
     scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
     choose_by = scores if bias is None else scores + bias.float()
+    if groups > 1 and (groups_kept or groups) < groups:
+        grouped = choose_by.view(-1, groups, choose_by.shape[-1] // groups)
+        group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # (T, groups)
+        kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(
+            1, group_score.topk(groups_kept, dim=-1).indices, True)
+        choose_by = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(choose_by)
     experts = choose_by.topk(top_k, dim=-1).indices
     weights = scores.gather(-1, experts)
     if renormalize:
@@ -286,6 +296,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.ops, self.backend = e, cfg.moe.top_k, ops, backend
         self.scoring, self.renormalize, self.routed_scale = cfg.moe.router, cfg.moe.renormalize, cfg.moe.routed_scale
         self.aux_coef, self.z_coef, self.capacity_factor = cfg.moe.aux_loss, cfg.moe.z_loss, cfg.moe.capacity
+        self.groups, self.groups_kept = cfg.moe.groups, cfg.moe.groups_kept
         self.gelu_approximate = "tanh" if cfg.gelu == "tanh" else "none"
         self.clamp = None if cfg.swiglu_limit is None else (cfg.swiglu_alpha, cfg.swiglu_limit)
         self.router = nn.Linear(d, e, bias=cfg.moe.bias)
@@ -298,7 +309,7 @@ class MoE(nn.Module):
         self.b_gate = nn.Parameter(torch.zeros(e, f)) if with_bias and self.w_gate is not None else None
         self.b_up = nn.Parameter(torch.zeros(e, f)) if with_bias else None
         self.b_down = nn.Parameter(torch.zeros(e, d)) if with_bias else None
-        if cfg.moe.bias_update_rate > 0:  # state of the run, so saved with the weights
+        if cfg.moe.bias_update_rate > 0 or cfg.moe.score_bias:  # state of the run, so saved with the weights
             self.register_buffer("expert_bias", torch.zeros(e))
         else:
             self.expert_bias = None
@@ -340,7 +351,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, C), T = B * seq
         routing = route(self.router(x), self.top_k, self.scoring, self.renormalize, self.routed_scale,
-                        self.expert_bias)
+                        self.expert_bias, self.groups, self.groups_kept)
         earlier, n_tokens = None, x.shape[0]
         if self.capacity_factor and self.earlier_elsewhere is not None:
             earlier, n_tokens = self.earlier_elsewhere(routing.experts.view(*shape[:-1], self.top_k))

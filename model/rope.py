@@ -41,8 +41,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling,
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (max_seq_len, head_dim / 2) in fp32 for ``cfg``, the attention factor folded in."""
-    inv_freq, factor = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+    """cos and sin (max_seq_len, rope_dim / 2) in fp32 for ``cfg``, the attention factor folded in."""
+    inv_freq, factor = rope_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, device)
     return rope_tables_from(inv_freq, cfg.max_seq_len, factor)
 
 
@@ -83,3 +83,11 @@ def yarn_attention_factor(s: RopeScaling) -> float:
     if s.mscale and s.mscale_all_dim:
         return magnitude(s.mscale) / magnitude(s.mscale_all_dim)
     return magnitude(1.0)
+
+
+def latent_softmax_gain(s: RopeScaling) -> float:
+    """What DeepSeek's latent attention multiplies its softmax scale by under YaRN: the square of
+    the mscale_all_dim magnitude, 0.1 mscale_all_dim ln(factor) + 1 (1 without YaRN or that key)."""
+    if s.type != "yarn" or not s.mscale_all_dim or s.factor <= 1:
+        return 1.0
+    return (0.1 * s.mscale_all_dim * math.log(s.factor) + 1.0) ** 2

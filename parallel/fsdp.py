@@ -59,7 +59,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, policy: 
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta:
         _refuse_te_layers_on_meta(model)
-    blocks = [block for _, block in indexed_blocks(model)]
+    # The multi-token-prediction modules run after the blocks, each a unit as a block is (its experts too).
+    blocks = [block for _, block in indexed_blocks(model)] + list(getattr(model, "mtp", None) or [])
     for block in blocks:
         ignored = shard_experts(block, expert_mesh, reshard_after_forward=cfg.reshard_blocks_after_forward, **common)
         fully_shard(block, reshard_after_forward=cfg.reshard_blocks_after_forward, ignored_params=ignored or None,

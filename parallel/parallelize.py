@@ -227,7 +227,8 @@ def choose_attention(model_cfg: ModelConfig, device: torch.device, policy: Preci
     if model_cfg.layers == "te":
         return "sdpa", "attention: Transformer Engine's own (model.layers=te)"
     return select_attention(model_cfg.attention, device, policy.compute_dtype, model_cfg.head_dim,
-                            window=model_cfg.sliding_window, sinks=model_cfg.attention_sinks)
+                            window=model_cfg.sliding_window, sinks=model_cfg.attention_sinks,
+                            latent=model_cfg.is_mla)
 
 
 def choose_expert_backend(model_cfg: ModelConfig, device: torch.device, policy: PrecisionPolicy

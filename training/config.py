@@ -247,6 +247,16 @@ class JobConfig:
         if chunks and p.pp > 1:
             raise ConfigError(f"kernels.loss_chunk_tokens={chunks} with parallel.pp={p.pp}: the pipeline's last "
                               "stage computes the loss from the whole logits; set kernels.loss_chunk_tokens=0")
+        if m.mtp_depth:  # the modules follow the head: a pipeline's last stage, whole sequences, unsplit heads
+            for key in ("tp", "cp", "pp"):
+                if getattr(p, key) > 1:
+                    raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.{key}={getattr(p, key)} is not "
+                                      f"supported yet; use parallel.{key}=1 or model.mtp_depth=0")
+        if m.is_mla:  # latent attention's heads are not split over tp ranks, nor its latent over cp chunks here
+            for key in ("tp", "cp", "pp"):
+                if getattr(p, key) > 1:
+                    raise ConfigError(f"model.attention_kind=mla with parallel.{key}={getattr(p, key)} is not supported "
+                                      f"yet; use parallel.{key}=1")
         if p.tp > 1:
             if t.compile and m.recompute in ("selective", "full", "every_k"):
                 # torch 2.13's compiler saves the tensor-parallel DeviceMesh among the tensors of a
@@ -303,6 +313,9 @@ class JobConfig:
         if p.tp > 1 or p.cp > 1:
             raise ConfigError(f"{clip} with parallel.tp or parallel.cp > 1 is not supported: QK-clip reads each "
                               f"head's logits where one rank holds all heads and whole sequences; {off}")
+        if m.is_mla:
+            raise ConfigError(f"{clip} with model.attention_kind=mla is not supported yet: QK-clip rescales the fused "
+                              f"Q/K/V projection, which latent attention does not have; {off}")
         if m.qk_norm:
             raise ConfigError(f"{clip} with model.qk_norm: the norms rescale queries and keys after the projections, so "
                               f"scaling W_q and W_k cannot lower the logits; set model.qk_norm=false {off}")

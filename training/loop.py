@@ -159,7 +159,8 @@ def router_window_metrics(layers: list[MoE], model_cfg: ModelConfig, ctx: DistCo
     scale a layer's row uniformly, which its ratios ignore). One all-reduce of (layers, E + 3)."""
     if model_cfg.moe.experts is None:
         return {}
-    table = take_router_table(layers, model_cfg.n_layer, model_cfg.moe.experts, ctx.device)
+    # rows for the blocks and the multi-token-prediction modules' blocks, numbered on from them
+    table = take_router_table(layers, model_cfg.n_layer + model_cfg.mtp_depth, model_cfg.moe.experts, ctx.device)
     if ctx.backend is not None:
         dist.all_reduce(table, op=dist.ReduceOp.SUM)
     return router_metrics(table)
@@ -260,6 +261,8 @@ def format_line(step: int, max_steps: int, m: dict, n_steps: int) -> str:
     line = (f"step {step}/{max_steps} | {loss} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
             f"{m['tokens_per_s']:,.0f} tok/s | {mfu} | data wait {m['data_wait_frac']:.0%} | "
             f"{mem_key[:-4]} {m[mem_key]:.2f} GiB")
+    if "mtp_loss" in m:
+        line += f" | mtp loss {m['mtp_loss']:.4f}"
     if "moe_aux_loss" in m:
         loads = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("moe_load_max_mean/")}
         worst = max(loads, key=loads.get)
@@ -570,6 +573,10 @@ class TrainingLoop:
             metrics["rank_own_time_s"] = times
             straggler = find_straggler(times, t.straggler_threshold, t.straggler_min_gap_s)
         metrics.update(router_window_metrics(self.moe, self.cfg.model, self.ctx))  # a collective
+        if self.cfg.model.mtp_depth:  # a collective: the ranks' mean multi-token-prediction loss
+            mtp = self.engine.module().take_mtp_loss()
+            local = mtp if mtp is not None else torch.zeros((), device=self.ctx.device)
+            metrics["mtp_loss"] = float(self.ctx.all_reduce_mean(local.detach().float().clone()))
         metrics.update(self.data.position_metrics(self.batches.state_dict()))  # a mixture: read per source
         self.log.log(s.step, metrics, format_line(s.step, t.max_steps, metrics, window.steps))
         if straggler is not None and self.ctx.is_main:

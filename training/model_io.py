@@ -43,7 +43,9 @@ ARCHITECTURE_KEYS = ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_hea
                      "rope_theta", *(f"rope_scaling.{k}" for k in RopeScaling.__dataclass_fields__), "tie_embeddings",
                      "bias", "qkv_bias", "proj_bias", "sliding_window", "sliding_window_every", "sliding_window_first",
                      "attention_sinks", "moe.experts", "moe.top_k", "moe.shared_experts", "moe.d_ff", "moe.every",
-                     "moe.first_dense", "moe.router", "moe.renormalize", "moe.routed_scale", "moe.bias", "mup", "mup_base_width")
+                     "moe.first_dense", "moe.router", "moe.renormalize", "moe.routed_scale", "moe.bias", "mup",
+                     "mup_base_width", "attention_kind", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim", "mtp_depth", "moe.groups", "moe.groups_kept", "moe.score_bias")
 # Keys whose unset value means a derived one: a config and a source agree when the derived values do.
 DERIVED = {"n_kv_head": "kv_heads", "attention_head_dim": "head_dim", "moe.d_ff": "expert_d_ff",
            "qkv_bias": "has_qkv_bias", "proj_bias": "has_proj_bias"}

@@ -398,10 +398,15 @@ def test_greedy_generation_equals_transformers(family, attention):
     assert_greedy_like_transformers(hf_gpt2(seed=3) if family == "gpt2" else hf_llama(kv_heads=2, seed=3), attention)
 
 
-def assert_greedy_like_transformers(hf_model, attention: str, new_tokens: int = 32) -> None:
+def assert_greedy_like_transformers(hf_model, attention: str, new_tokens: int = 32, tmp_path=None) -> None:
     """Our greedy continuations of two prompts of different lengths, with and without the KV cache,
-    are transformers' ``generate``'s."""
-    cfg, state = interop.from_hf_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
+    are transformers' ``generate``'s. With ``tmp_path`` the model is read from the files it saves
+    there (the Hub's layout, where its in-memory one stacks the experts)."""
+    if tmp_path is None:
+        cfg, state = interop.from_hf_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
+    else:
+        hf_model.save_pretrained(tmp_path / "hf")
+        cfg, state = interop.read_hf_dir(tmp_path / "hf")
     ours = perfgpt_from(cfg, state, attention)
     prompts = [tokens(seed=5, batch=1, length=9)[0].tolist(), tokens(seed=6, batch=1, length=4)[0].tolist()]
     expected = []
