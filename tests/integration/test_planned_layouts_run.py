@@ -43,11 +43,16 @@ def scaled_model(cfg, stages: int, tp: int) -> list[str]:
     in all and heads that ``tp`` divides: overrides for ``model.*``."""
     m = cfg.model
     heads = 8
-    keys = {"n_layer": max(2, stages), "d_model": 64, "n_head": heads, "vocab_size": VOCAB,
-            "max_seq_len": SEQ, "n_kv_head": heads if m.kv_heads == m.n_head else max(2, tp)}
+    keys = {"n_layer": max(2, stages), "d_model": 64, "n_head": heads, "vocab_size": VOCAB, "max_seq_len": SEQ}
+    if m.is_mla:  # latent attention: its own widths, no key/value head count
+        keys |= {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8}
+        if m.q_lora_rank is not None:
+            keys["q_lora_rank"] = 16
+    else:
+        keys["n_kv_head"] = heads if m.kv_heads == m.n_head else max(2, tp)
     if m.d_ff is not None:
         keys["d_ff"] = 128
-    if m.attention_head_dim is not None:
+    if m.attention_head_dim is not None and not m.is_mla:
         keys["attention_head_dim"] = 8
     if m.attention_mask == "document":
         keys["eot_id"] = 0
