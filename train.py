@@ -79,6 +79,8 @@ def run(cfg: JobConfig, stop_request: StopRequest, explicit: frozenset[str] = fr
     ctx = init_distributed(cfg.train.device, cfg.parallel)
     try:
         configure_logging(ctx.tag, main=ctx.is_main)  # what opening the data says, before the run's logger
+        ckpt.refuse_another_run(run_dir_of(cfg), checkpoint_root(cfg), cfg.checkpoint.resume,
+                                world_size=ctx.world_size, device=ctx.device)
         # Resolved first, then written and logged: config.yaml is the configuration the run uses.
         job = resolve_job(cfg, ctx, explicit)
         run_dir = prepare_run_dir(job.cfg, ctx)
@@ -98,6 +100,10 @@ def run_dir_of(cfg: JobConfig) -> Path:
     return Path(cfg.logging.run_dir.format(name=cfg.name))
 
 
+def checkpoint_root(cfg: JobConfig) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir_of(cfg) / "checkpoints"
+
+
 def prepare_run_dir(cfg: JobConfig, ctx: DistContext) -> Path:
     run_dir = run_dir_of(cfg)
     if ctx.is_main:
@@ -113,7 +119,7 @@ def train(job: Job, ctx: DistContext, run_dir: Path, log: RunLogger, stop_reques
         log.info_every_rank(f"ready on {ctx.device}")
     if ctx.device.type == "cuda" and cfg.precision.mode == "fp32":
         torch.backends.cuda.matmul.allow_tf32 = True  # the MFU peak for fp32 is the TF32 one
-    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    ckpt_root = checkpoint_root(cfg)
     if cfg.checkpoint.interval or cfg.checkpoint.save_final:  # fail now, not at the first save hours later
         ckpt.ensure_writable_dir(ckpt_root, "checkpoint.dir", rank=ctx.rank, world_size=ctx.world_size,
                                  device=ctx.device)

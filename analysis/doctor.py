@@ -96,6 +96,7 @@ class Job:
     fused_optimizer: bool
     peak_memory_gib: float | None
     memory_budget_gib: float | None
+    device: str  # "cuda" or "cpu": on a CPU Triton runs only in its interpreter and compile is no remedy
 
 
 @dataclass
@@ -136,10 +137,11 @@ def verdicts(b: Breakdown, job: Job) -> list[Verdict]:
                                ["--model.recompute=full"] if job.recompute in ("none", "selective") else []))
     host = b.share("host")
     if host > HOST_LIMIT:
+        compile_helps = not job.compile and job.device == "cuda"
         out.append(Verdict(host, f"host overhead {host:.0%} of step time (> {HOST_LIMIT:.0%}: Python and launch "
-                           "gaps between operators): " + ("raise train.micro_batch_size so each launch does more work"
-                                                          if job.compile else "train.compile=true fuses them")
-                           + " (chapter 8.5)", [] if job.compile else ["--train.compile=true"]))
+                           "gaps between operators): " + ("train.compile=true fuses them" if compile_helps else
+                                                          "raise train.micro_batch_size so each launch does more work")
+                           + " (chapter 8.5)", ["--train.compile=true"] if compile_helps else []))
     opt = b.share("optimizer")
     sharded = job.strategy in ("fsdp", "zero1", "zero2", "zero3")
     if opt > OPTIMIZER_LIMIT and not (job.fused_optimizer and sharded):
@@ -149,7 +151,10 @@ def verdicts(b: Breakdown, job: Job) -> list[Verdict]:
                            + " (chapter 8.2)", [] if job.fused_optimizer else ["--optim.fused=on"]))
     out.sort(key=lambda v: -v.severity)
     if not out:
+        gains = ("lower precision (precision.mode=bf16, fp8) and fused kernels (kernels.backend=triton, "
+                 "train.compile=true) (chapters 8.1, 8.5)" if job.device == "cuda" else
+                 "on a GPU: there lower precision and the fused Triton kernels pay off; on a CPU Triton runs only in "
+                 "its interpreter (chapters 8.1, 8.5)")
         out.append(Verdict(b.share("compute"), f"compute-bound: {b.share('compute'):.0%} of step time in forward and "
-                           "backward; the next gains are lower precision (precision.mode=bf16, fp8) and fused "
-                           "kernels (kernels.backend=triton, train.compile=true) (chapters 8.1, 8.5)", []))
+                           f"backward; the next gains are {gains}", []))
     return out

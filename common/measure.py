@@ -4,7 +4,8 @@
 - timing: ``synchronize`` (CUDA work is asynchronous, so a host clock read without it times the
   launch, not the work), ``time_call``, ``repeat`` (one function, warm-up then timed calls;
   CUDA events on request) and ``interleaved`` (A B A B rounds, so that drift on a shared machine
-  hits every variant alike instead of whichever ran last); ``peak_bytes`` for the allocator's peak;
+  hits every variant alike instead of whichever ran last); ``peak_bytes`` for the allocator's peak
+  (``host_peak_bytes`` on the CPU);
 - summaries: ``summarize`` (median, min, max) and ``ratio_summary`` / ``speedup``, ratios taken
   per round and summarized, whose min-max interval decides whether a difference was measured at
   all;
@@ -156,6 +157,27 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
     fn()
     synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base
+
+
+def host_peak_bytes(fn: Callable[[], object]) -> int:
+    """The CPU allocator's peak during ``fn()`` above what was allocated when it started, from the
+    profiler's memory records: each op's own allocations at its start, every free where it happens
+    (torch keeps no running peak for host memory; peak RSS never goes down, so it cannot say this)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    changes = []
+    for event in prof.events():
+        if event.name == "[memory]":  # an allocation or free outside any recorded op (frees, mostly)
+            changes.append((event.time_range.start, event.cpu_memory_usage))
+        elif event.self_cpu_memory_usage:
+            changes.append((event.time_range.start, event.self_cpu_memory_usage))
+    live = peak = 0
+    for _, change in sorted(changes, key=lambda c: c[0]):
+        live += change
+        peak = max(peak, live)
+    return peak
 
 
 # --------------------------------------------------------------------------- summaries

@@ -162,6 +162,18 @@ def write_results(markdown_path: Path, markdown: str, title: str, rows: list, **
     return [markdown_path, json_path]
 
 
+def print_and_publish(heading: str, command: str, settings: str, headers: list[str], rows: list[list[str]],
+                      markdown_path: Path | None) -> None:
+    """A benchmark's settings line and table on stdout; with ``markdown_path``, the same under
+    ``heading`` with the command that produced it, and the rows as JSON beside it."""
+    print(settings)
+    print(text_table(headers, rows))
+    if markdown_path:
+        text = f"# {heading}\n\n- `{command}`\n- {settings}\n\n{markdown_table(headers, rows)}\n"
+        written = write_results(markdown_path, text, f"{heading}: {settings}", [dict(zip(headers, r)) for r in rows])
+        print("wrote " + ", ".join(str(p) for p in written))
+
+
 def read_results(path: Path) -> dict:
     """A results document written by ``write_results``; a damaged one is a one-line error naming the file."""
     path = Path(path)

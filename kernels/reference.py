@@ -8,9 +8,11 @@ fp32" inside a bf16 model receives bf16 inputs; casting in and out is what makes
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -84,6 +86,30 @@ def cross_entropy(
     return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction=reduction)
 
 
+def chunked_linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int, cross_entropy: Callable,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Mean cross-entropy of the logits ``h @ weight.T`` against ``targets``, ``chunk_tokens`` rows at a
+    time; h (..., C), weight (V, C), targets (...). Each chunk runs under activation checkpointing, so
+    its (chunk x V) logits exist only while its loss is computed and again while its backward runs:
+    the whole (tokens x V) logits never do. Chunks are summed by their counted targets (a chunk whose
+    targets are all ``ignore_index`` adds nothing), so the value is the plain loss's up to float order.
+    """
+    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    counted = targets != ignore_index
+
+    def chunk_sum(rows: torch.Tensor, chunk_targets: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(rows @ weight.t(), chunk_targets, ignore_index=ignore_index) * n
+
+    total = h.new_zeros((), dtype=torch.float32)
+    for start in range(0, h.shape[0], chunk_tokens):
+        n = counted[start:start + chunk_tokens].sum()
+        if n:
+            part = checkpoint(chunk_sum, h[start:start + chunk_tokens], targets[start:start + chunk_tokens], n,
+                              use_reentrant=False)
+            total = total + part
+    return total / counted.sum()
 def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
     """(head_dim // 2,) fp32: theta^(-2i / head_dim), the angle per position of each dimension pair."""
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))

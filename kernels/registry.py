@@ -12,6 +12,8 @@ the reason is logged once per op and reason. A fallback costs speed, never corre
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -55,6 +57,15 @@ class KernelOps:
     layer_norm_gelu: Callable = reference.layer_norm_gelu
     moe_permute: Callable = reference.moe_permute
     moe_unpermute: Callable = reference.moe_unpermute
+    # head_loss(h, weight, targets): the LM head and its loss in one call, when kernels.loss_chunk_tokens
+    # asks for them in chunks; None: the model's head, then cross_entropy on the whole logits
+    head_loss: Callable | None = None
+
+
+def with_loss_chunks(ops: KernelOps, chunk_tokens: int) -> KernelOps:
+    """``ops`` computing the LM head and loss ``chunk_tokens`` tokens at a time (with its cross_entropy)."""
+    return dataclasses.replace(ops, head_loss=functools.partial(
+        reference.chunked_linear_cross_entropy, chunk_tokens=chunk_tokens, cross_entropy=ops.cross_entropy))
 
 
 REFERENCE_OPS = KernelOps(

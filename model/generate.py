@@ -1,11 +1,15 @@
 """Text generation from a GPT: greedy or sampled (temperature, top-k, top-p), with a KV cache.
 
-A batch of prompts of different lengths needs no padding: every row runs at the same positions,
-the shortest prompt is encoded in one forward pass, and from there each step feeds one token per
-row, the row's own next prompt token while it still has one, else the token just sampled. So
-positions, rotary angles and the causal mask stay those of each row alone, and a row's output
-is exactly what it would be on its own (the price: the part of a longer prompt beyond the
-shortest one is encoded one token per step).
+A batch of prompts of different lengths is padded on the left, as transformers' ``generate``
+does: every prompt ends at the same column, so all of them are encoded in one forward pass and
+each later step feeds one sampled token per row. Each row's positions count from its own first
+token, and the padding is a document of its own (the document mask, ``model/attention.py``), so no
+real token attends to it: a row's output is what it would be alone, up to the float rounding of a
+masked attention. (Feeding the part of a longer prompt beyond the shortest one token per step
+instead cost one forward per token: in lm-eval's batches of unequal prompts, most of the time.)
+A model trained with ``model.attention_mask=document`` keeps that token-per-step way, as its own
+document numbers come from the tokens, and so does one with sliding-window layers (their bounded
+cache keeps no mask for the positions it dropped).
 
 With ``use_cache`` the keys and values of earlier positions are kept (``model.attention.KVCache``,
 only the n_kv_head heads, or latent attention's latent and rotary key; a layer with a sliding window of W keeps only its last W - 1
@@ -101,9 +105,22 @@ def generate(
         )
     model.eval()
     device = model.tok_emb.weight.device
+    longest = max(lengths)
+    # Left padding needs every key position in the document mask: not with a sliding window's bounded cache.
+    windowed = cfg.is_mla or any(cfg.window_of(i) for i in range(cfg.n_layer))  # latent cache: not tested padded
+    pad = ([longest - n for n in lengths] if len(set(lengths)) > 1 and cfg.attention_mask == "causal" and not windowed
+           else None)
     tokens = torch.zeros(len(prompts), total, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
-        tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        start = pad[row] if pad else 0
+        tokens[row, start: start + len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    positions = documents = None
+    if pad:  # every prompt now ends at column `longest`: from there on the rows move together
+        first = torch.tensor(pad, device=device)[:, None]
+        columns = torch.arange(total, device=device)[None, :]
+        documents = (columns >= first).long()  # padding is document 0, the row's own text document 1
+        positions = (columns - first).clamp(min=0)
+        lengths = [longest] * len(prompts)
     prompt_len = torch.tensor(lengths, device=device)
     generator = None
     if sampling.seed is not None:
@@ -118,8 +135,16 @@ def generate(
         else:
             cache = KVCache(cfg.n_layer, len(prompts), total, cfg.kv_heads, cfg.head_dim, device, dtype,
                             windows=[cfg.window_of(i) for i in range(cfg.n_layer)])
+
+    def forward(start: int, end: int) -> torch.Tensor:
+        """The logits after column end - 1, from the columns [start, end) (the cache holds the rest)."""
+        if positions is None:
+            return model(tokens[:, start:end], cache=cache)[:, -1]
+        return model(tokens[:, start:end], cache=cache, positions=positions[:, start:end],
+                     documents=documents[:, :end])[:, -1]
+
     pos = min(lengths)
-    logits = model(tokens[:, :pos], cache=cache)[:, -1]
+    logits = forward(0, pos)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     ends = [total] * len(prompts)  # where a row stopped by stop_when ends
     while True:
@@ -137,8 +162,7 @@ def generate(
         pos += 1
         if bool(done.all()):
             break
-        step_input = tokens[:, pos - 1 : pos] if use_cache else tokens[:, :pos]
-        logits = model(step_input, cache=cache)[:, -1]
+        logits = forward(pos - 1 if use_cache else 0, pos)
     return [_row_output(tokens[row, n : min(n + max_new_tokens, ends[row])].tolist(), eos_id)
             for row, n in enumerate(lengths)]
 

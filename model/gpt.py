@@ -461,15 +461,22 @@ class GPT(nn.Module):
         # MoE load-balancing losses of this forward's blocks (training only). With targets they join
         # the loss's gradient but not its value, so the loss logged stays the language-model loss;
         # without (a pipeline stage's output) the output carries their gradient back.
-        aux = take_aux_loss(self.blocks.modules())
+        # Only a training forward sets them: generation and evaluation skip the walk over every module
+        # (per generated token, it cost as much as a block's attention on a small model).
+        aux = take_aux_loss(self.blocks.modules()) if self.training and torch.is_grad_enabled() else None
         if self.lm_head is None:
             return x if aux is None else with_aux_gradient(x, aux)
-        logits = self.lm_head(self.norm_f(x))
-        if self.output_multiplier != 1.0:
-            logits = logits * self.output_multiplier
-        if targets is None:
-            return logits if aux is None else with_aux_gradient(logits, aux)
-        loss = self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        if targets is not None and self.ops.head_loss is not None:  # kernels.loss_chunk_tokens: no whole logits
+            h = self.norm_f(x)  # (logits x m) = (h x m) @ W^T: the multiplier goes on the hidden states
+            loss = self.ops.head_loss(h * self.output_multiplier if self.output_multiplier != 1.0 else h,
+                                      self.lm_head.weight, targets)
+        else:
+            logits = self.lm_head(self.norm_f(x))
+            if self.output_multiplier != 1.0:
+                logits = logits * self.output_multiplier
+            if targets is None:
+                return logits if aux is None else with_aux_gradient(logits, aux)
+            loss = self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
         if self.mtp is not None and self.training:
             mtp = self._mtp_loss(x, idx, targets, rope)
             aux = mtp if aux is None else aux + mtp

@@ -423,12 +423,14 @@ def take_aux_loss(modules: Iterable[nn.Module]) -> torch.Tensor | None:
 class _AuxGradient(torch.autograd.Function):
     """Identity on ``x``, whose backward also sends gradient 1 into ``aux``: a pipeline stage's
     output carries its layers' auxiliary losses back (the schedule scales every gradient by
-    1/micro-batches afterwards, as it does the loss's)."""
+    1/micro-batches afterwards, as it does the loss's). The output is a copy, not a view of ``x``:
+    the zero-bubble schedule's input-gradient pass frees the stage output with an in-place
+    ``detach_()``, which autograd refuses on a view (an input returned as is counts as one)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

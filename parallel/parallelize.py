@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from common.errors import ConfigError, LayoutError
 from kernels.config import KernelsConfig
-from kernels.registry import resolve_kernel_ops
+from kernels.registry import resolve_kernel_ops, with_loss_chunks
 from model.attention import document_mask_note, select_attention
 from model.config import ModelConfig
 from model.flops import count_parameters, mlp_parameters
@@ -87,6 +87,10 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
     check_precision_supported(policy.mode, ctx.device, precision_cfg.fp8_backend, precision_cfg.fp8_recipe)
     # 2. Kernels and attention for this device.
     ops, kernel_note = resolve_kernel_ops(kernels_cfg.backend, ctx.device)
+    if kernels_cfg.loss_chunk_tokens:
+        ops = with_loss_chunks(ops, kernels_cfg.loss_chunk_tokens)
+        kernel_note += (f"; LM head and loss {kernels_cfg.loss_chunk_tokens} tokens at a time "
+                        "(kernels.loss_chunk_tokens)")
     backend, attention_note = choose_attention(model_cfg, ctx.device, policy)
     expert_backend, expert_note = choose_expert_backend(model_cfg, ctx.device, policy)
     if model_cfg.attention_mask == "document":

@@ -45,14 +45,18 @@ PYTHON="${PYTHON:-python}"
 TRAIN_PY="${TRAIN_PY:-$ROOT/train.py}"
 cd "$ROOT"
 
-# The run directory, the default step count and the config's decay length, resolved from the config
-# exactly as train.py resolves them.
-read -r RUN_DIR DEFAULT_STEPS DECAY_STEPS < <("$PYTHON" -c '
-import sys
+# The profiling run is a run of its own: by default it is named <name>-profile-<UTC time>, so it never
+# writes into (and is never refused by) the folder of a training run or of an earlier profile; a
+# --name or --logging.run_dir among the overrides wins. The run directory, the default step count and
+# the config's decay length are resolved from the config exactly as train.py resolves them.
+read -r RUN_NAME RUN_DIR DEFAULT_STEPS DECAY_STEPS < <("$PYTHON" -c '
+import sys, time
 from training.config import load_config
-cfg = load_config(sys.argv[1], sys.argv[2:])
+base = load_config(sys.argv[1], sys.argv[2:])
+stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+cfg = load_config(sys.argv[1], ["--name=" + base.name + "-profile-" + stamp, *sys.argv[2:]])
 t = cfg.train
-print(cfg.logging.run_dir.format(name=cfg.name), t.profile_wait + t.profile_warmup + t.profile_active + 1,
+print(cfg.name, cfg.logging.run_dir.format(name=cfg.name), t.profile_wait + t.profile_warmup + t.profile_active + 1,
       cfg.lr_schedule()["decay_steps"])
 ' "$CONFIG" "${OVERRIDES[@]}")
 STEPS="${STEPS:-$DEFAULT_STEPS}"
@@ -68,7 +72,7 @@ fi
 # A short run: no evaluation, no checkpoints; the user's overrides come last and win. It is the first
 # few steps of the config's full schedule (decay_steps stated), so it runs at that schedule's learning
 # rates instead of a warm-up and decay squeezed into the profiling run.
-RUN_ARGS=(--config "$CONFIG" --profile "--train.max_steps=$STEPS" "--optim.decay_steps=$DECAY_STEPS"
+RUN_ARGS=(--config "$CONFIG" "--name=$RUN_NAME" --profile "--train.max_steps=$STEPS" "--optim.decay_steps=$DECAY_STEPS"
           --train.eval_interval=0 --checkpoint.save_final=false "${OVERRIDES[@]}")
 echo "== 1/3 profiling $STEPS steps of $CONFIG into $PROFILE_DIR ($NPROC process(es))"
 if [[ "$NPROC" -gt 1 ]]; then

@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def sample(args: argparse.Namespace) -> list[tuple[str, str]]:
+def sample(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(prompt, continuation text, new tokens) per prompt."""
     source = load_source(args.source)
     for line in source.warnings:
         print(f"warning: {line}", file=sys.stderr)
@@ -62,7 +63,11 @@ def sample(args: argparse.Namespace) -> list[tuple[str, str]]:
                         seed=args.seed)
     eos = None if args.no_stop else source.eot_id
     outputs = generate(model, prompts, args.max_new_tokens, sampling, eos_id=eos, use_cache=not args.no_cache)
-    return [(prompt, tokenizer.decode([t for t in out if t != eos])) for prompt, out in zip(args.prompt, outputs)]
+    results = []
+    for prompt, out in zip(args.prompt, outputs):
+        new = [t for t in out if t != eos]
+        results.append((prompt, tokenizer.decode(new), len(new)))
+    return results
 
 
 def _prompt_text(prompt: str, index: int) -> str:
@@ -84,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     except USER_FACING_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for prompt, text in results:
-        print(f"--- {prompt!r}\n{prompt}{text}")
+    # The prompt in the header, the continuation on its own lines: printed back to back, the two
+    # join without a visible seam (a byte tokenizer) or glued words (a word-level one).
+    for prompt, text, n in results:
+        print(f"--- {prompt!r} + {n} new token{'s' if n != 1 else ''}:\n{text}")
     return 0
 
 

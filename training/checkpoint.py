@@ -69,6 +69,7 @@ from model.config import ModelConfig
 from parallel.checkpoint import Staging, host_copy
 from parallel.layout import Layout
 from training.config import upgrade_renamed
+from training.metrics import METRICS_FILE
 
 # 2: the model stores qkv rows grouped per key/value head, a separate SwiGLU gate and the MLP bias
 # inside fc (model/gpt.py), so version-1 weights would load into the new shapes with the wrong
@@ -187,6 +188,32 @@ def ensure_writable_dir(path: Path, key: str, *, rank: int = 0, world_size: int 
         error = f"{key}={path} is not writable: {_os_error_text(exc, path)}; choose another directory"
     if _any_rank(error is not None, world_size, device):
         raise CheckpointError(error or f"{key}={path} is not writable on another rank (its own error line says why)")
+
+
+def refuse_another_run(run_dir: Path, ckpt_root: Path, resume: str, *, world_size: int = 1,
+                       device: torch.device = torch.device("cpu")) -> None:
+    """A fresh start (no ``checkpoint.resume``) into a folder where another run left checkpoints or
+    logged steps is refused, before anything is written: its saves would sit among that run's, pruning
+    (which keeps the highest step numbers) would delete them, and config.yaml and metrics.jsonl would
+    mix two runs. A run that stopped before its first step left nothing to lose. Refusing beats a new
+    folder beside it: the tools that read ``runs/<name>`` would go on reading the old run without a
+    word. Collective when world_size > 1 (every rank reads the same folder)."""
+    found = [] if resume else [p.name for p in sorted(ckpt_root.glob("*step_*"), key=_step_of)
+                               if p.is_dir() and _step_of(p) is not None]
+    rows = 0
+    if not resume:
+        with contextlib.suppress(OSError):
+            rows = sum(1 for line in (run_dir / METRICS_FILE).read_text().splitlines() if '"step"' in line)
+    error = None
+    if found or rows:
+        held = [f"checkpoint(s) {', '.join(found)}" if found else "", f"{rows} logged step(s)" if rows else ""]
+        where = (f"logging.run_dir={run_dir}" if ckpt_root.is_relative_to(run_dir)
+                 else f"checkpoint.dir={ckpt_root} (or logging.run_dir={run_dir})")
+        error = (f"{where} holds another run ({' and '.join(h for h in held if h)}); a fresh start there would "
+                 "prune and mix its files: continue it with --resume, or train into a new folder "
+                 "(--logging.run_dir=<new folder> or --name=<new name>)")
+    if _any_rank(error is not None, world_size, device):
+        raise CheckpointError(error or "the run folder holds another run (rank 0's error line says which)")
 
 
 def _os_error_text(exc: OSError, fallback: Path, *, own_path: bool = True) -> str:

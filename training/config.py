@@ -237,6 +237,16 @@ class JobConfig:
         m, p, t = self.model, self.parallel, self.train
         if p.tp > 1 and m.qk_norm:
             raise ConfigError(f"model.qk_norm with parallel.tp={p.tp} is not supported; use parallel.tp=1")
+        chunks = self.kernels.loss_chunk_tokens
+        if chunks < 0:
+            raise ConfigError(f"kernels.loss_chunk_tokens must be >= 0 (got {chunks}; 0 computes the whole logits)")
+        if chunks and p.tp > 1:
+            raise ConfigError(f"kernels.loss_chunk_tokens={chunks} with parallel.tp={p.tp}: the head is split over "
+                              "the vocabulary there; parallel.loss_parallel=true (the default) already never "
+                              "gathers the logits whole: set kernels.loss_chunk_tokens=0")
+        if chunks and p.pp > 1:
+            raise ConfigError(f"kernels.loss_chunk_tokens={chunks} with parallel.pp={p.pp}: the pipeline's last "
+                              "stage computes the loss from the whole logits; set kernels.loss_chunk_tokens=0")
         if m.mtp_depth:  # the modules follow the head: a pipeline's last stage, whole sequences, unsplit heads
             for key in ("tp", "cp", "pp"):
                 if getattr(p, key) > 1:
@@ -263,6 +273,10 @@ class JobConfig:
             if p.pp_schedule == "zero_bubble" and t.compile:
                 raise ConfigError("parallel.pp_schedule=zero_bubble splits each backward in two, which "
                                   "torch.compile'd blocks do not support; set train.compile=false or another schedule")
+            if p.pp_schedule == "zero_bubble" and m.recompute == "op_selective":
+                raise ConfigError("parallel.pp_schedule=zero_bubble with model.recompute=op_selective: the schedule "
+                                  "runs each backward in two passes and torch's selective checkpoint allows one; use "
+                                  "model.recompute=selective, full, every_k or offload, or another schedule")
         if p.cp > 1:
             self._validate_context_parallel()
         if p.tp > 1 or p.pp > 1:

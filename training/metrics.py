@@ -29,6 +29,8 @@ from common.files import os_error_words
 from common.log import EVERY_RANK, configure_logging, get_logger, print_line
 from common.progress import elapsed_and_eta
 
+METRICS_FILE = "metrics.jsonl"  # one JSON row per logged step, in the run directory
+
 
 def peak_memory_gib(device: torch.device) -> tuple[float, str]:
     """Peak memory so far: the CUDA caching allocator's peak, or on CPU the process's peak RSS."""
@@ -52,7 +54,7 @@ class RunLogger:
             configure_logging(tag, main=False, write=self._write)
             return
         if logging_cfg.jsonl:
-            self._jsonl = JsonlSink(run_dir / "metrics.jsonl", self.warn, self.info)
+            self._jsonl = JsonlSink(run_dir / METRICS_FILE, self.warn, self.info)
         interactive = sys.stderr.isatty()
         if logging_cfg.progress == "bar" or (logging_cfg.progress == "auto" and interactive):
             from tqdm import tqdm

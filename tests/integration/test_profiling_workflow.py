@@ -172,7 +172,8 @@ def test_profile_sh_trains_profiles_summarizes_and_snapshots(tmp_path, corpus_ca
     assert result.returncode == 0, result.stderr[-3000:]
     call = _train_launch(launches)
     argv = call["argv"]
-    assert argv[1:5] == ["--config", "configs/tiny.yaml", "--profile", "--train.max_steps=4"]
+    assert argv[1:3] == ["--config", "configs/tiny.yaml"] and argv[3].startswith("--name=tiny-profile-")
+    assert argv[4:6] == ["--profile", "--train.max_steps=4"]
     assert argv[-1] == f"--logging.run_dir={tmp_path / 'run'}"  # the user's overrides come last and win
     assert call["nccl"]["NCCL_DEBUG"] == "INFO" and call["nccl"]["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
     assert call["nccl"]["NCCL_DEBUG_FILE"] == f"{profile_dir}/nccl.%h.%p.log"

@@ -132,6 +132,25 @@ def test_corrupt_or_mismatched_checkpoints_give_clear_errors(tmp_path, corpus_ca
     assert proc.returncode == 2 and "checkpoint not found" in proc.stderr
 
 
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_fresh_run_into_a_folder_holding_another_run_is_refused_and_touches_nothing(tmp_path, corpus_cache,
+                                                                                       two_step_run):
+    # Before, the second run saved its step 2 beside the first run's checkpoints, pruning kept the
+    # highest step numbers (deleting its own save), and config.yaml and metrics.jsonl were mixed.
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_step_run, run_dir)
+    before = _tree_bytes(run_dir)
+    proc = run_train(["--config", TINY, *tiny_overrides(run_dir, corpus_cache, **{"train.max_steps": 1})])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    error = proc.stderr.strip().splitlines()
+    assert len(error) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert str(run_dir) in error[0] and "step_00000002" in error[0] and "--resume" in error[0], error[0]
+    assert _tree_bytes(run_dir) == before
+
+
 def test_resume_with_a_different_model_shape_is_a_clear_error(tmp_path, corpus_cache, two_step_run):
     run_dir = tmp_path / "run"
     shutil.copytree(two_step_run, run_dir)

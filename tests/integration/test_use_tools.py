@@ -60,8 +60,8 @@ def test_sample_cli_greedy_equals_transformers_generate(tmp_path, capsys, llama)
         ids = torch.tensor([tok.encode(prompt).tolist()])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
                           min_new_tokens=32, pad_token_id=0)
-        expected = prompt + tok.decode(out[0, ids.shape[1]:].tolist())
-        assert f"--- {prompt!r}\n{expected}\n" in printed
+        expected = tok.decode(out[0, ids.shape[1]:].tolist())
+        assert f"--- {prompt!r} + 32 new tokens:\n{expected}\n" in printed
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,10 @@ build path under ep=2, tp=2 (MoE layers replicated, each tp rank routing its own
 and tp=2 without sequence parallelism on 2 ranks; ep=2 of dp_shard=4, ep=2 x pp=2, ep=2 x tp=2 (each
 tp rank exchanging its own slice's tokens in its ep group), ep=4 x cp=2 (the ep group spans dp_shard
 and cp ranks), ep=2 with cp=2 and dp_shard=2 built on the meta device (init_on_meta; the ep group is the
-cp group, experts FSDP-sharded over dp_shard) and dp_shard=4 without ep on 4 ranks: losses and
-gradient norms equal one process stepping on the same micro-batches (within 1e-5), the first step's
-gradients and the last step's weights, gathered whole, equal the one-process ones parameter by
+cp group, experts FSDP-sharded over dp_shard), dp_shard=4 without ep, and ep=2 x pp=2 under the
+zero-bubble schedule (4 one-layer stages) on 4 ranks: losses and gradient norms equal one process
+stepping on the same micro-batches (within 1e-5), the first step's gradients and the last step's
+weights, gathered whole, equal the one-process ones parameter by
 parameter (but under pp, where a rank holds one stage and the norm over both stages is checked), and
 the router metrics the training log shows after 6 steps (load per layer, auxiliary loss) are one
 process's over the same micro-batches. A model whose capacity drops copies trains 6 steps under
@@ -47,13 +48,15 @@ LAYOUTS = {2: {"ep2": {"ep": 2}, "tp2": {"tp": 2},
                "tp2_no_sp": {"tp": 2, "sequence_parallel": False, "loss_parallel": False}},
            4: {"ep2_of_dp4": {"ep": 2, "dp_shard": 4}, "dp4": {"dp_shard": 4, "strategy": "fsdp"},
                "ep2_x_pp2": {"ep": 2, "pp": 2}, "ep2_x_tp2": {"ep": 2, "tp": 2}, "ep4_x_cp2": {"ep": 4, "cp": 2},
+               # the split backward: its input-gradient pass frees each stage's output in place
+               "ep2_x_pp2_zero_bubble": {"ep": 2, "pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 2},
                "ep2_x_cp2_x_dp2_meta": {"ep": 2, "cp": 2, "dp_shard": 2, "strategy": "fsdp",
                                         "init_on_meta": "true"}}}
 ACCUM = 2  # micro-batches per step: a pipeline needs at least pp of them
 # A model whose capacity drops copies, trained SAVE_AFTER steps under these layouts for its losses and
 # router metrics: each ep rank keeps what one process keeps of the same micro-batch (ep x cp: of the
 # micro-batch's whole sequences, the cp ranks counting together).
-MODEL_KEYS = {"capacity": {"moe.capacity": 1.0}}
+MODEL_KEYS = {"capacity": {"moe.capacity": 1.0}, "ep2_x_pp2_zero_bubble": {"n_layer": 4}}  # 4 stages of a layer
 CAPACITY_LAYOUTS = {2: {"ep2": {"ep": 2}}, 4: {"ep4_x_cp2": {"ep": 4, "cp": 2}}}
 # Muon (optim.name=muon) trained STEPS steps under these layouts: each rank orthogonalises the experts it
 # holds (whole, split only over experts) where they are, and the dense matrices through their FSDP2
@@ -133,7 +136,7 @@ def one_process(dp_sizes: list[int], steps: range | None = None, load: Path | No
 
 
 def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> dict:
-    cfg = job(**layout)
+    cfg = job(name, **layout)
     ctx = context(rank, world, cfg)
     engine = build_from_config(cfg, ctx).engine
     whole = ctx.layout.pp == 1  # a pipeline rank holds one stage: its norm is checked, not its weights
@@ -144,7 +147,7 @@ def train_layout(rank: int, world: int, name: str, layout: dict, root: str) -> d
     grad_err = {}
     if grads is not None:
         ref_grads: dict = {}
-        one_process([ctx.layout.dp], grads=ref_grads, init=init)
+        one_process([ctx.layout.dp], grads=ref_grads, init=init, name=name)
         grad_err = {k: float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads}
     path = Path(root) / name
     save_on_every_rank(engine, path, rank)
@@ -262,8 +265,8 @@ def muon_launches():
 
 
 @functools.cache
-def reference(dp_size: int) -> dict:
-    return one_process([dp_size] * STEPS)
+def reference(dp_size: int, name: str | None = None) -> dict:
+    return one_process([dp_size] * STEPS, name=name)
 
 
 @pytest.mark.parametrize("world,name", [(world, name) for world, layouts in LAYOUTS.items() for name in layouts])
@@ -271,7 +274,7 @@ def test_ep_training_equals_one_process(launches, world, name):
     ranks = launches["ranks"][world]
     init = ranks[0][name]["init"]  # init_on_meta: one process starts from the weights the ranks drew
     dp_size = ranks[0][name]["dp_size"]
-    ref = reference(dp_size) if init is None else one_process([dp_size] * STEPS, init=init)
+    ref = reference(dp_size, name) if init is None else one_process([dp_size] * STEPS, init=init, name=name)
     for rank_result in ranks:
         got = rank_result[name]
         assert got["ep_rank_ok"]
@@ -287,7 +290,8 @@ def test_ep_training_equals_one_process(launches, world, name):
             assert worst[1] < 1e-4, worst
         assert got["resumed"] == got["losses"][SAVE_AFTER:], f"resume under {name} is not bit-exact"
         # The router metrics the log shows are the whole batch's, every rank's and stage's layers.
-        assert got["router"].keys() == ref["router"].keys() and f"moe_load_max_mean/{MODEL['n_layer'] - 1}" in got["router"]
+        last_layer = MODEL_KEYS.get(name, {}).get("n_layer", MODEL["n_layer"]) - 1
+        assert got["router"].keys() == ref["router"].keys() and f"moe_load_max_mean/{last_layer}" in got["router"]
         for key, value in ref["router"].items():
             assert got["router"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (key, got["router"])
 

@@ -51,8 +51,30 @@ def test_no_finding_means_compute_bound():
     b = Breakdown(wall_s=1.0, data_wait_s=0.0, optimizer_s=0.05, comm_exposed_s=0.0, comm_overlapped_s=0.0,
                   host_s=0.05)
     job = Job(num_workers=2, world_size=1, strategy="none", recompute="none", attention="sdpa", compile=True,
-              fused_optimizer=True, peak_memory_gib=1.0, memory_budget_gib=10.0)
+              fused_optimizer=True, peak_memory_gib=1.0, memory_budget_gib=10.0, device="cuda")
     assert verdicts(b, job)[0].text.startswith("compute-bound: 90%")
+    assert "kernels.backend=triton" in verdicts(b, job)[0].text
+
+
+def test_on_a_cpu_the_doctor_never_proposes_triton_or_compile():
+    # Triton runs only in its interpreter on a CPU, and compile fuses nothing worth a launch there.
+    job = Job(num_workers=2, world_size=1, strategy="none", recompute="none", attention="sdpa", compile=False,
+              fused_optimizer=True, peak_memory_gib=1.0, memory_budget_gib=10.0, device="cpu")
+    compute_bound = Breakdown(wall_s=1.0, data_wait_s=0.0, optimizer_s=0.05, comm_exposed_s=0.0,
+                              comm_overlapped_s=0.0, host_s=0.05)
+    host_bound = Breakdown(wall_s=1.0, data_wait_s=0.0, optimizer_s=0.05, comm_exposed_s=0.0,
+                           comm_overlapped_s=0.0, host_s=0.6)
+    for breakdown in (compute_bound, host_bound):
+        found = verdicts(breakdown, job)
+        assert found
+        for verdict in found:
+            assert "triton" not in verdict.text and "train.compile=true" not in verdict.text, verdict.text
+            assert "--train.compile=true" not in verdict.overrides and not any("triton" in o for o in verdict.overrides)
+    assert "GPU" in verdicts(compute_bound, job)[0].text
+    assert "train.micro_batch_size" in verdicts(host_bound, job)[0].text
+    # on a GPU the same host overhead is what compile removes
+    on_gpu = verdicts(host_bound, Job(**{**job.__dict__, "device": "cuda"}))[0]
+    assert on_gpu.overrides == ["--train.compile=true"]
 
 
 def test_a_slowed_loader_is_named_with_its_switch(capsys, monkeypatch, corpus_cache):

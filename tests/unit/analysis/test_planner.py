@@ -16,6 +16,7 @@ import io
 import pytest
 
 from analysis import estimator as est
+from common.errors import ConfigError
 from common.hardware import DEVICES
 from model.config import ModelConfig
 from model.flops import count_parameters
@@ -483,6 +484,21 @@ def test_the_planner_no_longer_proposes_what_the_trainer_refuses():
     unpadded = dataclasses.replace(gpt3.model, vocab_size=50257)
     with pytest.raises(est.EstimatorError, match="parallel.tp=4 must divide model.vocab_size=50257"):
         spec(unpadded, 64, "full", grad_accum=8, tp=4)
+
+
+def test_zero_bubble_with_op_level_recompute_is_refused_by_the_trainer_and_never_planned():
+    # torch's selective activation checkpoint allows one backward per region; the zero-bubble
+    # schedule runs two (input gradients, then weight gradients): it failed at step 1 on gloo ranks.
+    zero_bubble = ["--parallel.pp=2", "--parallel.pp_schedule=zero_bubble", "--parallel.pp_virtual_stages=2",
+                   "--train.grad_accum_steps=2"]
+    with pytest.raises(ConfigError, match="parallel.pp_schedule=zero_bubble with model.recompute=op_selective"):
+        load_config("configs/llama-7b.yaml", zero_bubble + ["--model.recompute=op_selective"])
+    load_config("configs/llama-7b.yaml", zero_bubble + ["--model.recompute=full"])  # checkpointing recomputes once
+    cfg = load_config("configs/llama-7b.yaml")
+    plans = est.plan_layouts(cfg.model, cfg.seq_len, 8, H100, cfg.precision.mode, global_batch=8 * 8, top=None,
+                             config=cfg)
+    assert any(p.job.layout.pp_schedule == "zero_bubble" for p in plans)
+    assert not any(p.job.layout.pp_schedule == "zero_bubble" and p.job.recompute == "op_selective" for p in plans)
 
 
 def test_fp8_plans_run_the_models_own_layers_through_torchao_with_tensor_parallelism():

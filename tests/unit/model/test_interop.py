@@ -419,6 +419,24 @@ def assert_greedy_like_transformers(hf_model, attention: str, new_tokens: int = 
     assert generate(ours, prompts, new_tokens, use_cache=False) == expected
 
 
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_prompts_of_unequal_length_are_encoded_in_one_pass_and_decode_as_alone(position, monkeypatch):
+    """Padded on the left, a batch of unequal prompts costs one forward for all the prompts, then
+    one per new token (not one per prompt token beyond the shortest prompt), and each row decodes
+    what it decodes alone."""
+    cfg = ModelConfig(vocab_size=VOCAB, max_seq_len=64, n_layer=2, n_head=4, position=position)
+    torch.manual_seed(2)
+    model = GPT(cfg)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [8], [1, 2, 3, 4]]
+    alone = [generate(model, [p], 6)[0] for p in prompts]
+    calls = []
+    monkeypatch.setattr(GPT, "forward", lambda self, *a, _f=GPT.forward, **k: calls.append(a[0].shape) or _f(self, *a, **k))
+    assert generate(model, prompts, 6) == alone
+    assert calls == [(3, 9)] + [(3, 1)] * 5
+    calls.clear()
+    assert generate(model, prompts, 6, use_cache=False) == alone
+
+
 def test_cache_holds_only_the_kv_heads_and_stops_at_end_of_text(monkeypatch):
     from model import generate as generate_module
 

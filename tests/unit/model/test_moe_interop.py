@@ -115,7 +115,7 @@ def test_sample_cli_on_a_moe_model_equals_transformers_generate(tmp_path, capsys
     ids = torch.tensor([tok.encode(prompt).tolist()])
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
                       min_new_tokens=24, pad_token_id=0)
-    assert f"--- {prompt!r}\n{prompt + tok.decode(out[0, ids.shape[1]:].tolist())}\n" in capsys.readouterr().out
+    assert f"--- {prompt!r} + 24 new tokens:\n{tok.decode(out[0, ids.shape[1]:].tolist())}\n" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------- model.init_from

@@ -108,6 +108,40 @@ def test_the_finite_check_looks_at_every_weight_and_refuses_before_writing(tmp_p
 # ----------------------------------------------------------------------------- 2: skip streaks
 
 
+def test_a_fresh_start_is_refused_where_another_run_left_checkpoints_or_logged_steps(tmp_path):
+    run_dir = tmp_path / "run"
+
+    def check(resume: str = "") -> None:
+        ckpt.refuse_another_run(run_dir, run_dir / "checkpoints", resume, world_size=1, device=torch.device("cpu"))
+
+    check()  # no folder yet
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("name: tiny\n")
+    (run_dir / "metrics.jsonl").write_text("")
+    check()  # a run that stopped before its first step left nothing to lose
+
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
+    with pytest.raises(ckpt.CheckpointError) as info:
+        check()
+    assert "2 logged step(s)" in str(info.value) and "--resume" in str(info.value)
+
+    _save(run_dir / "checkpoints", 4)
+    _save(run_dir / "checkpoints", 6)
+    with pytest.raises(ckpt.CheckpointError) as info:
+        check()
+    message = str(info.value)
+    assert "\n" not in message and "step_00000004" in message and "step_00000006" in message
+    assert "--logging.run_dir" in message and "--name" in message
+    check(resume="latest")  # continuing the run in the folder is what the folder is for
+    check(resume="auto")
+
+    # checkpoint.dir shared with another run: a fresh run would prune that run's checkpoints
+    (run_dir / "metrics.jsonl").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint.dir"):
+        ckpt.refuse_another_run(tmp_path / "new", run_dir / "checkpoints", "", world_size=1,
+                                device=torch.device("cpu"))
+
+
 def test_pruning_always_keeps_the_newest_healthy_checkpoint(tmp_path):
     root = tmp_path / "ckpt"
     _save(root, 1, keep_last=1, healthy=True)
