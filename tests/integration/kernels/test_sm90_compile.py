@@ -124,7 +124,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns when it is unset; 1 is the GPU default
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # an empty cache: every kernel is really compiled
-    code = "from tests.unit.kernels.test_sm90_compile import compile_all_for_sm90; compile_all_for_sm90()"
+    code = f"from {__name__} import compile_all_for_sm90; compile_all_for_sm90()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("compiled ") == len(VARIANTS)
