@@ -48,7 +48,7 @@ import torch.nn as nn
 
 from data.bundle import IGNORE_INDEX
 from model.attention import AttentionCore
-from model.gpt import GPT, document_positions
+from model.gpt import GPT, document_positions, tokens_ahead
 from model.moe import moe_layers
 
 
@@ -139,10 +139,11 @@ class ContextParallelGPT(GPT):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None, *,
                 positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
-                seq_len: int | None = None) -> torch.Tensor:
+                seq_len: int | None = None, ahead_ids: torch.Tensor | None = None,
+                ahead_targets: torch.Tensor | None = None) -> torch.Tensor:
         if cache is not None:
             raise ValueError("a context-parallel model does not generate with a KV cache; generate with the plain model")
-        takes_ids = self.tok_emb is not None
+        takes_ids = self.takes_ids
         if not takes_ids and seq_len is None:
             raise ValueError("a context-parallel pipeline stage without the embedding needs seq_len, the length of "
                              "the whole sequence its hidden states are chunks of")
@@ -154,8 +155,19 @@ class ContextParallelGPT(GPT):
             restart = documents is not None and self.cfg.document_positions
             positions = document_positions(documents) if restart else torch.arange(t, device=idx.device)
         positions = positions[..., index]
+        ahead = {}
+        if self.mtp is not None and self.lm_head is not None and self.training and torch.is_grad_enabled() and (
+                ahead_ids is not None or targets is not None):
+            # The tokens ahead of this rank's positions cross into other chunks: taken from the whole
+            # sequences (every cp rank holds them), each depth's loss scaled as the next-token loss is.
+            if ahead_ids is None:
+                ahead_ids, ahead_targets = tokens_ahead(idx, targets, len(self.mtp), documents)
+            scale = torch.stack([scale_local_loss(torch.ones((), device=idx.device), ahead_targets[:, k], self.cp,
+                                                  self.cp_rank) for k in range(len(self.mtp))])
+            ahead = {"ahead_ids": ahead_ids[..., index], "ahead_targets": ahead_targets[..., index],
+                     "ahead_scale": scale}
         out = super().forward(idx[:, index] if takes_ids else idx, None if targets is None else targets[:, index],
-                              positions=positions, documents=documents)
+                              positions=positions, documents=documents, **ahead)
         return out if targets is None else scale_local_loss(out, targets, self.cp, self.cp_rank)
 
 
@@ -221,7 +233,7 @@ def apply_context_parallel(model: GPT, cp_group: dist.ProcessGroup | None) -> No
     if cp_group is None:
         return
     cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
-    for block in model.blocks.values():
+    for block in [*model.blocks.values(), *(module.block for module in model.mtp or [])]:
         block.attn.core = ContextParallelCore(block.attn.core, cp_group, cp, rank)
     for moe in moe_layers([model]):
         moe.sum_over_sequence = functools.partial(_all_reduce_sum, group=cp_group)

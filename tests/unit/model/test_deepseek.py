@@ -92,7 +92,6 @@ def test_group_limited_routing_equals_transformers_deepseek_v3_moe(groups, kept)
     ({"attention_kind": "mla", "position": "learned"}, "model.attention_kind=mla needs model.position=rope"),
     ({"attention_kind": "mla", "position": "rope", "n_kv_head": 2}, "model.n_kv_head=2 with model.attention_kind=mla"),
     ({"attention_kind": "mla", "position": "rope", "attention": "flash_attn"}, "flash-attn 2 wants values as wide"),
-    ({"mtp_depth": 1, "attention_mask": "document", "eot_id": 0}, "model.mtp_depth with model.attention_mask=document"),
 ])
 def test_bad_group_mla_and_mtp_keys_are_one_line_errors(changes, message):
     moe = {k: changes.pop(k) for k in ("groups", "groups_kept", "top_k") if k in changes}
@@ -232,9 +231,7 @@ def test_qk_clip_with_latent_attention_is_refused_in_one_line():
 
 
 @pytest.mark.parametrize("key", ["tp", "cp", "pp"])
-@pytest.mark.parametrize("model, message", [([], "model.attention_kind=mla with parallel.{}=2 is not supported"),
-                                            (["--model.attention_kind=gqa", "--model.mtp_depth=1"],
-                                             "model.mtp_depth=1 with parallel.{}=2 is not supported")])
+@pytest.mark.parametrize("model, message", [([], "model.attention_kind=mla with parallel.{}=2 is not supported")])
 def test_latent_attention_and_mtp_under_untested_layouts_are_refused_in_one_line(key, model, message):
     from training.config import load_config
 
