@@ -23,6 +23,9 @@ model code has no cp in it. With cp ranks and sequences of T tokens:
                FSDP2 shard dimension, as torchtitan does) are those of that mean. An MoE layer's
                load-balancing loss takes its expert counts summed over the cp group (the whole
                sequences' load) and its mean scores from the local tokens, so its cp mean is exact too.
+    MTP        the multi-token-prediction depths read the tokens k ahead, which lie in other chunks:
+               every cp rank has the whole sequences' ids and targets, so each takes its positions of
+               the shifted ones (``tokens_ahead``), and scales each depth's loss as above.
     capacity   an MoE layer with a capacity factor counts it over the whole sequences and keeps the
                copies one process keeps: the cp ranks exchange their per-chunk expert counts (one
                small all-gather per layer) to know how many copies of each expert come before theirs.

@@ -19,7 +19,11 @@ counts the embedding once, as one process does. The looped placement puts stage 
 without virtual stages; under tensor parallelism both copies are vocab-sharded alike (the
 embedding row-wise, the head column-wise: dimension 0 of the same (vocab, d_model) weight), and
 under FSDP2 both are sharded alike over the same data-parallel mesh, so the ranks that pair up
-hold the same slice. Checkpoints keep the tied model's names: the copy's optimizer state is saved
+hold the same slice. Multi-token prediction (``model.mtp_depth``) needs the same pairing, tied or
+not: its modules run on the last stage and read the token embedding, so the last stage keeps a copy
+of ``tok_emb`` (under tied embeddings the head's weight is that copy), joined with the first
+stage's in the same way; it keeps the name ``tok_emb.weight``, so its model and optimizer entries
+are the first stage's in a checkpoint. Checkpoints keep the tied model's names: the copy's optimizer state is saved
 and loaded as ``tok_emb.weight``'s (written once; parallel/checkpoint.py), so a pipeline's
 checkpoint loads into one process and back.
 
@@ -44,7 +48,9 @@ derives from the token ids: the document numbers of a document mask, and under c
 (each stage's attention gathers K/V over its cp group, parallel/cp.py) the whole sequence's length.
 Every pipeline rank holds the batch, so ``stage_inputs`` derives them on each, and the schedule
 passes them to every stage as keyword arguments, cut into the same micro-batches; under cp the last
-stage's loss is over this cp rank's targets, scaled as a context-parallel model scales it.
+stage's loss is over this cp rank's targets, scaled as a context-parallel model scales it. With
+multi-token prediction the tokens ahead and their targets come the same way, and the last stage's
+logits carry the modules' loss into backward (as MoE balancing losses ride a stage's output).
 """
 
 from __future__ import annotations
