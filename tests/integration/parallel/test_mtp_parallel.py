@@ -8,7 +8,7 @@ embedding, untied; and tied, where that copy is also the head), cp=2 (the tokens
 taken from the whole sequence), cp=2 with the document mask (no depth's target crosses a
 document), pp=2 interleaved (two stages per rank); on 4 ranks cp=2 x pp=2 with the document mask
 (the last stage takes its chunks of the tokens ahead) and pp=2 x tp=2 with routed experts in every
-block, the modules' included. The pp=2 run also saves after SAVE_AFTER steps and a fresh engine
+block, the modules' included, cp=2 x tp=2, and pp=2 x FSDP2 over 2 data-parallel ranks. The pp=2 run also saves after SAVE_AFTER steps and a fresh engine
 resumes from it bit for bit. One 2-rank and one 4-rank launch.
 """
 
@@ -47,6 +47,8 @@ MOE = {"moe.experts": 4, "moe.top_k": 2, "moe.d_ff": 16, "moe.aux_loss": 0.01}  
 FOUR_RANKS = {
     "cp2_x_pp2_document": ({"cp": 2, "pp": 2}, DOCUMENT),
     "pp2_x_tp2_moe": ({"pp": 2, "tp": 2}, MOE),
+    "cp2_x_tp2": ({"cp": 2, "tp": 2}, {}),
+    "pp2_x_fsdp2": ({"pp": 2, "dp_shard": 2, "strategy": "fsdp"}, {}),  # each data-parallel rank its own batches
 }
 ACCUM = 2  # micro-batches per step (a pipeline needs one per stage)
 # The first step's gradients of every layout agree with one process to 3e-7 relative; at lr=1e-2 AdamW
@@ -55,17 +57,18 @@ ACCUM = 2  # micro-batches per step (a pipeline needs one per stage)
 LR = 3e-3
 
 
-def job(model: dict, **parallel):
+def job(model: dict, accum: int = ACCUM, **parallel):
     overrides = [f"--model.{k}={v}" for k, v in (MODEL | model).items()]
-    overrides += [f"--train.micro_batch_size={MICRO}", f"--train.grad_accum_steps={ACCUM}", "--optim.warmup_steps=1",
+    overrides += [f"--train.micro_batch_size={MICRO}", f"--train.grad_accum_steps={accum}", "--optim.warmup_steps=1",
                   f"--optim.lr={LR}", f"--train.max_steps={STEPS}"]
     return load_config(None, overrides + [f"--parallel.{k}={v}" for k, v in parallel.items()])
 
 
-def batches(step: int):
-    """The step's micro-batches, with end-of-text ids planted so documents cross chunk borders."""
+def batches(step: int, dp_ranks: range):
+    """The step's micro-batches of data-parallel ranks ``dp_ranks``, with end-of-text ids planted so
+    documents cross chunk borders."""
     out = []
-    for m in range(ACCUM):
+    for m in (10 * r + m for r in dp_ranks for m in range(ACCUM)):
         g = torch.Generator().manual_seed(100 * step + m)
         ids = torch.randint(EOT + 1, VOCAB, (MICRO, SEQ + 1), generator=g)
         ids[0, [3, 9]] = EOT
@@ -74,11 +77,12 @@ def batches(step: int):
     return iter(out)
 
 
-def train(engine, ctx, cfg, steps: range) -> tuple[list[float], list[float]]:
+def train(engine, ctx, cfg, steps: range, dp_ranks: range | None = None) -> tuple[list[float], list[float]]:
     """Losses and logged MTP losses (each averaged over the ranks, as the training loop logs them)."""
     losses, mtp = [], []
+    dp_ranks = dp_ranks or range(ctx.dims.dp_rank, ctx.dims.dp_rank + 1)
     for step in steps:
-        loss, _ = engine.forward_backward_step(batches(step), ACCUM)
+        loss, _ = engine.forward_backward_step(batches(step, dp_ranks), cfg.train.grad_accum_steps)
         engine.optimizer_step(cfg.optim.lr, loss)
         losses.append(float(ctx.all_reduce_mean(loss.detach().clone())))
         mtp.append(float(ctx.all_reduce_mean(engine.take_mtp_loss().detach().float().clone())))
@@ -120,16 +124,17 @@ def four_rank_results():
         yield run_workers(worker, 4, root)
 
 
-def one_process(model: dict) -> dict:
-    cfg = job(model)
+def one_process(model: dict, dp_size: int = 1) -> dict:
+    """One process over the global batch of ``dp_size`` data-parallel ranks."""
+    cfg = job(model, ACCUM * dp_size)
     ctx = DistContext.single()
     engine = build_from_config(cfg, ctx).engine
-    losses, mtp = train(engine, ctx, cfg, range(STEPS))
+    losses, mtp = train(engine, ctx, cfg, range(STEPS), range(dp_size))
     return {"losses": losses, "mtp": mtp, "final": full_params(engine)}
 
 
-def check(results: list[dict], name: str, model: dict) -> None:
-    ref = one_process(model)
+def check(results: list[dict], name: str, model: dict, dp_size: int = 1) -> None:
+    ref = one_process(model, dp_size)
     assert all(m > 0 for m in ref["mtp"])
     for got in results:
         got = got[name]
@@ -149,7 +154,8 @@ def test_mtp_layouts_match_one_process_over_ten_steps(name, results):
 
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_composed_mtp_layouts_match_one_process_over_ten_steps(name, four_rank_results):
-    check(four_rank_results, name, FOUR_RANKS[name][1])
+    parallel, model = FOUR_RANKS[name]
+    check(four_rank_results, name, model, dp_size=parallel.get("dp_shard", 1))
     if name.endswith("_moe"):
         assert any(key.startswith("mtp.1.block.mlp.w_up") for got in four_rank_results for key in got[name]["final"])
 
