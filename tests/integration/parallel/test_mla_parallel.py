@@ -36,6 +36,7 @@ TWO_RANKS = {
     "cp_direct_query": ({"cp": 2}, DIRECT_QUERY),
     # recompute re-runs the gather of the latent (full) or the core on the gathered keys (selective)
     "cp_full_recompute": ({"cp": 2}, {"recompute": "full"}),
+    "cp_selective_recompute": ({"cp": 2}, {"recompute": "selective"}),
     "tp_selective_recompute": ({"tp": 2}, {"recompute": "selective"}),
     "pp": ({"pp": 2, "pp_schedule": "1f1b"}, {}),
 }
@@ -45,6 +46,9 @@ FOUR_RANKS = {
     "pp_x_cp": ({"pp": 2, "cp": 2}, {}),
     # FSDP2 over 2 data-parallel ranks reduces the replicated down-projections' partial gradients
     "fsdp_x_tp": ({"strategy": "fsdp", "dp_shard": 2, "tp": 2}, {}),
+    # FSDP2 over dp_shard x cp: the cp group carries only the latents (their bytes are counted), and
+    # selective recompute re-runs the core on them without gathering again
+    "fsdp_x_cp_selective_recompute": ({"strategy": "fsdp", "dp_shard": 2, "cp": 2}, {"recompute": "selective"}),
 }
 
 
@@ -61,7 +65,10 @@ def run_layout(rank: int, world: int, name: str, parallel: dict, model: dict, ck
     engine = build_from_config(cfg, ctx).engine
     if ckpt_root is None:
         losses, _, grads = train_steps(engine, range(STEPS), ctx, cfg, record_grads=True)
-        return {"losses": losses, "grads": grads, "final": full_params(engine)}
+        out = {"losses": losses, "grads": grads, "final": full_params(engine)}
+        if name == "fsdp_x_cp_selective_recompute":
+            out["cp_bytes"] = cp_bytes(engine, ctx, cfg)
+        return out
     losses, _, grads = train_steps(engine, range(SAVE_AFTER), ctx, cfg, record_grads=True)
     path = Path(ckpt_root) / name
     save_on_every_rank(engine, path, rank)
@@ -71,6 +78,17 @@ def run_layout(rank: int, world: int, name: str, parallel: dict, model: dict, ck
     resumed, _, _ = train_steps(fresh, range(SAVE_AFTER, STEPS), ctx, cfg)
     return {"losses": losses + rest, "grads": grads, "final": full_params(engine), "resumed": resumed,
             "resumed_final": full_params(fresh)}
+
+
+def cp_bytes(engine, ctx, cfg) -> tuple[float, float]:
+    """Bytes this rank sent over its cp group in one more step's forward and backward, and what the
+    estimator counts for them (the latent and rotary key, not the keys and values)."""
+    from analysis.collective_bytes import CommBytes
+    from analysis.parallel_bench import comm_by_dimension, formula_kv_bytes
+
+    with CommBytes() as counter:
+        engine.forward_backward_step(iter(micro_batches(STEPS, ctx.dims.dp_rank, ctx.layout.dp)), ACCUM)
+    return comm_by_dimension(counter, ctx)[0]["cp"], formula_kv_bytes(cfg, ctx.layout.dp)
 
 
 def worker(rank: int, world: int, ckpt_root: str) -> dict:
@@ -135,6 +153,15 @@ def test_mla_under_tp_cp_and_pp_matches_one_process(two_ranks, references):
                                 lambda name: "direct" if "q_lora_rank" in TWO_RANKS[name][1] else "compressed")
 
 
+def test_cp_sends_the_latent_and_rotary_key_the_estimator_counts(four_ranks):
+    # per layer and micro-batch, a forward all-gather and a backward reduce-scatter of (cp - 1) / cp of
+    # the whole sequence's latent and rotary key: fp32, b = 2, s = 16, 8 + 4 numbers a token
+    want = 2 * 2 * ACCUM * (1 / 2) * (4 * 2 * 16 * (8 + 4))
+    for rank in four_ranks:
+        sent, counted = rank["fsdp_x_cp_selective_recompute"]["cp_bytes"]
+        assert sent == counted == want
+
+
 def test_mla_tp_resumes_exactly(two_ranks):
     for rank in two_ranks:
         run = rank["tp"]
@@ -143,6 +170,6 @@ def test_mla_tp_resumes_exactly(two_ranks):
             assert torch.equal(run["resumed_final"][key], value), key
 
 
-def test_mla_under_tp_x_cp_pp_x_tp_pp_x_cp_and_fsdp_x_tp_matches_one_process(four_ranks, references):
+def test_mla_under_tp_x_cp_pp_x_tp_pp_x_cp_fsdp_x_tp_and_fsdp_x_cp_matches_one_process(four_ranks, references):
     assert_every_layout_matches(four_ranks, FOUR_RANKS, references,
                                 lambda name: "compressed_dp2" if "fsdp" in name else "compressed")
