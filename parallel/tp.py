@@ -142,11 +142,8 @@ class _ReplicatedLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor) -> tuple[torch.Tensor, None]:
-        if isinstance(grad.placements[0], Partial):
-            return grad.to_local(), None
-        # A whole gradient (Replicate): rank 0 holds it, the others add nothing; exact, unlike n equal parts.
-        local = grad.redistribute(ctx.mesh, [Replicate()]).to_local()
-        return (local if ctx.mesh.get_local_rank() == 0 else torch.zeros_like(local)), None
+        # The modules here (linears, norms) hand back Partial; a whole (Replicate) one is split in equal shares.
+        return grad.redistribute(ctx.mesh, [Partial()]).to_local(), None
 
 
 def _replicated(x, mesh: DeviceMesh):
