@@ -170,14 +170,17 @@ class ReplicatedPartialGrad(ParallelStyle):
         return distribute_module(module, device_mesh, _replicate_parameters, to_dtensors, to_local)
 
 
-class ColwiseFromReplicated(ColwiseParallel):
+class ColwiseFromReplicated(ParallelStyle):
     """Column-parallel over the heads, on an input that is replicated but whose gradient is a partial
     sum (an output of ``ReplicatedPartialGrad``): each rank's input gradient, from its own columns,
-    goes back as its share instead of being all-reduced (what ``ColwiseParallel``'s own input does)."""
+    goes back as its share instead of being all-reduced (what ``ColwiseParallel`` does with a plain
+    input). The input becomes a DTensor first, which ``ColwiseParallel`` then takes as it is."""
 
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        return _replicated(inputs[0], device_mesh)
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        ColwiseParallel()._apply(module, device_mesh)
+        module.register_forward_pre_hook(lambda mod, args: (_replicated(args[0], device_mesh), *args[1:]),
+                                         prepend=True)
+        return module
 
 
 # --------------------------------------------------------------------------- dropout
