@@ -247,11 +247,6 @@ class JobConfig:
         if chunks and p.pp > 1:
             raise ConfigError(f"kernels.loss_chunk_tokens={chunks} with parallel.pp={p.pp}: the pipeline's last "
                               "stage computes the loss from the whole logits; set kernels.loss_chunk_tokens=0")
-        if m.is_mla:  # latent attention's heads are not split over tp ranks, nor its latent over cp chunks here
-            for key in ("tp", "cp", "pp"):
-                if getattr(p, key) > 1:
-                    raise ConfigError(f"model.attention_kind=mla with parallel.{key}={getattr(p, key)} is not supported "
-                                      f"yet; use parallel.{key}=1")
         if p.tp > 1:
             if t.compile and m.recompute in ("selective", "full", "every_k"):
                 # torch 2.13's compiler saves the tensor-parallel DeviceMesh among the tensors of a

@@ -230,17 +230,6 @@ def test_qk_clip_with_latent_attention_is_refused_in_one_line():
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("key", ["tp", "cp", "pp"])
-@pytest.mark.parametrize("model, message", [([], "model.attention_kind=mla with parallel.{}=2 is not supported")])
-def test_latent_attention_and_mtp_under_untested_layouts_are_refused_in_one_line(key, model, message):
-    from training.config import load_config
-
-    with pytest.raises(ConfigError, match=message.format(key)) as err:
-        load_config("configs/tiny-mla.yaml", [f"--parallel.{key}=2", "--train.grad_accum_steps=2",
-                                              "--parallel.strategy=fsdp", *model])
-    assert "\n" not in str(err.value)
-
-
 def mtp_reference(model: GPT, seq: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The next-token loss and each depth's loss, written out: depth k at position i sees the token
     at i + k and predicts the one at i + k + 1 of the whole sequence ``seq`` (B, T + 1)."""
