@@ -8,7 +8,7 @@ embedding, untied; and tied, where that copy is also the head), cp=2 (the tokens
 taken from the whole sequence), cp=2 with the document mask (no depth's target crosses a
 document), pp=2 interleaved (two stages per rank); on 4 ranks cp=2 x pp=2 with the document mask
 (the last stage takes its chunks of the tokens ahead) and pp=2 x tp=2 with routed experts in every
-block, the modules' included, cp=2 x tp=2, and pp=2 x FSDP2 over 2 data-parallel ranks. The pp=2 run also saves after SAVE_AFTER steps and a fresh engine
+block, the modules' included, both with DeepSeek's latent attention, cp=2 x tp=2, and pp=2 x FSDP2 over 2 data-parallel ranks. The pp=2 run also saves after SAVE_AFTER steps and a fresh engine
 resumes from it bit for bit. One 2-rank and one 4-rank launch.
 """
 
@@ -44,9 +44,12 @@ LAYOUTS = {
     "cp2_document": ({"cp": 2}, DOCUMENT),
 }
 MOE = {"moe.experts": 4, "moe.top_k": 2, "moe.d_ff": 16, "moe.aux_loss": 0.01}  # the modules' blocks route too
+# DeepSeek-V3's latent attention, in the modules' blocks too
+MLA = {"attention_kind": "mla", "n_kv_head": None, "q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
+       "qk_rope_head_dim": 4, "v_head_dim": 8}
 FOUR_RANKS = {
-    "cp2_x_pp2_document": ({"cp": 2, "pp": 2}, DOCUMENT),
-    "pp2_x_tp2_moe": ({"pp": 2, "tp": 2}, MOE),
+    "cp2_x_pp2_document_mla": ({"cp": 2, "pp": 2}, DOCUMENT | MLA),
+    "pp2_x_tp2_mla_moe": ({"pp": 2, "tp": 2}, MLA | MOE),
     "cp2_x_tp2": ({"cp": 2, "tp": 2}, {}),
     "pp2_x_fsdp2": ({"pp": 2, "dp_shard": 2, "strategy": "fsdp"}, {}),  # each data-parallel rank its own batches
 }
@@ -58,7 +61,7 @@ LR = 3e-3
 
 
 def job(model: dict, accum: int = ACCUM, **parallel):
-    overrides = [f"--model.{k}={v}" for k, v in (MODEL | model).items()]
+    overrides = [f"--model.{k}={'null' if v is None else v}" for k, v in (MODEL | model).items()]
     overrides += [f"--train.micro_batch_size={MICRO}", f"--train.grad_accum_steps={accum}", "--optim.warmup_steps=1",
                   f"--optim.lr={LR}", f"--train.max_steps={STEPS}"]
     return load_config(None, overrides + [f"--parallel.{k}={v}" for k, v in parallel.items()])
@@ -156,8 +159,9 @@ def test_mtp_layouts_match_one_process_over_ten_steps(name, results):
 def test_composed_mtp_layouts_match_one_process_over_ten_steps(name, four_rank_results):
     parallel, model = FOUR_RANKS[name]
     check(four_rank_results, name, model, dp_size=parallel.get("dp_shard", 1))
-    if name.endswith("_moe"):
-        assert any(key.startswith("mtp.1.block.mlp.w_up") for got in four_rank_results for key in got[name]["final"])
+    held = {key for got in four_rank_results for key in got[name]["final"]}
+    assert "moe" not in name or "mtp.1.block.mlp.w_up" in held
+    assert "mla" not in name or "mtp.1.block.attn.kv_down.weight" in held
 
 
 def test_an_mtp_pipeline_resumes_bit_for_bit_and_keeps_its_embedding_copies_equal(results):
