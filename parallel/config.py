@@ -29,7 +29,7 @@ class ParallelConfig:
                   "ranks (each holds model.moe.experts / ep), tokens sent to their experts and back by all-to-all "
                   "(parallel/ep.py); the dp_shard x cp / ep ranks holding the same experts shard them (FSDP2). With "
                   "cp > 1 it must be a multiple of cp (an ep group spans whole cp groups); with tp, each tp rank "
-                  "exchanges its own tokens in its ep group (experts replicated over tp); must divide "
+                  "exchanges its own tokens in its ep group (experts replicated over tp, or split by etp); must divide "
                   "model.moe.experts; needs strategy=fsdp or none")
     etp: int = doc(1, "expert tensor parallelism: 1 (routed experts replicated over the tp ranks) or tp (each "
                    "expert's matrices split over the tp ranks as a dense MLP's are: gate and up by columns, down by "
