@@ -3,10 +3,11 @@
 The dropless MoE GPT of test_ep.py (Switch auxiliary loss and z-loss on) trained for 10 steps by the
 build path with each routed expert split over the tp ranks: tp=2 with and without sequence
 parallelism, and with shared experts (split as a dense MLP) on 2 ranks; tp=2 x FSDP2 over dp_shard=2,
-and tp=2 x ep=2 (each ep rank's experts split over tp, on the (ep, tp) mesh) on 4 ranks. Losses and
-gradient norms equal one process stepping on the same micro-batches (within 1e-5), the first step's
-gradients (1e-6) and the last weights (1e-5) gathered whole equal
-one process's parameter by parameter, the router metrics the log shows are one process's, each rank
+tp=2 x ep=2 (each ep rank's experts split over tp, on the (ep, tp) mesh), tp=2 x pp=2 and tp=2 x cp=2
+on 4 ranks. Losses and gradient norms equal one process stepping on the same micro-batches (within
+1e-5), the first step's gradients (1e-6) and the last weights (1e-5) gathered whole equal one
+process's parameter by parameter (but under pp, where a rank holds one stage and the norm over both
+stages is checked), the router metrics the log shows are one process's, each rank
 holds 1/tp of every expert's columns, and each layout resumes bit for bit from its DCP checkpoint
 saved after 6 steps. One 2-rank and one 4-rank launch run all of it.
 """
@@ -25,7 +26,8 @@ from tests.integration.parallel.test_ep import MODEL, SAVE_AFTER, STEPS, one_pro
 ETP = {"tp": 2, "etp": 2}
 LAYOUTS = {2: {"etp2": ETP, "etp2_no_sp": ETP | {"sequence_parallel": False, "loss_parallel": False},
                "etp2_shared": ETP},
-           4: {"etp2_x_dp2": ETP | {"dp_shard": 2, "strategy": "fsdp"}, "etp2_x_ep2": ETP | {"ep": 2}}}
+           4: {"etp2_x_dp2": ETP | {"dp_shard": 2, "strategy": "fsdp"}, "etp2_x_ep2": ETP | {"ep": 2},
+               "etp2_x_pp2": ETP | {"pp": 2}, "etp2_x_cp2": ETP | {"cp": 2}}}
 # test_ep.py's job() takes a layout's model keys from its MODEL_KEYS by the layout's name.
 ep_test.MODEL_KEYS.setdefault("etp2_shared", {"moe.shared_experts": 1})
 
@@ -56,11 +58,12 @@ def test_expert_tensor_parallel_training_equals_one_process(launches, world, nam
     for got in (r[name] for r in ranks):
         assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
         assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-        worst = max(got["grad_err"].items(), key=lambda kv: kv[1])
-        assert worst[1] < 1e-6, worst
-        weight_err = {k: float((got["weights"][k] - w).abs().max()) for k, w in ref["weights"].items()}
-        worst = max(weight_err.items(), key=lambda kv: kv[1])
-        assert worst[1] < 1e-5, worst
+        if "pp" not in LAYOUTS[world][name]:  # a pipeline rank holds one stage: its norm is checked above
+            worst = max(got["grad_err"].items(), key=lambda kv: kv[1])
+            assert worst[1] < 1e-6, worst
+            weight_err = {k: float((got["weights"][k] - w).abs().max()) for k, w in ref["weights"].items()}
+            worst = max(weight_err.items(), key=lambda kv: kv[1])
+            assert worst[1] < 1e-5, worst
         assert got["resumed"] == got["losses"][SAVE_AFTER:], f"resume under {name} is not bit-exact"
         assert got["router"].keys() == ref["router"].keys()
         for key, value in ref["router"].items():
