@@ -60,3 +60,14 @@ def test_under_ep_every_tp_gpu_exchanges_the_whole_micro_batchs_copies():
     nbytes = (2 - 1) / 2 * copies * D * 4
     assert est.expert_all_to_all(job(world=4, tp=2, ep=2, etp=2))[1] == exchanges * nbytes
     assert est.expert_all_to_all(job(world=4, tp=2, ep=2))[1] == exchanges * nbytes / 2
+
+
+def test_the_planner_tries_split_experts_only_for_moe_models_under_tp():
+    """Among every layout that fits 4 GPUs, the MoE model's include etp = tp = 2 and 4 (each accepted by the trainer,
+    as every proposal is); a dense model's never do."""
+    dense = ModelConfig(**{**MODEL.__dict__, "moe": MoEConfig()})
+    for model, want in ((MODEL, {1, 2, 4}), (dense, {1})):
+        plans = est.plan_layouts(model, SEQ, 4, DEVICES["H100"], "fp32", global_batch=8, top=None,
+                                 recomputes=("none",), micro_batches=(2,), schedules=("1f1b",), virtual_stages=(1,))
+        assert {p.job.layout.etp for p in plans} == want
+        assert all(p.job.layout.etp in (1, p.job.layout.tp) for p in plans)
