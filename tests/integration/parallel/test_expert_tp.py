@@ -22,7 +22,7 @@ import pytest
 from common.values import local_shard
 from tests.gloo import run_workers
 from tests.integration.parallel import test_ep as ep_test
-from tests.integration.parallel.test_ep import MODEL, SAVE_AFTER, STEPS, one_process, train_layout
+from tests.integration.parallel.test_ep import MODEL, STEPS, assert_trains_as_one_process, one_process, train_layout
 
 ETP = {"tp": 2, "etp": 2}
 LAYOUTS = {2: {"etp2": ETP, "etp2_no_sp": ETP | {"sequence_parallel": False, "loss_parallel": False},
@@ -66,15 +66,9 @@ def test_expert_tensor_parallel_training_equals_one_process(launches, world, nam
     width = MODEL["moe.d_ff"]
     for got in (r[name] for r in ranks):
         loss_tol, norm_tol = DRIFT.get(name, (1e-5, 1e-5))
-        assert got["losses"] == pytest.approx(ref["losses"], abs=loss_tol)
-        assert got["norms"] == pytest.approx(ref["norms"], rel=norm_tol)
-        if "pp" not in LAYOUTS[world][name]:  # a pipeline rank holds one stage: its norm is checked above
-            worst = max(got["grad_err"].items(), key=lambda kv: kv[1])
-            assert worst[1] < 1e-6, worst
-            weight_err = {k: float((got["weights"][k] - w).abs().max()) for k, w in ref["weights"].items()}
-            worst = max(weight_err.items(), key=lambda kv: kv[1])
-            assert worst[1] < 1e-5, worst
-        assert got["resumed"] == got["losses"][SAVE_AFTER:], f"resume under {name} is not bit-exact"
+        # a pipeline rank holds one stage: its norm over both stages is checked, not its weights
+        assert_trains_as_one_process(got, ref, name, whole="pp" not in LAYOUTS[world][name], loss_tol=loss_tol,
+                                     norm_tol=norm_tol)
         assert got["router"].keys() == ref["router"].keys()
         for key, value in ref["router"].items():
             assert got["router"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (key, got["router"])
