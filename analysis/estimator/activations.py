@@ -8,6 +8,7 @@ from fractions import Fraction
 from analysis.estimator.job import (
     ATTENTION_BACKEND_KIND,
     ATTENTION_KINDS,
+    OP_SELECTIVE_SAVES,
     RECOMPUTE_POLICIES,
     EstimatorError,
     check_choice,
@@ -101,6 +102,33 @@ def attention_saved_elements(cfg: ModelConfig, matmul_outputs: bool = False) -> 
     return h + 2 * q_rank + 2 * cfg.kv_lora_rank, 2 * cfg.q_dim + kv_up + cfg.value_dim
 
 
+def alternate_matmuls_elements(cfg: ModelConfig) -> tuple[int, int]:
+    """(outside, inside the TP region) matmul-output elements per token that torchtitan's per-op
+    selective recompute keeps: per block, the matmuls in forward order (q, k, v, the output
+    projection, then SwiGLU's gate, up and down, or GELU's fc and out: separate projections, as
+    torchtitan's Llama runs them) and every odd-numbered one kept, the others recomputed in backward
+    (its policy counts aten.mm calls from 1 per checkpointed block and recomputes the even ones;
+    torchtitan's activation-checkpoint code, December 2024). Kept: q, v, the MLP's first matmul and,
+    with SwiGLU, its last (d wide, outside the region)."""
+    if cfg.mlp == "swiglu":
+        order = [("in", cfg.q_dim), ("in", cfg.kv_dim), ("in", cfg.kv_dim), ("out", cfg.d_model),
+                 ("in", cfg.d_ff), ("in", cfg.d_ff), ("out", cfg.d_model)]
+    else:
+        order = [("in", cfg.q_dim), ("in", cfg.kv_dim), ("in", cfg.kv_dim), ("out", cfg.d_model),
+                 ("in", cfg.d_ff), ("out", cfg.d_model)]
+    kept = order[0::2]
+    return sum(w for where, w in kept if where == "out"), sum(w for where, w in kept if where == "in")
+
+
+def alternate_matmuls_recomputed(cfg: ModelConfig, tp: int = 1) -> list[tuple[float, float]]:
+    """The matmuls torchtitan's per-op policy runs again in backward, as (k, n) on one of ``tp`` GPUs:
+    k (column-parallel), the output projection (row-parallel), and SwiGLU's up projection
+    (column-parallel; GELU: its out, row-parallel)."""
+    d = cfg.d_model
+    last = (d, cfg.d_ff / tp) if cfg.mlp == "swiglu" else (cfg.d_ff / tp, d)
+    return [(d, cfg.kv_dim / tp), (cfg.q_dim / tp, d), last]
+
+
 def activation_bytes_per_layer(
     model_cfg: ModelConfig,
     seq_len: int,
@@ -114,6 +142,7 @@ def activation_bytes_per_layer(
     every_k: int | None = None,
     tp: int = 1,
     sequence_parallel: bool = False,
+    op_selective_saves: str = "every_matmul",
 ) -> float:
     """Bytes one transformer layer keeps on one GPU for backward (Korthikanti et al. 2022, generalized).
 
@@ -122,9 +151,11 @@ def activation_bytes_per_layer(
     a backend name (``reference`` stores the scores; ``sdpa``, ``flash_attn`` do not);
     ``every_k`` defaults to ``model_cfg.recompute_every_k``. With ``tp`` > 1 the tensors inside
     the tensor-parallel region are split over ``tp`` GPUs, and the rest too when
-    ``sequence_parallel``. See the module docstring.
+    ``sequence_parallel``. ``op_selective_saves``: which matmul outputs op_selective keeps
+    (``alternate_matmuls_elements``). See the module docstring.
     """
     check_choice("recompute", recompute, RECOMPUTE_POLICIES)
+    check_choice("op_selective_saves", op_selective_saves, OP_SELECTIVE_SAVES)
     attention = ATTENTION_BACKEND_KIND.get(attention, attention)
     check_choice("attention", attention, ATTENTION_KINDS + tuple(ATTENTION_BACKEND_KIND))
     if tp < 1:
@@ -155,6 +186,10 @@ def activation_bytes_per_layer(
         scores = (2 * p + m if with_dropout else p) * a * s * s * b
     # A MoE layer is not tensor-split (replicated over the tp GPUs, parallel/tp.py): its activations
     # lie outside the TP region, on s/t positions per GPU only with sequence parallelism.
+    if recompute == "op_selective" and op_selective_saves == "alternate_matmuls":
+        outside, inside = alternate_matmuls_elements(model_cfg)
+        lse = 4.0 * a * s * b if attention == "flash" else p * a * s * s * b
+        return tp_split(p * tokens * (h + outside), p * tokens * (inside + model_cfg.q_dim) + lse, **split)
     if recompute == "op_selective":
         moe = _moe_activation_share(model_cfg, _moe_matmul_output_elements(model_cfg)) if model_cfg.moe.experts else 0.0
         attn_out, attn_in = attention_saved_elements(model_cfg, matmul_outputs=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from analysis.estimator.activations import checkpointed_layers, mlp_hidden_width
+from analysis.estimator.activations import alternate_matmuls_recomputed, checkpointed_layers, mlp_hidden_width
 from analysis.estimator.communication import (
     _dp_and_expert_comm,
     _per_node,
@@ -383,7 +383,12 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     core, scores = attention_seconds(job, 1 + redo_core + redo_layer)
     fwd_bytes, bwd_bytes = _elementwise_bytes(job)
     elementwise = (fwd_bytes * (1 + redo_layer + redo_elementwise) + bwd_bytes) * a.elementwise_scale / hbm
-    compute = layers * (gemm * (3 + redo_layer) + core)
+    if job.recompute == "op_selective" and job.op_selective_saves == "alternate_matmuls":
+        # torchtitan's per-op policy runs the matmuls whose outputs it dropped again in backward
+        gemm_redo = sum(gemm_seconds(job, tokens, k, n) for k, n in alternate_matmuls_recomputed(cfg, t))
+    else:
+        gemm_redo = 0.0
+    compute = layers * (gemm * (3 + redo_layer) + gemm_redo + core)
     memory_bound = layers * (elementwise + scores)
     if stage == job.layout.pp - 1:
         # The head and the loss, once and again per multi-token-prediction depth; each depth also runs

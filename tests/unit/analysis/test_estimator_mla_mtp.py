@@ -175,3 +175,37 @@ def test_recompute_flops_count_each_layers_window_and_the_value_width():
     assert est.recompute_flops_per_token(cfg, s, "selective") == 2 * 128 * (128 + 1024 + 128 + 1024)
     latent = mla(max_seq_len=s)  # q 48, v 48, 2 layers
     assert est.recompute_flops_per_token(latent, s, "selective") == 2 * 2 * (48 + 48) * s
+
+
+# --------------------------------------------------------------------------- torchtitan's per-op recompute
+
+
+def llama(**changes) -> ModelConfig:
+    base = dict(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=64,
+                position="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    return ModelConfig(**{**base, **changes})
+
+
+def test_alternate_matmuls_keep_q_v_gate_and_down_by_hand():
+    """torchtitan's policy over wq wk wv wo w1 w3 w2 keeps the 1st, 3rd, 5th and 7th outputs; s=32, b=2, bf16, flash."""
+    cfg, s, b, p = llama(), 32, 2, 2
+    n, lse = s * b, 4 * 4 * s * b
+    kept = p * n * ((64 + 64) + (64 + 32 + 96 + 64)) + lse  # block input, w2 out; q, v, w1 out, the core's output
+    assert est.activation_bytes_per_layer(cfg, s, b, "op_selective", p, attention="flash",
+                                          op_selective_saves="alternate_matmuls") == kept
+    every = p * n * ((64 + 64 + 64) + (64 + 2 * 32 + 64 + 2 * 96)) + lse
+    assert est.activation_bytes_per_layer(cfg, s, b, "op_selective", p, attention="flash") == every
+    gelu = llama(mlp="gelu")  # wq wk wv wo fc out: q, v, fc kept
+    assert est.activation_bytes_per_layer(gelu, s, b, "op_selective", p, attention="flash",
+                                          op_selective_saves="alternate_matmuls") == p * n * (64 + 64 + 32 + 96 + 64) + lse
+
+
+def test_alternate_matmuls_run_k_the_output_projection_and_up_again():
+    s, b = 512, 2
+    job = est.JobSpec(llama(max_seq_len=s), s, b, recompute="op_selective", device=H800)
+    alternate = dataclasses.replace(job, op_selective_saves="alternate_matmuls")
+    tokens = s * b
+    redo = sum(est.gemm_seconds(job, tokens, k, n) for k, n in ((64, 32), (64, 64), (64, 96)))
+    assert est.estimate_time(alternate, 0).compute_s - est.estimate_time(job, 0).compute_s == pytest.approx(2 * redo)
+    with pytest.raises(est.EstimatorError, match="op_selective_saves=alternate_matmuls counts a dense"):
+        est.JobSpec(mla(), 64, 1, recompute="op_selective", device=H800, op_selective_saves="alternate_matmuls")
