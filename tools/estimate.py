@@ -190,8 +190,18 @@ def model_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
         ["shape", f"L={cfg.n_layer}, d={cfg.d_model}, heads={cfg.n_head}, kv heads={cfg.kv_heads}, "
                   f"d_ff={cfg.d_ff} {cfg.mlp}, vocab={cfg.vocab_size}, s={job.seq_len}, b={job.micro_batch}"],
         ["layout", est.job_words(job)],
+        ["KV cache (sampling)", _kv_cache_words(job)],
     ]
     return ["model", "value"], rows
+
+
+def _kv_cache_words(job: est.JobSpec) -> str:
+    """What model/generate.py's cache holds per token (mean over a sequence of seq_len positions) and per sequence."""
+    cfg, p, s = job.model, job.activation_dtype_bytes, job.seq_len
+    whole = est.kv_cache_bytes(cfg, s, 1, p)
+    kind = (f"latent {cfg.kv_lora_rank} + rotary key {cfg.qk_rope_head_dim} per layer" if cfg.is_mla
+            else f"{cfg.kv_heads} KV heads of {cfg.head_dim}" + (", windowed layers their window" if cfg.sliding_window else ""))
+    return f"{human_bytes(whole / s)}/token, {human_bytes(whole)} per sequence of {s:,} ({kind}, {p}-byte)"
 
 
 def activation_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:

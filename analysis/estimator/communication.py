@@ -291,7 +291,8 @@ def _dp_and_expert_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, floa
     the dp_shard / ep GPUs holding the same experts (each holding 1/ep of them)."""
     if job.layout.ep == 1:
         return _dp_comm(job, n_params)
-    routed = stage_routed_parameters(job)
+    # n_params is the largest stage's: the last when it holds multi-token-prediction modules
+    routed = stage_routed_parameters(job, job.layout.pp - 1 if job.model.mtp_depth else 0)
     dense, dense_s = _dp_comm(job, n_params - routed)
     # The GPUs holding the same experts: the shard group over ep (cp ranks are inside the ep group).
     experts, experts_s = _dp_comm(job, routed / job.layout.ep, shard=job.layout.dp_shard_cp // job.layout.ep)

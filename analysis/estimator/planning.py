@@ -282,13 +282,14 @@ def job_words(job: JobSpec) -> str:
 
 
 def describe_plan(result: Estimate) -> str:
-    """One planner line: the layout in config words, then predicted memory, step time and MFU."""
+    """One planner line: the layout in config words, then predicted memory, step time, tokens/s per GPU and MFU."""
     mem, t, job = result.memory, result.time, result.job
     where = f" (stage {mem.stage})" if job.layout.pp > 1 else ""
     mfu = f", MFU {t.mfu:.0%}" if t.mfu is not None else ""
     idle = bubble_fraction(job.layout.pp_schedule, job.layout.pp, job.grad_accum, job.layout.pp_virtual_stages)
     bubble = f", bubble {idle:.1%}" if job.layout.pp > 1 else ""
-    return f"{job_words(job)}: {gib(mem.total)}/GPU{where}, {t.step_s:,.3g} s/step{mfu}{bubble}"
+    rate = t.tokens_per_s / job.layout.world_size
+    return f"{job_words(job)}: {gib(mem.total)}/GPU{where}, {t.step_s:,.3g} s/step, {rate:,.0f} tokens/s/GPU{mfu}{bubble}"
 
 
 def _fits_on(model_cfg: ModelConfig, seq_len: int, device: DeviceSpec, precision: str, n: int) -> bool:
