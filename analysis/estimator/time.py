@@ -338,7 +338,8 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     element-wise work at ``hbm_fraction`` of HBM bandwidth (``_elementwise_bytes``, times
     ``elementwise_scale``). The last stage adds the LM head's GEMM (vocab-parallel) and the loss's
     memory-bound pass over the logits (16-bit logits written and read, fp32 log-probabilities written
-    and read, 16-bit gradient written).
+    and read, 16-bit gradient written). With ``loss_chunk_tokens`` the head's GEMM runs per chunk and
+    its forward once more in backward (the chunk's logits are recomputed, not kept).
     """
     cfg, a, t = job.model, job.assumptions, job.layout.tp
     tokens = job.local_seq_len * job.micro_batch
@@ -352,7 +353,13 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     compute = layers * (gemm * (3 + redo_layer) + core)
     memory_bound = layers * (elementwise + scores)
     if stage == job.layout.pp - 1:
-        compute += 3 * gemm_seconds(job, tokens, cfg.d_model, cfg.vocab_size / t)
+        chunk = min(job.loss_chunk_tokens or tokens, tokens)
+        if chunk == tokens:
+            compute += 3 * gemm_seconds(job, tokens, cfg.d_model, cfg.vocab_size / t)
+        else:  # kernels.loss_chunk_tokens: each chunk's head GEMM runs again in its backward
+            whole, rest = divmod(tokens, chunk)
+            compute += 4 * sum(gemm_seconds(job, rows, cfg.d_model, cfg.vocab_size / t)
+                               for rows in [chunk] * whole + ([rest] if rest else []))
         p = job.activation_dtype_bytes
         memory_bound += tokens * cfg.vocab_size / t * (3 * p + 8) * a.elementwise_scale / hbm
     tp_s, _ = tp_comm_seconds(job, stage)
