@@ -1,0 +1,203 @@
+"""Feature x layout combinations that the layout tests of their own features do not reach, each
+against one process on the same global batch.
+
+Recompute, the document mask, µP, the chunked loss, Muon, MoE, reduced precision and FP8 each have
+tests of their own in one process and under some layouts; here each runs under the layouts those
+leave out (tensor and pipeline parallelism, pipelines under FSDP2 with gpipe and interleaved 1F1B,
+HSDP over tp, pp, cp and ep, DeepSpeed's ZeRO, ...). Every layout trains STEPS steps of 2 sequences
+per data-parallel rank (as many micro-batches per step as a pipeline needs) and is held to one
+process running the same global batch with the same model: fp32 losses within 1e-5, gradient norms
+within 1e-5 relative and the weights after the last step within 1e-4, as tests/integration/parallel/
+test_cp.py holds its layouts; reduced precision and FP8 within the tolerances named at PRECISION.
+One 4-rank launch runs the 4-rank layouts in sequence, one 8-rank launch the HSDP ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.distributed import DistContext
+from tests.gloo import gloo_context, run_workers
+from tests.integration.parallel.test_cp import EOT, SEQ, VOCAB, batches
+from tests.integration.parallel.test_tp_pp import full_params
+from training.build import build_from_config
+from training.config import load_config
+
+MICRO, STEPS = 2, 4
+MODEL = {"vocab_size": VOCAB, "max_seq_len": SEQ, "n_layer": 2, "n_head": 4, "d_model": 32, "n_kv_head": 2,
+         "position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False}
+MOE = {"model.moe.experts": 4, "model.moe.top_k": 2, "model.moe.d_ff": 16}
+DOCUMENT = {"model.attention_mask": "document", "model.eot_id": EOT, "model.document_positions": True}
+MUON = {"optim.name": "muon", "optim.muon.ns_dtype": "fp32", "model.bias": False}
+MUP = {"model.mup": True, "model.mup_base_width": 16}
+FSDP = {"strategy": "fsdp"}
+HSDP = {"strategy": "fsdp", "dp_replicate": 2, "dp_shard": 2}
+
+# name -> (parallel section, other keys of the run and of its one-process reference)
+FOUR_RANKS = {
+    # recompute under tensor parallelism (policies that re-run the tp collectives in backward) and pipelines
+    "tp2_x_dp2_full_recompute": (FSDP | {"tp": 2, "dp_shard": 2}, {"model.recompute": "full"}),
+    "tp2_x_dp2_op_selective_recompute": (FSDP | {"tp": 2, "dp_shard": 2}, {"model.recompute": "op_selective"}),
+    "tp2_selective_recompute_no_sp": ({"tp": 2, "sequence_parallel": False}, {"model.recompute": "selective"}),
+    # pipelines under FSDP2 with the two schedules test_tp_pp.py leaves out, with recompute in the stages
+    "pp2_x_dp2_gpipe_full_recompute": (FSDP | {"pp": 2, "dp_shard": 2, "pp_schedule": "gpipe"},
+                                       {"model.recompute": "full"}),
+    "pp2_x_dp2_interleaved_selective_recompute": (FSDP | {"pp": 2, "dp_shard": 2, "pp_schedule": "interleaved_1f1b",
+                                                          "pp_virtual_stages": 2},
+                                                  {"model.recompute": "selective", "model.n_layer": 4}),
+    "pp2_x_tp2_op_selective_recompute": ({"pp": 2, "tp": 2}, {"model.recompute": "op_selective"}),
+    # the document mask where the heads are split, and where experts are
+    "tp2_x_dp2_document": (FSDP | {"tp": 2, "dp_shard": 2}, DOCUMENT),
+    "ep2_of_dp4_document": (FSDP | {"ep": 2}, DOCUMENT | MOE),
+    # HSDP over expert parallelism: the expert groups inside each replica
+    "hsdp_x_ep2": (HSDP | {"ep": 2}, MOE),
+    # the chunked loss under data parallelism
+    "ddp_chunked_loss": ({"strategy": "ddp"}, {"kernels.loss_chunk_tokens": 8}),
+    "fsdp_chunked_loss": (FSDP, {"kernels.loss_chunk_tokens": 8}),
+    # Muon under context parallelism (a cp rank's gradients are partial sums until FSDP2 reduces them)
+    "cp2_x_dp2_muon": (FSDP | {"cp": 2, "dp_shard": 2}, MUON),
+    # µP's multipliers on sharded and split weights
+    "tp2_x_dp2_mup": (FSDP | {"tp": 2, "dp_shard": 2}, MUP),
+    "pp2_x_dp2_mup": (FSDP | {"pp": 2, "dp_shard": 2}, MUP),
+    # MoE under DeepSpeed's ZeRO
+    "zero1_moe": ({"strategy": "zero1"}, MOE),
+    "zero2_moe": ({"strategy": "zero2"}, MOE),
+    "zero3_moe": ({"strategy": "zero3"}, MOE),
+    # reduced precision on several ranks
+    "ddp_bf16": ({"strategy": "ddp"}, {"precision.mode": "bf16"}),
+    "tp2_x_dp2_bf16": (FSDP | {"tp": 2, "dp_shard": 2}, {"precision.mode": "bf16"}),
+    "pp2_x_dp2_bf16": (FSDP | {"pp": 2, "dp_shard": 2}, {"precision.mode": "bf16"}),
+    "cp2_x_ep2_bf16": (FSDP | {"cp": 2, "ep": 2}, {"precision.mode": "bf16"} | MOE),
+    "fsdp_bf16_master": (FSDP, {"precision.mode": "bf16_master"}),
+    "zero1_bf16_master": ({"strategy": "zero1"}, {"precision.mode": "bf16_master"}),
+    "cp2_x_ep2_bf16_master": (FSDP | {"cp": 2, "ep": 2}, {"precision.mode": "bf16_master"} | MOE),
+    "ddp_fp16": ({"strategy": "ddp"}, {"precision.mode": "fp16"}),
+    "fsdp_fp16": (FSDP, {"precision.mode": "fp16"}),
+    "zero2_fp16": ({"strategy": "zero2"}, {"precision.mode": "fp16"}),
+    # FP8 (torchao) under pipelines, cp and ep
+    "pp2_x_dp2_fp8": (FSDP | {"pp": 2, "dp_shard": 2}, {"precision.mode": "fp8", "precision.fp8_backend": "torchao"}),
+    "cp2_x_dp2_fp8": (FSDP | {"cp": 2, "dp_shard": 2}, {"precision.mode": "fp8", "precision.fp8_backend": "torchao"}),
+    "ep2_of_dp4_fp8": (FSDP | {"ep": 2}, {"precision.mode": "fp8", "precision.fp8_backend": "torchao"} | MOE),
+}
+EIGHT_RANKS = {
+    "hsdp_x_tp2": (HSDP | {"tp": 2}, {}),
+    "hsdp_x_pp2": (HSDP | {"pp": 2}, {}),
+    "hsdp_x_cp2": (HSDP | {"cp": 2}, {}),
+    "pp2_x_dp2_x_tp2_gpipe": (FSDP | {"pp": 2, "dp_shard": 2, "tp": 2, "pp_schedule": "gpipe"}, {}),
+    "pp2_x_dp2_x_tp2_interleaved": (FSDP | {"pp": 2, "dp_shard": 2, "tp": 2, "pp_schedule": "interleaved_1f1b",
+                                            "pp_virtual_stages": 2}, {"model.n_layer": 4}),
+}
+# Reduced precision, against one process in the same mode: both round every matmul alike and only
+# the order of the sums differs, which the rounding magnifies about as much as the mode itself moves
+# the run from fp32. Measured over STEPS steps of these layouts: losses at most 1.1e-3 apart (bf16,
+# bf16_master; one process in bf16 against fp32 up to 9e-4), 1.3e-4 (fp16) and 1.6e-3 (FP8); gradient
+# norms 1.7e-2 relative (bf16, against 1.9e-2 for one process against fp32), 1e-3 (fp16), 1.3e-2 (FP8).
+# The weights are not compared: AdamW's normalised step moves an entry whose gradient is near zero by
+# up to lr on rounding-sized differences (7% of the weights' movement apart, as far as one process in
+# bf16 is from fp32). (loss tolerance, gradient-norm relative tolerance, the first Linear's class and
+# output dtype on every rank: the mode took effect)
+PRECISION = {"bf16": (3e-3, 3e-2, ("Linear", "torch.bfloat16")),
+             "bf16_master": (3e-3, 3e-2, ("Linear", "torch.bfloat16")),
+             "fp16": (5e-4, 3e-3, ("Linear", "torch.float16")),
+             "fp8": (3e-3, 3e-2, ("Float8Linear", "torch.bfloat16"))}
+
+
+def accum_of(parallel: dict) -> int:
+    return 2 if parallel.get("pp", 1) > 1 else 1  # a pipeline needs a micro-batch per stage
+
+
+def job(parallel: dict, extra: dict):
+    overrides = [f"--model.{k}={v}" for k, v in MODEL.items()]
+    overrides += [f"--train.micro_batch_size={MICRO}", f"--train.grad_accum_steps={accum_of(parallel)}",
+                  "--optim.warmup_steps=1", "--optim.lr=1e-2", f"--train.max_steps={STEPS}"]
+    overrides += [f"--{k}={v}" for k, v in extra.items()] + [f"--parallel.{k}={v}" for k, v in parallel.items()]
+    return load_config(None, overrides)
+
+
+def train(engine, ctx, cfg) -> dict:
+    """Losses, gradient norms and final weights of STEPS steps, and the class and output dtype of the
+    first linear layer this rank runs (what the precision mode made of it)."""
+    losses, norms, linear = [], [], []
+    first = next(m for m in engine.module().modules() if isinstance(m, torch.nn.Linear))
+    hook = first.register_forward_hook(lambda m, args, out: linear.append((type(m).__name__, str(out.dtype))))
+    n = cfg.train.grad_accum_steps
+    for step in range(STEPS):
+        loss, _ = engine.forward_backward_step(batches(step, ctx.dims.dp_rank, n), n)
+        norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
+        losses.append(float(ctx.all_reduce_mean(loss.detach().float().clone())))
+    hook.remove()
+    return {"losses": losses, "norms": norms, "final": {k: v.float() for k, v in full_params(engine).items()},
+            "dp_size": ctx.layout.dp, "linear": linear[0]}
+
+
+def worker(rank: int, world: int, layouts: dict) -> dict:
+    out = {}
+    for name, (parallel, extra) in layouts.items():
+        cfg = job(parallel, extra)
+        ctx = gloo_context(rank, world, parallel=cfg.parallel)
+        try:  # one layout's failure is its test's, not the whole launch's
+            out[name] = train(build_from_config(cfg, ctx).engine, ctx, cfg)
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def one_process(dp_size: int, parallel: dict, extra: dict) -> dict:
+    """The same model on the global batch of ``dp_size`` data-parallel ranks, in one process."""
+    accum = accum_of(parallel)
+    cfg = job({}, extra)
+    ctx = DistContext.single()
+    engine = build_from_config(cfg, ctx).engine
+    losses, norms = [], []
+    for step in range(STEPS):
+        every = iter([b for r in range(dp_size) for b in batches(step, r, accum)])
+        loss, _ = engine.forward_backward_step(every, dp_size * accum)
+        norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms, "final": {k: v.float() for k, v in full_params(engine).items()}}
+
+
+def check(results: list[dict], name: str, layout: tuple[dict, dict]) -> None:
+    parallel, extra = layout
+    for rank_result in results:
+        assert "error" not in rank_result[name], f"{name}: {rank_result[name].get('error')}"
+    ref = one_process(results[0][name]["dp_size"], parallel, extra)
+    mode = extra.get("precision.mode")
+    if mode is not None:
+        loss_tol, norm_tol, linear = PRECISION[mode]
+        for rank_result in results:
+            got = rank_result[name]
+            assert got["linear"] == linear, name
+            assert got["losses"] == pytest.approx(ref["losses"], abs=loss_tol), name
+            assert got["norms"] == pytest.approx(ref["norms"], rel=norm_tol), name
+        return
+    final = {}
+    for rank_result in results:
+        got = rank_result[name]
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5), name
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), name
+        final.update(got["final"])
+    assert set(final) == set(ref["final"]), name
+    for key, weight in ref["final"].items():
+        torch.testing.assert_close(final[key], weight, rtol=1e-4, atol=1e-4, msg=f"{name}: {key}")
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_workers(worker, 4, FOUR_RANKS)
+
+
+@pytest.fixture(scope="module")
+def eight_ranks():
+    return run_workers(worker, 8, EIGHT_RANKS)
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_features_on_four_rank_layouts_equal_one_process(name, four_ranks):
+    check(four_ranks, name, FOUR_RANKS[name])
+
+
+@pytest.mark.parametrize("name", list(EIGHT_RANKS))
+def test_hsdp_and_3d_layouts_equal_one_process(name, eight_ranks):
+    check(eight_ranks, name, EIGHT_RANKS[name])
