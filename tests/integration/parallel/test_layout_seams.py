@@ -9,19 +9,27 @@ per data-parallel rank (as many micro-batches per step as a pipeline needs) and 
 process running the same global batch with the same model: fp32 losses within 1e-5, gradient norms
 within 1e-5 relative and the weights after the last step within 1e-4, as tests/integration/parallel/
 test_cp.py holds its layouts; reduced precision and FP8 within the tolerances named at PRECISION.
-One 4-rank launch runs the 4-rank layouts in sequence, one 8-rank launch the HSDP ones.
+Dropout under pp, cp and ep: one process replays the masks the ranks drew (DROPOUT_LAYOUTS), and a
+run resumed from a checkpoint draws the masks the uninterrupted run drew. One 4-rank launch runs the
+4-rank layouts in sequence, one 8-rank launch the HSDP and 3-D ones.
 """
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
+from parallel.cp import chunk_ids, local_token_index
 from parallel.distributed import DistContext
-from tests.gloo import gloo_context, run_workers
+from tests.gloo import gloo_context, run_workers, save_on_every_rank
 from tests.integration.parallel.test_cp import EOT, SEQ, VOCAB, batches
+from tests.integration.parallel.test_tp_dropout import dropout_masks
 from tests.integration.parallel.test_tp_pp import full_params
 from training.build import build_from_config
+from training.checkpoint import capture_rng_state, restore_rng_state
 from training.config import load_config
 
 MICRO, STEPS = 2, 4
@@ -115,14 +123,14 @@ def job(parallel: dict, extra: dict):
     return load_config(None, overrides)
 
 
-def train(engine, ctx, cfg) -> dict:
+def train(engine, ctx, cfg, steps: range = range(STEPS)) -> dict:
     """Losses, gradient norms and final weights of STEPS steps, and the class and output dtype of the
     first linear layer this rank runs (what the precision mode made of it)."""
     losses, norms, linear = [], [], []
     first = next(m for m in engine.module().modules() if isinstance(m, torch.nn.Linear))
     hook = first.register_forward_hook(lambda m, args, out: linear.append((type(m).__name__, str(out.dtype))))
     n = cfg.train.grad_accum_steps
-    for step in range(STEPS):
+    for step in steps:
         loss, _ = engine.forward_backward_step(batches(step, ctx.dims.dp_rank, n), n)
         norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
         losses.append(float(ctx.all_reduce_mean(loss.detach().float().clone())))
@@ -131,8 +139,48 @@ def train(engine, ctx, cfg) -> dict:
             "dp_size": ctx.layout.dp, "linear": linear[0]}
 
 
-def worker(rank: int, world: int, layouts: dict) -> dict:
+# Dropout where ranks hold different activations: pipeline stages (other layers), cp ranks (other
+# positions of the same sequences, and keys they share) and ep ranks (other sequences). Each rank
+# records every mask it draws (test_tp_dropout.py's ``dropout_masks``); one process replays them,
+# joined where one process holds what several ranks hold, and must train as the layout did.
+DROPOUT = {"model.dropout": 0.2, "model.attention": "reference"}  # the reference core's probabilities go through F.dropout
+DROPOUT_LAYOUTS = {
+    "pp2_x_dp2_dropout": (FSDP | {"pp": 2, "dp_shard": 2}, DROPOUT),
+    "cp2_x_dp2_dropout": (FSDP | {"cp": 2, "dp_shard": 2}, DROPOUT),
+    "ep2_of_dp4_dropout": (FSDP | {"ep": 2}, DROPOUT | MOE),
+}
+
+
+DROPOUT_SAVE_AT = 2  # the dropout layouts save here; a fresh engine resumes and must draw what the run drew
+
+
+def dropout_run(rank: int, world: int, name: str, root: str) -> dict:
+    """STEPS steps of a dropout layout recording its masks, saved at DROPOUT_SAVE_AT (the generator
+    state as train.py's checkpoint keeps it), and a fresh engine resumed from there recording its own."""
+    parallel, extra = DROPOUT_LAYOUTS[name]
+    cfg = job(parallel, extra)
+    ctx = gloo_context(rank, world, parallel=cfg.parallel)
+    engine = build_from_config(cfg, ctx).engine
+    with dropout_masks() as masks:
+        out = train(engine, ctx, cfg, range(DROPOUT_SAVE_AT))
+        path = Path(root) / name
+        save_on_every_rank(engine, path, rank)
+        rng = capture_rng_state()
+        rest = train(engine, ctx, cfg, range(DROPOUT_SAVE_AT, STEPS))
+    out = {key: out[key] + rest[key] for key in ("losses", "norms")} | {"final": rest["final"], "masks": masks}
+    fresh = build_from_config(cfg, ctx).engine  # a new run: its build drew other numbers
+    fresh.load(path)
+    restore_rng_state(rng)
+    with dropout_masks() as resumed_masks:
+        out["resumed"] = train(fresh, ctx, cfg, range(DROPOUT_SAVE_AT, STEPS))["losses"]
+    return out | {"resumed_masks": resumed_masks,
+                  "where": {"dp": ctx.dims.dp_rank, "pp": ctx.dims.coordinate("pp"), "cp": ctx.dims.coordinate("cp")}}
+
+
+def worker(rank: int, world: int, layouts: dict, root: str | None = None) -> dict:
     out = {}
+    if root is not None:
+        out |= {name: dropout_run(rank, world, name, root) for name in DROPOUT_LAYOUTS}
     for name, (parallel, extra) in layouts.items():
         cfg = job(parallel, extra)
         ctx = gloo_context(rank, world, parallel=cfg.parallel)
@@ -183,9 +231,85 @@ def check(results: list[dict], name: str, layout: tuple[dict, dict]) -> None:
         torch.testing.assert_close(final[key], weight, rtol=1e-4, atol=1e-4, msg=f"{name}: {key}")
 
 
+def one_process_masks(results: list[dict], name: str) -> list[torch.Tensor]:
+    """The masks the layout's ranks drew, in the order one process draws them over the same global
+    batch (steps, then data-parallel ranks, then micro-batches; per micro-batch the embedding, then per
+    block the attention core, after attention, after the MLP), joined into one process's shapes."""
+    accum, layers = accum_of(DROPOUT_LAYOUTS[name][0]), MODEL["n_layer"]
+    records = {(r[name]["where"]["dp"], r[name]["where"]["pp"], r[name]["where"]["cp"]):
+               drawn(name, r[name]["masks"], STEPS * accum) for r in results}
+    dps, pps, cps = (sorted({key[i] for key in records}) for i in range(3))
+    per_micro = {key: len(masks) // (STEPS * accum) for key, masks in records.items()}
+    out = []
+    for step in range(STEPS):
+        for dp in dps:
+            for micro in range(accum):
+                def of(pp: int, cp: int) -> list[torch.Tensor]:
+                    n = per_micro[(dp, pp, cp)]
+                    return records[(dp, pp, cp)][(step * accum + micro) * n:(step * accum + micro + 1) * n]
+                if len(cps) == 1:  # a pipeline's stages hold the layers one after the other
+                    out += [m for pp in pps for m in of(pp, 0)]
+                    continue
+                parts = [of(0, cp) for cp in cps]  # per cp rank: embedding, then per block 2 cores (its chunks), 2 more
+                assert all(len(p) == 1 + 4 * layers for p in parts)
+                out.append(join_positions(parts, 0))
+                for layer in range(layers):
+                    at = 1 + 4 * layer
+                    out += [join_cores(parts, at), join_positions(parts, at + 2), join_positions(parts, at + 3)]
+    return out
+
+
+def drawn(name: str, masks: list[torch.Tensor], forwards: int) -> list[torch.Tensor]:
+    """The masks that trained, of layout ``name``'s ``forwards`` micro-batches: a pipeline stage first
+    infers its shapes with a forward of its own, whose masks are recorded but whose draws torch's
+    schedule undoes (it forks the generators around it), so the draws after it are the micro-batches'."""
+    if DROPOUT_LAYOUTS[name][0].get("pp", 1) == 1:
+        return masks
+    per_forward = len(masks) // (forwards + 1)
+    assert len(masks) == per_forward * (forwards + 1), f"{name}: {len(masks)} masks over {forwards} forwards"
+    return masks[per_forward:]
+
+
+def join_positions(parts: list[list[torch.Tensor]], at: int) -> torch.Tensor:
+    """(B, T, ...) from each cp rank's (B, T / cp, ...) mask of its positions (``local_token_index``)."""
+    first = parts[0][at]
+    whole = torch.empty((first.shape[0], SEQ, *first.shape[2:]), dtype=torch.bool)
+    for cp, part in enumerate(parts):
+        whole[:, local_token_index(SEQ, len(parts), cp)] = part[at]
+    return whole
+
+
+def join_cores(parts: list[list[torch.Tensor]], at: int) -> torch.Tensor:
+    """(B, H, T, T) attention probabilities' mask from each cp rank's two chunks of queries against the
+    keys up to each chunk's end; later keys are masked out (probability 0): any mask keeps them 0."""
+    first = parts[0][at]
+    whole = torch.ones((*first.shape[:2], SEQ, SEQ), dtype=torch.bool)
+    c = SEQ // (2 * len(parts))
+    for cp, part in enumerate(parts):
+        for j, g in enumerate(chunk_ids(len(parts), cp)):
+            whole[:, :, g * c:(g + 1) * c, :(g + 1) * c] = part[at + j]
+    return whole
+
+
+def one_process_replaying(name: str, masks: list[torch.Tensor]) -> dict:
+    parallel, extra = DROPOUT_LAYOUTS[name]
+    calls = iter(masks)
+
+    def replay(x: torch.Tensor) -> torch.Tensor:
+        mask = next(calls)
+        assert mask.shape == x.shape, f"{name}: one process drops {tuple(x.shape)}, the ranks gave {tuple(mask.shape)}"
+        return mask
+
+    with dropout_masks(replay):
+        ref = one_process(4 // (parallel.get("pp", 1) * parallel.get("cp", 1)), parallel, extra)
+    assert next(calls, None) is None, f"{name}: the ranks drew more masks than one process"
+    return ref
+
+
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_workers(worker, 4, FOUR_RANKS)
+    with tempfile.TemporaryDirectory() as root:
+        return run_workers(worker, 4, FOUR_RANKS, root)
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +325,31 @@ def test_features_on_four_rank_layouts_equal_one_process(name, four_ranks):
 @pytest.mark.parametrize("name", list(EIGHT_RANKS))
 def test_hsdp_and_3d_layouts_equal_one_process(name, eight_ranks):
     check(eight_ranks, name, EIGHT_RANKS[name])
+
+
+@pytest.mark.parametrize("name", list(DROPOUT_LAYOUTS))
+def test_dropout_under_pp_cp_and_ep_equals_one_process_dropping_the_same_elements(name, four_ranks):
+    ref = one_process_replaying(name, one_process_masks(four_ranks, name))
+    final = {}
+    for rank_result in four_ranks:
+        got = rank_result[name]
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5), name
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), name
+        final.update(got["final"])
+    for key, weight in ref["final"].items():
+        torch.testing.assert_close(final[key], weight, rtol=1e-4, atol=1e-4, msg=f"{name}: {key}")
+    # Ranks that hold different elements draw different masks: data-parallel ranks (other sequences),
+    # cp ranks (other positions), as one process's draws for them would differ.
+    heads = [r[name]["masks"][0] for r in four_ranks if r[name]["where"]["pp"] == 0]  # the embedding's dropout
+    assert len(heads) >= 2 and all(not torch.equal(heads[0], m) for m in heads[1:]), name
+    # Resumed from the checkpoint at DROPOUT_SAVE_AT: the same masks and losses as the run that went on
+    # (a pipeline's first step infers its shapes with a forward again, which must shift no draw).
+    for rank_result in four_ranks:
+        got = rank_result[name]
+        assert got["resumed"] == got["losses"][DROPOUT_SAVE_AT:], f"{name}: resume is not bit-exact"
+        accum = accum_of(DROPOUT_LAYOUTS[name][0])
+        masks = drawn(name, got["masks"], STEPS * accum)
+        resumed = drawn(name, got["resumed_masks"], (STEPS - DROPOUT_SAVE_AT) * accum)
+        after = masks[len(masks) - len(resumed):]
+        assert len(resumed) * STEPS == len(masks) * (STEPS - DROPOUT_SAVE_AT), name
+        assert all(torch.equal(a, b) for a, b in zip(resumed, after)), f"{name}: other masks after resume"
