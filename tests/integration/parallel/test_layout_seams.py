@@ -96,6 +96,16 @@ EIGHT_RANKS = {
     "pp2_x_dp2_x_tp2_interleaved": (FSDP | {"pp": 2, "dp_shard": 2, "tp": 2, "pp_schedule": "interleaved_1f1b",
                                             "pp_virtual_stages": 2}, {"model.n_layer": 4}),
 }
+# torch.compile'd blocks under FSDP2, tensor parallelism (its DTensor activations; with op_selective
+# recompute, the one policy torch's compiler runs there: training/config.py) and a pipeline, on 2 ranks
+# (a launch of its own: each rank compiles), against one process without compile.
+COMPILE = {"train.compile": True}
+COMPILE_LAYOUTS = {
+    "fsdp_compile": (FSDP, COMPILE),
+    "tp2_compile_op_selective": ({"tp": 2}, COMPILE | {"model.recompute": "op_selective"}),
+    "pp2_compile": ({"pp": 2}, COMPILE),
+}
+
 # Reduced precision, against one process in the same mode: both round every matmul alike and only
 # the order of the sums differs, which the rounding magnifies about as much as the mode itself moves
 # the run from fp32. Measured over STEPS steps of these layouts: losses at most 1.1e-3 apart (bf16,
@@ -210,7 +220,7 @@ def check(results: list[dict], name: str, layout: tuple[dict, dict]) -> None:
     parallel, extra = layout
     for rank_result in results:
         assert "error" not in rank_result[name], f"{name}: {rank_result[name].get('error')}"
-    ref = one_process(results[0][name]["dp_size"], parallel, extra)
+    ref = one_process(results[0][name]["dp_size"], parallel, {k: v for k, v in extra.items() if k != "train.compile"})
     mode = extra.get("precision.mode")
     if mode is not None:
         loss_tol, norm_tol, linear = PRECISION[mode]
@@ -313,6 +323,11 @@ def four_ranks():
 
 
 @pytest.fixture(scope="module")
+def compile_ranks():
+    return run_workers(worker, 2, COMPILE_LAYOUTS)
+
+
+@pytest.fixture(scope="module")
 def eight_ranks():
     return run_workers(worker, 8, EIGHT_RANKS)
 
@@ -320,6 +335,11 @@ def eight_ranks():
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_features_on_four_rank_layouts_equal_one_process(name, four_ranks):
     check(four_ranks, name, FOUR_RANKS[name])
+
+
+@pytest.mark.parametrize("name", list(COMPILE_LAYOUTS))
+def test_compiled_blocks_on_two_rank_layouts_equal_one_process(name, compile_ranks):
+    check(compile_ranks, name, COMPILE_LAYOUTS[name])
 
 
 @pytest.mark.parametrize("name", list(EIGHT_RANKS))
