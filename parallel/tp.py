@@ -9,6 +9,9 @@ no TP in it. Per block, with t ranks:
                      key/value groups and their query heads), the attention core on local
                      heads (attention sinks split with them), proj row-parallel with a
                      reduce-scatter back to T/t positions
+    latent attn      (model.attention_kind=mla) the same, with the heads' up-projections q_up and
+                     kv_up column-parallel and the down-projections, their norms and the shared
+                     rotary key replicated (``_latent_attention_plan`` says why)
     mlp              all-gather, fc column-parallel, activation on local columns, out
                      row-parallel with a reduce-scatter
     MoE layer        not split: router, experts and shared experts replicated over the tp ranks,
@@ -50,7 +53,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from model.attention import AttentionCore
-from model.gpt import GPT
+from model.gpt import GPT, LatentAttention
 from model.moe import MoE, expert_mlp
 from parallel.ep import EXPERT_WEIGHTS
 from parallel.rng import split_rng
@@ -80,11 +83,11 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
             # attn(x, rope, cache, documents): only the hidden states are laid out; the rest stay as they are
             "attn": PrepareModuleInput(input_layouts=(seq, None, None, None),
                                        desired_input_layouts=(Replicate(), None, None, None)),
-            "attn.qkv": ColwiseParallel(),
             "attn.proj": RowwiseParallel(output_layouts=seq),
             "norm2": _norm_style(sequence_parallel),
-        }
-        if block.attn.sinks is not None:
+        } | (_latent_attention_plan(block.attn) if isinstance(block.attn, LatentAttention) else
+             {"attn.qkv": ColwiseParallel()})
+        if getattr(block.attn, "sinks", None) is not None:  # latent attention has none
             plan["attn.sinks"] = ShardedByHeads()
         if isinstance(block.mlp, MoE):
             # The MoE layer takes the positions this rank holds as a plain tensor (its own T/t slice
@@ -102,6 +105,82 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
         })
     if model.cfg.dropout > 0:
         split_dropout(model, tp_mesh.get_local_rank(), sequence_parallel)
+
+
+# --------------------------------------------------------------------------- latent attention
+
+
+def _latent_attention_plan(attn: LatentAttention) -> dict[str, ParallelStyle]:
+    """Latent attention (model.attention_kind=mla) split by heads, as Megatron splits it.
+
+    The up-projections (``q_up``; ``kv_up``, to each head's key part and value) are column-parallel
+    over the heads and ``proj`` row-parallel, as ``attn.qkv`` and ``attn.proj`` are; the core runs on
+    the local heads. The down-projections (``q_down``, ``kv_down``: the two latents and the one
+    rotary key every head shares) and the latents' norms are replicated: their outputs are a few
+    hundred numbers per token that every head reads, so splitting them would need a gather before
+    the up-projections, and they are a small part of the layer's weights (DeepSeek-V3: 15M of its
+    attention's 187M). Every rank computes them alike on the whole input; each then back-propagates
+    through them only its own heads' share of the gradient, so the gradients of the latents, the
+    rotary key and these weights are partial sums over the tp ranks (``Partial``): the weights'
+    are summed where they meet their replicated parameters (the optimizer step, or FSDP2's
+    reduction), and the input's reduce-scattered to the sequence shards, as ``attn.qkv``'s is."""
+    plan: dict[str, ParallelStyle] = {"attn.q_up": ColwiseFromReplicated(), "attn.kv_up": ColwiseFromReplicated(),
+                                      "attn.kv_down": ReplicatedPartialGrad(), "attn.kv_norm": ReplicatedPartialGrad()}
+    if attn.q_down is not None:
+        plan |= {"attn.q_down": ReplicatedPartialGrad(), "attn.q_norm": ReplicatedPartialGrad()}
+    return plan
+
+
+class _ReplicatedLocal(torch.autograd.Function):
+    """A plain tensor that holds the same value on every rank of ``mesh`` as a ``Replicate`` DTensor,
+    whose gradient goes back as this rank's share of a sum over the ranks (what ``Partial`` holds)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        ctx.mesh = mesh
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> tuple[torch.Tensor, None]:
+        # The modules here (linears, norms) hand back Partial; a whole (Replicate) one is split in equal shares.
+        return grad.redistribute(ctx.mesh, [Partial()]).to_local(), None
+
+
+def _replicated(x, mesh: DeviceMesh):
+    """``x`` as a Replicate DTensor: a DTensor as it is (DTensor's autograd labels its gradient), a
+    plain tensor with its gradient returned as a partial sum (``_ReplicatedLocal``)."""
+    if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
+        return x
+    return _ReplicatedLocal.apply(x, mesh)
+
+
+class ReplicatedPartialGrad(ParallelStyle):
+    """A module whose parameters are replicated on the tp mesh and whose output every rank computes
+    alike, but whose output's gradient each rank holds only its share of (a sum over the tp ranks):
+    the output leaves as a plain tensor whose gradient is labelled ``Partial``, so the parameters'
+    gradients are partial sums too, and so is the gradient the input gets back."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensors(mod, inputs, mesh):
+            return tuple(_replicated(t, mesh) for t in inputs)
+
+        def to_local(mod, output, mesh):
+            return output.to_local(grad_placements=[Partial()])
+
+        return distribute_module(module, device_mesh, _replicate_parameters, to_dtensors, to_local)
+
+
+class ColwiseFromReplicated(ParallelStyle):
+    """Column-parallel over the heads, on an input that is replicated but whose gradient is a partial
+    sum (an output of ``ReplicatedPartialGrad``): each rank's input gradient, from its own columns,
+    goes back as its share instead of being all-reduced (what ``ColwiseParallel`` does with a plain
+    input). The input becomes a DTensor first, which ``ColwiseParallel`` then takes as it is."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        ColwiseParallel()._apply(module, device_mesh)
+        module.register_forward_pre_hook(lambda mod, args: (_replicated(args[0], device_mesh), *args[1:]),
+                                         prepend=True)
+        return module
 
 
 # --------------------------------------------------------------------------- dropout

@@ -252,11 +252,6 @@ class JobConfig:
                 if getattr(p, key) > 1:
                     raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.{key}={getattr(p, key)} is not "
                                       f"supported yet; use parallel.{key}=1 or model.mtp_depth=0")
-        if m.is_mla:  # latent attention's heads are not split over tp ranks, nor its latent over cp chunks here
-            for key in ("tp", "cp", "pp"):
-                if getattr(p, key) > 1:
-                    raise ConfigError(f"model.attention_kind=mla with parallel.{key}={getattr(p, key)} is not supported "
-                                      f"yet; use parallel.{key}=1")
         if p.tp > 1:
             if t.compile and m.recompute != "op_selective":
                 # torch 2.13's compiler saves the tensor-parallel DeviceMesh among the tensors of a

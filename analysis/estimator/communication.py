@@ -100,22 +100,27 @@ def tp_comm_seconds(job: JobSpec, stage: int = 0) -> tuple[float, float]:
 
 def kv_gather_bytes(model_cfg: ModelConfig, seq_len: int, micro_batch: int, dtype_bytes: int, tp: int = 1) -> float:
     """Bytes of one layer's gathered keys and values on one cp GPU: the whole sequence's K and V of
-    the KV heads it holds (kv_dim / tp wide). The all-gather brings in (cp - 1) / cp of them, and
-    each GPU sends its own share to the cp - 1 others: (cp - 1) / cp of this, per layer and direction."""
+    the KV heads it holds (kv_dim / tp wide); latent attention gathers what it makes them from
+    instead, its latent and rotary key (kv_lora_rank + qk_rope_head_dim, the same on every tp rank).
+    The all-gather brings in (cp - 1) / cp of them, and each GPU sends its own share to the cp - 1
+    others: (cp - 1) / cp of this, per layer and direction."""
+    if model_cfg.is_mla:
+        return dtype_bytes * micro_batch * seq_len * (model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim)
     return dtype_bytes * micro_batch * seq_len * 2 * model_cfg.kv_dim / tp
 
 
 def cp_comm_seconds(job: JobSpec) -> tuple[float, float]:
     """(seconds, bytes sent per GPU) of context-parallel collectives for one micro-batch: per layer
     one all-gather of K and V forward and one reduce-scatter of their gradients backward, and one
-    more all-gather for a layer whose core is recomputed (selective, full, every_k's layers). Counted
-    as not overlapped with compute (the trainer issues them in line)."""
+    more all-gather for a layer whose core is recomputed (selective, full, every_k's layers; latent
+    attention gathers before its core, so selective recompute does not gather again). Counted as not
+    overlapped with compute (the trainer issues them in line)."""
     cp, cfg = job.layout.cp, job.model
     if cp == 1:
         return 0.0, 0.0
     nbytes = kv_gather_bytes(cfg, job.seq_len, job.micro_batch, job.activation_dtype_bytes, job.layout.tp)
     layers = cfg.n_layer // job.layout.pp
-    recomputed = {"selective": layers, "full": layers,
+    recomputed = {"selective": 0 if cfg.is_mla else layers, "full": layers,
                   "every_k": checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.layout.pp}
     count = 2 * layers + recomputed.get(job.recompute, 0)
     # cp groups sit inside tp on the mesh (dims.py): members tp ranks apart
