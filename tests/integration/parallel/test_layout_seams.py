@@ -83,6 +83,12 @@ FOUR_RANKS = {
     "ddp_fp16": ({"strategy": "ddp"}, {"precision.mode": "fp16"}),
     "fsdp_fp16": (FSDP, {"precision.mode": "fp16"}),
     "zero2_fp16": ({"strategy": "zero2"}, {"precision.mode": "fp16"}),
+    "fsdp_bf16": (FSDP, {"precision.mode": "bf16"}),
+    "zero2_bf16": ({"strategy": "zero2"}, {"precision.mode": "bf16"}),
+    "zero3_bf16_master": ({"strategy": "zero3"}, {"precision.mode": "bf16_master"}),
+    "zero1_fp16": ({"strategy": "zero1"}, {"precision.mode": "fp16"}),
+    "zero3_fp16": ({"strategy": "zero3"}, {"precision.mode": "fp16"}),
+    "cp2_x_ep2_fp16": (FSDP | {"cp": 2, "ep": 2}, {"precision.mode": "fp16"} | MOE),
     # FP8 (torchao) under pipelines, cp and ep
     "pp2_x_dp2_fp8": (FSDP | {"pp": 2, "dp_shard": 2}, {"precision.mode": "fp8", "precision.fp8_backend": "torchao"}),
     "cp2_x_dp2_fp8": (FSDP | {"cp": 2, "dp_shard": 2}, {"precision.mode": "fp8", "precision.fp8_backend": "torchao"}),
