@@ -277,7 +277,7 @@ def stage_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
     for stage in range(job.layout.pp):
         m = est.stage_memory(job, stage)
         held = est.pipeline_in_flight(job.layout.pp_schedule, job.layout.pp, job.grad_accum, job.layout.pp_virtual_stages, stage)
-        rows.append([str(stage), f"{est.stage_parameters(job.model, job.layout.tp, job.layout.pp, stage) / 1e9:.3g} B",
+        rows.append([str(stage), f"{est.stage_parameters(job.model, job.layout.tp, job.layout.pp, stage, job.layout.etp) / 1e9:.3g} B",
                      f"{held:g}", gib(m.states), gib(m.activations + m.logits), gib(m.total)])
     return ["stage", "parameters/GPU", "micro-batches held", "states/GPU", "activations/GPU", "total/GPU"], rows
 

@@ -301,6 +301,10 @@ class JobConfig:
                               "hands a client optimizer flat 1-D partitions, never whole matrices, so Newton-Schulz "
                               "cannot run on them (DeepSpeed's own Muon works inside its partitioning code, by its own "
                               "rules); use parallel.strategy=fsdp")
+        if p.etp > 1:
+            raise ConfigError(f"optim.name=muon with parallel.etp={p.etp} is not supported: Newton-Schulz needs each "
+                              "expert's matrix whole on one rank, and expert tensor parallelism splits it; set "
+                              "parallel.etp=1 (experts replicated over tp) or optim.name=adamw")
         if m.layers == "te" or self.precision.mode == "fp8":
             raise ConfigError("optim.name=muon with model.layers=te or precision.mode=fp8 is not supported: Muon is not "
                               "verified on FP8 weight wrappers; use model.layers=torch and another precision.mode")

@@ -41,24 +41,33 @@ def model_state_bytes(n_params: float, strategy: str, world_size: int, precision
     )
 
 
-def block_parameters_per_gpu(cfg: ModelConfig, tp: int = 1) -> float:
+def block_parameters_per_gpu(cfg: ModelConfig, tp: int = 1, etp: int = 1) -> float:
     """One block's parameters on one of ``tp`` GPUs: the matmul weights (and column-parallel
     biases) are split; norm gains and the two row-parallel output biases are whole (Megatron-LM).
-    A MoE layer is whole (router and experts replicated over the tp GPUs, parallel/tp.py). A MoE
-    model's blocks differ (dense and MoE layers): their mean, every expert included."""
+    A MoE layer is whole (router and experts replicated over the tp GPUs, parallel/tp.py), but with
+    expert tensor parallelism (``etp`` = tp) only its router (and the shared experts' output bias)
+    is: the routed and shared experts are split as a dense MLP. A MoE model's blocks differ (dense
+    and MoE layers): their mean, every expert included."""
     block = blocks_parameters(cfg) / cfg.n_layer
     if tp == 1:
         return block
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     out_bias = cfg.d_model if cfg.bias else 0
     moe_share = cfg.n_moe_layers / cfg.n_layer if cfg.moe.experts is not None else 0.0
-    mlp_whole = moe_share * (moe_parameters(cfg) if moe_share else 0) + (1 - moe_share) * out_bias
+    moe_whole = 0.0
+    if moe_share and etp == 1:
+        moe_whole = moe_parameters(cfg)
+    elif moe_share:
+        router = (cfg.d_model + (1 if cfg.moe.bias else 0)) * cfg.moe.experts
+        moe_whole = router + (out_bias if cfg.moe.shared_experts else 0)
+    mlp_whole = moe_share * moe_whole + (1 - moe_share) * out_bias
     whole = 2 * norm + out_bias + mlp_whole
     return (block - whole) / tp + whole
 
 
-def stage_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> float:
-    """Parameters one GPU of pipeline stage ``stage`` holds under tensor parallelism ``tp``.
+def stage_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, etp: int = 1) -> float:
+    """Parameters one GPU of pipeline stage ``stage`` holds under tensor parallelism ``tp`` (and
+    expert tensor parallelism ``etp``: ``block_parameters_per_gpu``).
 
     Each of its L/p blocks counts ``block_parameters_per_gpu``. The first stage holds
     the vocab-parallel token table (1/t) and the learned positions (whole), the last stage the
@@ -68,7 +77,7 @@ def stage_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     """
     d, v = cfg.d_model, cfg.vocab_size
     norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-    n = cfg.n_layer // pp * block_parameters_per_gpu(cfg, tp)
+    n = cfg.n_layer // pp * block_parameters_per_gpu(cfg, tp, etp)
     table = v * d if tp == 1 else v * d / tp
     if stage == 0:
         n += table + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
@@ -247,9 +256,10 @@ def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
         return 0.0
     per = STATE_BYTES[job.precision]
     if job.layout.pp > 1:  # pipelining keeps the stage gathered, and its gradients unreduced, until the last backward
-        held = stage_parameters(job.model, job.layout.tp, job.layout.pp, stage) - stage_routed_parameters(job) * (1 - 1 / job.layout.ep)
+        held = job_stage_parameters(job, stage) - stage_routed_parameters(job) * (1 - 1 / job.layout.ep)
         return held * (per.param + per.grad)
-    block = block_parameters_per_gpu(job.model, job.layout.tp) - routed_parameters_per_block(job.model) * (1 - 1 / job.layout.ep)
+    block = (block_parameters_per_gpu(job.model, job.layout.tp, job.layout.etp)
+             - routed_parameters_per_block(job.model) / job.layout.etp * (1 - 1 / job.layout.ep))
     if not job.fsdp_reshard_after_forward:
         # Every block keeps its gathered weights from its forward to its backward: all of them at the
         # peak (the start of backward); gradients are reduced layer by layer as before.
@@ -259,7 +269,7 @@ def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
 
 def stage_memory(job: JobSpec, stage: int, layer: _LayerActivations | None = None) -> MemoryEstimate:
     """Bytes per GPU of pipeline stage ``stage`` at its peak."""
-    n_params = stage_parameters(job.model, job.layout.tp, job.layout.pp, stage)
+    n_params = job_stage_parameters(job, stage)
     states = stage_state_bytes(job, n_params)
     device_acts, host_acts = activation_bytes_total(job, stage, layer)
     a = job.assumptions
@@ -302,8 +312,14 @@ def routed_parameters_per_block(cfg: ModelConfig) -> float:
 
 
 def stage_routed_parameters(job: JobSpec) -> float:
-    """Routed expert weights among a pipeline stage's parameters (before ep splits them)."""
-    return job.model.n_layer // job.layout.pp * routed_parameters_per_block(job.model)
+    """Routed expert weights among a pipeline stage's parameters on one GPU before ep splits them
+    (after expert tensor parallelism has: 1/etp of each expert)."""
+    return job.model.n_layer // job.layout.pp * routed_parameters_per_block(job.model) / job.layout.etp
+
+
+def job_stage_parameters(job: JobSpec, stage: int) -> float:
+    """``stage_parameters`` of the job's model on one GPU of pipeline stage ``stage`` (before ep)."""
+    return stage_parameters(job.model, job.layout.tp, job.layout.pp, stage, job.layout.etp)
 
 
 def stage_state_bytes(job: JobSpec, n_params: float) -> StateBytes:

@@ -177,6 +177,12 @@ def _data_parallel_options(dp: int, strategies: tuple[str, ...] | None, cp: int 
     return options
 
 
+def expert_tp_sizes(model_cfg: ModelConfig, tp: int) -> tuple[int, ...]:
+    """The etp degrees a job can use: 1, and tp for an MoE model under tensor parallelism (whether the
+    experts' width divides is the layout's rule, ``check_model``)."""
+    return (1, tp) if tp > 1 and model_cfg.moe.experts is not None else (1,)
+
+
 def _pipeline_options(
     model_cfg: ModelConfig, pp: int, schedules: tuple[str, ...], virtual_stages: tuple[int, ...]
 ) -> list[tuple[str, int]]:
@@ -213,7 +219,8 @@ def plan_layouts(
     """Layouts that fit at a fixed global batch, cheapest per token first.
 
     Searches dp_replicate x dp_shard x cp x tp x pp over ``world_size`` GPUs (``model_parallel_sizes``,
-    ``context_parallel_sizes``, ``_data_parallel_options``), ep for an MoE model (``expert_parallel_sizes``),
+    ``context_parallel_sizes``, ``_data_parallel_options``), ep and etp for an MoE model
+    (``expert_parallel_sizes``, ``expert_tp_sizes``),
     the pipeline schedule and virtual stages, the strategy, the
     recompute policy and the micro-batch; grad_accum follows from micro_batch x grad_accum x dp =
     ``global_batch`` (sequences per step). The GPUs per node come from ``device.gpus_per_node``.
@@ -231,12 +238,13 @@ def plan_layouts(
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
-        for strategy, dp_replicate, ep in [(s_, r, e) for s_, r in _data_parallel_options(dp, strategies, cp)
-                                           for e in expert_parallel_sizes(model_cfg, dp // r, s_, cp)]:
+        for strategy, dp_replicate, ep, etp in [(s_, r, e, et) for s_, r in _data_parallel_options(dp, strategies, cp)
+                                                for e in expert_parallel_sizes(model_cfg, dp // r, s_, cp)
+                                                for et in expert_tp_sizes(model_cfg, tp)]:
             for schedule, v in _pipeline_options(model_cfg, pp, schedules, virtual_stages):
                 try:
                     layout = layout_of(world_size, strategy=strategy, dp_replicate=dp_replicate, cp=cp, tp=tp, pp=pp,
-                                       ep=ep, pp_schedule=schedule, pp_virtual_stages=v)
+                                       ep=ep, etp=etp, pp_schedule=schedule, pp_virtual_stages=v)
                 except EstimatorError:
                     continue
                 for recompute in recomputes:
@@ -259,7 +267,7 @@ def plan_layouts(
                             break
                         fitting.append(estimate_with(job, memory))
     fitting.sort(key=lambda e: (e.time.seconds_per_token, e.memory.total, e.job.layout.dp_replicate, e.job.layout.pp,
-                                e.job.layout.tp, e.job.layout.cp, e.job.layout.ep))
+                                e.job.layout.tp, e.job.layout.cp, e.job.layout.ep, e.job.layout.etp))
     return fitting if top is None else fitting[:top]
 
 

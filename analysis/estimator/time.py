@@ -27,7 +27,14 @@ from analysis.estimator.job import (
     JobSpec,
     check_choice,
 )
-from analysis.estimator.memory import edge_stages, layer_bytes, muon_groups, muon_matrices, muon_numel, stage_parameters
+from analysis.estimator.memory import (
+    edge_stages,
+    job_stage_parameters,
+    layer_bytes,
+    muon_groups,
+    muon_matrices,
+    muon_numel,
+)
 from common.hardware import DeviceSpec
 from model.config import ModelConfig
 from model.flops import blocks_parameters, flops_per_token
@@ -160,16 +167,18 @@ def gemm_seconds(job: JobSpec, m: float, k: float, n: float) -> float:
     return max(compute, traffic)
 
 
-def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1, moe_split: int = 1) -> list[tuple[int, float, float]]:
+def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1, moe_split: int = 1, etp: int = 1
+                ) -> list[tuple[int, float, float]]:
     """The forward GEMMs of one transformer layer on one of ``tp`` GPUs, as (m, k, n): the fused QKV
     and the MLP's first matmul are column-parallel (n / tp), the output projection and the MLP's
     second matmul row-parallel (k / tp). Their 2*m*k*n sum to 2*tokens*(the block's matmul weights)/tp.
 
     A MoE model's mean layer: its MoE layers' share of the tokens goes to the router and, k copies
-    each, spread evenly over the experts (one GEMM pair per expert, as the grouped GEMM runs them;
-    experts are not tensor-split), plus the shared experts; the rest to the dense MLP. A MoE layer
-    runs on tokens / ``moe_split`` rows per GPU: tp under sequence parallelism (each tp GPU routes
-    its own positions), else 1 (every tp GPU runs all of them)."""
+    each, spread evenly over the experts (one GEMM pair per expert, as the grouped GEMM runs them),
+    plus the shared experts; the rest to the dense MLP. A MoE layer runs on tokens / ``moe_split``
+    rows per GPU: tp under sequence parallelism with experts replicated over tp (each tp GPU routes
+    its own positions), else 1 (every tp GPU runs all of them); with expert tensor parallelism
+    (``etp`` = tp) each expert's and the shared experts' widths are split ``etp`` ways."""
     d, f = cfg.d_model, cfg.d_ff
     gated = 2 if cfg.mlp == "swiglu" else 1
     gemms = [(tokens, d, (cfg.q_dim + 2 * cfg.kv_dim) / tp), (tokens, cfg.q_dim / tp, d)]
@@ -178,7 +187,8 @@ def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1, moe_split: int = 1) 
         dense = tokens * (1 - moe_share)
         gemms += [(dense, d, gated * f / tp), (dense, f / tp, d)]
     if moe_share > 0:
-        routed, fe, shared = tokens * moe_share / moe_split, cfg.expert_d_ff, cfg.moe.shared_experts * cfg.expert_d_ff
+        routed, fe = tokens * moe_share / moe_split, cfg.expert_d_ff / etp
+        shared = cfg.moe.shared_experts * fe
         per_expert = routed * cfg.moe.top_k / cfg.moe.experts
         gemms += [(routed, d, cfg.moe.experts)] + [(per_expert, d, gated * fe), (per_expert, fe, d)] * cfg.moe.experts
         if shared:
@@ -346,7 +356,8 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     layers = cfg.n_layer // job.layout.pp
     hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
     redo_layer, redo_core, redo_elementwise = _recompute_shares(job)
-    gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t, moe_split=t if job.layout.sp else 1))
+    moe_split = t if job.layout.sp and job.layout.etp == 1 else 1
+    gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t, moe_split, job.layout.etp))
     core, scores = attention_seconds(job, 1 + redo_core + redo_layer)
     fwd_bytes, bwd_bytes = _elementwise_bytes(job)
     elementwise = (fwd_bytes * (1 + redo_layer + redo_elementwise) + bwd_bytes) * a.elementwise_scale / hbm
@@ -381,7 +392,7 @@ def _optimizer_seconds(job: JobSpec, state_bytes: float) -> float:
 
 
 def largest_stage_parameters(job: JobSpec) -> float:
-    return max(stage_parameters(job.model, job.layout.tp, job.layout.pp, i) for i in edge_stages(job))
+    return max(job_stage_parameters(job, i) for i in edge_stages(job))
 
 
 def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
