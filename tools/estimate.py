@@ -138,7 +138,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         p = est.preset(args.preset)
         model, seq_len, micro_batch, gpus, grad_accum = p.model, p.seq_len, p.micro_batch, p.world_size, 1
         strategy, recompute, precision, layout, optimizer = "fsdp", "none", "bf16_master", {}, "adamw"
-        device, reshard = DEVICES[args.device or p.device], True
+        device, reshard, loss_chunk_tokens = DEVICES[args.device or p.device], True, 0
     else:
         cfg = cfg or load_config(args.config, overrides)
         model, seq_len, micro_batch, gpus = cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 1
@@ -147,6 +147,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         optimizer = cfg.optim.name
         layout = {key: getattr(cfg.parallel, key) for key in LAYOUT_FLAGS}
         reshard = cfg.parallel.fsdp_reshard_after_forward
+        loss_chunk_tokens = cfg.kernels.loss_chunk_tokens
     if args.gpus_per_node:
         device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
     for key in LAYOUT_FLAGS:
@@ -173,6 +174,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         fsdp_reshard_after_forward=reshard if args.reshard_after_forward is None else args.reshard_after_forward == "true",
         tp_overlap=args.tp_overlap,
         optimizer=args.optimizer or optimizer,
+        loss_chunk_tokens=loss_chunk_tokens,
     )
     problem = est.trainer_refusal(job, cfg)
     if problem and not args.allow_refused:

@@ -141,6 +141,7 @@ class JobSpec:
     ddp_no_sync: bool = True  # DDP reduces once per step (the trainer's no_sync); False: every micro-batch
     optimizer: str = "adamw"  # optim.name: muon keeps one state buffer per hidden matrix instead of two
     op_selective_saves: str = "every_matmul"  # OP_SELECTIVE_SAVES: which matmul outputs op_selective keeps
+    loss_chunk_tokens: int = 0  # kernels.loss_chunk_tokens: the LM head and loss this many tokens at a time (0: whole)
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.layout.strategy, STRATEGIES)
@@ -156,6 +157,8 @@ class JobSpec:
         for key in ("seq_len", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise EstimatorError(f"{key} must be >= 1 (got {getattr(self, key)})")
+        if self.loss_chunk_tokens < 0:
+            raise EstimatorError(f"loss_chunk_tokens must be >= 0 (got {self.loss_chunk_tokens}; 0 computes the whole logits)")
         try:
             check_model(self.layout, self.model, seq_len=self.seq_len, micro_batches=self.grad_accum, seq_key="seq_len")
         except ConfigError as exc:

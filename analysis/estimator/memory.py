@@ -304,13 +304,19 @@ def activation_bytes_total(job: JobSpec, stage: int = 0, layer: _LayerActivation
 def _logits_bytes(job: JobSpec, stage: int | None = None) -> float:
     """fp32 log-probabilities the loss saves (per in-flight micro-batch; one set more per multi-token-
     prediction depth, each run through the head again), their fp32 gradient and the logits' gradient
-    (one micro-batch at a time); vocab-parallel over tp; on the last stage only."""
+    (one micro-batch at a time); vocab-parallel over tp; on the last stage only. With
+    ``loss_chunk_tokens`` each chunk's logits are recomputed in its backward and nothing of them is
+    kept between chunks (nor between the heads, which run one after another): the same three for one
+    chunk of tokens, whatever is in flight."""
     last = job.layout.pp - 1
     if stage is not None and stage != last:
         return 0.0
-    tokens_vocab = job.local_seq_len * job.micro_batch * job.model.vocab_size / job.layout.tp
+    tokens = job.local_seq_len * job.micro_batch
+    per_token = job.model.vocab_size / job.layout.tp
+    if job.loss_chunk_tokens:
+        return min(job.loss_chunk_tokens, tokens) * per_token * (4 + 4 + job.activation_dtype_bytes)
     heads = 1 + job.model.mtp_depth
-    return tokens_vocab * (4 * heads * _in_flight(job, last) + 4 + job.activation_dtype_bytes)
+    return tokens * per_token * (4 * heads * _in_flight(job, last) + 4 + job.activation_dtype_bytes)
 
 
 def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:

@@ -82,12 +82,17 @@ def trainer_refusal(job: JobSpec, base: JobConfig | None = None) -> str | None:
     return None
 
 
+def _loss_chunk_tokens(config: JobConfig | None) -> int:
+    return config.kernels.loss_chunk_tokens if config is not None else 0
+
+
 def job_of(config: JobConfig, layout: Layout, device: DeviceSpec | None = None) -> JobSpec:
     """The job a trainer configuration runs on ``layout`` (the inverse of ``trainer_config``), on
     ``device`` (default: an H100)."""
     return JobSpec(config.model, config.seq_len, config.train.micro_batch_size, layout, config.model.recompute,
                    config.precision.mode, device or DEVICES["H100"], config.train.grad_accum_steps,
-                   fsdp_reshard_after_forward=config.parallel.fsdp_reshard_after_forward)
+                   fsdp_reshard_after_forward=config.parallel.fsdp_reshard_after_forward,
+                   loss_chunk_tokens=config.kernels.loss_chunk_tokens)
 
 
 def job_overrides(job: JobSpec) -> list[str]:
@@ -124,7 +129,8 @@ def plan_fits(
             for micro_batch in micro_batches:
                 try:
                     job = JobSpec(model_cfg, seq_len, micro_batch, layout_of(world_size, strategy=strategy), recompute,
-                                  precision, device, assumptions=assumptions or Assumptions())
+                                  precision, device, assumptions=assumptions or Assumptions(),
+                                  loss_chunk_tokens=_loss_chunk_tokens(config))
                 except EstimatorError:
                     continue
                 if trainer_refusal(job, config):
@@ -250,7 +256,8 @@ def plan_layouts(
                             continue
                         try:  # the layout's rules against the model (check_model) decide, as in the trainer
                             job = JobSpec(model_cfg, seq_len, micro_batch, layout, recompute, precision, device,
-                                          grad_accum, assumptions or Assumptions())
+                                          grad_accum, assumptions or Assumptions(),
+                                          loss_chunk_tokens=_loss_chunk_tokens(config))
                         except EstimatorError:
                             continue
                         if trainer_refusal(job, config):

@@ -382,7 +382,8 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     ``elementwise_scale``). The last stage adds the LM head's GEMM (vocab-parallel) and the loss's
     memory-bound pass over the logits (16-bit logits written and read, fp32 log-probabilities written
     and read, 16-bit gradient written), and the multi-token-prediction modules: per depth one more
-    layer, its projection, the head and the loss again.
+    layer, its projection, the head and the loss again. With ``loss_chunk_tokens`` the head's GEMM
+    runs per chunk and its forward once more in backward (the chunk's logits are recomputed, not kept).
     """
     cfg, a, t = job.model, job.assumptions, job.layout.tp
     tokens = job.local_seq_len * job.micro_batch
@@ -406,7 +407,13 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
         # its 2d -> d projection and one block (never recomputed: model/recompute.py wraps the
         # model's blocks only), counted as the mean layer.
         heads = 1 + cfg.mtp_depth
-        compute += 3 * heads * gemm_seconds(job, tokens, cfg.d_model, cfg.vocab_size / t)
+        chunk = min(job.loss_chunk_tokens or tokens, tokens)
+        if chunk == tokens:
+            compute += 3 * heads * gemm_seconds(job, tokens, cfg.d_model, cfg.vocab_size / t)
+        else:  # kernels.loss_chunk_tokens: each chunk's head GEMM runs again in its backward
+            whole, rest = divmod(tokens, chunk)
+            compute += 4 * heads * sum(gemm_seconds(job, rows, cfg.d_model, cfg.vocab_size / t)
+                                       for rows in [chunk] * whole + ([rest] if rest else []))
         p = job.activation_dtype_bytes
         memory_bound += heads * tokens * cfg.vocab_size / t * (3 * p + 8) * a.elementwise_scale / hbm
         if cfg.mtp_depth:
