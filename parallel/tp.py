@@ -14,8 +14,11 @@ no TP in it. Per block, with t ranks:
                      rotary key replicated (``_latent_attention_plan`` says why)
     mlp              all-gather, fc column-parallel, activation on local columns, out
                      row-parallel with a reduce-scatter
-    MoE layer        not split: router, experts and shared experts replicated over the tp ranks,
-                     each rank routing the positions it holds (``replicate_moe``)
+    MoE layer        not split (parallel.etp=1): router, experts and shared experts replicated over
+                     the tp ranks, each rank routing the positions it holds (``replicate_moe``);
+                     with etp = tp, all-gather, every rank routes the whole sequence, each expert's
+                     gate/up column-parallel and down row-parallel, the experts' partial outputs
+                     all-reduced, the shared experts split as a dense MLP (``split_moe``)
 
 so between blocks the residual stream stays a plain (B, T/t, C) tensor on every rank, and the
 only collectives are one all-gather and one reduce-scatter per sub-layer, forward and backward
@@ -47,6 +50,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -55,12 +59,14 @@ from torch.distributed.tensor.parallel import (
 from model.attention import AttentionCore
 from model.gpt import GPT, LatentAttention
 from model.moe import MoE, expert_mlp
-from parallel.ep import EXPERT_WEIGHTS
+from parallel.ep import EXPERT_WEIGHTS, copy_to_group, sum_over_group
 from parallel.rng import split_rng
 
 
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """Shard ``model`` (a whole GPT or one pipeline stage of it) over ``tp_mesh``, in place."""
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool,
+                          expert_tp: bool = False) -> None:
+    """Shard ``model`` (a whole GPT or one pipeline stage of it) over ``tp_mesh``, in place; with
+    ``expert_tp`` (parallel.etp = tp) its routed experts too, else they are replicated."""
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream between sub-layers
     top: dict[str, object] = {}
     if model.tok_emb is not None:
@@ -97,6 +103,15 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
              {"attn.qkv": ColwiseParallel()})
         if getattr(block.attn, "sinks", None) is not None:  # latent attention has none
             plan["attn.sinks"] = ShardedByHeads()
+        if isinstance(block.mlp, MoE) and expert_tp:
+            # The MoE layer takes the whole sequence (all-gathered under sequence parallelism) and
+            # returns it whole; each rank keeps its own positions of the (summed) output.
+            plan["mlp"] = PrepareModuleInputOutput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                                   use_local_input=True, output_layouts=(Replicate(),),
+                                                   desired_output_layouts=(seq,))
+            parallelize_module(block, tp_mesh, plan)
+            split_moe(block.mlp, tp_mesh)
+            continue
         if isinstance(block.mlp, MoE):
             # The MoE layer takes the positions this rank holds as a plain tensor (its own T/t slice
             # under sequence parallelism, the whole sequence otherwise) and returns them.
@@ -216,7 +231,12 @@ def split_dropout(model: nn.Module, rank: int, sequence_parallel: bool) -> None:
     after the embedding, after each sub-layer's reduction, inside MoE layers) under sequence
     parallelism, where each rank holds its own positions. The rest see replicated activations and
     keep the default generator, which the ranks of a tp group keep in step."""
+    # Split MoE layers (``split_moe``) hold the whole sequence on every rank: their dropouts see
+    # replicated activations.
+    whole = {id(m) for moe in model.modules() if isinstance(moe, TensorSplitMoE) for m in moe.modules()}
     for module in model.modules():
+        if id(module) in whole and not isinstance(module, AttentionCore):
+            continue
         if isinstance(module, AttentionCore) or (sequence_parallel and isinstance(module, nn.Dropout)):
             module.__class__ = _split_class(type(module))
             module.split_rank = rank
@@ -333,6 +353,52 @@ def replicate_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
         moe.expert_grad_placements = (Partial(),)
         moe.sequence_group = group
         moe.token_mean = functools.partial(mean_over_ranks, group=group)
+
+
+class TensorSplitMoE(MoE):
+    """An MoE layer whose routed experts are split over the tp ranks (``split_moe``): each runs its
+    slice of every expert on the same rows, and the partial outputs are summed over ``tensor_group``."""
+
+    tensor_group: dist.ProcessGroup
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w_up, w_down, w_gate = (None if w is None else w.to_local() for w in (self.w_up, self.w_down, self.w_gate))
+        out = expert_mlp(copy_to_group(rows, self.tensor_group), counts, w_up, w_down, w_gate, self.ops,
+                         self.gelu_approximate, self.backend, None, self.clamp)
+        return sum_over_group(out, self.tensor_group)
+
+
+# Where each expert weight is split over the tp ranks: the (E, d_model, width) gate and up by their
+# width's columns, the (E, width, d_model) down by its rows, as ColwiseParallel and RowwiseParallel
+# split a dense MLP's. (Expert biases are refused with etp: parallel/layout.py.)
+EXPERT_SPLIT = {"w_gate": 2, "w_up": 2, "w_down": 1}
+
+
+def split_moe(moe: MoE, tp_mesh: DeviceMesh) -> None:
+    """An MoE layer under expert tensor parallelism (parallel.etp = tp; Megatron-core's expert tensor
+    parallelism with its tensor group equal to the dense one).
+
+    Every tp rank routes the same tokens (the whole sequence: its layer input is all-gathered), with
+    the router replicated, so the routing, capacity and balancing losses are one process's. Each rank
+    holds 1/tp of every expert's columns (``EXPERT_SPLIT``): it computes its part of the experts'
+    output for every row, and those parts are summed over the tp ranks (one all-reduce of the routed
+    rows, forward; one of their gradients, backward). The shared experts are a dense MLP on the same
+    tokens, split column- then row-parallel with their own all-reduce. Expert parallelism, applied
+    after this, keeps each weight's split on the (ep, tp) mesh (parallel/ep.py).
+    """
+    parallelize_module(moe, tp_mesh, {"router": ReplicatedModule()})
+    if moe.shared is not None:
+        plan = {"shared.fc": ColwiseParallel(), "shared.out": RowwiseParallel(output_layouts=Replicate())}
+        if moe.shared.gate is not None:
+            plan["shared.gate"] = ColwiseParallel()
+        parallelize_module(moe, tp_mesh, plan)
+    for name, dim in EXPERT_SPLIT.items():
+        w = getattr(moe, name)
+        if w is not None:
+            setattr(moe, name, nn.Parameter(distribute_tensor(w.detach(), tp_mesh, [Shard(dim)], src_data_rank=None),
+                                            requires_grad=w.requires_grad))
+    moe.__class__ = TensorSplitMoE
+    moe.tensor_group = tp_mesh.get_group()
 
 
 def _shard_positions(pos_emb: nn.Embedding, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:

@@ -248,11 +248,14 @@ class JobConfig:
             raise ConfigError(f"kernels.loss_chunk_tokens={chunks} with parallel.pp={p.pp}: the pipeline's last "
                               "stage computes the loss from the whole logits; set kernels.loss_chunk_tokens=0")
         if p.tp > 1:
-            if t.compile and m.recompute in ("selective", "full", "every_k"):
+            if t.compile and m.recompute != "op_selective":
                 # torch 2.13's compiler saves the tensor-parallel DeviceMesh among the tensors of a
-                # checkpointed region and fails ("expected all tensors_saved_with_vc_check to be Tensors").
+                # checkpointed region and fails ("expected all tensors_saved_with_vc_check to be Tensors");
+                # without a checkpointed region (none, offload) a compiled block's backward hands DTensor's
+                # redistribute a plain gradient ("'Tensor' object has no attribute '_local_tensor'"), with
+                # and without sequence parallelism. Its selective checkpoint runs (test_layout_seams.py).
                 raise ConfigError(f"train.compile=true with model.recompute={m.recompute} under parallel.tp > 1 "
-                                  "fails in torch's compiler; use model.recompute=op_selective (or offload), "
+                                  "fails in torch's compiler; use model.recompute=op_selective, "
                                   "or train.compile=false")
         if p.pp > 1 and m.moe.experts is not None and m.moe.bias_update_rate:
             # torch's pipeline stages run an extra forward on their first step to infer shapes, whose
@@ -297,6 +300,10 @@ class JobConfig:
                               "hands a client optimizer flat 1-D partitions, never whole matrices, so Newton-Schulz "
                               "cannot run on them (DeepSpeed's own Muon works inside its partitioning code, by its own "
                               "rules); use parallel.strategy=fsdp")
+        if p.etp > 1:
+            raise ConfigError(f"optim.name=muon with parallel.etp={p.etp} is not supported: Newton-Schulz needs each "
+                              "expert's matrix whole on one rank, and expert tensor parallelism splits it; set "
+                              "parallel.etp=1 (experts replicated over tp) or optim.name=adamw")
         if m.layers == "te" or self.precision.mode == "fp8":
             raise ConfigError("optim.name=muon with model.layers=te or precision.mode=fp8 is not supported: Muon is not "
                               "verified on FP8 weight wrappers; use model.layers=torch and another precision.mode")

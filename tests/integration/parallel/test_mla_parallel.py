@@ -1,4 +1,5 @@
-"""Latent attention (model.attention_kind=mla) under tensor, context and pipeline parallelism on gloo
+"""Latent attention (model.attention_kind=mla) under tensor, context and pipeline parallelism (the
+1f1b, gpipe, interleaved_1f1b and zero_bubble schedules, the last two with 2 stages a rank) on gloo
 ranks trains as one process does: 10 steps' losses and the final weights within 1e-5 (fp32), and a
 tensor-parallel run resumed from its checkpoint repeats the uninterrupted one exactly.
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from parallel.distributed import DistContext
-from tests.gloo import gloo_context, run_workers, save_on_every_rank
+from tests.gloo import assert_resumes_exactly, gloo_context, run_workers, train_save_and_resume
 from tests.integration.parallel.test_tp_pp import ACCUM, full_grads, full_params, micro_batches, train_steps
 from training.build import build_from_config
 from training.config import load_config
@@ -27,6 +28,7 @@ MODEL = {"vocab_size": 64, "max_seq_len": 16, "n_layer": 2, "n_head": 4, "d_mode
          "attention_mask": "document", "eot_id": 3}
 STEPS, SAVE_AFTER = 10, 5
 DIRECT_QUERY = {"q_lora_rank": None}  # DeepSeek-V2-Lite's form: the query projected straight from the hidden state
+FOUR_LAYERS = {"n_layer": 4}
 
 # name -> (parallel section, model keys changed)
 TWO_RANKS = {
@@ -39,6 +41,11 @@ TWO_RANKS = {
     "cp_selective_recompute": ({"cp": 2}, {"recompute": "selective"}),
     "tp_selective_recompute": ({"tp": 2}, {"recompute": "selective"}),
     "pp": ({"pp": 2, "pp_schedule": "1f1b"}, {}),
+    "pp_gpipe": ({"pp": 2, "pp_schedule": "gpipe"}, {}),
+    # two stages a rank: four one-layer stages
+    "pp_interleaved_1f1b": ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}, FOUR_LAYERS),
+    # the backward split into an input-gradient and a weight-gradient pass
+    "pp_zero_bubble": ({"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 2}, FOUR_LAYERS),
 }
 FOUR_RANKS = {
     "tp_x_cp": ({"tp": 2, "cp": 2}, {}),
@@ -62,20 +69,17 @@ def job(parallel: dict, model: dict, accum: int = ACCUM):
 def run_layout(rank: int, world: int, name: str, parallel: dict, model: dict, ckpt_root: str | None) -> dict:
     cfg = job(parallel, model)
     ctx = gloo_context(rank, world, parallel=cfg.parallel)
-    engine = build_from_config(cfg, ctx).engine
     if ckpt_root is None:
+        engine = build_from_config(cfg, ctx).engine
         losses, _, grads = train_steps(engine, range(STEPS), ctx, cfg, record_grads=True)
         out = {"losses": losses, "grads": grads, "final": full_params(engine)}
         if name == "fsdp_x_cp_selective_recompute":
             out["cp_bytes"] = cp_bytes(engine, ctx, cfg)
         return out
-    losses, _, grads = train_steps(engine, range(SAVE_AFTER), ctx, cfg, record_grads=True)
-    path = Path(ckpt_root) / name
-    save_on_every_rank(engine, path, rank)
-    rest, _, _ = train_steps(engine, range(SAVE_AFTER, STEPS), ctx, cfg)
-    fresh = build_from_config(cfg, ctx).engine  # a new run that loads the checkpoint
-    fresh.load(path)
-    resumed, _, _ = train_steps(fresh, range(SAVE_AFTER, STEPS), ctx, cfg)
+    engine, fresh, (losses, _, grads), (rest, _, _), (resumed, _, _) = train_save_and_resume(
+        lambda: build_from_config(cfg, ctx).engine,
+        lambda engine, steps: train_steps(engine, steps, ctx, cfg, record_grads=True),
+        Path(ckpt_root) / name, rank, SAVE_AFTER, STEPS)
     return {"losses": losses + rest, "grads": grads, "final": full_params(engine), "resumed": resumed,
             "resumed_final": full_params(fresh)}
 
@@ -113,7 +117,8 @@ def reference(model: dict, dp_size: int = 1) -> dict:
 
 @pytest.fixture(scope="module")
 def references():
-    return {"compressed": reference({}), "direct": reference(DIRECT_QUERY), "compressed_dp2": reference({}, 2)}
+    return {"compressed": reference({}), "direct": reference(DIRECT_QUERY), "compressed_dp2": reference({}, 2),
+            "four_layers": reference(FOUR_LAYERS)}
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +152,14 @@ def assert_every_layout_matches(ranks: list[dict], layouts: dict, references: di
         assert held == want["final"].keys(), name  # the ranks hold every parameter between them
 
 
+def reference_of_two_ranks(name: str) -> str:
+    keys = TWO_RANKS[name][1]
+    return "direct" if "q_lora_rank" in keys else "four_layers" if "n_layer" in keys else "compressed"
+
+
 def test_mla_under_tp_cp_and_pp_matches_one_process(two_ranks, references):
     assert any((x == MODEL["eot_id"]).any() for x, _ in micro_batches(0, 0, 1)), "no document boundary in the data"
-    assert_every_layout_matches(two_ranks, TWO_RANKS, references,
-                                lambda name: "direct" if "q_lora_rank" in TWO_RANKS[name][1] else "compressed")
+    assert_every_layout_matches(two_ranks, TWO_RANKS, references, reference_of_two_ranks)
 
 
 def test_cp_sends_the_latent_and_rotary_key_the_estimator_counts(four_ranks):
@@ -164,10 +173,7 @@ def test_cp_sends_the_latent_and_rotary_key_the_estimator_counts(four_ranks):
 
 def test_mla_tp_resumes_exactly(two_ranks):
     for rank in two_ranks:
-        run = rank["tp"]
-        assert run["resumed"] == run["losses"][SAVE_AFTER:]
-        for key, value in run["final"].items():
-            assert torch.equal(run["resumed_final"][key], value), key
+        assert_resumes_exactly(rank["tp"], SAVE_AFTER)
 
 
 def test_mla_under_tp_x_cp_pp_x_tp_pp_x_cp_fsdp_x_tp_and_fsdp_x_cp_matches_one_process(four_ranks, references):
