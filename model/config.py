@@ -350,9 +350,6 @@ class ModelConfig:
         if self.mtp_depth < 0 or not (math.isfinite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0):
             raise ConfigError(f"model.mtp_depth must be >= 0 and model.mtp_loss_weight a finite number >= 0 (got "
                               f"{self.mtp_depth}, {self.mtp_loss_weight})")
-        if self.mtp_depth and self.attention_mask == "document":
-            raise ConfigError("model.mtp_depth with model.attention_mask=document is not supported yet: use "
-                              "attention_mask=causal or mtp_depth=0")
         if self.mtp_depth and self.layers != "torch":
             raise ConfigError("model.mtp_depth needs model.layers=torch")
         self._validate_attention_variants()
