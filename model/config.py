@@ -352,6 +352,9 @@ class ModelConfig:
                               f"{self.mtp_depth}, {self.mtp_loss_weight})")
         if self.mtp_depth and self.layers != "torch":
             raise ConfigError("model.mtp_depth needs model.layers=torch")
+        if self.mtp_depth >= self.max_seq_len:  # depth k predicts k + 1 ahead: no target would be left
+            raise ConfigError(f"model.mtp_depth={self.mtp_depth} needs sequences longer than it (model.max_seq_len="
+                              f"{self.max_seq_len}): lower model.mtp_depth or raise model.max_seq_len")
         self._validate_attention_variants()
         if self.is_mla:
             self._validate_mla()

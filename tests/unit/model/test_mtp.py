@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError
+from model.config import ModelConfig
 from model.gpt import GPT
 from tests.unit.model.test_deepseek import mla_model, mtp_reference
 from tests.unit.model.test_interop import VOCAB
@@ -175,3 +176,9 @@ def test_exported_mtp_weights_compute_transformers_mtp_layer_and_the_rest_its_lo
         _, normed = model.mtp[0](h[:, :-1], model.tok_emb(ids[:, 1:]), rope)
         got = model.lm_head(normed)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_mtp_deeper_than_the_sequence_is_refused_in_one_line():
+    # every target of such a depth would be past the sequence: its loss would be a mean over nothing
+    with pytest.raises(ConfigError, match=r"model.mtp_depth=4 needs sequences longer than it \(model.max_seq_len=4\)"):
+        ModelConfig(vocab_size=32, max_seq_len=4, n_layer=1, n_head=2, d_model=8, mtp_depth=4).validate()
