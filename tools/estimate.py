@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--fp8-scaling", choices=est.FP8_SCALINGS,
                         help="precision=fp8: how each GEMM operand's cast gets its scale, delayed (Transformer Engine) "
                         "or dynamic (torchao, an extra read for the amax); default: the config's fp8_backend, or delayed")
+    parser.add_argument("--op-selective-saves", choices=est.OP_SELECTIVE_SAVES,
+                        help="recompute=op_selective: which matmul outputs it keeps, every one (the trainer's) or "
+                        "alternate ones (torchtitan's per-op policy); default every_matmul")
     parser.add_argument("--optimizer", choices=est.OPTIMIZERS, help="default: the config's optim.name, or adamw")
     layout = parser.add_argument_group("layout (default: the config's parallel section, or 1)")
     layout.add_argument("--tp", type=int, help="tensor-parallel GPUs (inside a node)")
@@ -180,6 +183,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         optimizer=args.optimizer or optimizer,
         loss_chunk_tokens=loss_chunk_tokens,
         fp8_scaling=args.fp8_scaling or fp8_scaling,
+        op_selective_saves=args.op_selective_saves or "every_matmul",
     )
     problem = est.trainer_refusal(job, cfg)
     if problem and not args.allow_refused:

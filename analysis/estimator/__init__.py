@@ -53,6 +53,7 @@ from analysis.estimator.job import (
     GIB,
     MUON_NS_STEPS,
     MUON_PIECE_BYTES,
+    OP_SELECTIVE_SAVES,
     OPTIMIZERS,
     PP_SCHEDULES,
     PRECISION_MODES,
@@ -128,7 +129,7 @@ from model.flops import count_parameters, flops_per_token, matmul_parameters  # 
 from parallel.layout import Layout  # what a JobSpec's layout is
 
 __all__ = [
-    "ACTIVATION_BYTES", "ATTENTION_BACKEND_KIND", "ATTENTION_KINDS", "FITTED_PARAMETERS", "FP8_SCALINGS", "GIB",
+    "ACTIVATION_BYTES", "ATTENTION_BACKEND_KIND", "ATTENTION_KINDS", "FITTED_PARAMETERS", "FP8_SCALINGS", "GIB", "OP_SELECTIVE_SAVES",
     "RECOMPUTE_POLICIES", "PP_SCHEDULES", "PRECISION_MODES", "STATE_BYTES", "STRATEGIES", "ZERO_REDUCTIONS",
     "Assumptions", "EstimatorError", "JobSpec", "StateBytes", "layout_of", "activation_bytes_per_layer",
     "korthikanti_bytes_per_layer", "saved_bytes_per_layer", "MemoryEstimate", "activation_bytes_total",
