@@ -10,7 +10,8 @@ estimator's free parameters on the calibration rows (``fit``).
 
 Which rows calibrate is fixed by a rule written before any error was looked at: in a source marked
 ``calibration: alternate`` every second row in file order (the first, third, ...) calibrates and the
-others are held out; a source marked ``calibration: none`` (torchtitan's tables) is never used to fit.
+others are held out; a source marked ``calibration: none`` (torchtitan's and Megatron-Bridge's tables) is never
+used to fit.
 The held-out error is the honest figure.
 """
 
@@ -29,7 +30,7 @@ from analysis import estimator as est
 from common.errors import ConfigError
 from common.hardware import DEVICES, SYSTEMS
 from common.report import new_figure, save_figure
-from model.config import ModelConfig
+from model.config import ModelConfig, MoEConfig
 from model.flops import count_parameters, flops_per_token
 from parallel.layout import LAYOUT_KEYS
 from training.config import load_config
@@ -42,7 +43,7 @@ QUANTITIES = ("throughput", "memory")
 FLOPS_CONVENTIONS = ("megatron_eq3", "perfgpt")
 ROW_KEYS = {
     "id", "table", "model", "system", "seq_len", "gpus", "tp", "pp", "cp", "micro_batch", "grad_accum",
-    "global_batch", "strategy", "recompute", "precision", "pp_schedule", "pp_virtual_stages", "sequence_parallel",
+    "global_batch", "strategy", "recompute", "precision", "ep", "pp_schedule", "pp_virtual_stages", "sequence_parallel",
     "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "op_selective_saves", "fp8_scaling", "compile", "num_params", "memory_gib", "reason",
     *THROUGHPUT_KEYS,
 }
@@ -146,7 +147,10 @@ def _load_source(path: Path) -> list[PublishedRow]:
             raise ConfigError(f"{name}: tflops_per_gpu needs the source's flops_convention")
         shape = fields.get("model", {})
         shape = models[shape] if isinstance(shape, str) else shape
-        model = ModelConfig(**{**raw.get("model_defaults", {}), **shape, "max_seq_len": fields["seq_len"]})
+        fields_of_model = {**raw.get("model_defaults", {}), **shape, "max_seq_len": fields["seq_len"]}
+        if isinstance(fields_of_model.get("moe"), dict):
+            fields_of_model["moe"] = MoEConfig(**fields_of_model["moe"])
+        model = ModelConfig(**fields_of_model)
         model.validate()
         layout = {
             "strategy": fields.get("strategy", "fsdp"), "recompute": fields.get("recompute", "none"),
@@ -158,6 +162,8 @@ def _load_source(path: Path) -> list[PublishedRow]:
             "op_selective_saves": fields.get("op_selective_saves", "every_matmul"),
             "fp8_scaling": fields.get("fp8_scaling", "delayed"),
         }
+        if "ep" in fields:
+            layout["ep"] = fields["ep"]
         if "sequence_parallel" in fields:
             layout["sequence_parallel"] = fields["sequence_parallel"]
         role = "check" if source.calibration == "none" else ("calibration" if index % 2 == 0 else "held-out")
@@ -529,8 +535,8 @@ def render_markdown(comparisons: list[Comparison], assumptions: est.Assumptions,
         "",
         "Calibration rows (every second row of a source, in file order, fixed before any error was seen) fit "
         f"the estimator's free parameters ({', '.join(est.FITTED_PARAMETERS)}); held-out rows never did, and "
-        "torchtitan's tables (`check`) were kept aside as an independent check and never used to fit or choose "
-        "anything. The held-out figure is the honest one.",
+        "torchtitan's and Megatron-Bridge's tables (`check`) were kept aside as independent checks and never "
+        "used to fit or choose anything. The held-out figure is the honest one.",
         "",
     ]
     for quantity in QUANTITIES:
