@@ -26,17 +26,8 @@ from pathlib import Path
 
 import torch
 
-from analysis.optimizer_bench import (
-    OPTIMIZERS,
-    Run,
-    band,
-    best_lr,
-    final_summary,
-    over_seeds,
-    run_all,
-    step_ratio,
-    time_steps,
-)
+from analysis.optimizer_bench import OPTIMIZERS, Run, best_lr, over_seeds, step_ratio, time_steps
+from analysis.training_runs import band, final_summary, run_all
 from common.errors import USER_FACING_ERRORS, ConfigError
 from common.measure import hardware_name, machine_load, summarize
 from common.report import markdown_table, new_figure, save_figure, text_table, write_results
