@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from common.measure import interleaved, summarize
+from common.errors import ConfigError
+from common.measure import interleaved, machine_load, summarize
 from parallel.distributed import DistContext
 from training.build import build_from_config
 from training.config import JobConfig
@@ -162,3 +163,47 @@ def time_train_steps(jobs: dict[str, JobConfig], rounds: int, warmup: int = 2,
 
     return interleaved({name: train(engine, jobs[name].optim.lr) for name, engine in engines.items()}, rounds, warmup,
                        device, progress=progress)
+
+
+# --------------------------------------------------------------------------- what the command lines share
+
+
+def add_run_arguments(parser, out: str, rounds: int, eval_interval: int) -> None:
+    """The options of a tool over this module: seeds, parallel runs, threads, timing rounds, logging
+    intervals, the resumable output folder, where the Markdown and the PNG go."""
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--workers", type=int, default=1, help="training runs at once")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run and for the timing")
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved timing rounds")
+    parser.add_argument("--log-interval", type=int, default=10)
+    parser.add_argument("--eval-interval", type=int, default=eval_interval)
+    parser.add_argument("--out", type=Path, default=Path(out), help="where the runs and timing go")
+    parser.add_argument("--retime", action="store_true", help="time again even if --out holds a timing")
+    parser.add_argument("--markdown", type=Path, help="write the tables here (rows as JSON next to them)")
+    parser.add_argument("--plot", type=Path, help="write the loss curves here (PNG)")
+
+
+def check_run_arguments(args, *positive: str) -> None:
+    """One line for an option out of range: the counts below 1, a seed listed twice."""
+    for key in ("workers", "threads", "rounds", "log_interval", "eval_interval", *positive):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"--{key.replace('_', '-')} must be >= 1 (got {getattr(args, key)})")
+    if len(set(args.seeds)) != len(args.seeds):
+        raise ConfigError(f"--seeds lists a seed twice: {args.seeds}")
+
+
+def saved_timing(args, measure) -> dict:
+    """``measure()`` (a dict), with the machine load beside it, kept in ``args.out/timing.json`` and
+    read back from there on a later call unless ``args.retime``."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "timing.json"
+    if path.exists() and not args.retime:
+        return json.loads(path.read_text())
+    print(f"timing {args.rounds} interleaved rounds ({machine_load()}) ...", file=sys.stderr)
+    timing = measure() | {"load": machine_load()}
+    path.write_text(json.dumps(timing) + "\n")
+    return timing
+
+
+def print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -19,7 +19,6 @@ if not __package__:  # started as a file, where the project's packages do not im
     exit_with_usage(__file__)
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -27,7 +26,15 @@ from pathlib import Path
 import torch
 
 from analysis.deepseek_bench import BASELINE, TABLE_HEADERS, summary_rows, table_rows, variant_models, variant_runs
-from analysis.training_runs import band, run_all, time_train_steps
+from analysis.training_runs import (
+    add_run_arguments,
+    band,
+    check_run_arguments,
+    print_progress,
+    run_all,
+    saved_timing,
+    time_train_steps,
+)
 from common.errors import USER_FACING_ERRORS, ConfigError
 from common.measure import hardware_name, machine_load
 from common.report import markdown_table, new_figure, save_figure, text_table, write_results
@@ -38,25 +45,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", default="configs/tiny-mla.yaml", help="job config with a MoE model section")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--mtp-depth", type=int, default=1, help="MTP modules of the -mtp variants")
     parser.add_argument("--mtp-weight", type=float, help="their loss weight (default: the config's "
                         "model.mtp_loss_weight, 0.3 unless set)")
-    parser.add_argument("--workers", type=int, default=1, help="training runs at once")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run and for the timing")
-    parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds")
-    parser.add_argument("--log-interval", type=int, default=10)
-    parser.add_argument("--eval-interval", type=int, default=50)
-    parser.add_argument("--out", type=Path, default=Path("runs/bench_deepseek"), help="where the runs and timing go")
-    parser.add_argument("--retime", action="store_true", help="time again even if --out holds a timing")
-    parser.add_argument("--markdown", type=Path, help="write the table here (rows as JSON next to it)")
-    parser.add_argument("--plot", type=Path, help="write the loss curves and tokens/s here (PNG)")
+    add_run_arguments(parser, out="runs/bench_deepseek", rounds=10, eval_interval=50)
     args, extra = parse_known_overrides(parser, argv)
-    for key in ("workers", "threads", "rounds", "log_interval", "eval_interval", "mtp_depth"):
-        if getattr(args, key) < 1:
-            raise ConfigError(f"--{key.replace('_', '-')} must be >= 1 (got {getattr(args, key)})")
-    if len(set(args.seeds)) != len(args.seeds):
-        raise ConfigError(f"--seeds lists a seed twice: {args.seeds}")
+    check_run_arguments(args, "mtp_depth")
     return args, extra
 
 
@@ -87,19 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(args, extra, job, models, runs, jobs, weight, command: str) -> int:
-    args.out.mkdir(parents=True, exist_ok=True)
-    timing_file = args.out / "timing.json"
-    if timing_file.exists() and not args.retime:
-        timing = json.loads(timing_file.read_text())
-    else:
-        print(f"timing {args.rounds} interleaved rounds ({machine_load()}) ...", file=sys.stderr)
-        timing = {"train_step_s": time_train_steps(jobs, args.rounds), "load": machine_load()}
-        timing_file.write_text(json.dumps(timing) + "\n")
-
-    def progress(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    curves = run_all(runs, args.workers, progress, config=args.config, extra=extra, out_dir=args.out,
+    timing = saved_timing(args, lambda: {"train_step_s": time_train_steps(jobs, args.rounds)})
+    curves = run_all(runs, args.workers, print_progress, config=args.config, extra=extra, out_dir=args.out,
                      threads=args.threads, log_interval=args.log_interval, eval_interval=args.eval_interval)
     tokens = job.train.micro_batch_size * job.train.grad_accum_steps * job.seq_len
     rows = summary_rows(models, curves, timing["train_step_s"], tokens)
