@@ -41,7 +41,7 @@ FLOPS_CONVENTIONS = ("megatron_eq3", "perfgpt")
 ROW_KEYS = {
     "id", "table", "model", "system", "seq_len", "gpus", "tp", "pp", "cp", "micro_batch", "grad_accum",
     "global_batch", "strategy", "recompute", "precision", "pp_schedule", "pp_virtual_stages", "sequence_parallel",
-    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "compile", "num_params", "memory_gib", "reason",
+    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "op_selective_saves", "compile", "num_params", "memory_gib", "reason",
     *THROUGHPUT_KEYS,
 }
 SOURCE_KEYS = {"source", "citation", "read_from", "framework", "calibration", "flops_convention", "memory_kind",
@@ -151,6 +151,7 @@ def _load_source(path: Path) -> list[PublishedRow]:
             "tp_overlap": fields.get("tp_overlap", False), "dp_overlap": fields.get("dp_overlap", True),
             "fsdp_reshard_after_forward": fields.get("fsdp_reshard_after_forward", True),
             "zero_reduction": fields.get("zero_reduction", "deepspeed"),
+            "op_selective_saves": fields.get("op_selective_saves", "every_matmul"),
         }
         if "sequence_parallel" in fields:
             layout["sequence_parallel"] = fields["sequence_parallel"]

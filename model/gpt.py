@@ -202,6 +202,10 @@ class LatentAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_head * cfg.v_head_dim, cfg.d_model, bias=cfg.has_proj_bias)
         self.proj.residual_projection = True
         self.resid_drop = nn.Dropout(cfg.dropout)
+        # Context parallelism's seam (parallel/cp.py): a function that turns this rank's chunks of the
+        # latent and rotary key into the whole sequence's, in order; the keys and values are then
+        # up-projected from those. None: the input is the whole sequence.
+        self.gather_latent = None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: LayerKV | None = None,
@@ -214,6 +218,8 @@ class LatentAttention(nn.Module):
         latent, k_rot = self.kv_norm(latent).unsqueeze(2), self.ops.apply_rope(k_rot.unsqueeze(2), *rope)
         if cache is not None:  # (B, S, 1, kv_lora_rank) and (B, S, 1, qk_rope_head_dim): what the cache holds
             latent, k_rot = cache.update(latent, k_rot)
+        elif self.gather_latent is not None:
+            latent, k_rot = self.gather_latent(latent, k_rot)
         kv = self.kv_up(latent.squeeze(2))
         k_nope, v = kv.view(*kv.shape[:2], -1, self.nope + self.v_dim).split((self.nope, self.v_dim), dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)

@@ -19,8 +19,9 @@ class ParallelConfig:
     # --- layout (layout.py): ranks = pp x dp_replicate x dp_shard x cp x tp, tp innermost (inside a node);
     # ep is carved out of dp_shard x cp. Layout.of turns these keys and the world size into the run's layout.
     tp: int = doc(1, "tensor-parallel degree: each layer's matmuls split over this many ranks of a node "
-                  "(Megatron-LM); must divide the heads, KV heads, d_ff and vocabulary. MoE layers are not split: "
-                  "replicated over the tp ranks, each routing its own sequence slice under sequence_parallel")
+                  "(Megatron-LM); must divide the heads, KV heads, d_ff and vocabulary. MoE layers are not split "
+                  "(etp=1): replicated over the tp ranks, each routing its own sequence slice under "
+                  "sequence_parallel")
     pp: int = doc(1, "pipeline-parallel stages: the layers split over this many ranks")
     cp: int = doc(1, "context-parallel degree: every sequence split over this many ranks (2*cp load-balanced "
                   "chunks, keys and values all-gathered per layer; parallel/cp.py); needs strategy=fsdp or none")
@@ -28,8 +29,13 @@ class ParallelConfig:
                   "ranks (each holds model.moe.experts / ep), tokens sent to their experts and back by all-to-all "
                   "(parallel/ep.py); the dp_shard x cp / ep ranks holding the same experts shard them (FSDP2). With "
                   "cp > 1 it must be a multiple of cp (an ep group spans whole cp groups); with tp, each tp rank "
-                  "exchanges its own tokens in its ep group (experts replicated over tp); must divide "
+                  "exchanges its own tokens in its ep group (experts replicated over tp, or split by etp); must divide "
                   "model.moe.experts; needs strategy=fsdp or none")
+    etp: int = doc(1, "expert tensor parallelism: 1 (routed experts replicated over the tp ranks) or tp (each "
+                   "expert's matrices split over the tp ranks as a dense MLP's are: gate and up by columns, down by "
+                   "rows, the experts' output all-reduced over tp; the shared experts split alike, the router "
+                   "replicated, every tp rank routing the whole micro-batch). Composes with ep (each ep rank's "
+                   "experts split over tp) and FSDP2; must divide model.moe.d_ff")
     dp_replicate: int = doc(1, "data-parallel replicas; with strategy=fsdp the replicate dimension of HSDP "
                             "(across nodes)")
     dp_shard: int = doc(-1, "data-parallel ranks that shard the model (fsdp) or hold replicas (ddp, zero), the "

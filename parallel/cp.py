@@ -17,6 +17,14 @@ model code has no cp in it. With cp ranks and sequences of T tokens:
                and its traffic is 2 (cp - 1) / cp of one layer's K/V per rank. A layer with a
                sliding window of W tokens gives each chunk only the keys its queries can see,
                from W - 1 before the chunk's start on (crossing into earlier chunks as needed).
+               Latent attention (model.attention_kind=mla) gathers what its keys and values are
+               made from instead: the normalised latent and the rotated shared key, kv_lora_rank +
+               qk_rope_head_dim numbers per token (DeepSeek-V3: 576, where its keys and values
+               are 320 per head: 40,960 for its 128 heads, or 128 / tp of them), and every rank
+               up-projects the whole sequence's keys and values from them. The price is that
+               up-projection repeated for the other ranks' tokens: 2 x 512 x 256 FLOPs per head and
+               token in DeepSeek-V3, where the causal scores and values cost 320 x T on average
+               (T = 4096: 1.3M). Its backward's latent gradients are reduce-scattered as K/V's are.
     loss       each rank returns cp * (its summed token losses) / (tokens of the whole sequence), so
                the mean over the cp ranks is the mean over every token, and the gradients the cp
                ranks average (as data-parallel ranks: ``ParallelDims.fsdp_dims`` folds cp into the
@@ -48,7 +56,7 @@ import torch.nn as nn
 
 from data.bundle import IGNORE_INDEX
 from model.attention import AttentionCore
-from model.gpt import GPT, document_positions
+from model.gpt import GPT, LatentAttention, document_positions
 from model.moe import moe_layers
 
 
@@ -92,19 +100,34 @@ def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     return chunks.movedim(0, 1).flatten(1, 2)
 
 
+def gather_latent(latent: torch.Tensor, k_rot: torch.Tensor, group: dist.ProcessGroup
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent attention's keys and values for the whole sequence, from what every cp rank holds of
+    it: the normalised latent (B, T/cp, 1, kv_lora_rank) and the rotated shared key (B, T/cp, 1,
+    qk_rope_head_dim), in one collective; each rank then up-projects every position's keys and
+    values itself (``model.gpt.LatentAttention``)."""
+    whole = gather_sequence(torch.cat((latent, k_rot), dim=-1), group)
+    return whole.split((latent.shape[-1], k_rot.shape[-1]), dim=-1)
+
+
 class ContextParallelCore(nn.Module):
     """An attention core over a cp rank's two chunks: gathers the keys and values of the whole
     sequence, then runs the wrapped core once per chunk against the keys it may see."""
 
-    def __init__(self, inner: AttentionCore, group: dist.ProcessGroup, cp: int, rank: int):
+    def __init__(self, inner: AttentionCore, group: dist.ProcessGroup, cp: int, rank: int, keys_whole: bool = False):
         super().__init__()
-        self.inner, self.group, self.chunks = inner, group, chunk_ids(cp, rank)
+        self.inner, self.group, self.chunks, self.keys_whole = inner, group, chunk_ids(cp, rank), keys_whole
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q, k, v: this rank's chunks (B, 2c, heads, D); ``documents`` (B, T): of the whole sequence."""
-        kv = gather_sequence(torch.stack((k, v), dim=2), self.group)  # one collective: (B, T, 2, H_kv, D)
-        k_all, v_all = kv.unbind(2)
+        """q: this rank's chunks (B, 2c, heads, D); k, v: the same chunks, or with ``keys_whole`` the
+        whole sequence's (latent attention gathered its latent instead); ``documents`` (B, T): of the
+        whole sequence."""
+        if self.keys_whole:
+            k_all, v_all = k, v
+        else:
+            kv = gather_sequence(torch.stack((k, v), dim=2), self.group)  # one collective: (B, T, 2, H_kv, D)
+            k_all, v_all = kv.unbind(2)
         c = q.shape[1] // 2
         window = self.inner.window
         out = []
@@ -222,7 +245,10 @@ def apply_context_parallel(model: GPT, cp_group: dist.ProcessGroup | None) -> No
         return
     cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     for block in model.blocks.values():
-        block.attn.core = ContextParallelCore(block.attn.core, cp_group, cp, rank)
+        latent = isinstance(block.attn, LatentAttention)
+        if latent:
+            block.attn.gather_latent = functools.partial(gather_latent, group=cp_group)
+        block.attn.core = ContextParallelCore(block.attn.core, cp_group, cp, rank, keys_whole=latent)
     for moe in moe_layers([model]):
         moe.sum_over_sequence = functools.partial(_all_reduce_sum, group=cp_group)
         if moe.token_mean is None:  # under tp's sequence slices capacity stays per slice (model/moe.py)

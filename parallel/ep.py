@@ -42,10 +42,12 @@ parallel/fsdp.py's ``materialize`` then allocates and draws each rank's expert s
 global-shape init's std, as it does the dense weights' shards.
 
 Composition: pipeline stages apply it to their own layers (each stage's MoE layers exchange tokens
-within the stage's ep group); context parallelism as above. Experts are never tensor-split: under
-tensor parallelism the MoE layer is replicated over the tp ranks (parallel/tp.py, applied before
-this), and the ep group of each tp rank is the ep ranks at its tp coordinate, so every tp rank runs
-its own all_to_alls. With sequence parallelism each tp rank routes its own slice of the sequence, so
+within the stage's ep group); context parallelism as above. Under tensor parallelism the MoE layer is
+replicated over the tp ranks (parallel/tp.py, applied before this), or with ``parallel.etp`` = tp its
+experts are split over them; either way the ep group of each tp rank is the ep ranks at its tp
+coordinate, so every tp rank runs its own all_to_alls. Split experts become DTensors on the (ep, tp)
+mesh; the tp ranks then route and send the same (whole micro-batch's) rows, each gets back its slice's
+partial outputs, and those are summed over tp after the combine (``tensor_group``). With sequence parallelism each tp rank routes its own slice of the sequence, so
 the expert gradients here are one slice's share: ``sequence_group`` sums them over the tp ranks
 before the 1 / ep scale. Without it the tp ranks exchange the same tokens and compute the same
 gradients.
@@ -78,6 +80,32 @@ class _ScaleGradient(torch.autograd.Function):
             grad = grad.contiguous()  # all_reduce works in place on a dense tensor
             dist.all_reduce(grad, group=ctx.group)
         return grad * ctx.scale, None, None
+
+
+def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x``, held alike by the ranks of ``group``, entering a computation each of them does in part
+    (expert tensor parallelism): identity in forward; in backward each rank's gradient is its part's,
+    so they are summed over ``group`` (Megatron's "f")."""
+    return _ScaleGradient.apply(x, 1.0, group)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """The sum of ``x`` over ``group`` (each rank's partial result); backward passes the gradient, which
+    every rank holds alike, through (Megatron's "g")."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def sum_over_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _SumOverGroup.apply(x, group)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -152,6 +180,10 @@ class ExpertParallelMoE(MoE):
     # The tp ranks that route other slices of the same sequences (sequence parallelism, set by
     # parallel/tp.py): the expert gradients are summed over them. None: they route the same tokens.
     sequence_group: dist.ProcessGroup | None = None
+    # Expert tensor parallelism (parallel.etp = tp, set by parallel/tp.py): the tp ranks, which route
+    # the same tokens and each hold a column/row slice of every local expert; their partial outputs
+    # are summed over it. None: experts whole on each tp rank.
+    tensor_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A copy, not the view MoE returns: FSDP2 hooks a unit's output for backward, and warns
@@ -166,7 +198,12 @@ class ExpertParallelMoE(MoE):
             return expert_mlp(x, local_counts, w_up, w_down, w_gate, self.ops, self.gelu_approximate, self.backend,
                               tuple(biases), self.clamp)
 
-        return dispatch_and_combine(rows, counts, self.ep_group, local_experts)
+        if self.tensor_group is None:
+            return dispatch_and_combine(rows, counts, self.ep_group, local_experts)
+        # Each tp rank sends the same rows to the same ep rank (its peer at its tp coordinate), whose
+        # experts give back this tp rank's part of their outputs: summed over the tp ranks after the combine.
+        out = dispatch_and_combine(copy_to_group(rows, self.tensor_group), counts, self.ep_group, local_experts)
+        return sum_over_group(out, self.tensor_group)
 
     def _local(self, w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         """This rank's experts of ``w`` (E / ep, ...) in the compute dtype, with the 1 / ep gradient
@@ -181,8 +218,9 @@ class ExpertParallelMoE(MoE):
         return f"ep={self.ep}, local experts={self.n_experts // self.ep} of {self.n_experts}"
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
-    """Shard every MoE layer's experts of ``model`` over ``ep_mesh`` (a no-op without one), in place."""
+def apply_expert_parallel(model: nn.Module, ep_mesh, ep_tp_mesh=None) -> None:
+    """Shard every MoE layer's experts of ``model`` over ``ep_mesh`` (a no-op without one), in place.
+    ``ep_tp_mesh``: the 2-D (ep, tp) mesh, where expert tensor parallelism has split the experts over tp."""
     if ep_mesh is None:
         return
     from torch.distributed.tensor import DTensor, Shard
@@ -194,9 +232,13 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
             w = getattr(moe, name)
             if w is None:
                 continue
-            # Under tensor parallelism w is replicated over the tp ranks: each takes the same block.
+            # Under tensor parallelism w is replicated over the tp ranks (each takes the same block of
+            # experts), or split over them (etp = tp: each takes its slice of the same block, and the
+            # weight lives on the (ep, tp) mesh, so checkpoints hold every expert whole).
             local = local_shard(w.detach())[rank * per_rank:(rank + 1) * per_rank].clone()
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            split = getattr(w, "placements", (None,))[0]
+            mesh, placements = (ep_tp_mesh, [Shard(0), split]) if isinstance(split, Shard) else (ep_mesh, [Shard(0)])
+            sharded = DTensor.from_local(local, mesh, placements, run_check=False)
             setattr(moe, name, nn.Parameter(sharded, requires_grad=w.requires_grad))
         moe.ep_group, moe.ep = group, ep
         moe.__class__ = ExpertParallelMoE

@@ -13,6 +13,10 @@ mesh from it). The words are torchtitan's:
 - ``ep``: expert-parallel ranks, carved out of dp_shard x cp: each holds 1/ep of every MoE layer's
   routed experts, and FSDP2 shards those over the dp_shard x cp / ep ranks that hold the same ones.
   With cp > 1 an ep group spans whole cp groups, so ep is a multiple of cp.
+- ``etp``: expert tensor parallelism, 1 or tp (torchtitan's two choices): 1 replicates every routed
+  expert over the tp ranks, tp splits each expert's matrices over them as tp splits a dense MLP
+  (parallel/tp.py). It adds no ranks: the tp group is the expert-tensor group, so the ranks holding
+  the same experts (expert data parallelism, ``edp``) are those of the dense weights less ep.
 
 A ``Layout`` is built once, from the parallel section and the world size (``Layout.of``), and checked
 then. Every layout rule is written here and nowhere else:
@@ -42,8 +46,8 @@ from typing import Any
 from common.errors import ConfigError, LayoutError
 
 # The keys of the parallel section a layout is made of, in the order ``overrides`` writes them.
-LAYOUT_KEYS = ("strategy", "dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_virtual_stages",
-               "sequence_parallel")
+LAYOUT_KEYS = ("strategy", "dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "pp_schedule",
+               "pp_virtual_stages", "sequence_parallel")
 # Schedules that run several model chunks (virtual stages) per pipeline rank.
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 # Data-parallel strategies that cannot wrap tensor- or pipeline-parallel models (DTensor parameters, stages).
@@ -67,6 +71,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int = 1  # 1: routed experts replicated over tp; tp: each split over the tp ranks
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     sequence_parallel: bool = True  # with tp > 1; the config's default
@@ -169,6 +174,8 @@ class Layout:
         words += [f"dp_shard={self.dp_shard}", f"tp={self.tp}", f"pp={self.pp}"]
         if self.ep > 1:
             words.append(f"ep={self.ep}")
+        if self.etp > 1:
+            words.append(f"etp={self.etp}")
         if self.pp > 1:
             words.append(f"pp_schedule={self.pp_schedule}")
             if self.pp_virtual_stages > 1:
@@ -226,7 +233,7 @@ def check_section(p: Any) -> None:
 def check_keys(p: Any) -> None:
     """The rules on the parallel section's own keys (``p``: the section, or a ``Layout``), which need
     neither the world size nor the model; a ConfigError naming the key otherwise."""
-    for key in ("tp", "pp", "cp", "ep", "dp_replicate", "pp_virtual_stages"):
+    for key in ("tp", "pp", "cp", "ep", "etp", "dp_replicate", "pp_virtual_stages"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key} must be >= 1 (got {getattr(p, key)})")
     if p.dp_shard != -1 and p.dp_shard < 1:
@@ -247,6 +254,10 @@ def check_keys(p: Any) -> None:
     if p.ep > 1 and p.cp > 1 and p.ep % p.cp:
         raise ConfigError(f"parallel.ep={p.ep} with parallel.cp={p.cp}: an expert-parallel group spans whole "
                           "context-parallel groups, so ep must be a multiple of cp; choose ep = cp x n")
+    if p.etp not in (1, p.tp):
+        raise ConfigError(f"parallel.etp={p.etp} splits each routed expert over the tensor-parallel ranks: it must be "
+                          f"1 (experts replicated over tp) or parallel.tp={p.tp}; set parallel.etp=1"
+                          + ("" if p.tp > 1 else f" or parallel.tp={p.etp}"))
     hybrid = getattr(p, "fsdp_hybrid", False)  # a section key; a Layout has it spelled out
     if hybrid and p.ep > 1:
         raise ConfigError(f"parallel.ep={p.ep} with parallel.fsdp_hybrid: set parallel.dp_replicate and "
@@ -287,6 +298,17 @@ def check_model(p: Any, model: Any, *, seq_len: int, micro_batches: int, seq_key
     if p.ep > 1 and experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.experts={experts} (each ep rank holds "
                           "moe.experts / ep of them)")
+    if p.etp > 1:
+        if experts is None:
+            raise ConfigError(f"parallel.etp={p.etp} splits routed experts over the tp ranks, but the model has none: "
+                              "set model.moe.experts or parallel.etp=1")
+        if model.expert_d_ff % p.etp:
+            raise ConfigError(f"parallel.etp={p.etp} must divide the experts' width model.moe.d_ff={model.expert_d_ff} "
+                              "(each tp rank holds 1/etp of every expert's columns); choose model.moe.d_ff a multiple "
+                              "of it or parallel.etp=1")
+        if model.moe.bias:
+            raise ConfigError(f"parallel.etp={p.etp} with model.moe.bias is not supported yet (each expert's output "
+                              "bias would be added once per tp rank); set parallel.etp=1")
     if p.tp > 1:
         for key, value in (("n_head", model.n_head), ("n_kv_head", model.kv_heads), ("d_ff", model.d_ff),
                            ("vocab_size", model.vocab_size)):

@@ -128,12 +128,13 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
             from parallel.tp import apply_tensor_parallel  # DTensor's parallel styles: tp runs only
 
             apply_tensor_parallel(part, ctx.submesh("tp"), sequence_parallel=layout.sequence_parallel,
-                                  loss_parallel=loss_parallel)
+                                  loss_parallel=loss_parallel, expert_tp=layout.etp > 1)
         # Context parallelism: each rank runs its chunks of every sequence, with K/V gathered per layer;
         # before recompute, so selective recompute re-gathers K/V in backward instead of keeping them.
         apply_context_parallel(part, ctx.submesh("cp").get_group() if layout.cp > 1 else None)
         # Expert parallelism: each rank keeps its experts of every MoE layer, tokens exchanged by all-to-all.
-        apply_expert_parallel(part, ctx.submesh("ep") if layout.ep > 1 else None)
+        apply_expert_parallel(part, ctx.submesh("ep") if layout.ep > 1 else None,
+                              ctx.submesh("ep", "tp") if layout.ep > 1 and layout.etp > 1 else None)
         # 6-7. Recompute, then compile.
         apply_recompute(part, model_cfg.recompute, model_cfg.recompute_every_k)
         apply_compile(part, compile, compile_mode, compile_loss)
@@ -177,6 +178,8 @@ def describe_placement(dims: ParallelDims, stages: list[int]) -> str:
     line = f"layout: {lay.describe()} ({dims.world_size} ranks); data-parallel rank {dims.dp_rank} of {lay.dp}"
     if lay.ep > 1:
         line += f"; ep rank {dims.ep_rank} of {lay.ep} holds 1/{lay.ep} of each MoE layer's experts"
+    if lay.etp > 1:
+        line += f"; each expert split over the {lay.etp} tp ranks"
     if lay.cp > 1:
         line += f"; cp rank {dims.coordinate('cp')} of {lay.cp} holds sequence chunks {chunk_ids(lay.cp, dims.coordinate('cp'))}"
     if lay.pp > 1:

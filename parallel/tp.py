@@ -9,10 +9,16 @@ no TP in it. Per block, with t ranks:
                      key/value groups and their query heads), the attention core on local
                      heads (attention sinks split with them), proj row-parallel with a
                      reduce-scatter back to T/t positions
+    latent attn      (model.attention_kind=mla) the same, with the heads' up-projections q_up and
+                     kv_up column-parallel and the down-projections, their norms and the shared
+                     rotary key replicated (``_latent_attention_plan`` says why)
     mlp              all-gather, fc column-parallel, activation on local columns, out
                      row-parallel with a reduce-scatter
-    MoE layer        not split: router, experts and shared experts replicated over the tp ranks,
-                     each rank routing the positions it holds (``replicate_moe``)
+    MoE layer        not split (parallel.etp=1): router, experts and shared experts replicated over
+                     the tp ranks, each rank routing the positions it holds (``replicate_moe``);
+                     with etp = tp, all-gather, every rank routes the whole sequence, each expert's
+                     gate/up column-parallel and down row-parallel, the experts' partial outputs
+                     all-reduced, the shared experts split as a dense MLP (``split_moe``)
 
 so between blocks the residual stream stays a plain (B, T/t, C) tensor on every rank, and the
 only collectives are one all-gather and one reduce-scatter per sub-layer, forward and backward
@@ -44,20 +50,23 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from model.attention import AttentionCore
-from model.gpt import GPT
+from model.gpt import GPT, LatentAttention
 from model.moe import MoE, expert_mlp
-from parallel.ep import EXPERT_WEIGHTS
+from parallel.ep import EXPERT_WEIGHTS, copy_to_group, sum_over_group
 from parallel.rng import split_rng
 
 
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """Shard ``model`` (a whole GPT or one pipeline stage of it) over ``tp_mesh``, in place."""
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool,
+                          expert_tp: bool = False) -> None:
+    """Shard ``model`` (a whole GPT or one pipeline stage of it) over ``tp_mesh``, in place; with
+    ``expert_tp`` (parallel.etp = tp) its routed experts too, else they are replicated."""
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream between sub-layers
     top: dict[str, object] = {}
     if model.tok_emb is not None:
@@ -80,12 +89,21 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
             # attn(x, rope, cache, documents): only the hidden states are laid out; the rest stay as they are
             "attn": PrepareModuleInput(input_layouts=(seq, None, None, None),
                                        desired_input_layouts=(Replicate(), None, None, None)),
-            "attn.qkv": ColwiseParallel(),
             "attn.proj": RowwiseParallel(output_layouts=seq),
             "norm2": _norm_style(sequence_parallel),
-        }
-        if block.attn.sinks is not None:
+        } | (_latent_attention_plan(block.attn) if isinstance(block.attn, LatentAttention) else
+             {"attn.qkv": ColwiseParallel()})
+        if getattr(block.attn, "sinks", None) is not None:  # latent attention has none
             plan["attn.sinks"] = ShardedByHeads()
+        if isinstance(block.mlp, MoE) and expert_tp:
+            # The MoE layer takes the whole sequence (all-gathered under sequence parallelism) and
+            # returns it whole; each rank keeps its own positions of the (summed) output.
+            plan["mlp"] = PrepareModuleInputOutput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                                   use_local_input=True, output_layouts=(Replicate(),),
+                                                   desired_output_layouts=(seq,))
+            parallelize_module(block, tp_mesh, plan)
+            split_moe(block.mlp, tp_mesh)
+            continue
         if isinstance(block.mlp, MoE):
             # The MoE layer takes the positions this rank holds as a plain tensor (its own T/t slice
             # under sequence parallelism, the whole sequence otherwise) and returns them.
@@ -102,6 +120,82 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
         })
     if model.cfg.dropout > 0:
         split_dropout(model, tp_mesh.get_local_rank(), sequence_parallel)
+
+
+# --------------------------------------------------------------------------- latent attention
+
+
+def _latent_attention_plan(attn: LatentAttention) -> dict[str, ParallelStyle]:
+    """Latent attention (model.attention_kind=mla) split by heads, as Megatron splits it.
+
+    The up-projections (``q_up``; ``kv_up``, to each head's key part and value) are column-parallel
+    over the heads and ``proj`` row-parallel, as ``attn.qkv`` and ``attn.proj`` are; the core runs on
+    the local heads. The down-projections (``q_down``, ``kv_down``: the two latents and the one
+    rotary key every head shares) and the latents' norms are replicated: their outputs are a few
+    hundred numbers per token that every head reads, so splitting them would need a gather before
+    the up-projections, and they are a small part of the layer's weights (DeepSeek-V3: 15M of its
+    attention's 187M). Every rank computes them alike on the whole input; each then back-propagates
+    through them only its own heads' share of the gradient, so the gradients of the latents, the
+    rotary key and these weights are partial sums over the tp ranks (``Partial``): the weights'
+    are summed where they meet their replicated parameters (the optimizer step, or FSDP2's
+    reduction), and the input's reduce-scattered to the sequence shards, as ``attn.qkv``'s is."""
+    plan: dict[str, ParallelStyle] = {"attn.q_up": ColwiseFromReplicated(), "attn.kv_up": ColwiseFromReplicated(),
+                                      "attn.kv_down": ReplicatedPartialGrad(), "attn.kv_norm": ReplicatedPartialGrad()}
+    if attn.q_down is not None:
+        plan |= {"attn.q_down": ReplicatedPartialGrad(), "attn.q_norm": ReplicatedPartialGrad()}
+    return plan
+
+
+class _ReplicatedLocal(torch.autograd.Function):
+    """A plain tensor that holds the same value on every rank of ``mesh`` as a ``Replicate`` DTensor,
+    whose gradient goes back as this rank's share of a sum over the ranks (what ``Partial`` holds)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        ctx.mesh = mesh
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> tuple[torch.Tensor, None]:
+        # The modules here (linears, norms) hand back Partial; a whole (Replicate) one is split in equal shares.
+        return grad.redistribute(ctx.mesh, [Partial()]).to_local(), None
+
+
+def _replicated(x, mesh: DeviceMesh):
+    """``x`` as a Replicate DTensor: a DTensor as it is (DTensor's autograd labels its gradient), a
+    plain tensor with its gradient returned as a partial sum (``_ReplicatedLocal``)."""
+    if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
+        return x
+    return _ReplicatedLocal.apply(x, mesh)
+
+
+class ReplicatedPartialGrad(ParallelStyle):
+    """A module whose parameters are replicated on the tp mesh and whose output every rank computes
+    alike, but whose output's gradient each rank holds only its share of (a sum over the tp ranks):
+    the output leaves as a plain tensor whose gradient is labelled ``Partial``, so the parameters'
+    gradients are partial sums too, and so is the gradient the input gets back."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensors(mod, inputs, mesh):
+            return tuple(_replicated(t, mesh) for t in inputs)
+
+        def to_local(mod, output, mesh):
+            return output.to_local(grad_placements=[Partial()])
+
+        return distribute_module(module, device_mesh, _replicate_parameters, to_dtensors, to_local)
+
+
+class ColwiseFromReplicated(ParallelStyle):
+    """Column-parallel over the heads, on an input that is replicated but whose gradient is a partial
+    sum (an output of ``ReplicatedPartialGrad``): each rank's input gradient, from its own columns,
+    goes back as its share instead of being all-reduced (what ``ColwiseParallel`` does with a plain
+    input). The input becomes a DTensor first, which ``ColwiseParallel`` then takes as it is."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        ColwiseParallel()._apply(module, device_mesh)
+        module.register_forward_pre_hook(lambda mod, args: (_replicated(args[0], device_mesh), *args[1:]),
+                                         prepend=True)
+        return module
 
 
 # --------------------------------------------------------------------------- dropout
@@ -129,7 +223,12 @@ def split_dropout(model: nn.Module, rank: int, sequence_parallel: bool) -> None:
     after the embedding, after each sub-layer's reduction, inside MoE layers) under sequence
     parallelism, where each rank holds its own positions. The rest see replicated activations and
     keep the default generator, which the ranks of a tp group keep in step."""
+    # Split MoE layers (``split_moe``) hold the whole sequence on every rank: their dropouts see
+    # replicated activations.
+    whole = {id(m) for moe in model.modules() if isinstance(moe, TensorSplitMoE) for m in moe.modules()}
     for module in model.modules():
+        if id(module) in whole and not isinstance(module, AttentionCore):
+            continue
         if isinstance(module, AttentionCore) or (sequence_parallel and isinstance(module, nn.Dropout)):
             module.__class__ = _split_class(type(module))
             module.split_rank = rank
@@ -245,6 +344,52 @@ def replicate_moe(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
         moe.expert_grad_placements = (Partial(),)
         moe.sequence_group = group
         moe.token_mean = functools.partial(mean_over_ranks, group=group)
+
+
+class TensorSplitMoE(MoE):
+    """An MoE layer whose routed experts are split over the tp ranks (``split_moe``): each runs its
+    slice of every expert on the same rows, and the partial outputs are summed over ``tensor_group``."""
+
+    tensor_group: dist.ProcessGroup
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w_up, w_down, w_gate = (None if w is None else w.to_local() for w in (self.w_up, self.w_down, self.w_gate))
+        out = expert_mlp(copy_to_group(rows, self.tensor_group), counts, w_up, w_down, w_gate, self.ops,
+                         self.gelu_approximate, self.backend, None, self.clamp)
+        return sum_over_group(out, self.tensor_group)
+
+
+# Where each expert weight is split over the tp ranks: the (E, d_model, width) gate and up by their
+# width's columns, the (E, width, d_model) down by its rows, as ColwiseParallel and RowwiseParallel
+# split a dense MLP's. (Expert biases are refused with etp: parallel/layout.py.)
+EXPERT_SPLIT = {"w_gate": 2, "w_up": 2, "w_down": 1}
+
+
+def split_moe(moe: MoE, tp_mesh: DeviceMesh) -> None:
+    """An MoE layer under expert tensor parallelism (parallel.etp = tp; Megatron-core's expert tensor
+    parallelism with its tensor group equal to the dense one).
+
+    Every tp rank routes the same tokens (the whole sequence: its layer input is all-gathered), with
+    the router replicated, so the routing, capacity and balancing losses are one process's. Each rank
+    holds 1/tp of every expert's columns (``EXPERT_SPLIT``): it computes its part of the experts'
+    output for every row, and those parts are summed over the tp ranks (one all-reduce of the routed
+    rows, forward; one of their gradients, backward). The shared experts are a dense MLP on the same
+    tokens, split column- then row-parallel with their own all-reduce. Expert parallelism, applied
+    after this, keeps each weight's split on the (ep, tp) mesh (parallel/ep.py).
+    """
+    parallelize_module(moe, tp_mesh, {"router": ReplicatedModule()})
+    if moe.shared is not None:
+        plan = {"shared.fc": ColwiseParallel(), "shared.out": RowwiseParallel(output_layouts=Replicate())}
+        if moe.shared.gate is not None:
+            plan["shared.gate"] = ColwiseParallel()
+        parallelize_module(moe, tp_mesh, plan)
+    for name, dim in EXPERT_SPLIT.items():
+        w = getattr(moe, name)
+        if w is not None:
+            setattr(moe, name, nn.Parameter(distribute_tensor(w.detach(), tp_mesh, [Shard(dim)], src_data_rank=None),
+                                            requires_grad=w.requires_grad))
+    moe.__class__ = TensorSplitMoE
+    moe.tensor_group = tp_mesh.get_group()
 
 
 def _shard_positions(pos_emb: nn.Embedding, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:

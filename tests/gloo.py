@@ -97,3 +97,27 @@ def save_on_every_rank(engine, path, rank: int) -> None:
     dist.barrier()
     engine.save(path, rank)
     dist.barrier()
+
+
+def train_save_and_resume(build, train, path, rank: int, save_after: int, steps: int) -> tuple:
+    """A run interrupted and resumed: an engine from ``build()`` trained by ``train(engine, steps)`` for
+    steps 0 .. save_after - 1, saved to ``path`` by every worker, then on to ``steps``; a fresh engine
+    from ``build()`` loads the checkpoint and trains the same remaining steps. Returns the first
+    engine, the fresh one and what ``train`` returned for the first part, the rest and the resumed rest."""
+    engine = build()
+    head = train(engine, range(save_after))
+    save_on_every_rank(engine, path, rank)
+    tail = train(engine, range(save_after, steps))
+    fresh = build()
+    fresh.load(path)
+    return engine, fresh, head, tail, train(fresh, range(save_after, steps))
+
+
+def assert_resumes_exactly(run: dict, save_after: int) -> None:
+    """A run of ``train_save_and_resume`` gathered as ``losses`` and ``final`` weights (uninterrupted)
+    and ``resumed`` and ``resumed_final`` (the fresh engine): the resumed steps repeat the
+    uninterrupted ones bit for bit."""
+    assert run["resumed"] == run["losses"][save_after:]
+    assert run["resumed_final"].keys() == run["final"].keys()
+    for key, value in run["final"].items():
+        assert torch.equal(run["resumed_final"][key], value), key

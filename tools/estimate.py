@@ -138,7 +138,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         p = est.preset(args.preset)
         model, seq_len, micro_batch, gpus, grad_accum = p.model, p.seq_len, p.micro_batch, p.world_size, 1
         strategy, recompute, precision, layout, optimizer = "fsdp", "none", "bf16_master", {}, "adamw"
-        device, reshard = DEVICES[args.device or p.device], True
+        device, reshard, loss_chunk_tokens = DEVICES[args.device or p.device], True, 0
     else:
         cfg = cfg or load_config(args.config, overrides)
         model, seq_len, micro_batch, gpus = cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 1
@@ -147,6 +147,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         optimizer = cfg.optim.name
         layout = {key: getattr(cfg.parallel, key) for key in LAYOUT_FLAGS}
         reshard = cfg.parallel.fsdp_reshard_after_forward
+        loss_chunk_tokens = cfg.kernels.loss_chunk_tokens
     if args.gpus_per_node:
         device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
     for key in LAYOUT_FLAGS:
@@ -173,6 +174,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         fsdp_reshard_after_forward=reshard if args.reshard_after_forward is None else args.reshard_after_forward == "true",
         tp_overlap=args.tp_overlap,
         optimizer=args.optimizer or optimizer,
+        loss_chunk_tokens=loss_chunk_tokens,
     )
     problem = est.trainer_refusal(job, cfg)
     if problem and not args.allow_refused:
@@ -190,8 +192,18 @@ def model_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
         ["shape", f"L={cfg.n_layer}, d={cfg.d_model}, heads={cfg.n_head}, kv heads={cfg.kv_heads}, "
                   f"d_ff={cfg.d_ff} {cfg.mlp}, vocab={cfg.vocab_size}, s={job.seq_len}, b={job.micro_batch}"],
         ["layout", est.job_words(job)],
+        ["KV cache (sampling)", _kv_cache_words(job)],
     ]
     return ["model", "value"], rows
+
+
+def _kv_cache_words(job: est.JobSpec) -> str:
+    """What model/generate.py's cache holds per token (mean over a sequence of seq_len positions) and per sequence."""
+    cfg, p, s = job.model, job.activation_dtype_bytes, job.seq_len
+    whole = est.kv_cache_bytes(cfg, s, 1, p)
+    kind = (f"latent {cfg.kv_lora_rank} + rotary key {cfg.qk_rope_head_dim} per layer" if cfg.is_mla
+            else f"{cfg.kv_heads} KV heads of {cfg.head_dim}" + (", windowed layers their window" if cfg.sliding_window else ""))
+    return f"{human_bytes(whole / s)}/token, {human_bytes(whole)} per sequence of {s:,} ({kind}, {p}-byte)"
 
 
 def activation_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
@@ -275,7 +287,7 @@ def stage_section(job: est.JobSpec) -> tuple[list[str], list[list[str]]]:
     for stage in range(job.layout.pp):
         m = est.stage_memory(job, stage)
         held = est.pipeline_in_flight(job.layout.pp_schedule, job.layout.pp, job.grad_accum, job.layout.pp_virtual_stages, stage)
-        rows.append([str(stage), f"{est.stage_parameters(job.model, job.layout.tp, job.layout.pp, stage) / 1e9:.3g} B",
+        rows.append([str(stage), f"{est.stage_parameters(job.model, job.layout.tp, job.layout.pp, stage, job.layout.etp) / 1e9:.3g} B",
                      f"{held:g}", gib(m.states), gib(m.activations + m.logits), gib(m.total)])
     return ["stage", "parameters/GPU", "micro-batches held", "states/GPU", "activations/GPU", "total/GPU"], rows
 

@@ -252,17 +252,15 @@ class JobConfig:
                 if getattr(p, key) > 1:
                     raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.{key}={getattr(p, key)} is not "
                                       f"supported yet; use parallel.{key}=1 or model.mtp_depth=0")
-        if m.is_mla:  # latent attention's heads are not split over tp ranks, nor its latent over cp chunks here
-            for key in ("tp", "cp", "pp"):
-                if getattr(p, key) > 1:
-                    raise ConfigError(f"model.attention_kind=mla with parallel.{key}={getattr(p, key)} is not supported "
-                                      f"yet; use parallel.{key}=1")
         if p.tp > 1:
-            if t.compile and m.recompute in ("selective", "full", "every_k"):
+            if t.compile and m.recompute != "op_selective":
                 # torch 2.13's compiler saves the tensor-parallel DeviceMesh among the tensors of a
-                # checkpointed region and fails ("expected all tensors_saved_with_vc_check to be Tensors").
+                # checkpointed region and fails ("expected all tensors_saved_with_vc_check to be Tensors");
+                # without a checkpointed region (none, offload) a compiled block's backward hands DTensor's
+                # redistribute a plain gradient ("'Tensor' object has no attribute '_local_tensor'"), with
+                # and without sequence parallelism. Its selective checkpoint runs (test_layout_seams.py).
                 raise ConfigError(f"train.compile=true with model.recompute={m.recompute} under parallel.tp > 1 "
-                                  "fails in torch's compiler; use model.recompute=op_selective (or offload), "
+                                  "fails in torch's compiler; use model.recompute=op_selective, "
                                   "or train.compile=false")
         if p.pp > 1 and m.moe.experts is not None and m.moe.bias_update_rate:
             # torch's pipeline stages run an extra forward on their first step to infer shapes, whose
@@ -303,6 +301,10 @@ class JobConfig:
                               "hands a client optimizer flat 1-D partitions, never whole matrices, so Newton-Schulz "
                               "cannot run on them (DeepSpeed's own Muon works inside its partitioning code, by its own "
                               "rules); use parallel.strategy=fsdp")
+        if p.etp > 1:
+            raise ConfigError(f"optim.name=muon with parallel.etp={p.etp} is not supported: Newton-Schulz needs each "
+                              "expert's matrix whole on one rank, and expert tensor parallelism splits it; set "
+                              "parallel.etp=1 (experts replicated over tp) or optim.name=adamw")
         if m.layers == "te" or self.precision.mode == "fp8":
             raise ConfigError("optim.name=muon with model.layers=te or precision.mode=fp8 is not supported: Muon is not "
                               "verified on FP8 weight wrappers; use model.layers=torch and another precision.mode")

@@ -82,7 +82,9 @@ def tp_comm_seconds(job: JobSpec, stage: int = 0) -> tuple[float, float]:
 
     Per layer 8 reduce-scatter/all-gather-equivalents of the s*b*h activation (4 forward, 4
     backward; an all-reduce counts as two), 4 more for a layer recomputed in full; the embedding
-    and the LM head one each way on their stages (module docstring).
+    and the LM head one each way on their stages (module docstring). With expert tensor parallelism
+    a MoE layer's MLP half counts ``expert_tp_collectives`` instead of a dense MLP's 2 + 2 (the
+    stage's mean share of MoE layers, as the rest of the estimator averages blocks).
     """
     t = job.layout.tp
     if t == 1:
@@ -93,29 +95,54 @@ def tp_comm_seconds(job: JobSpec, stage: int = 0) -> tuple[float, float]:
                              ranks_per_node=_per_node(job, 1, t))
     layers = cfg.n_layer // job.layout.pp
     recomputed = {"full": layers, "every_k": checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.layout.pp}
-    count = 8 * layers + 4 * recomputed.get(job.recompute, 0)
+    redone = recomputed.get(job.recompute, 0)
+    count = 8 * layers + 4 * redone
+    if job.layout.etp > 1:
+        forward, backward = expert_tp_collectives(job)
+        moe_share = cfg.n_moe_layers / cfg.n_layer
+        count += moe_share * (layers * (forward + backward - 4) + redone * (forward - 2))
     count += 2 * (stage == 0) + 2 * (stage == job.layout.pp - 1)
     return count * one, count * (t - 1) / t * activation
 
 
+def expert_tp_collectives(job: JobSpec) -> tuple[float, float]:
+    """(forward, backward) reduce-scatter/all-gather-equivalents of the s*b*h activation in one MoE
+    layer's MLP half under expert tensor parallelism (parallel/tp.py ``split_moe``), as the trainer
+    runs them. Forward: the layer input all-gathered (sequence parallelism; its backward is a
+    local slice), the routed experts' partial outputs all-reduced (k rows per token: 2k, dropless),
+    the shared experts' all-reduced (2). Backward: the output's gradient all-gathered (sequence
+    parallelism; its forward was a local slice), the routed rows' gradients all-reduced (2k), and
+    one all-reduce per column-parallel shared projection (2 each: gate and up for SwiGLU)."""
+    cfg, sp = job.model, job.layout.sp
+    routed = 2 * cfg.moe.top_k
+    shared = 1 if cfg.moe.shared_experts else 0
+    gated = 2 if cfg.mlp == "swiglu" else 1
+    return sp + routed + 2 * shared, sp + routed + 2 * gated * shared
+
+
 def kv_gather_bytes(model_cfg: ModelConfig, seq_len: int, micro_batch: int, dtype_bytes: int, tp: int = 1) -> float:
     """Bytes of one layer's gathered keys and values on one cp GPU: the whole sequence's K and V of
-    the KV heads it holds (kv_dim / tp wide). The all-gather brings in (cp - 1) / cp of them, and
-    each GPU sends its own share to the cp - 1 others: (cp - 1) / cp of this, per layer and direction."""
+    the KV heads it holds (kv_dim / tp wide); latent attention gathers what it makes them from
+    instead, its latent and rotary key (kv_lora_rank + qk_rope_head_dim, the same on every tp rank).
+    The all-gather brings in (cp - 1) / cp of them, and each GPU sends its own share to the cp - 1
+    others: (cp - 1) / cp of this, per layer and direction."""
+    if model_cfg.is_mla:
+        return dtype_bytes * micro_batch * seq_len * (model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim)
     return dtype_bytes * micro_batch * seq_len * 2 * model_cfg.kv_dim / tp
 
 
 def cp_comm_seconds(job: JobSpec) -> tuple[float, float]:
     """(seconds, bytes sent per GPU) of context-parallel collectives for one micro-batch: per layer
     one all-gather of K and V forward and one reduce-scatter of their gradients backward, and one
-    more all-gather for a layer whose core is recomputed (selective, full, every_k's layers). Counted
-    as not overlapped with compute (the trainer issues them in line)."""
+    more all-gather for a layer whose core is recomputed (selective, full, every_k's layers; latent
+    attention gathers before its core, so selective recompute does not gather again). Counted as not
+    overlapped with compute (the trainer issues them in line)."""
     cp, cfg = job.layout.cp, job.model
     if cp == 1:
         return 0.0, 0.0
     nbytes = kv_gather_bytes(cfg, job.seq_len, job.micro_batch, job.activation_dtype_bytes, job.layout.tp)
     layers = cfg.n_layer // job.layout.pp
-    recomputed = {"selective": layers, "full": layers,
+    recomputed = {"selective": 0 if cfg.is_mla else layers, "full": layers,
                   "every_k": checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / job.layout.pp}
     count = 2 * layers + recomputed.get(job.recompute, 0)
     # cp groups sit inside tp on the mesh (dims.py): members tp ranks apart
@@ -248,8 +275,10 @@ def expert_all_to_all(job: JobSpec) -> tuple[float, float]:
     if job.layout.ep == 1:
         return 0.0, 0.0
     # Each tp GPU exchanges the copies of the positions it routes: its own s/t under sequence
-    # parallelism, all of them without; a cp rank routes its chunks only.
-    copies = job.seq_len * job.micro_batch * cfg.moe.top_k / ((job.layout.tp if job.layout.sp else 1) * job.layout.cp)
+    # parallelism with experts replicated over tp, all of them without it or with expert tensor
+    # parallelism (every tp GPU routes the whole sequence); a cp rank routes its chunks only.
+    split = job.layout.tp if job.layout.sp and job.layout.etp == 1 else 1
+    copies = job.seq_len * job.micro_batch * cfg.moe.top_k / (split * job.layout.cp)
     nbytes = copies * cfg.d_model * job.activation_dtype_bytes
     count = expert_exchanges(job)
     one = collective_seconds(nbytes, job.layout.ep, job.device, job.assumptions.link_fraction,
@@ -262,7 +291,8 @@ def _dp_and_expert_comm(job: JobSpec, n_params: float) -> tuple[CommVolume, floa
     the dp_shard / ep GPUs holding the same experts (each holding 1/ep of them)."""
     if job.layout.ep == 1:
         return _dp_comm(job, n_params)
-    routed = stage_routed_parameters(job)
+    # n_params is the largest stage's: the last when it holds multi-token-prediction modules
+    routed = stage_routed_parameters(job, job.layout.pp - 1 if job.model.mtp_depth else 0)
     dense, dense_s = _dp_comm(job, n_params - routed)
     # The GPUs holding the same experts: the shard group over ep (cp ranks are inside the ep group).
     experts, experts_s = _dp_comm(job, routed / job.layout.ep, shard=job.layout.dp_shard_cp // job.layout.ep)

@@ -24,6 +24,10 @@ ATTENTION_KINDS = ("materialized", "flash")
 # ZeRO-2 every micro-batch; Megatron's distributed optimizer (and the ZeRO paper's count) reduce-scatters
 # the accumulated gradients once per step.
 ZERO_REDUCTIONS = ("deepspeed", "reduce_scatter")
+# What recompute=op_selective keeps of a layer's matmul outputs: all of them (the trainer's policy,
+# model/recompute.py), or torchtitan's per-op policy, which keeps the 1st, 3rd, ... matmul of each block
+# in forward order and recomputes the others (activations.py).
+OP_SELECTIVE_SAVES = ("every_matmul", "alternate_matmuls")
 # The optimizers the trainer offers (optim.name): AdamW everywhere, or Muon on the hidden matrices.
 OPTIMIZERS = ("adamw", "muon")
 # Muon as the trainer runs it on a GPU: optim.muon.ns_steps' default, and the Newton-Schulz dtype of
@@ -136,6 +140,8 @@ class JobSpec:
     zero_reduction: str = "deepspeed"  # ZERO_REDUCTIONS: how ZeRO-1/2 reduce gradients (communication.py)
     ddp_no_sync: bool = True  # DDP reduces once per step (the trainer's no_sync); False: every micro-batch
     optimizer: str = "adamw"  # optim.name: muon keeps one state buffer per hidden matrix instead of two
+    op_selective_saves: str = "every_matmul"  # OP_SELECTIVE_SAVES: which matmul outputs op_selective keeps
+    loss_chunk_tokens: int = 0  # kernels.loss_chunk_tokens: the LM head and loss this many tokens at a time (0: whole)
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.layout.strategy, STRATEGIES)
@@ -144,9 +150,15 @@ class JobSpec:
         check_choice("pp_schedule", self.layout.pp_schedule, PP_SCHEDULES)
         check_choice("zero_reduction", self.zero_reduction, ZERO_REDUCTIONS)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("op_selective_saves", self.op_selective_saves, OP_SELECTIVE_SAVES)
+        if self.op_selective_saves == "alternate_matmuls" and (self.model.is_mla or self.model.moe.experts is not None):
+            raise EstimatorError("op_selective_saves=alternate_matmuls counts a dense grouped-query layer's matmuls "
+                                 "(q, k, v, output, then the MLP's); use every_matmul for latent attention or MoE")
         for key in ("seq_len", "micro_batch", "grad_accum"):
             if getattr(self, key) < 1:
                 raise EstimatorError(f"{key} must be >= 1 (got {getattr(self, key)})")
+        if self.loss_chunk_tokens < 0:
+            raise EstimatorError(f"loss_chunk_tokens must be >= 0 (got {self.loss_chunk_tokens}; 0 computes the whole logits)")
         try:
             check_model(self.layout, self.model, seq_len=self.seq_len, micro_batches=self.grad_accum, seq_key="seq_len")
         except ConfigError as exc:

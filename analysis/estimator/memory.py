@@ -18,7 +18,7 @@ from analysis.estimator.job import (
     check_choice,
 )
 from model.config import ModelConfig
-from model.flops import blocks_parameters, moe_parameters
+from model.flops import block_parameters, blocks_parameters, moe_parameters
 
 
 def model_state_bytes(n_params: float, strategy: str, world_size: int, precision: str) -> StateBytes:
@@ -41,40 +41,95 @@ def model_state_bytes(n_params: float, strategy: str, world_size: int, precision
     )
 
 
-def block_parameters_per_gpu(cfg: ModelConfig, tp: int = 1) -> float:
+def block_parameters_per_gpu(cfg: ModelConfig, tp: int = 1, etp: int = 1) -> float:
     """One block's parameters on one of ``tp`` GPUs: the matmul weights (and column-parallel
     biases) are split; norm gains and the two row-parallel output biases are whole (Megatron-LM).
-    A MoE layer is whole (router and experts replicated over the tp GPUs, parallel/tp.py). A MoE
-    model's blocks differ (dense and MoE layers): their mean, every expert included."""
+    A MoE layer is whole (router and experts replicated over the tp GPUs, parallel/tp.py), but with
+    expert tensor parallelism (``etp`` = tp) only its router (and the shared experts' output bias)
+    is: the routed and shared experts are split as a dense MLP. Latent attention's down projections
+    and latent norms are whole too (``_latent_whole``). A MoE model's blocks differ (dense and MoE
+    layers): their mean, every expert included."""
     block = blocks_parameters(cfg) / cfg.n_layer
     if tp == 1:
         return block
     norm = cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     out_bias = cfg.d_model if cfg.bias else 0
     moe_share = cfg.n_moe_layers / cfg.n_layer if cfg.moe.experts is not None else 0.0
-    mlp_whole = moe_share * (moe_parameters(cfg) if moe_share else 0) + (1 - moe_share) * out_bias
-    whole = 2 * norm + out_bias + mlp_whole
+    mlp_whole = moe_share * _moe_whole(cfg, etp) + (1 - moe_share) * out_bias
+    whole = 2 * norm + out_bias + _latent_whole(cfg) + mlp_whole
     return (block - whole) / tp + whole
 
 
-def stage_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> float:
-    """Parameters one GPU of pipeline stage ``stage`` holds under tensor parallelism ``tp``.
+def _moe_whole(cfg: ModelConfig, etp: int) -> float:
+    """A MoE layer's parameters every tp GPU holds whole: all of them with experts replicated over tp
+    (etp = 1), only the router and the shared experts' output bias with expert tensor parallelism."""
+    if cfg.moe.experts is None:
+        return 0.0
+    if etp == 1:
+        return moe_parameters(cfg)
+    router = (cfg.d_model + (1 if cfg.moe.bias else 0)) * cfg.moe.experts
+    return router + (cfg.d_model if cfg.bias and cfg.moe.shared_experts else 0)
+
+
+def _latent_whole(cfg: ModelConfig) -> int:
+    """Latent attention's parameters every tp GPU holds whole (Megatron-LM's latent attention): the
+    down projections of the query and of the key/value latent with its rotary key, their biases, and
+    the two latent norms; 0 for grouped-query attention."""
+    if not cfg.is_mla:
+        return 0
+    q_rank, kv_down = cfg.q_lora_rank or 0, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    bias = cfg.has_qkv_bias
+    query = (cfg.d_model * q_rank + (q_rank if bias else 0) + q_rank) if q_rank else 0
+    return query + cfg.d_model * kv_down + (kv_down if bias else 0) + cfg.kv_lora_rank
+
+
+def mtp_parameters_per_gpu(cfg: ModelConfig, tp: int = 1, etp: int = 1) -> float:
+    """The multi-token-prediction modules' parameters on one of ``tp`` GPUs (model.gpt.MTPModule; the
+    pipeline's last stage holds them): each module's block split as a block of its kind is (its MoE
+    layer as ``_moe_whole`` says, latent attention's down projections whole), its 2d -> d projection
+    split, its three norms whole. At tp = 1, ``mtp_parameters``."""
+    d = cfg.d_model
+    norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+    out_bias = d if cfg.bias else 0
+    total = 0.0
+    for k in range(cfg.mtp_depth):
+        layer = cfg.n_layer + k
+        block = block_parameters(cfg, layer)
+        mlp_whole = _moe_whole(cfg, etp) if cfg.is_moe_layer(layer) else out_bias
+        whole = 2 * norm + out_bias + _latent_whole(cfg) + mlp_whole
+        total += 3 * norm + 2 * d * d / tp + (block - whole) / tp + whole
+    return total
+
+
+def mtp_routed_parameters(cfg: ModelConfig) -> float:
+    """Routed expert weights of the multi-token-prediction modules' blocks (before ep splits them)."""
+    if cfg.moe.experts is None:
+        return 0.0
+    matrices = 3 if cfg.mlp == "swiglu" else 2
+    moe_blocks = sum(cfg.is_moe_layer(cfg.n_layer + k) for k in range(cfg.mtp_depth))
+    return moe_blocks * cfg.moe.experts * matrices * cfg.d_model * cfg.expert_d_ff
+
+
+def stage_parameters(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, etp: int = 1) -> float:
+    """Parameters one GPU of pipeline stage ``stage`` holds under tensor parallelism ``tp`` (and
+    expert tensor parallelism ``etp``: ``block_parameters_per_gpu``).
 
     Each of its L/p blocks counts ``block_parameters_per_gpu``. The first stage holds
     the vocab-parallel token table (1/t) and the learned positions (whole), the last stage the
     final norm and the vocab-parallel LM head. Tied embeddings share one table when one stage
     holds both ends; with p > 1 the last stage keeps its own copy (Megatron-LM keeps the two in
-    sync by all-reducing their gradients). At tp = pp = 1 this is ``count_parameters(cfg)``.
+    sync by all-reducing their gradients), and the multi-token-prediction modules
+    (``mtp_parameters_per_gpu``). At tp = pp = 1 this is ``count_parameters(cfg)``.
     """
     d, v = cfg.d_model, cfg.vocab_size
     norm = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-    n = cfg.n_layer // pp * block_parameters_per_gpu(cfg, tp)
+    n = cfg.n_layer // pp * block_parameters_per_gpu(cfg, tp, etp)
     table = v * d if tp == 1 else v * d / tp
     if stage == 0:
         n += table + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
     if stage == pp - 1:
         head = 0 if cfg.tie_embeddings and pp == 1 else table
-        n += norm + head
+        n += norm + head + mtp_parameters_per_gpu(cfg, tp, etp)
     return n
 
 
@@ -142,6 +197,7 @@ def layer_bytes(job: JobSpec, recompute: str) -> float:
     return activation_bytes_per_layer(
         job.model, job.local_seq_len, job.micro_batch, recompute, job.activation_dtype_bytes,
         attention=job.attention, tp=job.layout.tp, sequence_parallel=job.layout.sp,
+        op_selective_saves=job.op_selective_saves,
     ) + cp_attention_bytes_per_layer(job, recompute)
 
 
@@ -179,6 +235,19 @@ def cp_chunk_keys(seq_len: int, cp: int, window: int | None) -> int:
     return max(span[i] + span[2 * cp - 1 - i] for i in range(cp))
 
 
+def kv_cache_bytes(cfg: ModelConfig, context: int, batch: int = 1, dtype_bytes: int = 2) -> float:
+    """Bytes of the KV cache model/generate.py allocates for ``batch`` sequences of ``context``
+    positions (model/attention.py's KVCache): per layer and position, grouped-query attention holds the
+    keys and values of its KV heads (2 * kv_dim numbers), latent attention its latent and its shared
+    rotary key (kv_lora_rank + qk_rope_head_dim, whatever the head count); a layer with a sliding window
+    of W tokens holds only its last W - 1 positions, however long the context."""
+    if cfg.is_mla:
+        return float(dtype_bytes * batch * context * cfg.n_layer * (cfg.kv_lora_rank + cfg.qk_rope_head_dim))
+    windows = (cfg.window_of(i) for i in range(cfg.n_layer))
+    held = sum(context if w is None else min(context, w - 1) for w in windows)
+    return float(dtype_bytes * batch * held * 2 * cfg.kv_dim)
+
+
 def _in_flight(job: JobSpec, stage: int) -> float:
     return pipeline_in_flight(job.layout.pp_schedule, job.layout.pp, job.grad_accum, job.layout.pp_virtual_stages, stage)
 
@@ -190,22 +259,29 @@ class _LayerActivations:
     kept: float  # what the recompute policy keeps per layer and micro-batch (on the host for offload)
     rebuilt: float  # one layer's recompute (or reload) working set at the peak
     embeddings: float  # the embedding output, on the first stage
+    mtp: float = 0.0  # the multi-token-prediction modules', on the last stage (on the device whatever the policy)
 
 
 def _layer_activations(job: JobSpec) -> _LayerActivations:
     cfg = job.model
     none = layer_bytes(job, "none")
-    embeddings = tp_split(job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model, 0,
-                           tp=job.layout.tp, sequence_parallel=job.layout.sp)
+    d_wide = tp_split(job.activation_dtype_bytes * job.local_seq_len * job.micro_batch * cfg.d_model, 0,
+                      tp=job.layout.tp, sequence_parallel=job.layout.sp)
+    embeddings = d_wide
+    # Each multi-token-prediction module keeps its block's activations (model/recompute.py wraps the
+    # model's blocks only: none of them is recomputed) and six d-wide tensors: the two norms' inputs
+    # (the hidden states and the embeddings ahead), the projection's input (both, concatenated), its
+    # final norm's input and the head's input (its sequence is k tokens shorter: not counted).
+    mtp = cfg.mtp_depth * (none + 6 * d_wide)
     if job.recompute == "offload":
-        return _LayerActivations(none, none, embeddings)
+        return _LayerActivations(none, none, embeddings, mtp)
     kept = layer_bytes(job, job.recompute)
     if job.recompute == "every_k":
         full = layer_bytes(job, "full")
         rebuilt = none - full if checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) else 0.0
     else:
         rebuilt = max(none - kept, 0.0)
-    return _LayerActivations(kept, rebuilt, embeddings)
+    return _LayerActivations(kept, rebuilt, embeddings, mtp)
 
 
 def activation_bytes_total(job: JobSpec, stage: int = 0, layer: _LayerActivations | None = None) -> tuple[float, float]:
@@ -213,25 +289,34 @@ def activation_bytes_total(job: JobSpec, stage: int = 0, layer: _LayerActivation
 
     Each in-flight micro-batch keeps the stage's L/p layers; recomputing (or reloading) a layer
     during backward rebuilds what that layer dropped, on the device, so every recompute policy but ``none``
-    adds that much for one layer at the peak. The first stage also keeps the embedding output.
+    adds that much for one layer at the peak. The first stage also keeps the embedding output, the last
+    the multi-token-prediction modules'.
     """
     layer = layer or _layer_activations(job)
     layers = job.model.n_layer // job.layout.pp
     in_flight = _in_flight(job, stage)
-    embeddings = layer.embeddings if stage == 0 else 0.0
+    ends = (layer.embeddings if stage == 0 else 0.0) + (layer.mtp if stage == job.layout.pp - 1 else 0.0)
     if job.recompute == "offload":
-        return layer.rebuilt + in_flight * embeddings, in_flight * layers * layer.kept
-    return in_flight * layers * layer.kept + layer.rebuilt + in_flight * embeddings, 0.0
+        return layer.rebuilt + in_flight * ends, in_flight * layers * layer.kept
+    return in_flight * layers * layer.kept + layer.rebuilt + in_flight * ends, 0.0
 
 
 def _logits_bytes(job: JobSpec, stage: int | None = None) -> float:
-    """fp32 log-probabilities the loss saves (per in-flight micro-batch), their fp32 gradient and the
-    logits' gradient (one micro-batch at a time); vocab-parallel over tp; on the last stage only."""
+    """fp32 log-probabilities the loss saves (per in-flight micro-batch; one set more per multi-token-
+    prediction depth, each run through the head again), their fp32 gradient and the logits' gradient
+    (one micro-batch at a time); vocab-parallel over tp; on the last stage only. With
+    ``loss_chunk_tokens`` each chunk's logits are recomputed in its backward and nothing of them is
+    kept between chunks (nor between the heads, which run one after another): the same three for one
+    chunk of tokens, whatever is in flight."""
     last = job.layout.pp - 1
     if stage is not None and stage != last:
         return 0.0
-    tokens_vocab = job.local_seq_len * job.micro_batch * job.model.vocab_size / job.layout.tp
-    return tokens_vocab * (4 * _in_flight(job, last) + 4 + job.activation_dtype_bytes)
+    tokens = job.local_seq_len * job.micro_batch
+    per_token = job.model.vocab_size / job.layout.tp
+    if job.loss_chunk_tokens:
+        return min(job.loss_chunk_tokens, tokens) * per_token * (4 + 4 + job.activation_dtype_bytes)
+    heads = 1 + job.model.mtp_depth
+    return tokens * per_token * (4 * heads * _in_flight(job, last) + 4 + job.activation_dtype_bytes)
 
 
 def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
@@ -242,9 +327,10 @@ def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
         return 0.0
     per = STATE_BYTES[job.precision]
     if job.layout.pp > 1:  # pipelining keeps the stage gathered, and its gradients unreduced, until the last backward
-        held = stage_parameters(job.model, job.layout.tp, job.layout.pp, stage) - stage_routed_parameters(job) * (1 - 1 / job.layout.ep)
+        held = job_stage_parameters(job, stage) - stage_routed_parameters(job, stage) * (1 - 1 / job.layout.ep)
         return held * (per.param + per.grad)
-    block = block_parameters_per_gpu(job.model, job.layout.tp) - routed_parameters_per_block(job.model) * (1 - 1 / job.layout.ep)
+    block = (block_parameters_per_gpu(job.model, job.layout.tp, job.layout.etp)
+             - routed_parameters_per_block(job.model) / job.layout.etp * (1 - 1 / job.layout.ep))
     if not job.fsdp_reshard_after_forward:
         # Every block keeps its gathered weights from its forward to its backward: all of them at the
         # peak (the start of backward); gradients are reduced layer by layer as before.
@@ -254,8 +340,8 @@ def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
 
 def stage_memory(job: JobSpec, stage: int, layer: _LayerActivations | None = None) -> MemoryEstimate:
     """Bytes per GPU of pipeline stage ``stage`` at its peak."""
-    n_params = stage_parameters(job.model, job.layout.tp, job.layout.pp, stage)
-    states = stage_state_bytes(job, n_params)
+    n_params = job_stage_parameters(job, stage)
+    states = stage_state_bytes(job, n_params, stage)
     device_acts, host_acts = activation_bytes_total(job, stage, layer)
     a = job.assumptions
     logits, unsharded = _logits_bytes(job, stage), _unsharded_bytes(job, stage)
@@ -296,12 +382,20 @@ def routed_parameters_per_block(cfg: ModelConfig) -> float:
     return cfg.n_moe_layers * cfg.moe.experts * matrices * cfg.d_model * cfg.expert_d_ff / cfg.n_layer
 
 
-def stage_routed_parameters(job: JobSpec) -> float:
-    """Routed expert weights among a pipeline stage's parameters (before ep splits them)."""
-    return job.model.n_layer // job.layout.pp * routed_parameters_per_block(job.model)
+def stage_routed_parameters(job: JobSpec, stage: int = 0) -> float:
+    """Routed expert weights among a pipeline stage's parameters on one GPU before ep splits them
+    (after expert tensor parallelism has: 1/etp of each expert); the last stage's include the
+    multi-token-prediction modules'."""
+    mtp = mtp_routed_parameters(job.model) if stage == job.layout.pp - 1 else 0.0
+    return (job.model.n_layer // job.layout.pp * routed_parameters_per_block(job.model) + mtp) / job.layout.etp
 
 
-def stage_state_bytes(job: JobSpec, n_params: float) -> StateBytes:
+def job_stage_parameters(job: JobSpec, stage: int) -> float:
+    """``stage_parameters`` of the job's model on one GPU of pipeline stage ``stage`` (before ep)."""
+    return stage_parameters(job.model, job.layout.tp, job.layout.pp, stage, job.layout.etp)
+
+
+def stage_state_bytes(job: JobSpec, n_params: float, stage: int = 0) -> StateBytes:
     """Model-state bytes per GPU of a stage holding ``n_params``: with ep > 1 the routed experts
     are split over ep GPUs and each split sharded over the dp_shard / ep GPUs holding it; the rest
     is sharded over the shard group as without ep (with cp, ep is carved out of the shard group, cp included)."""
@@ -309,7 +403,7 @@ def stage_state_bytes(job: JobSpec, n_params: float) -> StateBytes:
     if job.layout.ep == 1:
         states = model_state_bytes(n_params, job.layout.strategy, job.layout.dp_shard_cp, job.precision)
         return dataclasses.replace(states, optimizer=states.optimizer - saving)
-    routed = stage_routed_parameters(job)
+    routed = stage_routed_parameters(job, stage)
     dense = model_state_bytes(n_params - routed, job.layout.strategy, job.layout.dp_shard_cp, job.precision)
     experts = model_state_bytes(routed / job.layout.ep, job.layout.strategy, job.layout.dp_shard_cp // job.layout.ep, job.precision)
     return StateBytes(dense.param + experts.param, dense.grad + experts.grad,

@@ -82,12 +82,17 @@ def trainer_refusal(job: JobSpec, base: JobConfig | None = None) -> str | None:
     return None
 
 
+def _loss_chunk_tokens(config: JobConfig | None) -> int:
+    return config.kernels.loss_chunk_tokens if config is not None else 0
+
+
 def job_of(config: JobConfig, layout: Layout, device: DeviceSpec | None = None) -> JobSpec:
     """The job a trainer configuration runs on ``layout`` (the inverse of ``trainer_config``), on
     ``device`` (default: an H100)."""
     return JobSpec(config.model, config.seq_len, config.train.micro_batch_size, layout, config.model.recompute,
                    config.precision.mode, device or DEVICES["H100"], config.train.grad_accum_steps,
-                   fsdp_reshard_after_forward=config.parallel.fsdp_reshard_after_forward)
+                   fsdp_reshard_after_forward=config.parallel.fsdp_reshard_after_forward,
+                   loss_chunk_tokens=config.kernels.loss_chunk_tokens)
 
 
 def job_overrides(job: JobSpec) -> list[str]:
@@ -124,7 +129,8 @@ def plan_fits(
             for micro_batch in micro_batches:
                 try:
                     job = JobSpec(model_cfg, seq_len, micro_batch, layout_of(world_size, strategy=strategy), recompute,
-                                  precision, device, assumptions=assumptions or Assumptions())
+                                  precision, device, assumptions=assumptions or Assumptions(),
+                                  loss_chunk_tokens=_loss_chunk_tokens(config))
                 except EstimatorError:
                     continue
                 if trainer_refusal(job, config):
@@ -171,6 +177,12 @@ def _data_parallel_options(dp: int, strategies: tuple[str, ...] | None, cp: int 
     return options
 
 
+def expert_tp_sizes(model_cfg: ModelConfig, tp: int) -> tuple[int, ...]:
+    """The etp degrees a job can use: 1, and tp for an MoE model under tensor parallelism (whether the
+    experts' width divides is the layout's rule, ``check_model``)."""
+    return (1, tp) if tp > 1 and model_cfg.moe.experts is not None else (1,)
+
+
 def _pipeline_options(
     model_cfg: ModelConfig, pp: int, schedules: tuple[str, ...], virtual_stages: tuple[int, ...]
 ) -> list[tuple[str, int]]:
@@ -207,7 +219,8 @@ def plan_layouts(
     """Layouts that fit at a fixed global batch, cheapest per token first.
 
     Searches dp_replicate x dp_shard x cp x tp x pp over ``world_size`` GPUs (``model_parallel_sizes``,
-    ``context_parallel_sizes``, ``_data_parallel_options``), ep for an MoE model (``expert_parallel_sizes``),
+    ``context_parallel_sizes``, ``_data_parallel_options``), ep and etp for an MoE model
+    (``expert_parallel_sizes``, ``expert_tp_sizes``),
     the pipeline schedule and virtual stages, the strategy, the
     recompute policy and the micro-batch; grad_accum follows from micro_batch x grad_accum x dp =
     ``global_batch`` (sequences per step). The GPUs per node come from ``device.gpus_per_node``.
@@ -225,12 +238,13 @@ def plan_layouts(
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
-        for strategy, dp_replicate, ep in [(s_, r, e) for s_, r in _data_parallel_options(dp, strategies, cp)
-                                           for e in expert_parallel_sizes(model_cfg, dp // r, s_, cp)]:
+        for strategy, dp_replicate, ep, etp in [(s_, r, e, et) for s_, r in _data_parallel_options(dp, strategies, cp)
+                                                for e in expert_parallel_sizes(model_cfg, dp // r, s_, cp)
+                                                for et in expert_tp_sizes(model_cfg, tp)]:
             for schedule, v in _pipeline_options(model_cfg, pp, schedules, virtual_stages):
                 try:
                     layout = layout_of(world_size, strategy=strategy, dp_replicate=dp_replicate, cp=cp, tp=tp, pp=pp,
-                                       ep=ep, pp_schedule=schedule, pp_virtual_stages=v)
+                                       ep=ep, etp=etp, pp_schedule=schedule, pp_virtual_stages=v)
                 except EstimatorError:
                     continue
                 for recompute in recomputes:
@@ -242,7 +256,8 @@ def plan_layouts(
                             continue
                         try:  # the layout's rules against the model (check_model) decide, as in the trainer
                             job = JobSpec(model_cfg, seq_len, micro_batch, layout, recompute, precision, device,
-                                          grad_accum, assumptions or Assumptions())
+                                          grad_accum, assumptions or Assumptions(),
+                                          loss_chunk_tokens=_loss_chunk_tokens(config))
                         except EstimatorError:
                             continue
                         if trainer_refusal(job, config):
@@ -252,7 +267,7 @@ def plan_layouts(
                             break
                         fitting.append(estimate_with(job, memory))
     fitting.sort(key=lambda e: (e.time.seconds_per_token, e.memory.total, e.job.layout.dp_replicate, e.job.layout.pp,
-                                e.job.layout.tp, e.job.layout.cp, e.job.layout.ep))
+                                e.job.layout.tp, e.job.layout.cp, e.job.layout.ep, e.job.layout.etp))
     return fitting if top is None else fitting[:top]
 
 
@@ -274,13 +289,14 @@ def job_words(job: JobSpec) -> str:
 
 
 def describe_plan(result: Estimate) -> str:
-    """One planner line: the layout in config words, then predicted memory, step time and MFU."""
+    """One planner line: the layout in config words, then predicted memory, step time, tokens/s per GPU and MFU."""
     mem, t, job = result.memory, result.time, result.job
     where = f" (stage {mem.stage})" if job.layout.pp > 1 else ""
     mfu = f", MFU {t.mfu:.0%}" if t.mfu is not None else ""
     idle = bubble_fraction(job.layout.pp_schedule, job.layout.pp, job.grad_accum, job.layout.pp_virtual_stages)
     bubble = f", bubble {idle:.1%}" if job.layout.pp > 1 else ""
-    return f"{job_words(job)}: {gib(mem.total)}/GPU{where}, {t.step_s:,.3g} s/step{mfu}{bubble}"
+    rate = t.tokens_per_s / job.layout.world_size
+    return f"{job_words(job)}: {gib(mem.total)}/GPU{where}, {t.step_s:,.3g} s/step, {rate:,.0f} tokens/s/GPU{mfu}{bubble}"
 
 
 def _fits_on(model_cfg: ModelConfig, seq_len: int, device: DeviceSpec, precision: str, n: int) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from analysis.estimator.activations import checkpointed_layers, mlp_hidden_width
+from analysis.estimator.activations import alternate_matmuls_recomputed, checkpointed_layers, mlp_hidden_width
 from analysis.estimator.communication import (
     _dp_and_expert_comm,
     _per_node,
@@ -27,7 +27,14 @@ from analysis.estimator.job import (
     JobSpec,
     check_choice,
 )
-from analysis.estimator.memory import edge_stages, layer_bytes, muon_groups, muon_matrices, muon_numel, stage_parameters
+from analysis.estimator.memory import (
+    edge_stages,
+    job_stage_parameters,
+    layer_bytes,
+    muon_groups,
+    muon_matrices,
+    muon_numel,
+)
 from common.hardware import DeviceSpec
 from model.config import ModelConfig
 from model.flops import blocks_parameters, flops_per_token
@@ -119,8 +126,11 @@ def recompute_flops_per_token(model_cfg: ModelConfig, seq_len: int, recompute: s
 def _recompute_flops_split(model_cfg: ModelConfig, seq_len: int, recompute: str, every_k: int | None = None) -> tuple[float, float]:
     """(GEMM FLOPs, attention-core FLOPs) recomputed per token."""
     check_choice("recompute", recompute, RECOMPUTE_POLICIES)
-    L, d = model_cfg.n_layer, model_cfg.d_model
-    core = 4.0 * d * seq_len  # QK^T and @V forward, per layer per token (no causal halving)
+    L = model_cfg.n_layer
+    # QK^T over the query width and @V over the values', forward, per layer per token, against the keys
+    # each layer's window lets a query see (no causal halving: the FLOP convention of model/flops.py)
+    keys = sum(seq_len if w is None else min(w, seq_len) for w in (model_cfg.window_of(i) for i in range(L))) / L
+    core = 2.0 * (model_cfg.q_dim + model_cfg.value_dim) * keys
     gemms = 2.0 * blocks_parameters(model_cfg, active=True) / L  # a token's experts only
     if recompute == "selective":
         return 0.0, L * core
@@ -160,30 +170,51 @@ def gemm_seconds(job: JobSpec, m: float, k: float, n: float) -> float:
     return max(compute, traffic)
 
 
-def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1, moe_split: int = 1) -> list[tuple[int, float, float]]:
+def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1, moe_split: int = 1, etp: int = 1
+                ) -> list[tuple[int, float, float]]:
     """The forward GEMMs of one transformer layer on one of ``tp`` GPUs, as (m, k, n): the fused QKV
     and the MLP's first matmul are column-parallel (n / tp), the output projection and the MLP's
     second matmul row-parallel (k / tp). Their 2*m*k*n sum to 2*tokens*(the block's matmul weights)/tp.
 
     A MoE model's mean layer: its MoE layers' share of the tokens goes to the router and, k copies
-    each, spread evenly over the experts (one GEMM pair per expert, as the grouped GEMM runs them;
-    experts are not tensor-split), plus the shared experts; the rest to the dense MLP. A MoE layer
-    runs on tokens / ``moe_split`` rows per GPU: tp under sequence parallelism (each tp GPU routes
-    its own positions), else 1 (every tp GPU runs all of them)."""
+    each, spread evenly over the experts (one GEMM pair per expert, as the grouped GEMM runs them),
+    plus the shared experts; the rest to the dense MLP. A MoE layer runs on tokens / ``moe_split``
+    rows per GPU: tp under sequence parallelism with experts replicated over tp (each tp GPU routes
+    its own positions), else 1 (every tp GPU runs all of them); with expert tensor parallelism
+    (``etp`` = tp) each expert's and the shared experts' widths are split ``etp`` ways."""
     d, f = cfg.d_model, cfg.d_ff
     gated = 2 if cfg.mlp == "swiglu" else 1
-    gemms = [(tokens, d, (cfg.q_dim + 2 * cfg.kv_dim) / tp), (tokens, cfg.q_dim / tp, d)]
+    gemms = attention_gemms(cfg, tokens, tp)
     moe_share = cfg.n_moe_layers / cfg.n_layer if cfg.moe.experts is not None else 0.0
     if moe_share < 1:
         dense = tokens * (1 - moe_share)
         gemms += [(dense, d, gated * f / tp), (dense, f / tp, d)]
     if moe_share > 0:
-        routed, fe, shared = tokens * moe_share / moe_split, cfg.expert_d_ff, cfg.moe.shared_experts * cfg.expert_d_ff
+        routed, fe = tokens * moe_share / moe_split, cfg.expert_d_ff / etp
+        shared = cfg.moe.shared_experts * fe
         per_expert = routed * cfg.moe.top_k / cfg.moe.experts
         gemms += [(routed, d, cfg.moe.experts)] + [(per_expert, d, gated * fe), (per_expert, fe, d)] * cfg.moe.experts
         if shared:
             gemms += [(routed, d, gated * shared), (routed, shared, d)]
     return gemms
+
+
+def attention_gemms(cfg: ModelConfig, tokens: int, tp: int = 1) -> list[tuple[int, float, float]]:
+    """One layer's attention projections on one of ``tp`` GPUs, (m, k, n): the fused QKV (column-
+    parallel) and the output projection (row-parallel). Latent attention: the down projections of the
+    query and of the key/value latent with its rotary key, whole on every tp GPU (Megatron-LM's
+    latent attention does not split them), the up projections column-parallel by heads, the output
+    projection row-parallel over the values' width."""
+    d = cfg.d_model
+    if not cfg.is_mla:
+        return [(tokens, d, (cfg.q_dim + 2 * cfg.kv_dim) / tp), (tokens, cfg.q_dim / tp, d)]
+    kv_up = cfg.n_head * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    if cfg.q_lora_rank is None:
+        query = [(tokens, d, cfg.q_dim / tp)]
+    else:
+        query = [(tokens, d, cfg.q_lora_rank), (tokens, cfg.q_lora_rank, cfg.q_dim / tp)]
+    return query + [(tokens, d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), (tokens, cfg.kv_lora_rank, kv_up / tp),
+                    (tokens, cfg.value_dim / tp, d)]
 
 
 def _recompute_shares(job: JobSpec) -> tuple[float, float, float]:
@@ -229,8 +260,9 @@ def attention_seconds(job: JobSpec, forwards: float) -> tuple[float, float]:
     """(compute, memory-bound) seconds of one layer's attention core for one micro-batch on one GPU,
     with its forward run ``forwards`` times (1, or 2 when recomputed) and its backward once.
 
-    The core's model FLOPs are 4*b*s^2*q forward (QK^T and @V, every query against every key, q =
-    n_head * head_dim), split over tp by heads. A fused (flash) kernel skips the masked half of a causal
+    The core's model FLOPs are 2*b*s^2*(q + v) forward (QK^T over the query width q = n_head * head_dim
+    and @V over the values' v, equal but in latent attention; every query against every key), split
+    over tp by heads. A fused (flash) kernel skips the masked half of a causal
     square (and with flash-attn the blocks outside a sliding window: ``fused_core_share``) and its backward
     recomputes the scores, 2.5x its forward; it runs at ``attention_fraction`` of the large-GEMM rate.
     A materialized core (model.attention=reference; Megatron's fused softmax) runs both matmuls on the
@@ -238,16 +270,18 @@ def attention_seconds(job: JobSpec, forwards: float) -> tuple[float, float]:
     scores through memory: ``_score_traffic_bytes``.
     """
     cfg, a, t = job.model, job.assumptions, job.layout.tp
-    b, s, d = job.micro_batch, job.seq_len, cfg.q_dim
+    b, s = job.micro_batch, job.seq_len
     q = job.local_seq_len  # a cp GPU's queries, against every key: 1/cp of the square, balanced (parallel/cp.py)
-    fwd_flops = 4.0 * b * q * s * d / t
+    fwd_flops = 2.0 * b * q * s * (cfg.q_dim + cfg.value_dim) / t
     if job.attention == "flash":
         executed = 0.5 * fwd_flops * fused_core_share(cfg, s) * (forwards + 2.5)
         rate = _gemm_rate(job) * a.attention_fraction
         return executed / rate, 0.0
     heads = cfg.n_head / t
     sixteen = dataclasses.replace(job, precision="bf16_master") if job.precision == "fp8" else job
-    one = 2 * gemm_seconds(sixteen, q, cfg.head_dim, s) * b * heads  # QK^T and @V, each 2*q*s*head_dim per head
+    qk_dim, v_dim = cfg.q_dim // cfg.n_head, cfg.value_dim // cfg.n_head
+    # QK^T and @V, 2*q*s*qk_dim and 2*q*s*v_dim per head
+    one = (gemm_seconds(sixteen, q, qk_dim, s) + gemm_seconds(sixteen, q, v_dim, s)) * b * heads
     fwd_bytes, bwd_bytes = _score_traffic_bytes(job)
     elements = b * heads * q * s
     hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
@@ -285,7 +319,9 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
     residual gradient is added, read two, write one). Dropout on the two residual branches adds a
     read and a write each way and a 1-byte mask. Inside (split over tp): the MLP activation, GELU
     forward 2*d_ff (read, write) and backward 3*d_ff; SwiGLU 3*d_ff and 5*d_ff; rotary embeddings
-    read and write q and k both ways, 2*(d + kv_dim) each way. FP8 adds the casts of the weights.
+    read and write q and k both ways, 2*(d + kv_dim) each way (latent attention: the queries' rotary
+    parts and the shared rotary key; its two latent norms as the block's, read and write forward,
+    three passes backward, outside). FP8 adds the casts of the weights.
     In a MoE layer the activation runs on each token's top-k experts and the shared ones
     (``mlp_hidden_width``); the permutation's gathers are not counted.
     """
@@ -299,7 +335,14 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
     act_fwd, act_bwd = (3, 5) if cfg.mlp == "swiglu" else (2, 3)
     width = mlp_hidden_width(cfg)
     inside_fwd, inside_bwd = act_fwd * width * p, act_bwd * width * p
-    if cfg.position == "rope":
+    if cfg.is_mla:  # the rotary parts of the queries and the one shared rotary key; the latents' two norms
+        rotated = cfg.n_head * cfg.qk_rope_head_dim + cfg.qk_rope_head_dim
+        inside_fwd += 2 * rotated * p
+        inside_bwd += 2 * rotated * p
+        latents = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank  # outside the TP region, as the block's norms
+        outside_fwd += 2 * latents * p
+        outside_bwd += 3 * latents * p
+    elif cfg.position == "rope":
         inside_fwd += 2 * (d + cfg.kv_dim) * p
         inside_bwd += 2 * (d + cfg.kv_dim) * p
     split = t if job.layout.sp else 1
@@ -338,23 +381,46 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     element-wise work at ``hbm_fraction`` of HBM bandwidth (``_elementwise_bytes``, times
     ``elementwise_scale``). The last stage adds the LM head's GEMM (vocab-parallel) and the loss's
     memory-bound pass over the logits (16-bit logits written and read, fp32 log-probabilities written
-    and read, 16-bit gradient written).
+    and read, 16-bit gradient written), and the multi-token-prediction modules: per depth one more
+    layer, its projection, the head and the loss again. With ``loss_chunk_tokens`` the head's GEMM
+    runs per chunk and its forward once more in backward (the chunk's logits are recomputed, not kept).
     """
     cfg, a, t = job.model, job.assumptions, job.layout.tp
     tokens = job.local_seq_len * job.micro_batch
     layers = cfg.n_layer // job.layout.pp
     hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
     redo_layer, redo_core, redo_elementwise = _recompute_shares(job)
-    gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t, moe_split=t if job.layout.sp else 1))
+    moe_split = t if job.layout.sp and job.layout.etp == 1 else 1
+    gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t, moe_split, job.layout.etp))
     core, scores = attention_seconds(job, 1 + redo_core + redo_layer)
     fwd_bytes, bwd_bytes = _elementwise_bytes(job)
     elementwise = (fwd_bytes * (1 + redo_layer + redo_elementwise) + bwd_bytes) * a.elementwise_scale / hbm
-    compute = layers * (gemm * (3 + redo_layer) + core)
+    if job.recompute == "op_selective" and job.op_selective_saves == "alternate_matmuls":
+        # torchtitan's per-op policy runs the matmuls whose outputs it dropped again in backward
+        gemm_redo = sum(gemm_seconds(job, tokens, k, n) for k, n in alternate_matmuls_recomputed(cfg, t))
+    else:
+        gemm_redo = 0.0
+    compute = layers * (gemm * (3 + redo_layer) + gemm_redo + core)
     memory_bound = layers * (elementwise + scores)
     if stage == job.layout.pp - 1:
-        compute += 3 * gemm_seconds(job, tokens, cfg.d_model, cfg.vocab_size / t)
+        # The head and the loss, once and again per multi-token-prediction depth; each depth also runs
+        # its 2d -> d projection and one block (never recomputed: model/recompute.py wraps the
+        # model's blocks only), counted as the mean layer.
+        heads = 1 + cfg.mtp_depth
+        chunk = min(job.loss_chunk_tokens or tokens, tokens)
+        if chunk == tokens:
+            compute += 3 * heads * gemm_seconds(job, tokens, cfg.d_model, cfg.vocab_size / t)
+        else:  # kernels.loss_chunk_tokens: each chunk's head GEMM runs again in its backward
+            whole, rest = divmod(tokens, chunk)
+            compute += 4 * heads * sum(gemm_seconds(job, rows, cfg.d_model, cfg.vocab_size / t)
+                                       for rows in [chunk] * whole + ([rest] if rest else []))
         p = job.activation_dtype_bytes
-        memory_bound += tokens * cfg.vocab_size / t * (3 * p + 8) * a.elementwise_scale / hbm
+        memory_bound += heads * tokens * cfg.vocab_size / t * (3 * p + 8) * a.elementwise_scale / hbm
+        if cfg.mtp_depth:
+            mtp_core, mtp_scores = attention_seconds(job, 1)
+            projection = gemm_seconds(job, tokens, 2 * cfg.d_model, cfg.d_model / t)
+            compute += cfg.mtp_depth * (3 * (gemm + projection) + mtp_core)
+            memory_bound += cfg.mtp_depth * ((fwd_bytes + bwd_bytes) * a.elementwise_scale / hbm + mtp_scores)
     tp_s, _ = tp_comm_seconds(job, stage)
     # Overlapped collectives (Megatron's userbuffers, async TP) hide behind the GEMMs they feed.
     tp_exposed = _exposed(tp_s, compute, a) if job.tp_overlap else tp_s
@@ -374,7 +440,7 @@ def _optimizer_seconds(job: JobSpec, state_bytes: float) -> float:
 
 
 def largest_stage_parameters(job: JobSpec) -> float:
-    return max(stage_parameters(job.model, job.layout.tp, job.layout.pp, i) for i in edge_stages(job))
+    return max(job_stage_parameters(job, i) for i in edge_stages(job))
 
 
 def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:

@@ -26,22 +26,26 @@ EXPERT_LAYOUTS = {"ep2": (["--parallel.ep=2"], lambda rank: [rank]),
                                 lambda rank: [0, 1])}
 
 
-def global_batches():
-    """Each step's 4 sequences, as 2 micro-batches of 2 (one per rank, or both in one process)."""
+def global_batches(steps: range = range(STEPS)):
+    """Each step's 4 sequences, as 2 micro-batches of 2 (one per rank, or both in one process); the
+    steps in ``steps`` of one stream, so a resumed run reads what the uninterrupted one did."""
     g = torch.Generator().manual_seed(0)
-    for _ in range(STEPS):
+    for step in range(steps.stop):
         idx = torch.randint(0, 256, (4, 17), generator=g)
-        yield [(idx[i:i + 2, :-1], idx[i:i + 2, 1:]) for i in (0, 2)]
+        if step in steps:
+            yield [(idx[i:i + 2, :-1], idx[i:i + 2, 1:]) for i in (0, 2)]
 
 
-def train(cfg, ctx: DistContext, micro: list[int]) -> tuple[list[float], list[list[float]]]:
-    """Losses (mean over the data-parallel ranks) and this rank's routing biases after each step."""
-    built = build_from_config(cfg, ctx)
-    layers = moe_layers([built.engine.module()])
+def train(cfg, ctx: DistContext, micro: list[int], steps: range = range(STEPS),
+          engine=None) -> tuple[list[float], list[list[float]]]:
+    """Losses (mean over the data-parallel ranks) and this rank's routing biases after each of
+    ``steps``, of ``engine`` (one built from ``cfg`` if none)."""
+    engine = build_from_config(cfg, ctx).engine if engine is None else engine
+    layers = moe_layers([engine.module()])
     reduce = router_load_sum(ctx)
     losses, biases = [], []
-    for parts in global_batches():
-        out = train_step(built.engine, iter([parts[i] for i in micro]), len(micro), LR)
+    for parts in global_batches(steps):
+        out = train_step(engine, iter([parts[i] for i in micro]), len(micro), LR)
         update_expert_bias(layers, RATE, reduce)
         loss = out.loss.detach().clone()
         losses.append(float(ctx.all_reduce_mean(loss) if ctx.layout.dp_shard_cp * ctx.layout.dp_replicate > 1 else loss))

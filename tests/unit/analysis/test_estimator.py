@@ -379,3 +379,39 @@ def test_moe_layer_gemms_run_a_tokens_active_weights(extra):
     norms = 2 * cfg.d_model
     active = sum(block_parameters(cfg, i, active=True) - norms for i in range(cfg.n_layer)) / cfg.n_layer
     assert flops == pytest.approx(tokens * active)
+
+
+def test_the_chunked_loss_holds_one_chunks_logits_and_runs_its_head_gemm_again():
+    """kernels.loss_chunk_tokens: the plain loss keeps every token's fp32 log-probabilities and builds
+    their fp32 gradient and the logits' 16-bit gradient (4 + 4 + 2 bytes per token and vocabulary
+    entry); the chunked loss the same for one chunk only, recomputing its head GEMM in backward."""
+    cfg = est.preset("llama2-7b").model  # vocab 32000
+    plain = est.JobSpec(cfg, 4096, 2, est.Layout(1), "full", "bf16_master", H100)
+    chunked = dataclasses.replace(plain, loss_chunk_tokens=1000)
+    assert est.estimate_memory(plain).logits == 2 * 4096 * 32000 * (4 + 4 + 2)
+    assert est.estimate_memory(chunked).logits == 1000 * 32000 * (4 + 4 + 2)
+    drop = est.estimate_memory(plain).total - est.estimate_memory(chunked).total
+    assert drop == pytest.approx((2 * 4096 - 1000) * 32000 * 10 * (1 + est.Assumptions().fragmentation))
+    # a chunk longer than the micro-batch's tokens is the micro-batch
+    assert est.estimate_memory(dataclasses.replace(plain, loss_chunk_tokens=10**6)).logits == 2 * 4096 * 32000 * 10
+    # 8 chunks of 1000 tokens and one of 192, each head GEMM forward twice and backward twice
+    gemm = est.gemm_seconds
+    extra = (4 * (8 * gemm(chunked, 1000, 4096, 32000) + gemm(chunked, 192, 4096, 32000))
+             - 3 * gemm(plain, 2 * 4096, 4096, 32000))
+    assert est.estimate(chunked).time.compute_s - est.estimate(plain).time.compute_s == pytest.approx(extra)
+    with pytest.raises(est.EstimatorError, match="loss_chunk_tokens must be >= 0"):
+        dataclasses.replace(plain, loss_chunk_tokens=-1)
+
+
+def test_the_estimate_tool_counts_the_configs_chunked_loss(capsys):
+    from tools import estimate
+
+    args = ["--config", "configs/llama3-8b.yaml", "--data.path=unused", "--gpus", "8"]
+    totals = []
+    for chunk in ("0", "1024"):
+        assert estimate.main([*args, f"--kernels.loss_chunk_tokens={chunk}"]) == 0
+        fit = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("fit:"))
+        totals.append(float(fit.split(", ")[1].split(" GiB")[0]))
+    # 8192 tokens x 128256 entries x 10 bytes (9.79 GiB) down to 1024 tokens' (1.22 GiB), with fragmentation
+    saved = (8192 - 1024) * 128256 * 10 * (1 + est.Assumptions().fragmentation) / GIB
+    assert totals[0] - totals[1] == pytest.approx(saved, abs=0.1)

@@ -38,6 +38,10 @@ def one_line(error) -> str:
     (dict(ep=2, cp=4, strategy="fsdp"), r"parallel.ep=2 with parallel.cp=4: .* ep must be a multiple of cp"),
     (dict(dp_replicate=2, strategy="ddp"), r"parallel.dp_replicate=2 is HSDP's replicate dimension: it needs "
                                            r"parallel.strategy=fsdp \(got ddp\)"),
+    (dict(etp=2), r"parallel.etp=2 splits each routed expert over the tensor-parallel ranks: it must be 1 \(experts "
+                  r"replicated over tp\) or parallel.tp=1; set parallel.etp=1 or parallel.tp=2$"),
+    (dict(tp=4, etp=2), r"parallel.etp=2 .* must be 1 \(experts replicated over tp\) or parallel.tp=4; set "
+                        r"parallel.etp=1$"),
 ])
 def test_rules_on_the_sections_keys_are_config_errors(keys, message):
     with pytest.raises(ConfigError, match=message) as error:
@@ -135,10 +139,25 @@ def test_dp_shard_counts_the_expert_parallel_ranks():
     (MODEL, Layout(4, cp=4), 60, 1, r"parallel.cp=4 splits each sequence into 2 x cp = 8 equal chunks: "
                                     r"data.seq_len=60 must divide by 8"),
     (MODEL, Layout(8, cp=2, tp=4), 12, 1, r"splits each cp rank's 6 tokens over parallel.tp=4"),
+    (MODEL, Layout(2, tp=2, etp=2), 64, 1, r"parallel.etp=2 splits routed experts over the tp ranks, but the model "
+                                           r"has none: set model.moe.experts or parallel.etp=1"),
+    (ModelConfig(vocab_size=256, n_head=8, d_model=64, moe=MoEConfig(experts=8, d_ff=36)), Layout(8, tp=8, etp=8),
+     64, 1, r"parallel.etp=8 must divide the experts' width model.moe.d_ff=36 .*; choose model.moe.d_ff a multiple "
+            r"of it or parallel.etp=1"),
+    (ModelConfig(vocab_size=256, n_head=8, d_model=64, moe=MoEConfig(experts=8, bias=True)), Layout(2, tp=2, etp=2),
+     64, 1, r"parallel.etp=2 with model.moe.bias is not supported yet .*; set parallel.etp=1"),
 ])
 def test_rules_against_the_model_are_config_errors(model, layout, seq_len, micro_batches, message):
     with pytest.raises(ConfigError, match=message) as error:
         check_model(layout, model, seq_len=seq_len, micro_batches=micro_batches)
+    one_line(error)
+
+
+def test_expert_tensor_parallelism_with_transformer_engine_layers_is_refused():
+    """etp splits routed experts, and Transformer Engine blocks have none (nor take tp: they bring their own)."""
+    with pytest.raises(ConfigError, match=r"model.moe.experts needs model.layers=torch \(Transformer Engine blocks "
+                                          r"have a dense MLP\)") as error:
+        load_config(None, LOADABLE + ["--model.layers=te", "--parallel.tp=2", "--parallel.etp=2"])
     one_line(error)
 
 
@@ -192,6 +211,7 @@ GRID = [
     (8, 8, dict(pp=2, pp_schedule="zero_bubble", pp_virtual_stages=2, cp=2)),
     (16, 8, dict(strategy="fsdp", pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, tp=2, dp_replicate=2)),
     (8, 8, dict(pp=4, pp_schedule="gpipe")),
+    (8, 8, dict(strategy="fsdp", ep=2, tp=2, etp=2)),
 ]
 
 
@@ -205,6 +225,6 @@ def test_overrides_load_back_into_the_same_layout(world, per_node, keys):
     assert "\n" not in line and line.startswith(f"strategy={layout.strategy} ")
     words = dict(word.split("=") for word in line.split())
     assert all(words[key] == str(getattr(layout, key)) for key in ("dp_shard", "tp", "pp"))
-    for key in ("dp_replicate", "ep", "cp", "pp_virtual_stages"):  # named where they apply
+    for key in ("dp_replicate", "ep", "etp", "cp", "pp_virtual_stages"):  # named where they apply
         assert (key in words) == (getattr(layout, key) > 1)
     assert ("pp_schedule" in words) == (layout.pp > 1) and ("sequence_parallel" in words) == (layout.tp > 1)

@@ -249,6 +249,9 @@ def test_a_muon_run_resumes_exactly_from_its_checkpoint(tmp_path):
     (["--optim.name=muon", "--optim.muon.beta=0.9"], "unknown key optim.muon.beta"),
     (["--optim.name=muon", "--parallel.strategy=zero2"], "flat 1-D partitions"),
     (["--optim.name=muon", "--model.layers=te"], "not verified on FP8 weight wrappers"),
+    (["--optim.name=muon", "--model.moe.experts=4", "--parallel.tp=2", "--parallel.etp=2"],
+     "Newton-Schulz needs each expert's matrix whole on one rank, and expert tensor parallelism splits it; set "
+     "parallel.etp=1"),
     (["--optim.name=muon", "--optim.muon.qk_clip_tau=50", "--model.qk_norm=true"], "cannot lower the logits"),
     (["--optim.name=muon", "--optim.muon.qk_clip_tau=50", "--parallel.tp=2"], "one rank holds all heads"),
     (["--optim.name=muon", "--optim.muon.qk_clip_tau=50", "--precision.mode=fp16"], "skips steps inside"),
