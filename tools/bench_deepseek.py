@@ -135,7 +135,7 @@ def plot(models, curves, rows, path: Path) -> None:
     for name in models:
         runs = [c for r, c in curves.items() if r.variant == name]
         x, med, lo, hi = band(runs, "val")
-        shown += med[1:] + lo[1:]
+        shown += lo + hi  # every evaluation's band: the range worth the figure's height
         losses.plot(x, med, "-", color=colors[name], marker="o", ms=3, label=f"{name} (n={len(runs)})")
         losses.fill_between(x, lo, hi, color=colors[name], alpha=0.15)
         x, med, _, _ = band(runs, "train")
