@@ -11,7 +11,8 @@ within 1e-5 relative and the weights after the last step within 1e-4, as tests/i
 test_cp.py holds its layouts; reduced precision and FP8 within the tolerances named at PRECISION.
 Dropout under pp, cp and ep: one process replays the masks the ranks drew (DROPOUT_LAYOUTS), and a
 run resumed from a checkpoint draws the masks the uninterrupted run drew. One 4-rank launch runs the
-4-rank layouts in sequence, one 8-rank launch the HSDP and 3-D ones.
+4-rank layouts in sequence (torch.compile'd blocks over HSDP and 2-D layouts last), one 8-rank launch
+the HSDP and 3-D ones, one 2-rank launch compiled blocks on 2-rank layouts.
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ FOUR_RANKS = {
     "pp2_x_dp2_fp8": (FSDP | {"pp": 2, "dp_shard": 2}, {"precision.mode": "fp8", "precision.fp8_backend": "torchao"}),
     "cp2_x_dp2_fp8": (FSDP | {"cp": 2, "dp_shard": 2}, {"precision.mode": "fp8", "precision.fp8_backend": "torchao"}),
     "ep2_of_dp4_fp8": (FSDP | {"ep": 2}, {"precision.mode": "fp8", "precision.fp8_backend": "torchao"} | MOE),
+    # torch.compile'd blocks over HSDP and 2-D layouts, against one process without compile (last: the
+    # launch's first compile takes most of the time, the later ones reuse its code; COMPILE_LAYOUTS says more)
+    "hsdp_compile": (HSDP, {"train.compile": True}),
+    "tp2_x_dp2_compile_op_selective": (FSDP | {"tp": 2, "dp_shard": 2},
+                                       {"train.compile": True, "model.recompute": "op_selective"}),
+    "pp2_x_dp2_compile": (FSDP | {"pp": 2, "dp_shard": 2}, {"train.compile": True}),
 }
 EIGHT_RANKS = {
     "hsdp_x_tp2": (HSDP | {"tp": 2}, {}),
@@ -150,7 +157,8 @@ def job(parallel: dict, extra: dict):
 
 def train(engine, ctx, cfg, steps: range = range(STEPS)) -> dict:
     """Losses, gradient norms and final weights of STEPS steps, and the class and output dtype of the
-    first linear layer this rank runs (what the precision mode made of it)."""
+    first linear layer this rank runs (what the precision mode made of it; None where a compiled block
+    from an earlier layout of the launch runs it: torch's compiler does not guard on hooks added later)."""
     losses, norms, linear = [], [], []
     first = next(m for m in engine.module().modules() if isinstance(m, torch.nn.Linear))
     hook = first.register_forward_hook(lambda m, args, out: linear.append((type(m).__name__, str(out.dtype))))
@@ -161,7 +169,7 @@ def train(engine, ctx, cfg, steps: range = range(STEPS)) -> dict:
         losses.append(float(ctx.all_reduce_mean(loss.detach().float().clone())))
     hook.remove()
     return {"losses": losses, "norms": norms, "final": {k: v.float() for k, v in full_params(engine).items()},
-            "dp_size": ctx.layout.dp, "linear": linear[0]}
+            "dp_size": ctx.layout.dp, "linear": linear[0] if linear else None}
 
 
 # Dropout where ranks hold different activations: pipeline stages (other layers), cp ranks (other
