@@ -540,8 +540,11 @@ class GPT(nn.Module):
         losses = []
         for k, module in enumerate(self.mtp):
             h, normed = module(h, self.tok_emb(ahead_ids[:, k]), rope, documents)
-            logits = self.lm_head(normed)
-            loss = self.ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), ahead_targets[:, k].reshape(-1))
+            if self.ops.head_loss is not None:  # kernels.loss_chunk_tokens: no depth's whole logits either
+                loss = self.ops.head_loss(normed, self.lm_head.weight, ahead_targets[:, k])
+            else:
+                logits = self.lm_head(normed)
+                loss = self.ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), ahead_targets[:, k].reshape(-1))
             losses.append(local_shard(loss))  # a replicated DTensor under loss parallelism: its value
         mean = torch.stack(losses)
         mean = (mean if scale is None else mean * scale).mean()
