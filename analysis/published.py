@@ -10,7 +10,8 @@ estimator's free parameters on the calibration rows (``fit``).
 
 Which rows calibrate is fixed by a rule written before any error was looked at: in a source marked
 ``calibration: alternate`` every second row in file order (the first, third, ...) calibrates and the
-others are held out; a source marked ``calibration: none`` (torchtitan's tables) is never used to fit.
+others are held out; a source marked ``calibration: none`` (torchtitan's and Megatron-Bridge's tables) is never
+used to fit.
 The held-out error is the honest figure.
 """
 
@@ -27,25 +28,27 @@ import yaml
 
 from analysis import estimator as est
 from common.errors import ConfigError
-from common.hardware import SYSTEMS
+from common.hardware import DEVICES, SYSTEMS
 from common.report import new_figure, save_figure
-from model.config import ModelConfig
+from model.config import ModelConfig, MoEConfig
 from model.flops import count_parameters, flops_per_token
 from parallel.layout import LAYOUT_KEYS
+from training.config import load_config
 
 PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
+ROOT = PUBLISHED_DIR.parent.parent
 # What a row may publish, and which quantity each is a measure of.
 THROUGHPUT_KEYS = ("tokens_per_s_per_gpu", "tflops_per_gpu", "iteration_s")
 QUANTITIES = ("throughput", "memory")
 FLOPS_CONVENTIONS = ("megatron_eq3", "perfgpt")
 ROW_KEYS = {
     "id", "table", "model", "system", "seq_len", "gpus", "tp", "pp", "cp", "micro_batch", "grad_accum",
-    "global_batch", "strategy", "recompute", "precision", "pp_schedule", "pp_virtual_stages", "sequence_parallel",
-    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "op_selective_saves", "compile", "num_params", "memory_gib", "reason",
+    "global_batch", "strategy", "recompute", "precision", "ep", "pp_schedule", "pp_virtual_stages", "sequence_parallel",
+    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "op_selective_saves", "fp8_scaling", "compile", "num_params", "memory_gib", "reason",
     *THROUGHPUT_KEYS,
 }
 SOURCE_KEYS = {"source", "citation", "read_from", "framework", "calibration", "flops_convention", "memory_kind",
-               "defaults", "model_defaults", "models", "rows", "left_out_reason"}
+               "defaults", "model_defaults", "models", "rows", "left_out_reason", "cli_config"}
 # An error beyond this needs a written reason in the row (``reason:``).
 REASON_THRESHOLD = 0.25
 # The median error a source left out of the fit should reach; beyond it the source says why (left_out_reason).
@@ -62,6 +65,7 @@ class Source:
     flops_convention: str | None
     memory_kind: str  # reserved (torch.cuda.max_memory_reserved) | device (nvidia-smi)
     left_out_reason: str = ""  # why the source, left out of the fit, is predicted worse (validation by source)
+    cli_config: str = ""  # the configs/*.yaml its rows' tools.estimate commands start from (``cli_command``)
 
 
 @dataclass(frozen=True, eq=False)  # identity: a row is one line of one file
@@ -121,7 +125,8 @@ def _load_source(path: Path) -> list[PublishedRow]:
     if convention is not None and convention not in FLOPS_CONVENTIONS:
         raise ConfigError(f"{where}: flops_convention {convention!r} is not one of {', '.join(FLOPS_CONVENTIONS)}")
     source = Source(raw["source"], raw["citation"], raw["read_from"], raw["framework"], raw["calibration"],
-                    convention, raw.get("memory_kind", "device"), raw.get("left_out_reason", ""))
+                    convention, raw.get("memory_kind", "device"), raw.get("left_out_reason", ""),
+                    raw.get("cli_config", ""))
     models = raw.get("models", {})
     rows = []
     for index, entry in enumerate(raw["rows"]):
@@ -142,7 +147,10 @@ def _load_source(path: Path) -> list[PublishedRow]:
             raise ConfigError(f"{name}: tflops_per_gpu needs the source's flops_convention")
         shape = fields.get("model", {})
         shape = models[shape] if isinstance(shape, str) else shape
-        model = ModelConfig(**{**raw.get("model_defaults", {}), **shape, "max_seq_len": fields["seq_len"]})
+        fields_of_model = {**raw.get("model_defaults", {}), **shape, "max_seq_len": fields["seq_len"]}
+        if isinstance(fields_of_model.get("moe"), dict):
+            fields_of_model["moe"] = MoEConfig(**fields_of_model["moe"])
+        model = ModelConfig(**fields_of_model)
         model.validate()
         layout = {
             "strategy": fields.get("strategy", "fsdp"), "recompute": fields.get("recompute", "none"),
@@ -152,7 +160,10 @@ def _load_source(path: Path) -> list[PublishedRow]:
             "fsdp_reshard_after_forward": fields.get("fsdp_reshard_after_forward", True),
             "zero_reduction": fields.get("zero_reduction", "deepspeed"),
             "op_selective_saves": fields.get("op_selective_saves", "every_matmul"),
+            "fp8_scaling": fields.get("fp8_scaling", "delayed"),
         }
+        if "ep" in fields:
+            layout["ep"] = fields["ep"]
         if "sequence_parallel" in fields:
             layout["sequence_parallel"] = fields["sequence_parallel"]
         role = "check" if source.calibration == "none" else ("calibration" if index % 2 == 0 else "held-out")
@@ -463,6 +474,42 @@ def layout_text(row: PublishedRow) -> str:
     return " ".join(parts)
 
 
+# The model fields a row's command states where they differ from its source's cli_config (the rest,
+# initialization and rotary details, leave the estimate unchanged; the command test checks that).
+CLI_MODEL_FIELDS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "mlp", "norm", "position",
+                    "bias", "tie_embeddings", "dropout", "attention", "max_seq_len")
+
+
+def cli_command(row: PublishedRow) -> str | None:
+    """The ``python -m tools.estimate`` command that estimates ``row`` (its source's ``cli_config``
+    with the row's model fields, layout and device put in), or None for a source without one.
+    ``--allow-refused``: these are other frameworks' runs, some on layouts train.py refuses."""
+    if not row.source.cli_config:
+        return None
+    base = load_config(ROOT / row.source.cli_config).model
+    job = row.job()
+    device = next(key for key, spec in DEVICES.items() if spec == job.device)
+    words = ["python -m tools.estimate", f"--config {row.source.cli_config}"]
+    for name in CLI_MODEL_FIELDS:
+        value = getattr(row.model, name)
+        if value != getattr(base, name) and (name != "max_seq_len" or value > base.max_seq_len):
+            words.append(f"--model.{name}={value}")
+    lay = job.layout
+    words += [f"--device {device}", f"--gpus {row.gpus}", f"--seq-len {job.seq_len}",
+              f"--micro-batch {job.micro_batch}", f"--grad-accum {job.grad_accum}", f"--strategy {lay.strategy}",
+              f"--recompute {job.recompute}", f"--precision {job.precision}"]
+    if job.precision == "fp8":
+        words.append(f"--fp8-scaling {job.fp8_scaling}")
+    words += [f"--tp {lay.tp}", f"--pp {lay.pp}", f"--cp {lay.cp}"]
+    if lay.pp > 1:
+        words += [f"--pp-schedule {lay.pp_schedule}", f"--pp-virtual-stages {lay.pp_virtual_stages}"]
+    words += [f"--reshard-after-forward {str(job.fsdp_reshard_after_forward).lower()}",
+              f"--op-selective-saves {job.op_selective_saves}"]
+    if job.tp_overlap:
+        words.append("--tp-overlap")
+    return " ".join(words + ["--allow-refused"])
+
+
 def summary_lines(summaries: list[Summary]) -> list[str]:
     """The error summary as Markdown table lines (what the test regenerates and compares)."""
     lines = ["| source | quantity | rows | n | median abs error | worst abs error (row) |", "|---|---|---|---:|---:|---|"]
@@ -488,8 +535,8 @@ def render_markdown(comparisons: list[Comparison], assumptions: est.Assumptions,
         "",
         "Calibration rows (every second row of a source, in file order, fixed before any error was seen) fit "
         f"the estimator's free parameters ({', '.join(est.FITTED_PARAMETERS)}); held-out rows never did, and "
-        "torchtitan's tables (`check`) were kept aside as an independent check and never used to fit or choose "
-        "anything. The held-out figure is the honest one.",
+        "torchtitan's and Megatron-Bridge's tables (`check`) were kept aside as independent checks and never "
+        "used to fit or choose anything. The held-out figure is the honest one.",
         "",
     ]
     for quantity in QUANTITIES:
@@ -516,6 +563,10 @@ def render_markdown(comparisons: list[Comparison], assumptions: est.Assumptions,
             predicted = _figure(c.key, c.predicted) if c.predicted is not None else f"not predicted: {c.why_not}"
             lines.append(f"| {r.id} | {r.table} | {params:.1f}B | {r.gpus} | {layout_text(r)} | "
                          f"{_figure(c.key, c.published)} | {predicted} | {_pct(c.error)} | {r.role} |")
+        commands = [(r.id, cli_command(r)) for r in rows if r.source is source and source.cli_config]
+        if commands:
+            lines += ["", "Through the command line (each prints the prediction above):", ""]
+            lines += [f"- {row_id}: `{command}`" for row_id, command in commands]
         reasons = [r for r in rows if r.source is source and r.reason]
         if reasons:
             lines += ["", "Written reasons:", ""] + [f"- {r.id}: {r.reason}" for r in reasons]

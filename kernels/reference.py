@@ -110,6 +110,8 @@ def chunked_linear_cross_entropy(
                               use_reentrant=False)
             total = total + part
     return total / counted.sum()
+
+
 def rope_inverse_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
     """(head_dim // 2,) fp32: theta^(-2i / head_dim), the angle per position of each dimension pair."""
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))

@@ -350,11 +350,11 @@ class ModelConfig:
         if self.mtp_depth < 0 or not (math.isfinite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0):
             raise ConfigError(f"model.mtp_depth must be >= 0 and model.mtp_loss_weight a finite number >= 0 (got "
                               f"{self.mtp_depth}, {self.mtp_loss_weight})")
-        if self.mtp_depth and self.attention_mask == "document":
-            raise ConfigError("model.mtp_depth with model.attention_mask=document is not supported yet: use "
-                              "attention_mask=causal or mtp_depth=0")
         if self.mtp_depth and self.layers != "torch":
             raise ConfigError("model.mtp_depth needs model.layers=torch")
+        if self.mtp_depth >= self.max_seq_len:  # depth k predicts k + 1 ahead: no target would be left
+            raise ConfigError(f"model.mtp_depth={self.mtp_depth} needs sequences longer than it (model.max_seq_len="
+                              f"{self.max_seq_len}): lower model.mtp_depth or raise model.max_seq_len")
         self._validate_attention_variants()
         if self.is_mla:
             self._validate_mla()

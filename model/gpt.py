@@ -26,6 +26,7 @@ import math
 import torch
 import torch.nn as nn
 
+from common.values import local_shard
 from kernels.reference import clamped_swiglu
 from kernels.registry import REFERENCE_OPS, KernelOps
 from model.attention import AttentionCore, KVCache, LayerKV, head_max_logits
@@ -43,6 +44,32 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     first = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values  # where each document begins
     return index - first
+
+
+IGNORED_TARGET = -100  # a target the loss leaves out: torch's cross_entropy default (data/bundle.py IGNORE_INDEX)
+
+
+def tokens_ahead(idx: torch.Tensor, targets: torch.Tensor, depth: int, documents: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, D, T) twice, for the multi-token-prediction depths k = 1..D: at position i the token id
+    k ahead (idx[i + k]) and its target (targets[i + k]). Where i + k is past the sequence or, under
+    the document mask, in another document than i, the target is ``IGNORED_TARGET`` (the id, 0, is
+    never read by a kept target: those positions are causally after every kept one of the same
+    document). Every depth keeps the whole length T, so a split of the sequence (tensor-parallel
+    slices, context-parallel chunks) takes its positions of these as it takes its positions of x."""
+    b, t = idx.shape
+    ids, tgts = [], []
+    for k in range(1, depth + 1):
+        k = min(k, t)
+        ids.append(torch.cat([idx[:, k:], idx.new_zeros(b, k)], dim=1))
+        tail = torch.full((b, k), IGNORED_TARGET, dtype=targets.dtype, device=targets.device)
+        ahead = torch.cat([targets[:, k:], tail], dim=1)
+        if documents is not None:
+            same = torch.zeros_like(documents, dtype=torch.bool)
+            same[:, : t - k] = documents[:, k:] == documents[:, : t - k]
+            ahead = torch.where(same, ahead, IGNORED_TARGET)
+        tgts.append(ahead)
+    return torch.stack(ids, 1), torch.stack(tgts, 1)
 
 
 def document_ids(cfg: ModelConfig, idx: torch.Tensor) -> torch.Tensor | None:
@@ -297,12 +324,12 @@ class MTPModule(nn.Module):
         self.block = Block(cfg, ops, attention_backend, expert_backend, layer_idx)
         self.norm_out = Norm(cfg, ops)
 
-    def forward(self, h: torch.Tensor, ahead: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """h (B, T', C) the previous depth's states, ``ahead`` (B, T', C) the embeddings k ahead -> this
-        depth's states (B, T', C) and their final norm, for the head (inside forward: FSDP2 gathers the
+    def forward(self, h: torch.Tensor, ahead: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (B, T, C) the previous depth's states, ``ahead`` (B, T, C) the embeddings k ahead -> this
+        depth's states (B, T, C) and their final norm, for the head (inside forward: FSDP2 gathers the
         module's parameters for its forward only)."""
-        h = self.block(self.proj(torch.cat([self.norm_h(h), self.norm_e(ahead)], dim=-1)), rope)
+        h = self.block(self.proj(torch.cat([self.norm_h(h), self.norm_e(ahead)], dim=-1)), rope, None, documents)
         return h, self.norm_out(h)
 
 
@@ -312,6 +339,9 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.ops = cfg, ops
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # False: a pipeline stage after the first, whose input is hidden states; the last stage may
+        # keep ``tok_emb`` all the same, for its multi-token-prediction modules (parallel/pp.py).
+        self.takes_ids = True
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): self._make_block(cfg, ops, attention_backend, expert_backend, i)
@@ -427,6 +457,8 @@ class GPT(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None, *,
         positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+        ahead_ids: torch.Tensor | None = None, ahead_targets: torch.Tensor | None = None,
+        ahead_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """idx (B, T) token ids -> mean next-token loss if targets are given, else logits (B, T, V).
 
@@ -439,6 +471,11 @@ class GPT(nn.Module):
         from 0 (a context-parallel rank's chunks, parallel/cp.py) or positions restart per document.
         ``documents`` (B, S): the document number of each key position attention sees (a packed
         sequence, ``model.attention_mask=document``; computed from idx when not given).
+        ``ahead_ids``, ``ahead_targets`` (B, D, T) ``tokens_ahead`` of this forward's positions, for
+        the multi-token-prediction modules when a training forward cannot derive them from idx and
+        targets itself: a pipeline's last stage (its input is hidden states, its loss is taken
+        outside, so its logits carry the modules' gradient) or a context-parallel rank's chunks
+        (with ``ahead_scale`` (D,), what each depth's mean over these positions is multiplied by).
         """
         start, t = (cache.length if cache is not None else 0), idx.shape[1]
         if start + t > self.cfg.max_seq_len:
@@ -448,7 +485,7 @@ class GPT(nn.Module):
         if positions is None and documents is not None and self.cfg.document_positions:
             positions = document_positions(documents)
         x = idx
-        if self.tok_emb is not None:
+        if self.takes_ids:
             x = self.tok_emb(idx)
             if self.pos_emb is not None:
                 x = x + self.pos_emb(torch.arange(start, start + t, device=idx.device) if positions is None else positions)
@@ -469,9 +506,15 @@ class GPT(nn.Module):
         # without (a pipeline stage's output) the output carries their gradient back.
         # Only a training forward sets them: generation and evaluation skip the walk over every module
         # (per generated token, it cost as much as a block's attention on a small model).
-        aux = take_aux_loss(self.blocks.modules()) if self.training and torch.is_grad_enabled() else None
+        training = self.training and torch.is_grad_enabled()
+        aux = take_aux_loss(self.blocks.modules()) if training else None
         if self.lm_head is None:
             return x if aux is None else with_aux_gradient(x, aux)
+        if self.mtp is not None and training and (ahead_ids is not None or targets is not None):
+            if ahead_ids is None:
+                ahead_ids, ahead_targets = tokens_ahead(idx, targets, len(self.mtp), documents)
+            mtp = self._mtp_loss(x, ahead_ids, ahead_targets, rope, documents, ahead_scale)
+            aux = mtp if aux is None else aux + mtp
         if targets is not None and self.ops.head_loss is not None:  # kernels.loss_chunk_tokens: no whole logits
             h = self.norm_f(x)  # (logits x m) = (h x m) @ W^T: the multiplier goes on the hidden states
             loss = self.ops.head_loss(h * self.output_multiplier if self.output_multiplier != 1.0 else h,
@@ -483,25 +526,28 @@ class GPT(nn.Module):
             if targets is None:
                 return logits if aux is None else with_aux_gradient(logits, aux)
             loss = self.ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
-        if self.mtp is not None and self.training:
-            mtp = self._mtp_loss(x, idx, targets, rope)
-            aux = mtp if aux is None else aux + mtp
         return loss if aux is None else join_aux_gradient(loss, aux)
 
-    def _mtp_loss(self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor,
-                  rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """model.mtp_loss_weight x the mean over depths k = 1..D of depth k's loss: at position i (of
-        T - k) it reads the token at i + k and predicts the one at i + k + 1, ``targets[:, i + k]``.
-        Each depth's sequence is k shorter, so all its targets are in the batch. MoE layers of the
-        modules add their balancing losses."""
-        losses, t = [], idx.shape[1]
-        for k, module in enumerate(self.mtp, start=1):
-            if k >= t:
-                break
-            h, normed = module(h[:, : t - k], self.tok_emb(idx[:, k:]), rope)
-            logits = self.lm_head(normed)
-            losses.append(self.ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, k:].reshape(-1)))
-        mean = torch.stack(losses).mean()
+    def _mtp_loss(self, h: torch.Tensor, ahead_ids: torch.Tensor, ahead_targets: torch.Tensor,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None, documents: torch.Tensor | None,
+                  scale: torch.Tensor | None) -> torch.Tensor:
+        """model.mtp_loss_weight x the mean over depths k = 1..D of depth k's loss: at position i it
+        reads the token at i + k and predicts the one at i + k + 1 (``tokens_ahead``), over the
+        positions whose targets are kept (the last k of the sequence are not). Every depth runs on the
+        whole length: a kept position attends only to earlier positions of its document, whose targets
+        are kept too, so the dropped ones change no kept loss. MoE layers of the modules add their
+        balancing losses (their routing counts every position)."""
+        losses = []
+        for k, module in enumerate(self.mtp):
+            h, normed = module(h, self.tok_emb(ahead_ids[:, k]), rope, documents)
+            if self.ops.head_loss is not None:  # kernels.loss_chunk_tokens: no depth's whole logits either
+                loss = self.ops.head_loss(normed, self.lm_head.weight, ahead_targets[:, k])
+            else:
+                logits = self.lm_head(normed)
+                loss = self.ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), ahead_targets[:, k].reshape(-1))
+            losses.append(local_shard(loss))  # a replicated DTensor under loss parallelism: its value
+        mean = torch.stack(losses)
+        mean = (mean if scale is None else mean * scale).mean()
         self.mtp_window.append(mean.detach())
         total = mean * self.cfg.mtp_loss_weight
         aux = take_aux_loss(self.mtp.modules())
@@ -515,7 +561,7 @@ class GPT(nn.Module):
     def document_ids(self, idx: torch.Tensor) -> torch.Tensor | None:
         """(B, T) the document number of each token under model.attention_mask=document, else None
         (also for a pipeline stage without the embedding: its input is hidden states, not ids)."""
-        return None if self.tok_emb is None else document_ids(self.cfg, idx)
+        return document_ids(self.cfg, idx) if self.takes_ids else None
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Unique parameters (a tied head counts once); optionally without the embedding tables."""

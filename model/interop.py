@@ -42,8 +42,15 @@ goes through the plain [all q | all k | all v] order first (``_canonical`` / ``_
   ``kv_b_proj``; a sigmoid router ``mlp.gate`` with its ``e_score_correction_bias`` (our
   ``expert_bias``), experts per expert as Qwen3-MoE's, ``mlp.shared_experts``. Its rotary pairs
   are adjacent dims when ``rope_interleave`` (the default): the rotary rows are reordered on
-  import and written in halves with ``rope_interleave: false``. Multi-token-prediction layers
-  (after the last) are neither read nor written.
+  import and written in halves with ``rope_interleave: false``. Multi-token-prediction modules
+  (``model.mtp_depth``, ``num_nextn_predict_layers``) in DeepSeek's published layout: module k is
+  the layer ``model.layers.{n_layer + k}``, its block under the usual names, beside it ``enorm``
+  (our ``norm_e``), ``hnorm`` (``norm_h``), ``eh_proj`` (``proj``, whose input halves are the
+  other way round: DeepSeek projects [embedding; hidden], perfgpt [hidden; embedding]),
+  ``shared_head.norm`` (``norm_out``), and copies of the shared tables, ``embed_tokens`` and
+  ``shared_head.head``, which must equal the model's on import. A checkpoint without those layers
+  (transformers' ``save_pretrained`` writes none, whatever ``num_nextn_predict_layers`` says)
+  imports with ``mtp_depth=0``. No other layout has the modules: exporting them there is refused.
 Anything else (e.g. learned positions with SwiGLU, GQA in the GPT-2 layout, a window on some
 layers of a model without Q/K/V bias, shared experts, a sigmoid router) is refused with one line
 naming the key.
@@ -116,6 +123,10 @@ def hf_layout(cfg: ModelConfig) -> str:
             f"model.layers={cfg.layers}: export from a model.layers=torch build (TE names its weights differently)"
         )
     refuse_mup(cfg, "the Hugging Face layouts")
+    if cfg.mtp_depth and not cfg.is_mla:
+        raise InteropError(f"model.mtp_depth={cfg.mtp_depth}: of the Hugging Face layouts only DeepSeek-V3 (model."
+                           "attention_kind=mla) has multi-token-prediction modules; export perfgpt's own format "
+                           "(--format safetensors)")
     if cfg.is_mla:
         return _deepseek_layout(cfg)
     if cfg.moe.experts is not None:
@@ -258,13 +269,36 @@ def _gpt2_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
         yield "lm_head.weight", "lm_head.weight", False
 
 
+def _layers(cfg: ModelConfig) -> list[tuple[int, str, str]]:
+    """(layer index, our prefix, the HF prefix) of every transformer block: the model's, then its
+    multi-token-prediction modules' (DeepSeek-V3 publishes them as the layers after the last)."""
+    return [(i, f"blocks.{i}.", f"model.layers.{i}.") for i in range(cfg.n_layer)] + [
+        (cfg.n_layer + k, f"mtp.{k}.block.", f"model.layers.{cfg.n_layer + k}.") for k in range(cfg.mtp_depth)]
+
+
+def _mtp_names(cfg: ModelConfig) -> Iterator[tuple[str, str]]:
+    """(perfgpt name, HF name) of each multi-token-prediction module's tensors beside its block: its
+    norms and projection, and the copies of the shared embedding and head DeepSeek stores with it."""
+    for k in range(cfg.mtp_depth):
+        ours, theirs = f"mtp.{k}.", f"model.layers.{cfg.n_layer + k}."
+        for a, b in (("norm_e", "enorm"), ("norm_h", "hnorm"), ("proj", "eh_proj"), ("norm_out", "shared_head.norm")):
+            yield f"{ours}{a}.weight", f"{theirs}{b}.weight"
+        yield "tok_emb.weight", f"{theirs}embed_tokens.weight"
+        yield "lm_head.weight", f"{theirs}shared_head.head.weight"
+
+
+def _swap_halves(weight: torch.Tensor) -> torch.Tensor:
+    """An MTP projection's input columns the other way round: [hidden; embedding] <-> [embedding; hidden]."""
+    first, second = weight.chunk(2, dim=1)
+    return torch.cat([second, first], dim=1)
+
+
 def _llama_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], tuple[int, ...]]]:
     """(perfgpt name, HF names, row sizes of the split) for every tensor of the rotary layouts but
     the experts' weights (``_expert_names``, ``_gpt_oss_expert_names``); one name = a copy."""
     d, kv, layout = cfg.q_dim, cfg.kv_dim, hf_layout(cfg)
     yield "tok_emb.weight", ("model.embed_tokens.weight",), ()
-    for i in range(cfg.n_layer):
-        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+    for i, ours, theirs in _layers(cfg):
         yield f"{ours}norm1.weight", (f"{theirs}input_layernorm.weight",), ()
         yield f"{ours}norm2.weight", (f"{theirs}post_attention_layernorm.weight",), ()
         if cfg.is_mla:
@@ -295,6 +329,8 @@ def _llama_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], tuple
     yield "norm_f.weight", ("model.norm.weight",), ()
     if not cfg.tie_embeddings:
         yield "lm_head.weight", ("lm_head.weight",), ()
+    for ours, theirs in _mtp_names(cfg):
+        yield ours, (theirs,), ()
 
 
 def _latent_attention_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
@@ -336,11 +372,11 @@ def _expert_names(cfg: ModelConfig) -> Iterator[tuple[str, tuple[str, ...]]]:
     mixtral = layout == MIXTRAL
     parts = (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")) if mixtral else (
         ("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
-    for i in range(cfg.n_layer):
+    for i, block, layer in _layers(cfg):
         if cfg.is_moe_layer(i):
-            theirs = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}.experts"
+            theirs = f"{layer}{'block_sparse_moe' if mixtral else 'mlp'}.experts"
             for ours, name in parts:
-                yield f"blocks.{i}.mlp.{ours}", tuple(f"{theirs}.{e}.{name}.weight" for e in range(cfg.moe.experts))
+                yield f"{block}mlp.{ours}", tuple(f"{theirs}.{e}.{name}.weight" for e in range(cfg.moe.experts))
 
 
 def _gpt_oss_expert_names(cfg: ModelConfig) -> Iterator[tuple[tuple[str, str], str]]:
@@ -393,7 +429,7 @@ def to_hf_config(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> di
         if layout == LLAMA:
             config.update(attention_bias=cfg.has_qkv_bias, mlp_bias=cfg.bias, pretraining_tp=1)
         if layout == DEEPSEEK_V3:  # rotary rows in halves, as perfgpt keeps them (not interleaved)
-            config.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.rope_dim,
+            config.update(num_nextn_predict_layers=cfg.mtp_depth, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.rope_dim,
                           qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.rope_dim,
                           num_key_value_heads=cfg.n_head, rope_interleave=False, attention_bias=cfg.has_qkv_bias)
         config.update(_hf_window(cfg, layout))
@@ -472,6 +508,9 @@ def to_hf_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> Sta
     for (first, second), theirs in _gpt_oss_expert_names(cfg):
         tensor = _get(state, first).detach()
         out[theirs] = _interleave(tensor, _get(state, second).detach()) if second else tensor.clone()
+    for ours, theirs in _mtp_names(cfg):
+        if ours.endswith(".proj.weight"):
+            out[theirs] = _swap_halves(out[theirs])
     return out
 
 
@@ -765,8 +804,8 @@ def _from_moe_config(c: Mapping[str, Any], layout: str) -> ModelConfig:
 
 def _from_deepseek_config(c: Mapping[str, Any]) -> ModelConfig:
     """DeepSeek-V3: latent attention, a sigmoid router choosing within groups by its corrected scores,
-    shared experts, the first k layers dense. Its multi-token-prediction layers (after the last
-    layer, ``num_nextn_predict_layers``) are not read: transformers skips them too."""
+    shared experts, the first k layers dense, and ``num_nextn_predict_layers`` multi-token-prediction
+    modules (``from_hf_state_dict`` keeps them only where the weights hold them)."""
     for key, value in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
         if c.get(key, value) != value:
             raise InteropError(f"config.json {key}={short_repr(c[key])}: perfgpt reads DeepSeek-V3's {key}={value}")
@@ -787,7 +826,7 @@ def _from_deepseek_config(c: Mapping[str, Any]) -> ModelConfig:
         base, attention_kind="mla", q_lora_rank=q_rank, kv_lora_rank=c.get("kv_lora_rank", 512),
         qk_nope_head_dim=c.get("qk_nope_head_dim", 128), qk_rope_head_dim=c.get("qk_rope_head_dim", 64),
         v_head_dim=c.get("v_head_dim", 128), bias=False, qkv_bias=attention or None, proj_bias=attention or None,
-        moe=moe)
+        moe=moe, mtp_depth=c.get("num_nextn_predict_layers", c.get("num_mtp_layers", 0)) or 0)
 
 
 def _refuse_if(c: Mapping[str, Any], key: str, value: Any, why: str) -> None:
@@ -802,8 +841,8 @@ def from_hf_state_dict(config: Mapping[str, Any], state: Mapping[str, torch.Tens
     """
     cfg = from_hf_config(config)
     state = _without_derived(state)
-    if cfg.is_mla:  # its multi-token-prediction layers come after the last one; transformers skips them too
-        state = {k: v for k, v in state.items() if not k.startswith(f"model.layers.{cfg.n_layer}.")}
+    if cfg.is_mla:
+        cfg, state = _mtp_from_hf(cfg, state)
         if config.get("rope_interleave", True):
             state = _rope_deinterleaved(cfg, state)
     if cfg.tie_embeddings:
@@ -823,7 +862,39 @@ def from_hf_state_dict(config: Mapping[str, Any], state: Mapping[str, torch.Tens
                 out[first], out[second] = state[theirs][..., 0::2], state[theirs][..., 1::2]
             else:
                 out[first] = state[theirs]
+        for ours, theirs in _mtp_names(cfg):
+            if ours.endswith(".proj.weight"):
+                out[ours] = _swap_halves(out[ours])
+            elif ours in ("tok_emb.weight", "lm_head.weight"):  # the copies checked equal: the model's own
+                out[ours] = state["model.embed_tokens.weight" if ours == "tok_emb.weight" else _head_name(cfg)]
     return cfg, _tie(cfg, _stored(cfg, out))
+
+
+def _head_name(cfg: ModelConfig) -> str:
+    return "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+
+
+def _mtp_from_hf(cfg: ModelConfig, state: State) -> tuple[ModelConfig, State]:
+    """DeepSeek-V3's multi-token-prediction layers, as many as ``num_nextn_predict_layers`` says and
+    the weights hold: none held imports the model without them (what transformers' own saves give);
+    some, all of them, each layer's copies of the embedding and head equal to the model's (absent
+    ones are taken from it), since perfgpt's modules share those. Layers beyond are dropped."""
+    held = [k for k in range(cfg.mtp_depth) if f"model.layers.{cfg.n_layer + k}.eh_proj.weight" in state]
+    if not held:
+        cfg = dataclasses.replace(cfg, mtp_depth=0)
+    last = cfg.n_layer + cfg.mtp_depth
+    state = {k: v for k, v in state.items()
+             if not (k.startswith("model.layers.") and k.split(".")[2].isdigit() and int(k.split(".")[2]) >= last)}
+    for ours, theirs in _mtp_names(cfg):
+        if ours not in ("tok_emb.weight", "lm_head.weight"):
+            continue
+        own = state.get("model.embed_tokens.weight" if ours == "tok_emb.weight" else _head_name(cfg))
+        if theirs not in state:
+            state[theirs] = own
+        elif own is not None and not torch.equal(state[theirs], own):
+            raise InteropError(f"weight {theirs!r} differs from the model's {ours.split('.')[0]}: perfgpt's "
+                               "multi-token-prediction modules share the model's embedding and head")
+    return cfg, state
 
 
 # --------------------------------------------------------------------------- nanoGPT

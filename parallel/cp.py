@@ -31,6 +31,9 @@ model code has no cp in it. With cp ranks and sequences of T tokens:
                FSDP2 shard dimension, as torchtitan does) are those of that mean. An MoE layer's
                load-balancing loss takes its expert counts summed over the cp group (the whole
                sequences' load) and its mean scores from the local tokens, so its cp mean is exact too.
+    MTP        the multi-token-prediction depths read the tokens k ahead, which lie in other chunks:
+               every cp rank has the whole sequences' ids and targets, so each takes its positions of
+               the shifted ones (``tokens_ahead``), and scales each depth's loss as above.
     capacity   an MoE layer with a capacity factor counts it over the whole sequences and keeps the
                copies one process keeps: the cp ranks exchange their per-chunk expert counts (one
                small all-gather per layer) to know how many copies of each expert come before theirs.
@@ -56,7 +59,7 @@ import torch.nn as nn
 
 from data.bundle import IGNORE_INDEX
 from model.attention import AttentionCore
-from model.gpt import GPT, LatentAttention, document_positions
+from model.gpt import GPT, LatentAttention, document_positions, tokens_ahead
 from model.moe import moe_layers
 
 
@@ -162,10 +165,11 @@ class ContextParallelGPT(GPT):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None, *,
                 positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
-                seq_len: int | None = None) -> torch.Tensor:
+                seq_len: int | None = None, ahead_ids: torch.Tensor | None = None,
+                ahead_targets: torch.Tensor | None = None) -> torch.Tensor:
         if cache is not None:
             raise ValueError("a context-parallel model does not generate with a KV cache; generate with the plain model")
-        takes_ids = self.tok_emb is not None
+        takes_ids = self.takes_ids
         if not takes_ids and seq_len is None:
             raise ValueError("a context-parallel pipeline stage without the embedding needs seq_len, the length of "
                              "the whole sequence its hidden states are chunks of")
@@ -177,8 +181,19 @@ class ContextParallelGPT(GPT):
             restart = documents is not None and self.cfg.document_positions
             positions = document_positions(documents) if restart else torch.arange(t, device=idx.device)
         positions = positions[..., index]
+        ahead = {}
+        if self.mtp is not None and self.lm_head is not None and self.training and torch.is_grad_enabled() and (
+                ahead_ids is not None or targets is not None):
+            # The tokens ahead of this rank's positions cross into other chunks: taken from the whole
+            # sequences (every cp rank holds them), each depth's loss scaled as the next-token loss is.
+            if ahead_ids is None:
+                ahead_ids, ahead_targets = tokens_ahead(idx, targets, len(self.mtp), documents)
+            scale = torch.stack([scale_local_loss(torch.ones((), device=idx.device), ahead_targets[:, k], self.cp,
+                                                  self.cp_rank) for k in range(len(self.mtp))])
+            ahead = {"ahead_ids": ahead_ids[..., index], "ahead_targets": ahead_targets[..., index],
+                     "ahead_scale": scale}
         out = super().forward(idx[:, index] if takes_ids else idx, None if targets is None else targets[:, index],
-                              positions=positions, documents=documents)
+                              positions=positions, documents=documents, **ahead)
         return out if targets is None else scale_local_loss(out, targets, self.cp, self.cp_rank)
 
 
@@ -244,7 +259,7 @@ def apply_context_parallel(model: GPT, cp_group: dist.ProcessGroup | None) -> No
     if cp_group is None:
         return
     cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
-    for block in model.blocks.values():
+    for block in [*model.blocks.values(), *(module.block for module in model.mtp or [])]:
         latent = isinstance(block.attn, LatentAttention)
         if latent:
             block.attn.gather_latent = functools.partial(gather_latent, group=cp_group)

@@ -115,6 +115,11 @@ class Engine(abc.ABC):
         """The user's GPT under every wrapper (for tools that inspect parameters and gradients); a
         pipeline's stages this rank holds, as one ``nn.ModuleList``."""
 
+    def take_mtp_loss(self) -> torch.Tensor | None:
+        """The mean multi-token-prediction loss of this rank's training forwards since the last call
+        (None: none ran)."""
+        return self.module().take_mtp_loss()
+
     @abc.abstractmethod
     def optimized_parts(self) -> list[OptimizedPart]:
         """The modules this rank steps, each with its optimizer (and fp32 masters): one for a whole

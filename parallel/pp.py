@@ -19,7 +19,11 @@ counts the embedding once, as one process does. The looped placement puts stage 
 without virtual stages; under tensor parallelism both copies are vocab-sharded alike (the
 embedding row-wise, the head column-wise: dimension 0 of the same (vocab, d_model) weight), and
 under FSDP2 both are sharded alike over the same data-parallel mesh, so the ranks that pair up
-hold the same slice. Checkpoints keep the tied model's names: the copy's optimizer state is saved
+hold the same slice. Multi-token prediction (``model.mtp_depth``) needs the same pairing, tied or
+not: its modules run on the last stage and read the token embedding, so the last stage keeps a copy
+of ``tok_emb`` (under tied embeddings the head's weight is that copy), joined with the first
+stage's in the same way; it keeps the name ``tok_emb.weight``, so its model and optimizer entries
+are the first stage's in a checkpoint. Checkpoints keep the tied model's names: the copy's optimizer state is saved
 and loaded as ``tok_emb.weight``'s (written once; parallel/checkpoint.py), so a pipeline's
 checkpoint loads into one process and back.
 
@@ -44,11 +48,14 @@ derives from the token ids: the document numbers of a document mask, and under c
 (each stage's attention gathers K/V over its cp group, parallel/cp.py) the whole sequence's length.
 Every pipeline rank holds the batch, so ``stage_inputs`` derives them on each, and the schedule
 passes them to every stage as keyword arguments, cut into the same micro-batches; under cp the last
-stage's loss is over this cp rank's targets, scaled as a context-parallel model scales it.
+stage's loss is over this cp rank's targets, scaled as a context-parallel model scales it. With
+multi-token prediction the tokens ahead and their targets come the same way, and the last stage's
+logits carry the modules' loss into backward (as MoE balancing losses ride a stage's output).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass
@@ -67,7 +74,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from common.values import full_value, local_shard
-from model.gpt import GPT, document_ids
+from model.gpt import GPT, document_ids, tokens_ahead
 from model.moe import router_stats_paused
 from parallel.cp import ContextParallelGPT, local_targets, scale_local_loss
 from parallel.engine import ShardedEngine
@@ -100,7 +107,8 @@ def stage_layers(stage: int, n_stages: int, n_layer: int) -> range:
 def split_stages(model: GPT, stages: list[int], n_stages: int) -> list[GPT]:
     """One copy of ``model`` per stage in ``stages``, each holding only what that stage runs. With
     tied embeddings the last stage's head keeps the shared weight, now its own parameter: the
-    embedding it was tied to stays on the first stage."""
+    embedding it was tied to stays on the first stage. With multi-token prediction the last stage
+    holds the modules and keeps a copy of the token embedding, which they read (``embedding_copy``)."""
     parts = []
     for stage in stages:
         part = copy.deepcopy(model) if len(stages) > 1 else model
@@ -108,9 +116,11 @@ def split_stages(model: GPT, stages: list[int], n_stages: int) -> list[GPT]:
         for name in [n for n in part.blocks if n not in keep]:
             del part.blocks[name]
         if stage > 0:
-            part.tok_emb = part.pos_emb = None
+            part.takes_ids, part.pos_emb = False, None
+            if stage < n_stages - 1 or part.mtp is None:
+                part.tok_emb = None
         if stage < n_stages - 1:
-            part.norm_f = part.lm_head = None
+            part.norm_f = part.lm_head = part.mtp = None
         parts.append(part)
     return parts
 
@@ -127,20 +137,31 @@ class Pipeline:
 
 
 class QuietInferenceStage(PipelineStage):
-    """torch's pipeline stage, whose shape inference leaves the MoE router statistics alone.
+    """torch's pipeline stage, whose shape inference leaves the MoE router statistics and the
+    logged multi-token-prediction loss alone.
 
     Before its first micro-batch a stage infers its shapes with a forward (on a detached copy of
     the first micro-batch, or on uninitialised placeholders after the first stage) and a backward
-    that may recompute it: routing that is no micro-batch's, which the logged expert load, auxiliary
-    loss and dropped copies would otherwise count (NaN from the placeholders)."""
+    that may recompute it: routing and losses that are no micro-batch's, which the logged expert
+    load, auxiliary loss, dropped copies and MTP loss would otherwise count (NaN from the placeholders)."""
 
     def _forward_metadata_inference(self, *args, **kwargs):
-        with router_stats_paused(self.submod):
+        with router_stats_paused(self.submod), mtp_window_kept(self.submod):
             return super()._forward_metadata_inference(*args, **kwargs)
 
     def _backward_metadata_inference(self, *args, **kwargs):
-        with router_stats_paused(self.submod):
+        with router_stats_paused(self.submod), mtp_window_kept(self.submod):
             return super()._backward_metadata_inference(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def mtp_window_kept(part: GPT):
+    """The MTP losses ``part`` logs are those it had before (what runs inside is not counted)."""
+    kept = list(part.mtp_window)
+    try:
+        yield
+    finally:
+        part.mtp_window = kept
 
 
 def build_pipeline(parts: list[GPT], stages: list[int], n_stages: int, schedule: str, n_microbatches: int,
@@ -175,18 +196,22 @@ def _loss_fn(parts: list[GPT]):
     return loss
 
 
-def stage_inputs(part: GPT, x: torch.Tensor) -> dict[str, object]:
-    """What every stage needs besides its input, derived from the token ids ``x`` as one process
-    derives it at the top of forward: the document numbers (document mask) and, under context
-    parallelism, the whole sequence's length. A stage after the first gets only hidden states (this
-    cp rank's chunks of them); every pipeline rank holds the batch, so each derives these itself,
-    and the schedule hands each stage its micro-batch's rows."""
+def stage_inputs(part: GPT, x: torch.Tensor, y: torch.Tensor, train: bool) -> dict[str, object]:
+    """What every stage needs besides its input, derived from the token ids ``x`` (and targets
+    ``y``) as one process derives it in forward: the document numbers (document mask), under
+    context parallelism the whole sequence's length, and in training with multi-token prediction
+    the tokens ahead and their targets (``tokens_ahead``, of whole sequences: a context-parallel
+    stage takes its chunks), which the last stage's modules read. A stage after the first gets only
+    hidden states (this cp rank's chunks of them); every pipeline rank holds the batch, so each
+    derives these itself, and the schedule hands each stage its micro-batch's rows."""
     inputs: dict[str, object] = {}
     documents = document_ids(part.cfg, x)
     if documents is not None:
         inputs["documents"] = documents
     if isinstance(part, ContextParallelGPT):
         inputs["seq_len"] = x.shape[1]
+    if train and part.cfg.mtp_depth:
+        inputs["ahead_ids"], inputs["ahead_targets"] = tokens_ahead(x, y, part.cfg.mtp_depth, documents)
     return inputs
 
 
@@ -197,7 +222,7 @@ def run_step(pipeline: Pipeline, x: torch.Tensor, y: torch.Tensor, *, train: boo
     args = (x,) if pipeline.has_first else ()
     target = y if pipeline.has_last else None
     run = pipeline.schedule.step if train else pipeline.schedule.eval
-    run(*args, target=target, losses=losses, **stage_inputs(pipeline.parts[0], x))
+    run(*args, target=target, losses=losses, **stage_inputs(pipeline.parts[0], x, y, train))
     device = x.device
     if losses:
         loss = torch.stack([full_value(m.detach()).float() for m in losses]).mean()
@@ -227,14 +252,25 @@ def tied_embedding_group(mesh, pp_group: dist.ProcessGroup) -> dist.ProcessGroup
     return group
 
 
+def embedding_copy(part: GPT) -> nn.Parameter | None:
+    """The last stage's copy of the first stage's token embedding, if it has one: the table its
+    multi-token-prediction modules read (``tok_emb``, kept by ``split_stages``; under tied embeddings
+    the head's weight too), or a tied head's weight."""
+    if part.takes_ids:
+        return None
+    if part.tok_emb is not None:
+        return part.tok_emb.weight
+    return part.lm_head.weight if part.lm_head is not None and part.cfg.tie_embeddings else None
+
+
 class TiedEmbedding:
-    """The two copies of a pipelined tied embedding on this rank (the first stage's ``tok_emb.weight``
-    or the last stage's ``lm_head.weight``), and the group that joins them."""
+    """The two copies of a pipelined shared embedding on this rank (the first stage's ``tok_emb.weight``
+    or the last stage's ``embedding_copy``), and the group that joins them."""
 
     def __init__(self, parts: list[GPT], group: dist.ProcessGroup | None):
         self.group = group
-        self.originals = [part.tok_emb.weight for part in parts if part.tok_emb is not None]
-        self.copies = [part.lm_head.weight for part in parts if part.lm_head is not None]
+        self.originals = [part.tok_emb.weight for part in parts if part.takes_ids]
+        self.copies = [copy for part in parts if (copy := embedding_copy(part)) is not None]
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -254,9 +290,9 @@ class TiedEmbedding:
 
 
 def tie_embedding_copies(parts: list[GPT], mesh, pp_group: dist.ProcessGroup) -> TiedEmbedding | None:
-    """The copies of a tied embedding across the pipeline and the group that joins them (collective:
-    every rank calls it); None when the embeddings are not tied."""
-    if not parts[0].cfg.tie_embeddings:
+    """The copies of a shared embedding across the pipeline and the group that joins them (collective:
+    every rank calls it); None when the embeddings are not tied and there is no multi-token prediction."""
+    if not (parts[0].cfg.tie_embeddings or parts[0].cfg.mtp_depth):
         return None
     return TiedEmbedding(parts, tied_embedding_group(mesh, pp_group))
 
@@ -279,7 +315,16 @@ class PipelineEngine(ShardedEngine):
                          loss_parallel=loss_parallel, parts=pipeline.parts, group=pipeline.group,
                          counted_once=tuple(tied.copies) if tied is not None else ())
         self.pipeline, self.eval_pipeline, self.tied = pipeline, eval_pipeline, tied
-        self.checkpoint_aliases = TIED_COPY_ALIASES if tied is not None else None
+        # An untied model's copy (the MTP modules' embedding) already has the original's name.
+        self.checkpoint_aliases = TIED_COPY_ALIASES if pipeline.parts[0].cfg.tie_embeddings else None
+
+    def take_mtp_loss(self) -> torch.Tensor:
+        """The last stage's mean multi-token-prediction loss, on every rank of the pipeline (a
+        collective over its group: the other stages add zero)."""
+        values = [v for part in self.pipeline.parts if part.mtp is not None and (v := part.take_mtp_loss()) is not None]
+        loss = torch.stack(values).mean().float() if values else torch.zeros((), device=self.device)
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pipeline.group)
+        return loss
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, is_last_micro: bool, n_micro: int) -> torch.Tensor:
         raise RuntimeError("a pipeline runs whole steps: call forward_backward_step")

@@ -83,7 +83,15 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
         # Both styles shard the shared (vocab, d_model) weight on dim 0; parallelizing each module
         # registered its own Parameter, so share one again (one gradient, one optimizer state).
         model.lm_head.weight = model.tok_emb.weight
-    for block in model.blocks.values():
+    for module in model.mtp or []:
+        # [h; e] -> d_model, replicated: under sequence parallelism each rank projects its own T/t
+        # positions (no collective on the activations; the weight's gradient is summed over the tp
+        # ranks); each module's block is split below as every block is.
+        parallelize_module(module, tp_mesh, {"norm_h": _norm_style(sequence_parallel),
+                                             "norm_e": _norm_style(sequence_parallel),
+                                             "proj": ReplicatedModule(dim=1 if sequence_parallel else None),
+                                             "norm_out": _norm_style(sequence_parallel)})
+    for block in [*model.blocks.values(), *(module.block for module in model.mtp or [])]:
         plan = {
             "norm1": _norm_style(sequence_parallel),
             # attn(x, rope, cache, documents): only the hidden states are laid out; the rest stay as they are
@@ -243,13 +251,14 @@ def _norm_style(sequence_parallel: bool):
 
 class ReplicatedModule(ParallelStyle):
     """Parameters replicated on the tp mesh; plain tensors in and out. The input is the whole one
-    (``Replicate``) or, with ``tokens_split``, this rank's rows of it (``Shard(0)``): then each
+    (``Replicate``) or, with ``tokens_split``, this rank's rows of it (``Shard(0)``; ``dim``: its
+    slice along that dimension, such as a sequence-parallel slice of positions): then each
     weight's gradient comes out ``Partial`` (this rank's tokens' share) and is summed over the tp
     ranks where it meets the replicated parameter (the optimizer step, or FSDP2's reduction)."""
 
-    def __init__(self, tokens_split: bool = False):
+    def __init__(self, tokens_split: bool = False, dim: int | None = None):
         super().__init__()
-        self.layout = Shard(0) if tokens_split else Replicate()
+        self.layout = Shard(0) if tokens_split else Shard(dim) if dim is not None else Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def to_dtensors(mod, inputs, mesh):

@@ -70,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="activation recompute policy, as model.recompute (default: the config's, or none)")
     parser.add_argument("--policy", dest="recompute", choices=est.RECOMPUTE_POLICIES, help=argparse.SUPPRESS)  # old name
     parser.add_argument("--precision", choices=est.PRECISION_MODES, help="default: the config's, or bf16_master")
+    parser.add_argument("--fp8-scaling", choices=est.FP8_SCALINGS,
+                        help="precision=fp8: how each GEMM operand's cast gets its scale, delayed (Transformer Engine) "
+                        "or dynamic (torchao, an extra read for the amax); default: the config's fp8_backend, or delayed")
+    parser.add_argument("--op-selective-saves", choices=est.OP_SELECTIVE_SAVES,
+                        help="recompute=op_selective: which matmul outputs it keeps, every one (the trainer's) or "
+                        "alternate ones (torchtitan's per-op policy); default every_matmul")
     parser.add_argument("--optimizer", choices=est.OPTIMIZERS, help="default: the config's optim.name, or adamw")
     layout = parser.add_argument_group("layout (default: the config's parallel section, or 1)")
     layout.add_argument("--tp", type=int, help="tensor-parallel GPUs (inside a node)")
@@ -138,7 +144,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         p = est.preset(args.preset)
         model, seq_len, micro_batch, gpus, grad_accum = p.model, p.seq_len, p.micro_batch, p.world_size, 1
         strategy, recompute, precision, layout, optimizer = "fsdp", "none", "bf16_master", {}, "adamw"
-        device, reshard, loss_chunk_tokens = DEVICES[args.device or p.device], True, 0
+        device, reshard, loss_chunk_tokens, fp8_scaling = DEVICES[args.device or p.device], True, 0, "delayed"
     else:
         cfg = cfg or load_config(args.config, overrides)
         model, seq_len, micro_batch, gpus = cfg.model, cfg.seq_len, cfg.train.micro_batch_size, 1
@@ -147,6 +153,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         optimizer = cfg.optim.name
         layout = {key: getattr(cfg.parallel, key) for key in LAYOUT_FLAGS}
         reshard = cfg.parallel.fsdp_reshard_after_forward
+        fp8_scaling = est.fp8_scaling_of(cfg)
         loss_chunk_tokens = cfg.kernels.loss_chunk_tokens
     if args.gpus_per_node:
         device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
@@ -175,6 +182,8 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         tp_overlap=args.tp_overlap,
         optimizer=args.optimizer or optimizer,
         loss_chunk_tokens=loss_chunk_tokens,
+        fp8_scaling=args.fp8_scaling or fp8_scaling,
+        op_selective_saves=args.op_selective_saves or "every_matmul",
     )
     problem = est.trainer_refusal(job, cfg)
     if problem and not args.allow_refused:

@@ -247,11 +247,6 @@ class JobConfig:
         if chunks and p.pp > 1:
             raise ConfigError(f"kernels.loss_chunk_tokens={chunks} with parallel.pp={p.pp}: the pipeline's last "
                               "stage computes the loss from the whole logits; set kernels.loss_chunk_tokens=0")
-        if m.mtp_depth:  # the modules follow the head: a pipeline's last stage, whole sequences, unsplit heads
-            for key in ("tp", "cp", "pp"):
-                if getattr(p, key) > 1:
-                    raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.{key}={getattr(p, key)} is not "
-                                      f"supported yet; use parallel.{key}=1 or model.mtp_depth=0")
         if p.tp > 1:
             if t.compile and m.recompute != "op_selective":
                 # torch 2.13's compiler saves the tensor-parallel DeviceMesh among the tensors of a
@@ -268,6 +263,10 @@ class JobConfig:
             raise ConfigError(f"model.moe.bias_update_rate={m.moe.bias_update_rate} with parallel.pp={p.pp} is not "
                               "supported; balance with model.moe.aux_loss under pipeline parallelism")
         if p.pp > 1:
+            if p.pp_schedule == "zero_bubble" and m.mtp_depth:
+                raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.pp_schedule=zero_bubble is not supported: "
+                                  "the last stage's copy of the token embedding (which the MTP modules read) gets no "
+                                  "gradient from torch's split backward; use parallel.pp_schedule=interleaved_1f1b")
             if p.pp_schedule == "zero_bubble" and t.compile:
                 raise ConfigError("parallel.pp_schedule=zero_bubble splits each backward in two, which "
                                   "torch.compile'd blocks do not support; set train.compile=false or another schedule")

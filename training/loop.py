@@ -574,7 +574,7 @@ class TrainingLoop:
             straggler = find_straggler(times, t.straggler_threshold, t.straggler_min_gap_s)
         metrics.update(router_window_metrics(self.moe, self.cfg.model, self.ctx))  # a collective
         if self.cfg.model.mtp_depth:  # a collective: the ranks' mean multi-token-prediction loss
-            mtp = self.engine.module().take_mtp_loss()
+            mtp = self.engine.take_mtp_loss()
             local = mtp if mtp is not None else torch.zeros((), device=self.ctx.device)
             metrics["mtp_loss"] = float(self.ctx.all_reduce_mean(local.detach().float().clone()))
         metrics.update(self.data.position_metrics(self.batches.state_dict()))  # a mixture: read per source

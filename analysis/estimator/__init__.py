@@ -49,9 +49,11 @@ from analysis.estimator.job import (
     ATTENTION_BACKEND_KIND,
     ATTENTION_KINDS,
     FITTED_PARAMETERS,
+    FP8_SCALINGS,
     GIB,
     MUON_NS_STEPS,
     MUON_PIECE_BYTES,
+    OP_SELECTIVE_SAVES,
     OPTIMIZERS,
     PP_SCHEDULES,
     PRECISION_MODES,
@@ -94,6 +96,7 @@ from analysis.estimator.planning import (
     describe_plan,
     expert_parallel_sizes,
     fit_verdict,
+    fp8_scaling_of,
     job_of,
     job_overrides,
     job_verdict,
@@ -126,7 +129,7 @@ from model.flops import count_parameters, flops_per_token, matmul_parameters  # 
 from parallel.layout import Layout  # what a JobSpec's layout is
 
 __all__ = [
-    "ACTIVATION_BYTES", "ATTENTION_BACKEND_KIND", "ATTENTION_KINDS", "FITTED_PARAMETERS", "GIB",
+    "ACTIVATION_BYTES", "ATTENTION_BACKEND_KIND", "ATTENTION_KINDS", "FITTED_PARAMETERS", "FP8_SCALINGS", "GIB", "OP_SELECTIVE_SAVES",
     "RECOMPUTE_POLICIES", "PP_SCHEDULES", "PRECISION_MODES", "STATE_BYTES", "STRATEGIES", "ZERO_REDUCTIONS",
     "Assumptions", "EstimatorError", "JobSpec", "StateBytes", "layout_of", "activation_bytes_per_layer",
     "korthikanti_bytes_per_layer", "saved_bytes_per_layer", "MemoryEstimate", "activation_bytes_total",
@@ -137,7 +140,7 @@ __all__ = [
     "pp_comm_seconds", "reshards_after_forward", "tp_comm_seconds", "TimeEstimate", "attention_seconds", "bubble_fraction",
     "bubble_overhead", "causal_pairs", "estimate_time", "fused_core_share", "gemm_seconds", "layer_gemms", "recompute_flops_per_token", "Estimate",
     "describe_estimate", "estimate", "memory_problems", "CP_SEARCH_FROM", "PLANNER_STRATEGIES",
-    "context_parallel_sizes", "describe_plan", "expert_parallel_sizes", "fit_verdict", "job_of", "job_verdict", "job_overrides",
+    "context_parallel_sizes", "describe_plan", "expert_parallel_sizes", "fit_verdict", "fp8_scaling_of", "job_of", "job_verdict", "job_overrides",
     "job_words", "min_gpus_to_fit", "model_parallel_sizes", "plan_fits", "plan_layouts", "resolve_device",
     "smallest_power_of_two", "trainer_config", "trainer_refusal", "PRESET_NAMES", "Preset", "preset",
     "count_parameters", "flops_per_token", "matmul_parameters", "Layout", "MUON_NS_STEPS", "MUON_PIECE_BYTES",

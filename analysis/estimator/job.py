@@ -28,6 +28,10 @@ ZERO_REDUCTIONS = ("deepspeed", "reduce_scatter")
 # model/recompute.py), or torchtitan's per-op policy, which keeps the 1st, 3rd, ... matmul of each block
 # in forward order and recomputes the others (activations.py).
 OP_SELECTIVE_SAVES = ("every_matmul", "alternate_matmuls")
+# How an FP8 GEMM's operands get their scale (time.py ``fp8_cast_bytes``): Transformer Engine's delayed
+# scaling takes it from the amax history (model/te.py), torchao's dynamic scaling computes it from the
+# tensor first (precision.fp8_backend=torchao, tensorwise or rowwise).
+FP8_SCALINGS = ("delayed", "dynamic")
 # The optimizers the trainer offers (optim.name): AdamW everywhere, or Muon on the hidden matrices.
 OPTIMIZERS = ("adamw", "muon")
 # Muon as the trainer runs it on a GPU: optim.muon.ns_steps' default, and the Newton-Schulz dtype of
@@ -142,6 +146,7 @@ class JobSpec:
     optimizer: str = "adamw"  # optim.name: muon keeps one state buffer per hidden matrix instead of two
     op_selective_saves: str = "every_matmul"  # OP_SELECTIVE_SAVES: which matmul outputs op_selective keeps
     loss_chunk_tokens: int = 0  # kernels.loss_chunk_tokens: the LM head and loss this many tokens at a time (0: whole)
+    fp8_scaling: str = "delayed"  # FP8_SCALINGS: precision.fp8_backend te (delayed) or torchao (dynamic)
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.layout.strategy, STRATEGIES)
@@ -151,6 +156,7 @@ class JobSpec:
         check_choice("zero_reduction", self.zero_reduction, ZERO_REDUCTIONS)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("op_selective_saves", self.op_selective_saves, OP_SELECTIVE_SAVES)
+        check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
         if self.op_selective_saves == "alternate_matmuls" and (self.model.is_mla or self.model.moe.experts is not None):
             raise EstimatorError("op_selective_saves=alternate_matmuls counts a dense grouped-query layer's matmuls "
                                  "(q, k, v, output, then the MLP's); use every_matmul for latent attention or MoE")

@@ -65,6 +65,11 @@ def _fp8_backend(job: JobSpec) -> dict[str, str]:
     return {"fp8_backend": "torchao"} if job.precision == "fp8" and job.model.layers == "torch" else {}
 
 
+def _planned_fp8_scaling(model_cfg: ModelConfig) -> str:
+    """The scaling of the FP8 backend a plan runs (``_fp8_backend``): torchao's on torch layers."""
+    return "dynamic" if model_cfg.layers == "torch" else "delayed"
+
+
 def trainer_refusal(job: JobSpec, base: JobConfig | None = None) -> str | None:
     """Why the trainer refuses ``job`` (its one-line error), or None: the checks train.py runs, on
     ``trainer_config(job, base)``: the config's (``JobConfig.validate_layout``), then the layout's at
@@ -92,7 +97,13 @@ def job_of(config: JobConfig, layout: Layout, device: DeviceSpec | None = None) 
     return JobSpec(config.model, config.seq_len, config.train.micro_batch_size, layout, config.model.recompute,
                    config.precision.mode, device or DEVICES["H100"], config.train.grad_accum_steps,
                    fsdp_reshard_after_forward=config.parallel.fsdp_reshard_after_forward,
-                   loss_chunk_tokens=config.kernels.loss_chunk_tokens)
+                   loss_chunk_tokens=config.kernels.loss_chunk_tokens, fp8_scaling=fp8_scaling_of(config))
+
+
+def fp8_scaling_of(config: JobConfig) -> str:
+    """How the configured FP8 backend scales its casts: torchao's dynamically, Transformer Engine's
+    with the delayed recipe model/te.py builds."""
+    return "dynamic" if config.precision.fp8_backend == "torchao" else "delayed"
 
 
 def job_overrides(job: JobSpec) -> list[str]:
@@ -130,7 +141,7 @@ def plan_fits(
                 try:
                     job = JobSpec(model_cfg, seq_len, micro_batch, layout_of(world_size, strategy=strategy), recompute,
                                   precision, device, assumptions=assumptions or Assumptions(),
-                                  loss_chunk_tokens=_loss_chunk_tokens(config))
+                                  loss_chunk_tokens=_loss_chunk_tokens(config), fp8_scaling=_planned_fp8_scaling(model_cfg))
                 except EstimatorError:
                     continue
                 if trainer_refusal(job, config):
@@ -257,7 +268,7 @@ def plan_layouts(
                         try:  # the layout's rules against the model (check_model) decide, as in the trainer
                             job = JobSpec(model_cfg, seq_len, micro_batch, layout, recompute, precision, device,
                                           grad_accum, assumptions or Assumptions(),
-                                          loss_chunk_tokens=_loss_chunk_tokens(config))
+                                          loss_chunk_tokens=_loss_chunk_tokens(config), fp8_scaling=_planned_fp8_scaling(model_cfg))
                         except EstimatorError:
                             continue
                         if trainer_refusal(job, config):

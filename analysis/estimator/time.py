@@ -321,7 +321,7 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
     forward 2*d_ff (read, write) and backward 3*d_ff; SwiGLU 3*d_ff and 5*d_ff; rotary embeddings
     read and write q and k both ways, 2*(d + kv_dim) each way (latent attention: the queries' rotary
     parts and the shared rotary key; its two latent norms as the block's, read and write forward,
-    three passes backward, outside). FP8 adds the casts of the weights.
+    three passes backward, outside). FP8 adds the casts of the GEMMs' operands (``fp8_cast_bytes``).
     In a MoE layer the activation runs on each token's top-k experts and the shared ones
     (``mlp_hidden_width``); the permutation's gathers are not counted.
     """
@@ -349,12 +349,33 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
     fwd = tokens * (outside_fwd / split + inside_fwd / t)
     bwd = tokens * (outside_bwd / split + inside_bwd / t)
     if job.precision == "fp8":
-        # FP8 GEMMs read their weights cast to FP8 (read 2 bytes, write 1, once each way per micro-batch);
-        # the activations' casts are fused into the kernels that produce them (norm, activation).
-        weights = sum(k * n for _, k, n in layer_gemms(cfg, tokens, t))
-        fwd += 3 * weights
-        bwd += 3 * weights
+        cast_fwd, cast_bwd = fp8_cast_bytes(job, tokens)
+        fwd += cast_fwd
+        bwd += cast_bwd
     return fwd, bwd
+
+
+# Bytes per element of one cast to FP8: read the 16-bit tensor (2), write the FP8 copy (1) and its
+# transpose (1); dynamic scaling reads the tensor once more first, for the amax its scale comes from (2).
+FP8_CAST_ELEMENT_BYTES = {"delayed": 4, "dynamic": 6}
+
+
+def fp8_cast_bytes(job: JobSpec, tokens: float) -> tuple[float, float]:
+    """Bytes the casts to FP8 of one layer's GEMM operands move for one micro-batch, (forward, backward).
+
+    Hopper's FP8 tensor cores multiply a row-major by a column-major operand only, so every operand
+    cast also writes its transpose, for the backward GEMM that contracts over its other dimension
+    (Transformer Engine's cast-transpose kernels, torchao's Float8 casts). Forward casts each GEMM's
+    input (m x k) and weight (k x n), backward its output gradient (m x n); the input and weight
+    gradients come out in 16 bits. Delayed scaling (Transformer Engine) takes the scale from the
+    amax history and records the amax as the cast runs; dynamic scaling (torchao) reduces the
+    tensor's amax in a pass of its own before casting (``FP8_CAST_ELEMENT_BYTES``). Eager torchao
+    casts the saved 16-bit input and weight again in backward, once per layout; counted here is one
+    cast per operand writing both layouts, what a fused (compiled) cast reaches."""
+    per_element = FP8_CAST_ELEMENT_BYTES[job.fp8_scaling]
+    gemms = layer_gemms(job.model, tokens, job.layout.tp)
+    return (per_element * sum(m * k + k * n for m, k, n in gemms),
+            per_element * sum(m * n for m, _, n in gemms))
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,9 @@ def test_latent_attention_routing_and_mtp_under_ddp_fsdp_and_ep_match_one_proces
     engine = build_from_config(cfg, DistContext.single()).engine
     losses, biases = train(cfg, DistContext.single(), [0, 1], range(STEPS), engine)
     final = full_params(engine)
-    assert any(b != 0 for b in biases[-1])  # the bias moved, the MTP module's router's among them
     assert len(biases[-1]) == 2 * 4  # block 1 and the MTP module's block route
+    # The MTP module's router's bias moved (it may come back to 0 by the last step: it moves by +-rate).
+    assert any(b != 0 for step in biases for b in step[4:])
     for rank in ranks:
         for name in LAYOUTS:
             got = rank[name]

@@ -415,3 +415,31 @@ def test_the_estimate_tool_counts_the_configs_chunked_loss(capsys):
     # 8192 tokens x 128256 entries x 10 bytes (9.79 GiB) down to 1024 tokens' (1.22 GiB), with fragmentation
     saved = (8192 - 1024) * 128256 * 10 * (1 + est.Assumptions().fragmentation) / GIB
     assert totals[0] - totals[1] == pytest.approx(saved, abs=0.1)
+
+
+@pytest.mark.parametrize("scaling, per_element", [("delayed", 2 + 1 + 1), ("dynamic", 2 + 2 + 1 + 1)])
+def test_fp8_casts_move_each_gemm_operand_through_memory_once_per_cast(scaling, per_element):
+    """Counted by hand for a GELU layer (d=64, ff=256, 4 heads, no GQA) at tp=2: forward casts each
+    GEMM's input and weight, backward its output gradient; each cast reads 2 bytes and writes the FP8
+    copy and its transpose (1 + 1), and dynamic scaling reads the input once more for the amax (2)."""
+    cfg = ModelConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, d_ff=256, mlp="gelu", dropout=0.0)
+    d, f, t, tokens = 64, 256, 2, 2 * 128
+    bf16 = est.JobSpec(cfg, 128, 2, est.layout_of(2, tp=2, sequence_parallel=False), "none", "bf16", H100,
+                       fp8_scaling=scaling)
+    fp8 = dataclasses.replace(bf16, precision="fp8")
+    # (m, k, n): QKV (T, d, 3d/t), output (T, d/t, d), MLP up (T, d, f/t), down (T, f/t, d)
+    inputs = tokens * (d + d / t + d + f / t)
+    weights = 3 * d * d / t + d * d / t + d * f / t + f * d / t
+    outputs = tokens * (3 * d / t + d + f / t + d)
+    (fwd_16, bwd_16), (fwd_8, bwd_8) = _elementwise_bytes(bf16), _elementwise_bytes(fp8)
+    assert fwd_8 - fwd_16 == per_element * (inputs + weights)
+    assert bwd_8 - bwd_16 == per_element * outputs
+
+
+def test_torchao_fp8_is_estimated_with_dynamic_scaling_and_te_with_delayed():
+    torchao = JobConfig(model=ModelConfig(), precision=PrecisionConfig(mode="fp8", fp8_backend="torchao"))
+    te = JobConfig(model=ModelConfig(layers="te"), precision=PrecisionConfig(mode="fp8", fp8_backend="te"))
+    assert est.job_of(torchao, est.Layout(1)).fp8_scaling == "dynamic"
+    assert est.job_of(te, est.Layout(1)).fp8_scaling == "delayed"
+    with pytest.raises(est.EstimatorError, match="fp8_scaling"):
+        est.JobSpec(ModelConfig(), 128, 1, fp8_scaling="static")

@@ -256,3 +256,25 @@ def test_every_fitted_fraction_stays_a_fraction_in_the_search():
         if "fraction" in name:
             assert 0 < pub._from_search(name, 50.0) <= 1 and pub._from_search(name, -50.0) >= 0, name
             assert pub._from_search(name, pub._to_search(name, 0.61)) == pytest.approx(0.61)
+
+
+def test_each_torchtitan_row_through_its_command_line_predicts_what_the_table_does(rows, comparisons):
+    """The command published_vs_estimator.md lists beside each torchtitan row, parsed and run by
+    tools/estimate.py as a user would, gives the table's predictions (memory and tokens/s/GPU)."""
+    import shlex
+
+    from tools import estimate as cli
+
+    checked = 0
+    for row in (r for r in rows if r.source.name == "torchtitan"):
+        command = pub.cli_command(row)
+        assert command is not None and command in (ROOT / "docs/results/published_vs_estimator.md").read_text()
+        args, overrides = cli.parse_args(shlex.split(command)[3:])
+        job = cli.build_job(args, overrides, cli.load_job_config(args, overrides))
+        result = est.estimate(job)
+        through_cli = {"memory": result.memory.reserved / est.GIB,
+                       "throughput": result.time.tokens_per_step / result.time.step_s / row.gpus}
+        for c in (c for c in comparisons if c.row is row):
+            assert through_cli[c.quantity] == pytest.approx(c.predicted, rel=1e-9), (row.id, c.quantity)
+            checked += 1
+    assert checked == 36  # 18 rows, throughput and memory each

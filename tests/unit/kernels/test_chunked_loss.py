@@ -44,9 +44,11 @@ def loss_and_grads(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> tupl
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}, widest.rows
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_chunked_loss_equals_the_plain_loss_without_the_whole_logits(tied):
-    cfg = ModelConfig(vocab_size=VOCAB, max_seq_len=16, n_layer=2, n_head=2, d_model=16, tie_embeddings=tied)
+@pytest.mark.parametrize("tied, mtp_depth", [(True, 0), (False, 0), (False, 2)])
+def test_chunked_loss_equals_the_plain_loss_without_the_whole_logits(tied, mtp_depth):
+    # with multi-token prediction every depth's head runs in chunks too (its gradients are compared)
+    cfg = ModelConfig(vocab_size=VOCAB, max_seq_len=16, n_layer=2, n_head=2, d_model=16, tie_embeddings=tied,
+                      mtp_depth=mtp_depth)
     torch.manual_seed(0)
     plain = GPT(cfg)
     chunked = GPT(cfg, with_loss_chunks(REFERENCE_OPS, CHUNK))
