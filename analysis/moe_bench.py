@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from common.errors import ConfigError
 from common.measure import RatioSummary, Summary, interleaved, speedup, summarize
 from model.config import ModelConfig, MoEConfig
 from model.flops import count_parameters
@@ -24,8 +25,16 @@ from model.gpt import GPT
 
 
 def dense_twin(cfg: ModelConfig) -> ModelConfig:
-    """The dense GPT whose MLP is as wide as a token's experts together: the same active MLP weights."""
+    """The dense GPT whose MLP is as wide as a token's experts together: the same active MLP weights
+    (the MoE model's active parameters are the twin's plus its routers'). Its one MLP width serves
+    every layer, so a MoE model whose dense layers (moe.first_dense, moe.every) are another width
+    has no such twin: that is refused."""
     width = (cfg.moe.top_k + cfg.moe.shared_experts) * cfg.expert_d_ff
+    if cfg.n_moe_layers < cfg.n_layer and cfg.d_ff != width:
+        raise ConfigError(f"the dense layers' model.d_ff={cfg.d_ff} differs from a token's experts together, (top_k "
+                          f"{cfg.moe.top_k} + shared {cfg.moe.shared_experts}) x {cfg.expert_d_ff} = {width}, so no "
+                          f"dense model has the same active parameters; set model.d_ff={width} (as DeepSeek-V3's "
+                          "dense layers are)")
     return dataclasses.replace(cfg, moe=MoEConfig(), d_ff=width)
 
 

@@ -164,14 +164,18 @@ def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: in
 # --------------------------------------------------------------------------- 3. experts
 
 
-def grouped_mm_unusable(device: torch.device, dtype: torch.dtype, widths: Iterable[int]) -> str | None:
+def grouped_mm_unusable(device: torch.device, dtype: torch.dtype, widths: Iterable[int],
+                        compiled: bool = False) -> str | None:
     """Why ``torch._grouped_mm`` cannot run these expert GEMMs here (None: it can).
 
     Its kernels want fp32/bf16/fp16 (bf16 on CUDA), rows whose byte strides are multiples of 16
-    (CPU and CUDA alike), and on CUDA a Hopper GPU.
+    (CPU and CUDA alike), and on CUDA a Hopper GPU. Under torch.compile (``compiled``) its shape
+    function, which the compiler traces with, takes bf16 only, whatever the CPU kernel takes.
     """
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
+    if compiled and dtype != torch.bfloat16:
+        return f"compute dtype is {dtype}; torch.compile traces torch._grouped_mm in bf16 only"
     if device.type == "cuda":
         if torch.cuda.get_device_capability(device) < GROUPED_MM_MIN_CAPABILITY:
             return "its CUDA kernel needs compute capability 9.0 (Hopper)"
@@ -188,16 +192,17 @@ def grouped_mm_unusable(device: torch.device, dtype: torch.dtype, widths: Iterab
     return None
 
 
-def select_expert_backend(requested: str, device: torch.device, dtype: torch.dtype, cfg: ModelConfig
-                          ) -> tuple[str, str]:
+def select_expert_backend(requested: str, device: torch.device, dtype: torch.dtype, cfg: ModelConfig,
+                          compiled: bool = False) -> tuple[str, str]:
     """Resolve model.moe.backend to ``grouped_mm`` or ``loop``, with a log line saying why."""
-    why = grouped_mm_unusable(device, dtype, (cfg.d_model, cfg.expert_d_ff))
+    why = grouped_mm_unusable(device, dtype, (cfg.d_model, cfg.expert_d_ff), compiled)
     if requested == "auto":
         if why is None:
             return "grouped_mm", "experts: grouped_mm (auto: torch._grouped_mm runs this device, dtype and shape)"
         return "loop", f"experts: loop, one GEMM per expert (auto: grouped_mm not used because {why})"
     if requested == "grouped_mm" and why is not None:
-        raise CapabilityError(f"model.moe.backend=grouped_mm cannot run: {why}; use model.moe.backend=loop or auto")
+        raise CapabilityError(f"model.moe.backend=grouped_mm cannot run: {why}; use model.moe.backend=loop or auto"
+                              + (", or train.compile=false" if compiled else ""))
     return requested, f"experts: {requested} (requested)"
 
 

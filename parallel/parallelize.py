@@ -92,7 +92,7 @@ def build_training(*, model_cfg: ModelConfig, kernels_cfg: KernelsConfig, precis
         kernel_note += (f"; LM head and loss {kernels_cfg.loss_chunk_tokens} tokens at a time "
                         "(kernels.loss_chunk_tokens)")
     backend, attention_note = choose_attention(model_cfg, ctx.device, policy)
-    expert_backend, expert_note = choose_expert_backend(model_cfg, ctx.device, policy)
+    expert_backend, expert_note = choose_expert_backend(model_cfg, ctx.device, policy, compile)
     if model_cfg.attention_mask == "document":
         attention_note += "; " + document_mask_note(backend, micro_batch_size, model_cfg.max_seq_len, layout.cp)
     # 3. The model. Every rank builds the same weights from the same seed (DDP broadcasts rank 0's
@@ -234,12 +234,13 @@ def choose_attention(model_cfg: ModelConfig, device: torch.device, policy: Preci
                             latent=model_cfg.is_mla)
 
 
-def choose_expert_backend(model_cfg: ModelConfig, device: torch.device, policy: PrecisionPolicy
-                          ) -> tuple[str, str | None]:
-    """How MoE layers run their expert GEMMs here, and one line saying why (None for a dense model)."""
+def choose_expert_backend(model_cfg: ModelConfig, device: torch.device, policy: PrecisionPolicy,
+                          compiled: bool = False) -> tuple[str, str | None]:
+    """How MoE layers run their expert GEMMs here (``compiled``: in torch.compile'd blocks), and one
+    line saying why (None for a dense model)."""
     if model_cfg.moe.experts is None:
         return "loop", None
-    return select_expert_backend(model_cfg.moe.backend, device, policy.compute_dtype, model_cfg)
+    return select_expert_backend(model_cfg.moe.backend, device, policy.compute_dtype, model_cfg, compiled)
 
 
 def apply_compile(model: nn.Module, enabled: bool, mode: str, compile_loss: bool) -> None:

@@ -19,23 +19,21 @@ if not __package__:  # started as a file, where the project's packages do not im
     exit_with_usage(__file__)
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
 
 import torch
 
-from analysis.optimizer_bench import (
-    OPTIMIZERS,
-    Run,
+from analysis.optimizer_bench import OPTIMIZERS, Run, best_lr, over_seeds, step_ratio, time_steps
+from analysis.training_runs import (
+    add_run_arguments,
     band,
-    best_lr,
+    check_run_arguments,
     final_summary,
-    over_seeds,
+    print_progress,
     run_all,
-    step_ratio,
-    time_steps,
+    saved_timing,
 )
 from common.errors import USER_FACING_ERRORS, ConfigError
 from common.measure import hardware_name, machine_load, summarize
@@ -49,24 +47,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1.5e-3, 3e-3, 6e-3],
                         help="peak learning rates tried for each optimizer (min_lr is a tenth)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the grid runs at the first")
-    parser.add_argument("--workers", type=int, default=1, help="training runs at once")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run and for the timing")
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
-    parser.add_argument("--log-interval", type=int, default=10)
-    parser.add_argument("--eval-interval", type=int, default=100)
-    parser.add_argument("--out", type=Path, default=Path("runs/bench_muon"), help="where the runs and timing go")
-    parser.add_argument("--retime", action="store_true", help="time again even if --out holds a timing")
-    parser.add_argument("--markdown", type=Path, help="write the tables here (rows as JSON next to them)")
-    parser.add_argument("--plot", type=Path, help="write the loss curves here (PNG)")
+    add_run_arguments(parser, out="runs/bench_muon", rounds=15, eval_interval=100)
     args, extra = parser.parse_known_args(argv)
-    for key in ("workers", "threads", "rounds", "log_interval", "eval_interval"):
-        if getattr(args, key) < 1:
-            raise ConfigError(f"--{key.replace('_', '-')} must be >= 1 (got {getattr(args, key)})")
+    check_run_arguments(args)
     if any(lr <= 0 for lr in args.lrs):
         raise ConfigError(f"--lrs must be > 0 (got {args.lrs})")
-    if len(set(args.seeds)) != len(args.seeds):
-        raise ConfigError(f"--seeds lists a seed twice: {args.seeds}")
     bad = [e for e in extra if not e.startswith("--") or "=" not in e]
     if bad:
         raise ConfigError(f"unrecognized argument {bad[0]!r}; config overrides look like --section.key=value")
@@ -94,30 +79,20 @@ def run(args: argparse.Namespace, extra: list[str], cfg, command: str) -> int:
 
 
 def measure(args: argparse.Namespace, extra: list[str], cfg, command: str) -> int:
-    args.out.mkdir(parents=True, exist_ok=True)
-    timing_file = args.out / "timing.json"
-    if timing_file.exists() and not args.retime:
-        timing = json.loads(timing_file.read_text())
-    else:
-        print(f"timing {args.rounds} interleaved rounds ({machine_load()}) ...", file=sys.stderr)
-        timing = time_steps(cfg, args.rounds) | {"load": machine_load()}
-        timing_file.write_text(json.dumps(timing) + "\n")
+    timing = saved_timing(args, lambda: time_steps(cfg, args.rounds))
     ratio = step_ratio(timing)
     steps = cfg.train.max_steps
     kwargs = dict(config=args.config, extra=extra, out_dir=args.out, threads=args.threads,
                   log_interval=args.log_interval, eval_interval=args.eval_interval)
 
-    def progress(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
     first, rest = args.seeds[0], args.seeds[1:]
-    curves = run_all([Run(o, lr, first, steps) for o in OPTIMIZERS for lr in args.lrs], args.workers, progress,
+    curves = run_all([Run(o, lr, first, steps) for o in OPTIMIZERS for lr in args.lrs], args.workers, print_progress,
                      **kwargs)
     tuned = {o: best_lr(curves, o, steps, first) for o in OPTIMIZERS}
     long_steps = round(steps * ratio["median"])  # AdamW's steps in Muon's time
     more = [Run(o, tuned[o], s, steps) for o in OPTIMIZERS for s in rest]
     more += [Run("adamw", tuned["adamw"], s, long_steps) for s in args.seeds] if long_steps != steps else []
-    curves |= run_all(more, args.workers, progress, **kwargs)
+    curves |= run_all(more, args.workers, print_progress, **kwargs)
     report = build_report(args, cfg, timing, ratio, curves, tuned, steps, long_steps, command)
     print(report["text"])
     if args.markdown:

@@ -171,7 +171,8 @@ def diagnose(args: argparse.Namespace, overrides: list[str]) -> list[str]:
             job = Job(num_workers=cfg.data.num_workers, world_size=ctx.world_size, strategy=cfg.parallel.strategy,
                       recompute=cfg.model.recompute, attention=trainer.attention, compile=cfg.train.compile,
                       fused_optimizer=cfg.optim.fused != "off", peak_memory_gib=peak_memory_gib(ctx.device),
-                      memory_budget_gib=budget, device=ctx.device.type)
+                      memory_budget_gib=budget, device=ctx.device.type, tp=cfg.parallel.tp,
+                      zero_bubble=cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble")
         finally:
             trainer.progress.close()
             trainer.close()

@@ -39,6 +39,19 @@ def _moe_activation_elements(cfg: ModelConfig, dtype_bytes: int) -> float:
     return copies + router_and_dispatch + (_dense_mlp_activation_elements(cfg, shared) if shared else 0)
 
 
+def _split_moe_activation_elements(cfg: ModelConfig, dtype_bytes: int) -> tuple[float, float]:
+    """Per token in a MoE layer under expert tensor parallelism (parallel.etp = tp, parallel/tp.py
+    ``split_moe``), as (elements split over the tp GPUs, elements whole on each). Every tp GPU routes the
+    whole sequence, so it keeps the layer's all-gathered input, the router's and the dispatch's tensors
+    and each top-k copy's input and (summed) output rows, as one process does; it holds 1/tp of every
+    expert's columns, so the experts' hidden activations, and the shared experts', are split."""
+    k, f, e = cfg.moe.top_k, cfg.expert_d_ff, cfg.moe.experts
+    shared = cfg.moe.shared_experts * f
+    split = k * _dense_mlp_activation_elements(cfg, f) + (_dense_mlp_activation_elements(cfg, shared) if shared else 0)
+    whole = cfg.d_model + k * 2 * cfg.d_model + (2 * e * 4 + 2 * k * 8) / dtype_bytes
+    return split, whole
+
+
 def _mlp_activation_elements(cfg: ModelConfig, dtype_bytes: int) -> float:
     """Elements per token saved inside the MLP between its two matmuls (a MoE model: the mean over
     layers), in activations of ``dtype_bytes``."""
@@ -143,6 +156,7 @@ def activation_bytes_per_layer(
     tp: int = 1,
     sequence_parallel: bool = False,
     op_selective_saves: str = "every_matmul",
+    expert_tp: bool = False,
 ) -> float:
     """Bytes one transformer layer keeps on one GPU for backward (Korthikanti et al. 2022, generalized).
 
@@ -152,7 +166,9 @@ def activation_bytes_per_layer(
     ``every_k`` defaults to ``model_cfg.recompute_every_k``. With ``tp`` > 1 the tensors inside
     the tensor-parallel region are split over ``tp`` GPUs, and the rest too when
     ``sequence_parallel``. ``op_selective_saves``: which matmul outputs op_selective keeps
-    (``alternate_matmuls_elements``). See the module docstring.
+    (``alternate_matmuls_elements``). ``expert_tp`` (parallel.etp = tp): the MoE layers' experts are
+    split over the tp GPUs, which each route the whole sequence (``_split_moe_activation_elements``).
+    See the module docstring.
     """
     check_choice("recompute", recompute, RECOMPUTE_POLICIES)
     check_choice("op_selective_saves", op_selective_saves, OP_SELECTIVE_SAVES)
@@ -174,9 +190,8 @@ def activation_bytes_per_layer(
         k = every_k or model_cfg.recompute_every_k
         kept = checkpointed_layers(model_cfg.n_layer, k)
         full = activation_bytes_per_layer(model_cfg, s, b, "full", p, with_dropout, attention=attention, **split)
-        none = activation_bytes_per_layer(
-            model_cfg, s, b, "none", p, with_dropout, attention=attention, dropout_mask_bytes=m, **split
-        )
+        none = activation_bytes_per_layer(model_cfg, s, b, "none", p, with_dropout, attention=attention,
+                                          dropout_mask_bytes=m, expert_tp=expert_tp, **split)
         return (kept * full + (model_cfg.n_layer - kept) * none) / model_cfg.n_layer
 
     # Attention scores and their log-sum-exp are per head: inside the TP region.
@@ -185,13 +200,17 @@ def activation_bytes_per_layer(
     else:
         scores = (2 * p + m if with_dropout else p) * a * s * s * b
     # A MoE layer is not tensor-split (replicated over the tp GPUs, parallel/tp.py): its activations
-    # lie outside the TP region, on s/t positions per GPU only with sequence parallelism.
+    # lie outside the TP region, on s/t positions per GPU only with sequence parallelism. Under expert
+    # tensor parallelism its experts' activations are inside and its routed rows whole (``whole``).
+    split_experts = expert_tp and tp > 1 and model_cfg.moe.experts is not None
     if recompute == "op_selective" and op_selective_saves == "alternate_matmuls":
         outside, inside = alternate_matmuls_elements(model_cfg)
         lse = 4.0 * a * s * b if attention == "flash" else p * a * s * s * b
         return tp_split(p * tokens * (h + outside), p * tokens * (inside + model_cfg.q_dim) + lse, **split)
     if recompute == "op_selective":
         moe = _moe_activation_share(model_cfg, _moe_matmul_output_elements(model_cfg)) if model_cfg.moe.experts else 0.0
+        if split_experts:  # the experts' matmul outputs are split by width, as a dense MLP's
+            moe = 0.0
         attn_out, attn_in = attention_saved_elements(model_cfg, matmul_outputs=True)
         outside = h + attn_out + h + moe  # block input, projection output, MLP output (+ MoE layers' matmul outputs)
         inside = attn_in + _mlp_matmul_output_elements(model_cfg) - moe  # qkv, core output, fc
@@ -207,9 +226,15 @@ def activation_bytes_per_layer(
         + moe
     )
     inside = attn_in + _mlp_activation_elements(model_cfg, p) - moe
+    whole = 0.0
+    if split_experts:  # the MoE layers' input is gathered whole instead of held on s/t positions
+        in_split, in_whole = _split_moe_activation_elements(model_cfg, p)
+        outside -= moe + _moe_activation_share(model_cfg, h)
+        inside += _moe_activation_share(model_cfg, in_split)
+        whole = _moe_activation_share(model_cfg, in_whole)
     masks = 2 * m * tokens * h if with_dropout else 0  # after attention and after the MLP: outside
     core = 0.0 if recompute == "selective" else scores
-    return tp_split(p * tokens * outside + masks, p * tokens * inside + core, **split)
+    return tp_split(p * tokens * outside + masks, p * tokens * inside + core, **split) + p * tokens * whole
 
 
 def tp_split(outside: float, inside: float, *, tp: int, sequence_parallel: bool) -> float:

@@ -197,7 +197,7 @@ def layer_bytes(job: JobSpec, recompute: str) -> float:
     return activation_bytes_per_layer(
         job.model, job.local_seq_len, job.micro_batch, recompute, job.activation_dtype_bytes,
         attention=job.attention, tp=job.layout.tp, sequence_parallel=job.layout.sp,
-        op_selective_saves=job.op_selective_saves,
+        op_selective_saves=job.op_selective_saves, expert_tp=job.layout.etp > 1,
     ) + cp_attention_bytes_per_layer(job, recompute)
 
 

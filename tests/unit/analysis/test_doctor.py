@@ -7,13 +7,18 @@ tests/integration/analysis/test_doctor.py.
 
 from __future__ import annotations
 
+import itertools
 import time
+import typing
 
 import pytest
 
 from analysis.doctor import Breakdown, Job, Span, attribute, verdicts
+from common.errors import ConfigError
 from data.prefetch import DevicePrefetcher
+from model.config import ModelConfig
 from tools.diagnose import main as diagnose_main
+from training.config import load_config
 
 
 def small(corpus_cache: str, *extra: str) -> list[str]:
@@ -75,6 +80,45 @@ def test_on_a_cpu_the_doctor_never_proposes_triton_or_compile():
     # on a GPU the same host overhead is what compile removes
     on_gpu = verdicts(host_bound, Job(**{**job.__dict__, "device": "cuda"}))[0]
     assert on_gpu.overrides == ["--train.compile=true"]
+
+
+def test_every_switch_the_doctor_proposes_under_tp_or_zero_bubble_is_one_the_trainer_accepts():
+    # The doctor reads only the job; training/config.py refuses compile under tp with any recompute but
+    # op_selective, and with zero_bubble. Every verdict (each bottleneck alone), for every job the trainer
+    # accepts, must propose overrides the trainer accepts too.
+    bottlenecks = [Breakdown(wall_s=1.0, data_wait_s=d, optimizer_s=o, comm_exposed_s=c, comm_overlapped_s=0.0,
+                             host_s=h) for d, o, c, h in [(0.5, 0, 0, 0), (0, 0.5, 0, 0), (0, 0, 0.5, 0), (0, 0, 0, 0.6),
+                                                          (0, 0.05, 0, 0.05)]]
+    layouts = {"tp": ["--parallel.tp=2", "--parallel.strategy=fsdp", "--parallel.dp_shard=2"],
+               "zero_bubble": ["--parallel.pp=2", "--parallel.pp_schedule=zero_bubble", "--train.grad_accum_steps=2",
+                               "--parallel.strategy=fsdp"]}
+    policies = typing.get_args(typing.get_type_hints(ModelConfig)["recompute"])
+    proposed, accepted = set(), {}
+
+    def accepts(keys: list[str]) -> bool:
+        if tuple(keys) not in accepted:
+            try:
+                accepted[tuple(keys)] = load_config(None, keys) is not None
+            except ConfigError:
+                accepted[tuple(keys)] = False
+        return accepted[tuple(keys)]
+
+    for (layout, base), recompute, compile_, fused, attention in itertools.product(
+            layouts.items(), policies, (False, True), (False, True), ("sdpa", "reference")):
+        job_keys = base + [f"--model.recompute={recompute}", f"--train.compile={str(compile_).lower()}"]
+        if not accepts(job_keys):
+            continue  # a job the trainer refuses never reaches the doctor
+        job = Job(num_workers=0, world_size=4, strategy="fsdp", recompute=recompute, attention=attention,
+                  compile=compile_, fused_optimizer=fused, peak_memory_gib=9.5, memory_budget_gib=10.0, device="cuda",
+                  tp=2 if layout == "tp" else 1, zero_bubble=layout == "zero_bubble")
+        for b in bottlenecks:
+            for verdict in verdicts(b, job):
+                assert accepts(job_keys + verdict.overrides), (layout, recompute, compile_, verdict.text)
+                proposed.add((layout, tuple(verdict.overrides)))
+    # compile is proposed where it runs: with op_selective under tp, never under zero_bubble
+    assert ("tp", ("--train.compile=true", "--model.recompute=op_selective")) in proposed
+    assert ("tp", ("--train.compile=true",)) in proposed  # already op_selective
+    assert not any("--train.compile=true" in o for layout, o in proposed if layout == "zero_bubble")
 
 
 def test_a_slowed_loader_is_named_with_its_switch(capsys, monkeypatch, corpus_cache):

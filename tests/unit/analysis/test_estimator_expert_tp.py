@@ -71,3 +71,27 @@ def test_the_planner_tries_split_experts_only_for_moe_models_under_tp():
                                  recomputes=("none",), micro_batches=(2,), schedules=("1f1b",), virtual_stages=(1,))
         assert {p.job.layout.etp for p in plans} == want
         assert all(p.job.layout.etp in (1, p.job.layout.tp) for p in plans)
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_split_experts_activations_are_the_layers_saved_tensors_counted_by_hand(sp):
+    """What ``split_moe``'s layer keeps per tp GPU, fp32, no recompute: every tp GPU routes the whole
+    sequence (n = s * b tokens), so its all-gathered input (h), the router's fp32 logits and scores (E
+    each), the dispatch's int64 slots and expert indices (k each) and each of the k copies' input and
+    summed output rows (h each) are whole; of each copy's SwiGLU hidden activations (gate and up, silu(gate),
+    their product: 4 f) it holds 1/tp. Replicated experts (etp = 1) keep all of it on the positions the
+    GPU holds (s/t of them with sequence parallelism)."""
+    n, h, k, f, e, tp = SEQ * MICRO, D, 2, 16, 4, 2
+    routed = 4 * k * 2 * h + (4 * 2 * e + 8 * 2 * k)  # copies' rows; router and dispatch, bytes per token
+    split = n * (4 * h + routed + 4 * k * 4 * f / tp)
+    replicated = n * (4 * h + routed + 4 * k * 4 * f) / (tp if sp else 1)
+    kw = dict(attention="flash", tp=tp, sequence_parallel=sp)
+    etp, no_etp = (est.activation_bytes_per_layer(MODEL, SEQ, MICRO, "none", 4, **kw, expert_tp=x) for x in (True, False))
+    assert MODEL.n_moe_layers == MODEL.n_layer  # every layer is MoE: the per-layer mean is the MoE layer's
+    assert etp - no_etp == pytest.approx(split - replicated)
+    # op_selective keeps each copy's first matmul outputs (gate and up, 2 f): split by width under etp
+    sel = {x: est.activation_bytes_per_layer(MODEL, SEQ, MICRO, "op_selective", 4, **kw, expert_tp=x) for x in (1, 0)}
+    assert sel[1] - sel[0] == pytest.approx(4 * n * k * 2 * f / tp - 4 * n * k * 2 * f / (tp if sp else 1))
+    # the memory estimate follows the layout's etp (4 GPUs: tp 2 x dp_shard 2)
+    mem = {x: est.stage_memory(job(world=4, tp=2, etp=x, sequence_parallel=sp), 0).activations for x in (1, 2)}
+    assert mem[2] - mem[1] == pytest.approx(MODEL.n_layer * (split - replicated))

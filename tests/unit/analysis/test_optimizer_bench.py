@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from analysis.optimizer_bench import Curve, Run, band, best_lr, final_summary, over_seeds, state_bytes, train_run
+from analysis.optimizer_bench import Run, best_lr, over_seeds, state_bytes
+from analysis.training_runs import Curve, band, final_summary, train_run
 from model.config import ModelConfig
 from model.gpt import GPT
 from parallel.optim import MuonConfig, OptimConfig, build_optimizer, muon_split

@@ -266,6 +266,23 @@ def test_expert_backend_is_chosen_by_capability_and_says_why():
     assert select_expert_backend("loop", cpu, torch.float32, moe_cfg())[0] == "loop"
 
 
+def test_compiled_experts_in_fp32_take_the_backend_torchs_compiler_traces():
+    # torch.compile traces torch._grouped_mm through a shape function that takes bf16 only (the CPU
+    # kernel takes fp32): auto picks the loop there, and an explicit grouped_mm is refused in one line.
+    cpu = torch.device("cpu")
+    backend, note = select_expert_backend("auto", cpu, torch.float32, moe_cfg(), compiled=True)
+    assert backend == "loop" and "torch.compile traces torch._grouped_mm in bf16 only" in note
+    assert select_expert_backend("auto", cpu, torch.bfloat16, moe_cfg(), compiled=True)[0] == "grouped_mm"
+    with pytest.raises(CapabilityError, match="or train.compile=false"):
+        select_expert_backend("grouped_mm", cpu, torch.float32, moe_cfg(), compiled=True)
+    # the trace alone (backend="eager": no code generated): the loop traces, what auto chose before does not
+    x, w, counts = torch.randn(5, 16), torch.randn(2, 16, 8), torch.tensor([2, 3])
+    torch.testing.assert_close(torch.compile(grouped_matmul, backend="eager")(x, w, counts, backend),
+                               grouped_matmul(x, w, counts, "grouped_mm"))
+    with pytest.raises(Exception, match="Expected inputs of BF16 type"):
+        torch.compile(grouped_matmul, backend="eager")(x, w, counts, "grouped_mm")
+
+
 def test_the_gpt_is_the_same_with_either_expert_backend():
     x = torch.randint(0, 64, (2, 16))
     out = {}
