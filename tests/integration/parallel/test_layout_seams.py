@@ -1,7 +1,7 @@
 """Feature x layout combinations that the layout tests of their own features do not reach, each
 against one process on the same global batch.
 
-Recompute, the document mask, µP, the chunked loss, Muon, MoE, reduced precision and FP8 each have
+Recompute, the document mask, µP, the chunked loss, Muon, MoE, MTP, reduced precision and FP8 each have
 tests of their own in one process and under some layouts; here each runs under the layouts those
 leave out (tensor and pipeline parallelism, pipelines under FSDP2 with gpipe and interleaved 1F1B,
 HSDP over tp, pp, cp and ep, DeepSpeed's ZeRO, ...). Every layout trains STEPS steps of 2 sequences
@@ -113,6 +113,8 @@ EIGHT_RANKS = {
     "pp2_x_dp2_x_tp2_gpipe": (FSDP | {"pp": 2, "dp_shard": 2, "tp": 2, "pp_schedule": "gpipe"}, {}),
     "pp2_x_dp2_x_tp2_interleaved": (FSDP | {"pp": 2, "dp_shard": 2, "tp": 2, "pp_schedule": "interleaved_1f1b",
                                             "pp_virtual_stages": 2}, {"model.n_layer": 4}),
+    # multi-token prediction: its modules on the last stage, their blocks split over tp, sharded over dp
+    "pp2_x_dp2_x_tp2_mtp": (FSDP | {"pp": 2, "dp_shard": 2, "tp": 2}, {"model.mtp_depth": 2, "model.mtp_loss_weight": 0.5}),
 }
 # torch.compile'd blocks under FSDP2, tensor parallelism (its DTensor activations; with op_selective
 # recompute, the one policy torch's compiler runs there: training/config.py) and a pipeline, on 2 ranks
