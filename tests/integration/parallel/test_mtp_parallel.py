@@ -9,8 +9,10 @@ taken from the whole sequence), cp=2 with the document mask (no depth's target c
 document), pp=2 interleaved (two stages per rank), tp=2 with routed experts in every block (the
 modules' too) replicated over the tp ranks and split over them (etp=2); on 4 ranks cp=2 x pp=2 with the document mask
 (the last stage takes its chunks of the tokens ahead) and pp=2 x tp=2 with routed experts in every
-block, the modules' included, both with DeepSeek's latent attention, cp=2 x tp=2, pp=2 x FSDP2 and tp=2 x FSDP2 over 2 data-parallel ranks. The pp=2 run also saves after SAVE_AFTER steps and a fresh engine
-resumes from it bit for bit. One 2-rank and one 4-rank launch.
+block, the modules' included, both with DeepSeek's latent attention, cp=2 x tp=2, pp=2 x FSDP2 and tp=2 x FSDP2 over 2 data-parallel ranks. On 8 ranks the 3-D layouts pp=2 x FSDP2 x tp=2,
+cp=2 x tp=2 x FSDP2, pp=2 x cp=2 x tp=2 and HSDP (2 replicas x 2 shards) x tp=2. The pp=2 run also
+saves after SAVE_AFTER steps and a fresh engine resumes from it bit for bit. One 2-rank, one 4-rank and
+one 8-rank launch.
 """
 
 from __future__ import annotations
@@ -68,6 +70,18 @@ FOUR_RANKS = {
     # smallest such gradient leaves 7e-6.
     "tp2_x_fsdp2": ({"tp": 2, "dp_shard": 2, "strategy": "fsdp"}, {"train.seed": 3}),
 }
+FSDP = {"strategy": "fsdp", "dp_shard": 2}
+# With seed 1337 the data-parallel layouts meet the same 2.6e-9 first-step gradient of blocks.0.mlp.fc
+# (median 1.6e-4) as tp2_x_fsdp2 and part by 3.5e-5 (pp x fsdp x tp), 1.4e-5 (cp x tp x fsdp); on seed 3
+# their largest weight differences are 6.9e-6, 4.4e-6 and 3.1e-6 (HSDP), again on weights whose first-step
+# gradient is rounding (1e-8). pp x cp x tp keeps the default seed: 1.5e-6.
+EIGHT_RANKS = {
+    "pp2_x_fsdp2_x_tp2": (FSDP | {"pp": 2, "tp": 2}, {"train.seed": 3}),
+    "cp2_x_tp2_x_fsdp2": (FSDP | {"cp": 2, "tp": 2}, {"train.seed": 3}),
+    "pp2_x_cp2_x_tp2": ({"pp": 2, "cp": 2, "tp": 2}, {}),
+    # 2 replicas of 2 shards: 4 data-parallel ranks
+    "hsdp_x_tp2": (FSDP | {"dp_replicate": 2, "tp": 2}, {"train.seed": 3}),
+}
 ACCUM = 2  # micro-batches per step (a pipeline needs one per stage)
 # The first step's gradients of every layout agree with one process to 3e-7 relative; at lr=1e-2 AdamW
 # grows that rounding into 8e-5 on some weights by step 10 (cp with the document mask), at 3e-3 it stays
@@ -109,7 +123,7 @@ def train(engine, ctx, cfg, steps: range, dp_ranks: range | None = None) -> tupl
 
 
 def run_layout(rank: int, world: int, name: str, root: str) -> dict:
-    parallel, model = (LAYOUTS | FOUR_RANKS)[name]
+    parallel, model = (LAYOUTS | FOUR_RANKS | EIGHT_RANKS)[name]
     cfg = job(model, **parallel)
     ctx = gloo_context(rank, world, parallel=cfg.parallel)
     engine = build_from_config(cfg, ctx).engine
@@ -128,7 +142,7 @@ def run_layout(rank: int, world: int, name: str, root: str) -> dict:
 
 
 def worker(rank: int, world: int, root: str) -> dict:
-    return {name: run_layout(rank, world, name, root) for name in (LAYOUTS if world == 2 else FOUR_RANKS)}
+    return {name: run_layout(rank, world, name, root) for name in {2: LAYOUTS, 4: FOUR_RANKS, 8: EIGHT_RANKS}[world]}
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +155,12 @@ def results():
 def four_rank_results():
     with tempfile.TemporaryDirectory() as root:
         yield run_workers(worker, 4, root)
+
+
+@pytest.fixture(scope="module")
+def eight_rank_results():
+    with tempfile.TemporaryDirectory() as root:
+        yield run_workers(worker, 8, root)
 
 
 def one_process(model: dict, dp_size: int = 1) -> dict:
@@ -193,6 +213,12 @@ def test_composed_mtp_layouts_match_one_process_over_ten_steps(name, four_rank_r
     check(four_rank_results, name, model, dp_size=parallel.get("dp_shard", 1))
     held = {key for got in four_rank_results for key in got[name]["final"]}
     assert "mla" not in name or "mtp.1.block.attn.kv_down.weight" in held
+
+
+@pytest.mark.parametrize("name", list(EIGHT_RANKS))
+def test_three_d_mtp_layouts_match_one_process_over_ten_steps(name, eight_rank_results):
+    parallel, model = EIGHT_RANKS[name]
+    check(eight_rank_results, name, model, dp_size=parallel.get("dp_replicate", 1) * parallel.get("dp_shard", 1))
 
 
 def test_an_mtp_pipeline_resumes_bit_for_bit_and_keeps_its_embedding_copies_equal(results):
