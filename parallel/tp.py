@@ -294,25 +294,11 @@ def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> Non
 # --------------------------------------------------------------------------- MoE layers
 
 
-class _MeanOverRanks(torch.autograd.Function):
-    """The mean of ``x`` over the ranks of ``group``. Every rank's loss then holds the same mean, and
-    each hands its own ``x`` 1/n of the gradient: summed over the ranks (as the router's gradient is),
-    that is the gradient of one process's mean."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.n = dist.get_world_size(group)
-        out = x.detach().clone()
-        dist.all_reduce(out, group=group)
-        return out / ctx.n
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad / ctx.n, None
-
-
 def mean_over_ranks(x: torch.Tensor, group) -> torch.Tensor:
-    return _MeanOverRanks.apply(x, group)
+    """The mean of ``x`` over the ranks of ``group``. Every rank's loss then holds the same mean, and
+    each hands its own ``x`` 1/n of the gradient (the sum passes it through): summed over the ranks (as
+    the router's gradient is), that is the gradient of one process's mean."""
+    return sum_over_group(x, group) / dist.get_world_size(group)
 
 
 class ReplicatedMoE(MoE):
