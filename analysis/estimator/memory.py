@@ -310,7 +310,7 @@ def loss_backward_bytes(tp: int) -> int:
     loss_parallel, which the trainer and torchtitan use) its nll_loss backward handler builds the
     one-hot gradient, adds exp(log-probs) and multiplies by the loss gradient, three fp32 tensors
     held at once: 4 + 4 + 4. Both are the CPU allocator's running total measured around one
-    backward (tests/unit/analysis/test_loss_memory.py)."""
+    backward (tests/unit/analysis/test_memory_held.py)."""
     return 12 if tp > 1 else 8
 
 

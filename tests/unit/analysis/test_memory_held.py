@@ -1,6 +1,9 @@
-"""The loss's memory at its peak, as the estimator counts it (memory.py ``loss_backward_bytes``), against
-the CPU allocator's running total recorded around one forward and backward (the profiler's memory
-events): fp32 log-probabilities saved, plus what the backward allocates beside them, per logit."""
+"""What the estimator counts as held at the peak (memory.py), against what torch really holds, on CPU in
+this process: the loss's peak (``loss_backward_bytes``) from the CPU allocator's running total around one
+forward and backward (the profiler's memory events), and what FSDP2 keeps per weight while a pipeline
+defers its gradient reduction (the stage gathered in the compute dtype, gradients accumulated in the
+reduce dtype). Two ranks of torch's fake process group where a group is needed: collectives move
+nothing, shapes and allocations are real."""
 
 from __future__ import annotations
 
@@ -9,11 +12,13 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from analysis import estimator as est
+from analysis.estimator.memory import REDUCE_BYTES
 from kernels.reference import cross_entropy
 
 TOKENS, VOCAB = 256, 2048
@@ -74,3 +79,26 @@ def test_the_vocab_parallel_loss_peaks_at_log_probs_and_three_fp32_tensors(tmp_p
     local.grad = None
     per_logit = peak_above_start(step, tmp_path) / (TOKENS * VOCAB // 2)
     assert per_logit == pytest.approx(4 + est.loss_backward_bytes(tp=2), abs=0.05)  # 16
+
+
+def test_deferred_sync_holds_bf16_weights_and_fp32_gradients(one_thread, two_ranks):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # the trainer's (parallel/precision.py) and torchtitan's policy: gather bf16, reduce fp32
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64, bias=False))
+    for layer in model:
+        fully_shard(layer, mesh=two_ranks, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=two_ranks, mp_policy=policy, reshard_after_forward=False)
+    # what torch.distributed.pipelining's stage does before every backward but the step's last
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    for _ in range(2):  # two micro-batches: the second adds to the first's gradients
+        model(torch.randn(8, 64)).sum().backward()
+    held = 0
+    for layer in model:
+        for param in layer._get_fsdp_state()._fsdp_param_group.fsdp_params:
+            held += param._unsharded_param.untyped_storage().nbytes()  # the gathered weight
+            held += param.unsharded_accumulated_grad.untyped_storage().nbytes()  # the gradient so far
+    weights = 64 * 96 * 2
+    assert held == weights * (est.gathered_bytes("bf16_master") + REDUCE_BYTES)  # 2 + 4, not 2 + 2
