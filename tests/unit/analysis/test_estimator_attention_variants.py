@@ -132,3 +132,13 @@ def test_under_cp_a_windowed_materialized_core_keeps_scores_against_the_keys_it_
     whole = cfg.n_head * b * p * (c * c * (2 * cp + 1) - (s // cp) ** 2)
     assert est.cp_attention_bytes_per_layer(job, "none") == pytest.approx(kv + (windowed + whole) / 2)
     assert est.cp_chunk_keys(s, cp, w) == 2 * (c + w - 1)  # each chunk: its own c and the W - 1 before
+
+
+def test_the_estimate_tool_takes_the_sink_kernel():
+    """tools/estimate.py --sink-attention: gpt-oss's sinks on the trainer's materialized core by default,
+    on a fused core when the flag says so."""
+    from tools import estimate
+
+    base = ["--config", "configs/gpt-oss-20b.yaml", "--gpus", "8", "--seq-len", "1024", "--micro-batch", "1"]
+    jobs = [estimate.build_job(*estimate.parse_args(base + extra)) for extra in ([], ["--sink-attention", "fused"])]
+    assert [(j.sink_attention, j.attention) for j in jobs] == [("materialized", "materialized"), ("fused", "flash")]
