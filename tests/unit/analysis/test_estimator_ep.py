@@ -172,7 +172,7 @@ def test_mixtral_on_64_h100s_plans_expert_parallelism_in_the_trainers_words():
     assert int(words["ep"]) > 1
     degrees = [int(words.get(k, 1)) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
     assert math.prod(degrees) == 64  # dp_shard counts the ep ranks
-    keys = ("strategy", "dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_virtual_stages",
+    keys = ("strategy", "dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "pp_schedule", "pp_virtual_stages",
             "sequence_parallel")
     loaded = load_config("configs/mixtral-8x7b.yaml", [f"--parallel.{k}={words[k]}" for k in keys if k in words])
     assert est.Layout.of(loaded.parallel, 64, 8).describe() == lines[0].split(" recompute=")[0]

@@ -145,8 +145,9 @@ def test_a_memory_row_equals_a_hand_computation(comparisons):
     kept = 2 * tokens * (2 * h + (h + kv) + h + f) + lse  # input, w2's output; wq's and wv's, the core's, w1's
     none = 2 * tokens * (4 * h + (h + 2 * kv) + h + 4 * f) + lse
     activations = L * kept + (none - kept) + 2 * tokens * h  # + one layer rebuilt + the embedding output
-    logits = tokens * V * (4 + 4 + 2)  # fp32 log-probabilities, their gradient, the 16-bit logits gradient
+    logits = tokens * V * (4 + 4 + 4)  # fp32 log-probabilities, their gradient, the fp32 logits' gradient
     unsharded = 2 * (h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h) * (2 + 2)  # two gathered layers and grads
+    unsharded += 2 * (2 * V * h + h)  # FSDP2's root (table, head, final norm), gathered through backward
     reserved = states + activations + logits + unsharded + a.fragmentation * (activations + logits + unsharded)
     c = _one(comparisons, "torchtitan/t3-8b-fsdp-128", "memory")
     assert c.published == 67.0
