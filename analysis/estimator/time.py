@@ -488,7 +488,8 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
     else:
         # each reduction behind the backward of the micro-batch it reduces (the last one's when once per step)
         hideable = gradient_reductions(job) * 2 / 3 * slowest.compute
-    if not job.dp_overlap:
+    if not job.dp_overlap or job.zero3_collectives == "per_parameter_sync":
+        # DeepSpeed's 2021 ZeRO-3 synchronizes the device before each gather and waits for each collective
         hideable = 0.0
     exposed_dp = _exposed(dp_s, hideable, a)
     layers = job.model.n_layer // job.layout.pp
