@@ -356,16 +356,19 @@ def test_moe_memory_holds_every_expert_and_the_activations_of_top_k():
 
 def test_moe_element_wise_work_is_its_active_widths():
     """The MLP activation of a MoE layer runs on a token's top-k experts and shared experts: the same
-    element-wise bytes as the dense MLP as wide as they are together, not the config's dense d_ff."""
+    element-wise bytes as the dense MLP as wide as they are together, not the config's dense d_ff,
+    plus the router's and the permutation's passes (``moe_permutation_bytes``) in the MoE layers' share."""
     dense = ModelConfig(vocab_size=256, max_seq_len=64, n_layer=2, n_head=2, d_model=64, mlp="swiglu", d_ff=512)
     moe = dataclasses.replace(dense, moe=MoEConfig(experts=8, top_k=2, d_ff=32, shared_experts=1))
     twin = dataclasses.replace(dense, d_ff=(2 + 1) * 32)
     job = est.JobSpec(moe, seq_len=64, micro_batch=2, recompute="none", precision="bf16")
-    assert _elementwise_bytes(job) == _elementwise_bytes(dataclasses.replace(job, model=twin))
+    routing = est.moe_permutation_bytes(job)
+    assert _elementwise_bytes(job) == tuple(a + b for a, b in zip(
+        _elementwise_bytes(dataclasses.replace(job, model=twin)), routing))
     half = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, first_dense=1))  # layer 0 dense (512 wide), layer 1 MoE (96)
     mean = dataclasses.replace(dense, d_ff=(512 + 96) // 2)
-    assert _elementwise_bytes(dataclasses.replace(job, model=half)) == _elementwise_bytes(
-        dataclasses.replace(job, model=mean))
+    assert _elementwise_bytes(dataclasses.replace(job, model=half)) == tuple(a + b / 2 for a, b in zip(
+        _elementwise_bytes(dataclasses.replace(job, model=mean)), routing))
 
 
 @pytest.mark.parametrize("extra", [{}, {"shared_experts": 1, "first_dense": 1}])

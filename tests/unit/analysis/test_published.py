@@ -278,3 +278,12 @@ def test_each_torchtitan_row_through_its_command_line_predicts_what_the_table_do
             assert through_cli[c.quantity] == pytest.approx(c.predicted, rel=1e-9), (row.id, c.quantity)
             checked += 1
     assert checked == 36  # 18 rows, throughput and memory each
+
+
+def test_a_row_says_its_framework_runs_sinks_in_a_fused_kernel(rows):
+    """megatron_bridge.yaml's GPT OSS 120B row (sink_attention: fused) is estimated with a fused core;
+    the same row without the key gets the trainer's materialized one."""
+    row = next(r for r in rows if r.key == "megatron_bridge/gpt-oss-120b-64gpus")
+    fused = row.job()
+    assert row.model.attention_sinks and fused.attention == "flash"
+    assert dataclasses.replace(fused, sink_attention="materialized").attention == "materialized"
