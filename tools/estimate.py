@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--fp8-scaling", choices=est.FP8_SCALINGS,
                         help="precision=fp8: how each GEMM operand's cast gets its scale, delayed (Transformer Engine) "
                         "or dynamic (torchao, an extra read for the amax); default: the config's fp8_backend, or delayed")
+    parser.add_argument("--fp8-weight-casts", choices=est.FP8_WEIGHT_CASTS,
+                        help="precision=fp8: each weight cast at every micro-batch (the trainer's, default) or once per "
+                        "step (Megatron-Core's Transformer Engine layers, is_first_microbatch)")
     parser.add_argument("--op-selective-saves", choices=est.OP_SELECTIVE_SAVES,
                         help="recompute=op_selective: which matmul outputs it keeps, every one (the trainer's) or "
                         "alternate ones (torchtitan's per-op policy); default every_matmul")
@@ -187,6 +190,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         optimizer=args.optimizer or optimizer,
         loss_chunk_tokens=loss_chunk_tokens,
         fp8_scaling=args.fp8_scaling or fp8_scaling,
+        fp8_weight_casts=args.fp8_weight_casts or "per_microbatch",
         op_selective_saves=args.op_selective_saves or "every_matmul",
         sink_attention=args.sink_attention or "materialized",
     )

@@ -36,6 +36,11 @@ OP_SELECTIVE_SAVES = ("every_matmul", "alternate_matmuls")
 # scaling takes it from the amax history (model/te.py), torchao's dynamic scaling computes it from the
 # tensor first (precision.fp8_backend=torchao, tensorwise or rowwise).
 FP8_SCALINGS = ("delayed", "dynamic")
+# How often an FP8 GEMM's weight is cast (time.py ``fp8_cast_bytes``): at every micro-batch's forward (the
+# trainer's Transformer Engine and torchao layers, and torchao under FSDP2, whose gathers run per micro-batch),
+# or once per step: Megatron-Core's Transformer Engine layers pass is_first_microbatch, so the FP8 weight and
+# its transpose are cast on a step's first micro-batch and reused by the others (published rows that ran it).
+FP8_WEIGHT_CASTS = ("per_microbatch", "per_step")
 # The optimizers the trainer offers (optim.name): AdamW everywhere, or Muon on the hidden matrices.
 OPTIMIZERS = ("adamw", "muon")
 # Muon as the trainer runs it on a GPU: optim.muon.ns_steps' default, and the Newton-Schulz dtype of
@@ -101,11 +106,11 @@ class Assumptions:
 
     # fitted (docs/estimator.md, "Calibration")
     gemm_fraction_ampere: float = 0.92  # A100: a GEMM's share of the dense peak as its output dims grow without bound
-    gemm_fraction_hopper: float = 0.61  # H100/H200: the same
-    gemm_knee: float = 420.0  # an output dimension x runs at x / (x + knee) of that rate
+    gemm_fraction_hopper: float = 0.62  # H100/H200: the same
+    gemm_knee: float = 345.0  # an output dimension x runs at x / (x + knee) of that rate
     attention_fraction: float = 0.31  # a fused (flash) attention kernel's rate, relative to a large GEMM's
-    elementwise_scale: float = 1.80  # multiplier on the counted element-wise memory traffic
-    fp8_gemm_fraction: float = 0.99  # FP8 GEMMs: share of the dense FP8 peak as the output dims grow
+    elementwise_scale: float = 1.98  # multiplier on the counted element-wise memory traffic
+    fp8_gemm_fraction: float = 0.72  # FP8 GEMMs: share of the dense FP8 peak as the output dims grow
     # stated
     overlap_efficiency: float = 0.5  # share of an overlappable collective that compute really hides
     link_fraction: float = 0.8  # of NVLink / NIC / PCIe one-way peak that a large collective reaches
@@ -157,6 +162,7 @@ class JobSpec:
     op_selective_saves: str = "every_matmul"  # OP_SELECTIVE_SAVES: which matmul outputs op_selective keeps
     loss_chunk_tokens: int = 0  # kernels.loss_chunk_tokens: the LM head and loss this many tokens at a time (0: whole)
     fp8_scaling: str = "delayed"  # FP8_SCALINGS: precision.fp8_backend te (delayed) or torchao (dynamic)
+    fp8_weight_casts: str = "per_microbatch"  # FP8_WEIGHT_CASTS: a weight cast every micro-batch or once per step
     sink_attention: str = "materialized"  # SINK_ATTENTION: the core's kernel with model.attention_sinks
 
     def __post_init__(self) -> None:
@@ -173,6 +179,7 @@ class JobSpec:
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("op_selective_saves", self.op_selective_saves, OP_SELECTIVE_SAVES)
         check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
+        check_choice("fp8_weight_casts", self.fp8_weight_casts, FP8_WEIGHT_CASTS)
         check_choice("sink_attention", self.sink_attention, SINK_ATTENTION)
         if self.op_selective_saves == "alternate_matmuls" and (self.model.is_mla or self.model.moe.experts is not None):
             raise EstimatorError("op_selective_saves=alternate_matmuls counts a dense grouped-query layer's matmuls "

@@ -418,10 +418,13 @@ def fp8_cast_bytes(job: JobSpec, tokens: float) -> tuple[float, float]:
     amax history and records the amax as the cast runs; dynamic scaling (torchao) reduces the
     tensor's amax in a pass of its own before casting (``FP8_CAST_ELEMENT_BYTES``). Eager torchao
     casts the saved 16-bit input and weight again in backward, once per layout; counted here is one
-    cast per operand writing both layouts, what a fused (compiled) cast reaches."""
+    cast per operand writing both layouts, what a fused (compiled) cast reaches. With
+    ``fp8_weight_casts=per_step`` (Megatron-Core's is_first_microbatch) a weight is cast on the step's
+    first micro-batch only: its share per micro-batch is 1/grad_accum."""
     per_element = FP8_CAST_ELEMENT_BYTES[job.fp8_scaling]
     gemms = layer_gemms(job.model, tokens, job.layout.tp, ep=job.layout.ep)
-    return (per_element * sum(m * k + k * n for m, k, n in gemms),
+    weight_share = 1 / job.grad_accum if job.fp8_weight_casts == "per_step" else 1.0
+    return (per_element * sum(m * k + weight_share * k * n for m, k, n in gemms),
             per_element * sum(m * n for m, _, n in gemms))
 
 

@@ -455,6 +455,13 @@ def test_fp8_casts_move_each_gemm_operand_through_memory_once_per_cast(scaling, 
     (fwd_16, bwd_16), (fwd_8, bwd_8) = _elementwise_bytes(bf16), _elementwise_bytes(fp8)
     assert fwd_8 - fwd_16 == per_element * (inputs + weights)
     assert bwd_8 - bwd_16 == per_element * outputs
+    # Megatron-Core's layers cast a weight on a step's first micro-batch only: 1/4 of it per micro-batch
+    per_step = dataclasses.replace(fp8, grad_accum=4, fp8_weight_casts="per_step")
+    fwd_step, bwd_step = _elementwise_bytes(per_step)
+    assert fwd_step - fwd_16 == pytest.approx(per_element * (inputs + weights / 4))
+    assert bwd_step - bwd_16 == per_element * outputs
+    with pytest.raises(est.EstimatorError, match="fp8_weight_casts='per_layer' is not valid"):
+        dataclasses.replace(fp8, fp8_weight_casts="per_layer")
 
 
 def test_torchao_fp8_is_estimated_with_dynamic_scaling_and_te_with_delayed():
