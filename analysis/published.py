@@ -44,7 +44,7 @@ FLOPS_CONVENTIONS = ("megatron_eq3", "perfgpt")
 ROW_KEYS = {
     "id", "table", "model", "system", "seq_len", "gpus", "tp", "pp", "cp", "micro_batch", "grad_accum",
     "global_batch", "strategy", "recompute", "precision", "ep", "pp_schedule", "pp_virtual_stages", "sequence_parallel",
-    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "op_selective_saves", "fp8_scaling", "compile", "num_params", "memory_gib", "reason",
+    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "op_selective_saves", "fp8_scaling", "sink_attention", "compile", "num_params", "memory_gib", "reason",
     *THROUGHPUT_KEYS,
 }
 SOURCE_KEYS = {"source", "citation", "read_from", "framework", "calibration", "flops_convention", "memory_kind",
@@ -161,6 +161,7 @@ def _load_source(path: Path) -> list[PublishedRow]:
             "zero_reduction": fields.get("zero_reduction", "deepspeed"),
             "op_selective_saves": fields.get("op_selective_saves", "every_matmul"),
             "fp8_scaling": fields.get("fp8_scaling", "delayed"),
+            "sink_attention": fields.get("sink_attention", "materialized"),
         }
         if "ep" in fields:
             layout["ep"] = fields["ep"]
@@ -505,6 +506,8 @@ def cli_command(row: PublishedRow) -> str | None:
         words += [f"--pp-schedule {lay.pp_schedule}", f"--pp-virtual-stages {lay.pp_virtual_stages}"]
     words += [f"--reshard-after-forward {str(job.fsdp_reshard_after_forward).lower()}",
               f"--op-selective-saves {job.op_selective_saves}"]
+    if job.sink_attention != "materialized":
+        words.append(f"--sink-attention {job.sink_attention}")
     if job.tp_overlap:
         words.append("--tp-overlap")
     return " ".join(words + ["--allow-refused"])

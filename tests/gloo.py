@@ -64,11 +64,14 @@ def run_workers(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     return results
 
 
-def gloo_context(rank: int, world: int, local_world: int | None = None, parallel=None, **degrees):
-    """The DistContext of a worker started by ``run_workers`` (CPU, gloo): ``local_world`` ranks per
+def gloo_context(rank: int, world: int, local_world: int | None = None, parallel=None, device: str = "cpu",
+                 **degrees):
+    """The DistContext of a worker started by ``run_workers`` (gloo): ``local_world`` ranks per
     node, and the layout of the ``parallel`` config section on them (``Layout.of``, as train.py builds
     it), or of ``degrees`` (the layout's keys: pp, dp_replicate, dp_shard, cp, tp, ep, strategy). Builds
-    the device mesh, a collective: every worker calls it with the same layout."""
+    the device mesh, a collective: every worker calls it with the same layout. ``device``: where this
+    rank computes (a CUDA device too: gloo's collectives take CUDA tensors, and several ranks may share
+    one GPU, which NCCL refuses)."""
     from parallel.dims import ParallelDims
     from parallel.distributed import DistContext
     from parallel.layout import Layout
@@ -76,7 +79,8 @@ def gloo_context(rank: int, world: int, local_world: int | None = None, parallel
     local = local_world or world
     layout = Layout.of(parallel, world, local) if parallel is not None else Layout(world, ranks_per_node=local, **degrees)
     dims = ParallelDims(world, local, rank, rank % local, layout=layout)
-    return DistContext(dims, torch.device("cpu"), "gloo", dims.build_mesh("cpu"))
+    where = torch.device(device)
+    return DistContext(dims, where, "gloo", dims.build_mesh(where.type))
 
 
 def data_parallel_engine(model, parallel_cfg, ctx, mode: str = "fp32", **optim):

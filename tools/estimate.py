@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--op-selective-saves", choices=est.OP_SELECTIVE_SAVES,
                         help="recompute=op_selective: which matmul outputs it keeps, every one (the trainer's) or "
                         "alternate ones (torchtitan's per-op policy); default every_matmul")
+    parser.add_argument("--sink-attention", choices=est.SINK_ATTENTION,
+                        help="model.attention_sinks: the core the trainer runs (materialized, model.attention=auto) or "
+                        "a fused kernel with the sink term (Megatron-Core on Transformer Engine's cuDNN attention); "
+                        "default materialized")
     parser.add_argument("--optimizer", choices=est.OPTIMIZERS, help="default: the config's optim.name, or adamw")
     layout = parser.add_argument_group("layout (default: the config's parallel section, or 1)")
     layout.add_argument("--tp", type=int, help="tensor-parallel GPUs (inside a node)")
@@ -184,6 +188,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         loss_chunk_tokens=loss_chunk_tokens,
         fp8_scaling=args.fp8_scaling or fp8_scaling,
         op_selective_saves=args.op_selective_saves or "every_matmul",
+        sink_attention=args.sink_attention or "materialized",
     )
     problem = est.trainer_refusal(job, cfg)
     if problem and not args.allow_refused:

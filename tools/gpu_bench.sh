@@ -101,9 +101,11 @@ bf16="train.device=$device precision.mode=bf16 parallel.strategy=none train.grad
 if [ "$DRY" = "1" ]; then
     # Collecting every test module takes long on a CPU and the suite does it anyway: the files with GPU tests.
     stage gpu-tests 120 "$OUT/tests.log" "$PYTHON" -m pytest -q --collect-only -m gpu \
-        $(grep -l "pytest.mark.gpu" tests/*.py) -p no:cacheprovider
+        $(grep -rl --include="*.py" "pytest.mark.gpu" tests/) -p no:cacheprovider
 else
-    stage gpu-tests 90 "$OUT/tests.log" \
+    # 150 s: the in-process GPU tests, and a 2-rank launch (Transformer Engine's FP8 under DDP) that
+    # starts two processes and imports Transformer Engine in each.
+    stage gpu-tests 150 "$OUT/tests.log" \
         "$PYTHON" -m pytest -q -m gpu tests/ --timeout=90 -p no:cacheprovider
     xdist=()
     "$PYTHON" -c "import xdist" 2>/dev/null && xdist=(-n "$WORKERS")

@@ -38,6 +38,11 @@ OPTIMIZERS = ("adamw", "muon")
 # optim.muon.ns_dtype=auto (bf16 on CUDA), in which sharded matrices travel to their owners and back.
 MUON_NS_STEPS = 5
 MUON_PIECE_BYTES = 2
+# How a core with attention sinks runs (JobSpec.sink_attention): the trainer's materialized reference core,
+# which model.attention=auto picks for sinks (model/attention.py: sdpa and flash-attn have no sink term),
+# or a fused kernel with the sink in its softmax, which stores no scores: Megatron-Core's softmax_type=learnable
+# on Transformer Engine >= 2.8, run by cuDNN's fused attention from 9.13.1 (published rows that ran it).
+SINK_ATTENTION = ("materialized", "fused")
 # Attention backends (model.attention) by what they store: only the reference keeps the scores.
 ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_attn": "flash", "auto": "flash"}
 
@@ -147,6 +152,7 @@ class JobSpec:
     op_selective_saves: str = "every_matmul"  # OP_SELECTIVE_SAVES: which matmul outputs op_selective keeps
     loss_chunk_tokens: int = 0  # kernels.loss_chunk_tokens: the LM head and loss this many tokens at a time (0: whole)
     fp8_scaling: str = "delayed"  # FP8_SCALINGS: precision.fp8_backend te (delayed) or torchao (dynamic)
+    sink_attention: str = "materialized"  # SINK_ATTENTION: the core's kernel with model.attention_sinks
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.layout.strategy, STRATEGIES)
@@ -157,6 +163,7 @@ class JobSpec:
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("op_selective_saves", self.op_selective_saves, OP_SELECTIVE_SAVES)
         check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
+        check_choice("sink_attention", self.sink_attention, SINK_ATTENTION)
         if self.op_selective_saves == "alternate_matmuls" and (self.model.is_mla or self.model.moe.experts is not None):
             raise EstimatorError("op_selective_saves=alternate_matmuls counts a dense grouped-query layer's matmuls "
                                  "(q, k, v, output, then the MLP's); use every_matmul for latent attention or MoE")
@@ -188,9 +195,10 @@ class JobSpec:
     @property
     def attention(self) -> str:
         # sdpa and flash_attn never store the scores on a GPU; only the reference backend does, and
-        # it is the one that runs attention sinks (model/attention.py: the others have no sink term).
+        # it is the one the trainer runs attention sinks on (model/attention.py: the others have no sink
+        # term); a framework with a fused sink kernel says so (sink_attention=fused).
         if self.model.attention_sinks:
-            return "materialized"
+            return "flash" if self.sink_attention == "fused" else "materialized"
         return ATTENTION_BACKEND_KIND[self.model.attention]
 
     @property

@@ -301,41 +301,87 @@ def activation_bytes_total(job: JobSpec, stage: int = 0, layer: _LayerActivation
     return in_flight * layers * layer.kept + layer.rebuilt + in_flight * ends, 0.0
 
 
+def loss_backward_bytes(tp: int) -> int:
+    """Bytes per logit the loss's backward allocates beside the fp32 log-probabilities it saved, at
+    its peak (the 16-bit logits are gone: their fp32 copy was freed in forward). Without tensor
+    parallelism ``F.cross_entropy(logits.float())`` (kernels/reference.py, torchtitan's loss) runs
+    nll_loss's backward, an fp32 gradient of the log-probabilities, then log_softmax's, an fp32
+    gradient of the logits' copy, while both are held: 4 + 4. Vocab-parallel (tp > 1, torch's
+    loss_parallel, which the trainer and torchtitan use) its nll_loss backward handler builds the
+    one-hot gradient, adds exp(log-probs) and multiplies by the loss gradient, three fp32 tensors
+    held at once: 4 + 4 + 4. Both are the CPU allocator's running total measured around one
+    backward (tests/unit/analysis/test_memory_held.py)."""
+    return 12 if tp > 1 else 8
+
+
 def _logits_bytes(job: JobSpec, stage: int | None = None) -> float:
     """fp32 log-probabilities the loss saves (per in-flight micro-batch; one set more per multi-token-
-    prediction depth, each run through the head again), their fp32 gradient and the logits' gradient
-    (one micro-batch at a time); vocab-parallel over tp; on the last stage only. With
-    ``loss_chunk_tokens`` each chunk's logits are recomputed in its backward and nothing of them is
-    kept between chunks (nor between the heads, which run one after another): the same three for one
-    chunk of tokens, whatever is in flight."""
+    prediction depth, each run through the head again) and what its backward allocates beside them
+    (``loss_backward_bytes``, one micro-batch at a time); vocab-parallel over tp; on the last stage
+    only. With ``loss_chunk_tokens`` each chunk's logits are recomputed in its backward and nothing of
+    them is kept between chunks (nor between the heads, which run one after another): the same for
+    one chunk of tokens, whatever is in flight."""
     last = job.layout.pp - 1
     if stage is not None and stage != last:
         return 0.0
     tokens = job.local_seq_len * job.micro_batch
     per_token = job.model.vocab_size / job.layout.tp
+    backward = loss_backward_bytes(job.layout.tp)
     if job.loss_chunk_tokens:
-        return min(job.loss_chunk_tokens, tokens) * per_token * (4 + 4 + job.activation_dtype_bytes)
+        return min(job.loss_chunk_tokens, tokens) * per_token * (4 + backward)
     heads = 1 + job.model.mtp_depth
-    return tokens * per_token * (4 * heads * _in_flight(job, last) + 4 + job.activation_dtype_bytes)
+    # Only GPipe runs the last stage's forwards ahead of their backwards; the 1F1B schedules run each
+    # micro-batch's backward through the model's last chunk right after its forward (an interleaved
+    # last GPU's warm-up forwards are those of its earlier chunks), so one set of log-probabilities.
+    in_flight = _in_flight(job, last) if job.layout.pp_schedule == "gpipe" else 1
+    return tokens * per_token * (4 * heads * in_flight + backward)
+
+
+# FSDP2 reduces gradients in fp32 (the trainer's parallel/precision.py and torchtitan's default
+# mixed_precision_reduce), and while gradient sync is off it accumulates the unsharded gradients in
+# that dtype, not the 16-bit weights' (pytorch/pytorch#125191, April 2024).
+REDUCE_BYTES = 4
+
+
+def gathered_bytes(precision: str) -> int:
+    """Bytes per weight FSDP2 gathers: its MixedPrecisionPolicy's param_dtype, 16-bit in every mode but
+    fp32 (parallel/precision.py; torchtitan's mixed_precision_param), whatever the shards are kept in
+    (the fp32 weights of the bf16 and fp16 autocast modes are gathered as 16-bit copies)."""
+    check_choice("precision", precision, PRECISION_MODES)
+    return 4 if precision == "fp32" else 2
+
+
+def root_parameters_per_gpu(job: JobSpec) -> float:
+    """What the FSDP root module owns on one GPU without a pipeline: every parameter outside the
+    blocks and the multi-token-prediction modules (the token table, learned positions, the final
+    norm and the head; vocab-parallel over tp)."""
+    cfg, tp, etp = job.model, job.layout.tp, job.layout.etp
+    return (stage_parameters(cfg, tp, 1, 0, etp) - cfg.n_layer * block_parameters_per_gpu(cfg, tp, etp)
+            - mtp_parameters_per_gpu(cfg, tp, etp))
 
 
 def _unsharded_bytes(job: JobSpec, stage: int = 0) -> float:
     """ZeRO-3/FSDP: the gathered weights and unreduced gradients one GPU holds at the peak beyond its
     shards: ``unsharded_layers`` blocks (the one in use and the prefetched one); every block's weights
-    without reshard-after-forward; under pp the whole stage, weights and gradients."""
+    without reshard-after-forward; FSDP's root module's weights; under pp the whole stage, weights
+    and gradients (accumulated in fp32)."""
     if job.layout.strategy not in ("zero3", "fsdp") or job.layout.dp_shard_cp == 1:
         return 0.0
-    per = STATE_BYTES[job.precision]
+    per, gathered = STATE_BYTES[job.precision], gathered_bytes(job.precision)
     if job.layout.pp > 1:  # pipelining keeps the stage gathered, and its gradients unreduced, until the last backward
         held = job_stage_parameters(job, stage) - stage_routed_parameters(job, stage) * (1 - 1 / job.layout.ep)
-        return held * (per.param + per.grad)
+        return held * (gathered + REDUCE_BYTES)
+    # FSDP2 keeps the root's weights gathered from its forward to the end of backward: the trainer asks
+    # for it (parallel/fsdp.py), and before pytorch/pytorch#154704 (May 2025) FSDP2 did so whatever
+    # the root's reshard_after_forward said (pytorch/pytorch#131965), as in torchtitan's 2024 runs.
+    root = root_parameters_per_gpu(job) * gathered if job.layout.strategy == "fsdp" else 0.0
     block = (block_parameters_per_gpu(job.model, job.layout.tp, job.layout.etp)
              - routed_parameters_per_block(job.model) / job.layout.etp * (1 - 1 / job.layout.ep))
     if not job.fsdp_reshard_after_forward:
         # Every block keeps its gathered weights from its forward to its backward: all of them at the
         # peak (the start of backward); gradients are reduced layer by layer as before.
-        return block * (job.model.n_layer * per.param + job.assumptions.unsharded_layers * per.grad)
-    return job.assumptions.unsharded_layers * block * (per.param + per.grad)
+        return root + block * (job.model.n_layer * gathered + job.assumptions.unsharded_layers * per.grad)
+    return root + job.assumptions.unsharded_layers * block * (gathered + per.grad)
 
 
 def stage_memory(job: JobSpec, stage: int, layer: _LayerActivations | None = None) -> MemoryEstimate:

@@ -170,7 +170,7 @@ def gemm_seconds(job: JobSpec, m: float, k: float, n: float) -> float:
     return max(compute, traffic)
 
 
-def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1, moe_split: int = 1, etp: int = 1
+def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1, moe_split: int = 1, etp: int = 1, ep: int = 1
                 ) -> list[tuple[int, float, float]]:
     """The forward GEMMs of one transformer layer on one of ``tp`` GPUs, as (m, k, n): the fused QKV
     and the MLP's first matmul are column-parallel (n / tp), the output projection and the MLP's
@@ -181,7 +181,10 @@ def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1, moe_split: int = 1, 
     plus the shared experts; the rest to the dense MLP. A MoE layer runs on tokens / ``moe_split``
     rows per GPU: tp under sequence parallelism with experts replicated over tp (each tp GPU routes
     its own positions), else 1 (every tp GPU runs all of them); with expert tensor parallelism
-    (``etp`` = tp) each expert's and the shared experts' widths are split ``etp`` ways."""
+    (``etp`` = tp) each expert's and the shared experts' widths are split ``etp`` ways. Under expert
+    parallelism a GPU runs its experts / ``ep`` local experts on the copies every rank of its ep group
+    routed to them, ``ep`` times one rank's share each (even routing): the same FLOPs as all experts on
+    its own tokens, in fewer, taller GEMMs (what the shape factor and the weights' FP8 casts see)."""
     d, f = cfg.d_model, cfg.d_ff
     gated = 2 if cfg.mlp == "swiglu" else 1
     gemms = attention_gemms(cfg, tokens, tp)
@@ -192,8 +195,9 @@ def layer_gemms(cfg: ModelConfig, tokens: int, tp: int = 1, moe_split: int = 1, 
     if moe_share > 0:
         routed, fe = tokens * moe_share / moe_split, cfg.expert_d_ff / etp
         shared = cfg.moe.shared_experts * fe
-        per_expert = routed * cfg.moe.top_k / cfg.moe.experts
-        gemms += [(routed, d, cfg.moe.experts)] + [(per_expert, d, gated * fe), (per_expert, fe, d)] * cfg.moe.experts
+        per_expert = routed * cfg.moe.top_k / cfg.moe.experts * ep
+        local = cfg.moe.experts // ep
+        gemms += [(routed, d, cfg.moe.experts)] + [(per_expert, d, gated * fe), (per_expert, fe, d)] * local
         if shared:
             gemms += [(routed, d, gated * shared), (routed, shared, d)]
     return gemms
@@ -323,7 +327,8 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
     parts and the shared rotary key; its two latent norms as the block's, read and write forward,
     three passes backward, outside). FP8 adds the casts of the GEMMs' operands (``fp8_cast_bytes``).
     In a MoE layer the activation runs on each token's top-k experts and the shared ones
-    (``mlp_hidden_width``); the permutation's gathers are not counted.
+    (``mlp_hidden_width``), and the router and the token permutation add ``moe_permutation_bytes``
+    (for the mean layer, times the MoE layers' share).
     """
     cfg, p, t = job.model, job.activation_dtype_bytes, job.layout.tp
     tokens = job.local_seq_len * job.micro_batch
@@ -348,10 +353,52 @@ def _elementwise_bytes(job: JobSpec) -> tuple[float, float]:
     split = t if job.layout.sp else 1
     fwd = tokens * (outside_fwd / split + inside_fwd / t)
     bwd = tokens * (outside_bwd / split + inside_bwd / t)
+    if cfg.moe.experts is not None:
+        share = cfg.n_moe_layers / cfg.n_layer
+        moe_fwd, moe_bwd = moe_permutation_bytes(job)
+        fwd += share * moe_fwd
+        bwd += share * moe_bwd
     if job.precision == "fp8":
         cast_fwd, cast_bwd = fp8_cast_bytes(job, tokens)
         fwd += cast_fwd
         bwd += cast_bwd
+    return fwd, bwd
+
+
+def moe_routed_tokens(job: JobSpec) -> float:
+    """Tokens one GPU routes in a MoE layer per micro-batch: its positions, or under sequence parallelism
+    with experts replicated over tp its 1/tp of them (each tp GPU routes its own)."""
+    split = job.layout.tp if job.layout.sp and job.layout.etp == 1 else 1
+    return job.local_seq_len * job.micro_batch / split
+
+
+# The router's scores are fp32 (model/moe.py ``route`` upcasts the logits; Megatron-Core's router too).
+ROUTER_SCORE_BYTES = 4
+
+
+def moe_permutation_bytes(job: JobSpec) -> tuple[float, float]:
+    """Bytes one MoE layer's router and token permutation move for one micro-batch on one GPU,
+    (forward, backward), memory-bound passes over d-wide rows of p bytes.
+
+    With T routed tokens (``moe_routed_tokens``) and A = T * top_k copies, as model/moe.py and
+    parallel/ep.py run them (Megatron-Core's all-to-all dispatcher moves the same rows): forward,
+    ``permute`` gathers the copies in expert order (read A, write A); under ep the copies that arrive
+    are sorted by local expert and the experts' outputs sorted back (read and write A, twice);
+    ``unpermute`` reads the A outputs and writes the T weighted sums. Backward: the un-permutation's
+    gradient reads the T output gradients, writes A copies' and reads the A saved outputs for the
+    routing weights' gradient; the two sorts again; the permutation's gradient reads A and writes the
+    T sums. The router: the softmax (or sigmoid) over T x experts fp32 logits reads them and writes
+    the scores, top-k reads the scores (3 passes); backward reads the scores and their gradient and
+    writes the logits' (3). The router's GEMM is in ``layer_gemms``; the all-to-alls are in
+    communication.py ``expert_all_to_all``."""
+    cfg, p = job.model, job.activation_dtype_bytes
+    tokens = moe_routed_tokens(job)
+    copies = tokens * cfg.moe.top_k
+    sorts = 4 * copies if job.layout.ep > 1 else 0.0
+    row = cfg.d_model * p
+    router = 3 * tokens * cfg.moe.experts * ROUTER_SCORE_BYTES
+    fwd = (2 * copies + sorts + copies + tokens) * row + router
+    bwd = (2 * copies + tokens + sorts + copies + tokens) * row + router
     return fwd, bwd
 
 
@@ -373,7 +420,7 @@ def fp8_cast_bytes(job: JobSpec, tokens: float) -> tuple[float, float]:
     casts the saved 16-bit input and weight again in backward, once per layout; counted here is one
     cast per operand writing both layouts, what a fused (compiled) cast reaches."""
     per_element = FP8_CAST_ELEMENT_BYTES[job.fp8_scaling]
-    gemms = layer_gemms(job.model, tokens, job.layout.tp)
+    gemms = layer_gemms(job.model, tokens, job.layout.tp, ep=job.layout.ep)
     return (per_element * sum(m * k + k * n for m, k, n in gemms),
             per_element * sum(m * n for m, _, n in gemms))
 
@@ -412,7 +459,7 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     hbm = job.device.hbm_tb_s * 1e12 * a.hbm_fraction
     redo_layer, redo_core, redo_elementwise = _recompute_shares(job)
     moe_split = t if job.layout.sp and job.layout.etp == 1 else 1
-    gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t, moe_split, job.layout.etp))
+    gemm = sum(gemm_seconds(job, *shape) for shape in layer_gemms(cfg, tokens, t, moe_split, job.layout.etp, job.layout.ep))
     core, scores = attention_seconds(job, 1 + redo_core + redo_layer)
     fwd_bytes, bwd_bytes = _elementwise_bytes(job)
     elementwise = (fwd_bytes * (1 + redo_layer + redo_elementwise) + bwd_bytes) * a.elementwise_scale / hbm

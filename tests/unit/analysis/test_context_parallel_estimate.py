@@ -111,11 +111,16 @@ def test_the_planner_places_llama3_8b_at_128k_on_8_gpus_with_cp():
     assert est.context_parallel_sizes(131072, 8) == [1, 2, 4, 8]
 
 
+def cfg_comment() -> str:
+    return "".join(line for line in open("configs/llama3-8b-128k.yaml") if line.startswith("#"))
+
+
 def test_the_shipped_long_context_config_fits_as_its_comment_says():
     cfg = load_config("configs/llama3-8b-128k.yaml", ["--data.path=unused"])
-    assert cfg.parallel.cp == 4 and cfg.model.rope_theta == 500000.0
+    assert cfg.parallel.cp == 8 and cfg.model.rope_theta == 500000.0
     j = est.job_of(cfg, est.Layout.of(cfg.parallel, 8), H100)
-    assert j.layout.dp_shard == 2 and j.layout.strategy == "fsdp" and est.estimate(j).fits
+    assert j.layout.dp_shard == 1 and j.layout.strategy == "fsdp" and est.estimate(j).fits
+    assert f"{est.estimate(j).memory.total / est.GIB:.1f} GiB" in cfg_comment()
 
 
 def test_bad_cp_layouts_are_one_line_errors():

@@ -97,6 +97,31 @@ def test_sinks_run_the_reference_core_and_name_the_backends_that_cannot():
             est.JobSpec(small(attention_sinks=True, attention=backend), 512, 1, device=H100)
 
 
+def test_a_fused_sink_kernel_runs_the_fused_core_and_the_trainers_default_stays_materialized():
+    """sink_attention=fused (Megatron-Core's softmax_type=learnable on cuDNN's fused attention): the
+    core's time is the flash formula, 3.5 forward passes of the causal half (with the band of a sliding
+    window) at attention_fraction of the GEMM rate, no score traffic, and it keeps what a fused core
+    keeps; the default is the trainer's materialized reference core."""
+    sinks = small(attention_sinks=True, sliding_window=16, sliding_window_every=2)
+    fused = est.JobSpec(sinks, 512, 2, device=H100, sink_attention="fused")
+    trainer = dataclasses.replace(fused, sink_attention="materialized")
+    assert est.JobSpec(sinks, 512, 2, device=H100).sink_attention == "materialized"
+    assert (fused.attention, trainer.attention) == ("flash", "materialized")
+    a, s, b = est.Assumptions(), 512, 2
+    full, band = s * (s + 1) // 2, 16 * 17 // 2 + (s - 16) * 16  # layers 0 and 2 windowed, 1 and 3 whole
+    # QK^T and @V over q = v = 64 on half the s x s square, the windowed layers on their band's share of it
+    executed = 2 * b * s * s * (2 * 64) / 2 * (1 + band / full) / 2 * 3.5
+    rate = H100.bf16_tflops * 1e12 * a.gemm_fraction_hopper * a.attention_fraction
+    compute, scores = est.attention_seconds(fused, 1)
+    assert compute == pytest.approx(executed / rate)
+    assert scores == 0.0 and est.attention_seconds(trainer, 1)[1] > 0
+    twin = dataclasses.replace(fused, model=small(sliding_window=16, sliding_window_every=2))  # no sinks, flash-attn
+    assert est.estimate_memory(fused).activations == est.estimate_memory(twin).activations
+    assert est.estimate_memory(trainer).activations > est.estimate_memory(fused).activations
+    with pytest.raises(est.EstimatorError, match="sink_attention='cudnn' is not valid; choose one of: materialized, fused"):
+        est.JobSpec(sinks, 512, 2, device=H100, sink_attention="cudnn")
+
+
 def test_under_cp_a_windowed_materialized_core_keeps_scores_against_the_keys_it_sees():
     s, cp, w, b, p = 4096, 4, 256, 1, 2
     cfg = small(attention="reference", sliding_window=w, sliding_window_every=2, max_seq_len=s)
@@ -107,3 +132,13 @@ def test_under_cp_a_windowed_materialized_core_keeps_scores_against_the_keys_it_
     whole = cfg.n_head * b * p * (c * c * (2 * cp + 1) - (s // cp) ** 2)
     assert est.cp_attention_bytes_per_layer(job, "none") == pytest.approx(kv + (windowed + whole) / 2)
     assert est.cp_chunk_keys(s, cp, w) == 2 * (c + w - 1)  # each chunk: its own c and the W - 1 before
+
+
+def test_the_estimate_tool_takes_the_sink_kernel():
+    """tools/estimate.py --sink-attention: gpt-oss's sinks on the trainer's materialized core by default,
+    on a fused core when the flag says so."""
+    from tools import estimate
+
+    base = ["--config", "configs/gpt-oss-20b.yaml", "--gpus", "8", "--seq-len", "1024", "--micro-batch", "1"]
+    jobs = [estimate.build_job(*estimate.parse_args(base + extra)) for extra in ([], ["--sink-attention", "fused"])]
+    assert [(j.sink_attention, j.attention) for j in jobs] == [("materialized", "materialized"), ("fused", "flash")]

@@ -13,6 +13,7 @@ import pytest
 
 from analysis import estimator as est
 from analysis.estimator.activations import _mlp_activation_elements
+from analysis.estimator.time import fp8_cast_bytes
 from common.hardware import DEVICES
 from model.config import ModelConfig, MoEConfig
 from parallel.dims import ParallelDims
@@ -171,7 +172,57 @@ def test_mixtral_on_64_h100s_plans_expert_parallelism_in_the_trainers_words():
     assert int(words["ep"]) > 1
     degrees = [int(words.get(k, 1)) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
     assert math.prod(degrees) == 64  # dp_shard counts the ep ranks
-    keys = ("strategy", "dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_virtual_stages",
+    keys = ("strategy", "dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "pp_schedule", "pp_virtual_stages",
             "sequence_parallel")
     loaded = load_config("configs/mixtral-8x7b.yaml", [f"--parallel.{k}={words[k]}" for k in keys if k in words])
     assert est.Layout.of(loaded.parallel, 64, 8).describe() == lines[0].split(" recompute=")[0]
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_under_ep_a_gpu_runs_its_local_experts_on_every_ranks_copies(ep):
+    """parallel/ep.py: each rank runs experts / ep local experts on the rows every rank of its group
+    routed to them: E/ep GEMM pairs of ep * T * k / E rows (taller than one rank's share), the same
+    FLOPs; FP8 casts the local experts' weights only."""
+    tokens, d, f, E, k = 512, 128, 64, 8, 2
+    gemms = est.layer_gemms(MOE, tokens, ep=ep)
+    experts = gemms[3:]  # after the QKV and output projections and the router
+    assert gemms[2] == (tokens, d, E)
+    assert [(kk, n) for _, kk, n in experts] == [(d, 2 * f), (f, d)] * (E // ep)
+    assert {m for m, _, _ in experts} == {tokens * k / E * ep}
+    flops = sum(m * kk * n for m, kk, n in gemms)
+    assert flops == pytest.approx(sum(m * kk * n for m, kk, n in est.layer_gemms(MOE, tokens)))
+    fp8 = dataclasses.replace(job(ep), precision="fp8")
+    one = dataclasses.replace(job(1), precision="fp8")
+    (fwd, bwd), (fwd1, bwd1) = fp8_cast_bytes(fp8, tokens), fp8_cast_bytes(one, tokens)
+    per_element = 4  # delayed scaling: read 2, write 1 and its transpose 1
+    assert fwd1 - fwd == pytest.approx(per_element * (E - E // ep) * 3 * d * f)  # the weights held elsewhere
+    assert bwd == pytest.approx(bwd1)
+
+
+@pytest.mark.parametrize("ep, tp, sp", [(1, 1, True), (2, 1, True), (2, 2, True), (2, 2, False)])
+def test_the_router_and_the_permutation_move_these_bytes(ep, tp, sp):
+    """Hand count of model/moe.py's route, permute and unpermute and parallel/ep.py's sorts for one
+    micro-batch of 2 x 256 tokens (d = 128, bf16 rows of 256 bytes, 8 experts, top-2)."""
+    T = 2 * 256 // (tp if sp else 1)  # positions this GPU routes
+    A, row, router = 2 * T, 128 * 2, T * 8 * 4  # copies; a row's bytes; fp32 scores over the experts
+    forward = [
+        ("router softmax reads the logits, writes the scores", 2 * router),
+        ("top-k reads the scores", router),
+        ("permute: gather the copies (read), write them in expert order", 2 * A * row),
+        ("unpermute: read the experts' outputs", A * row),
+        ("unpermute: write each token's weighted sum", T * row),
+    ]
+    backward = [
+        ("softmax backward: read the scores and their gradient, write the logits'", 3 * router),
+        ("unpermute backward: read the tokens' gradients", T * row),
+        ("unpermute backward: write the copies' gradients", A * row),
+        ("routing weights' gradient: read the saved outputs", A * row),
+        ("permute backward: read the copies' gradients, write the tokens' sums", A * row + T * row),
+    ]
+    if ep > 1:  # arrived rows sorted by local expert, outputs sorted back: read and write each, both ways
+        forward.append(("sorts", 4 * A * row))
+        backward.append(("sorts", 4 * A * row))
+    layout = dict(tp=tp, sequence_parallel=sp) if tp > 1 else {}
+    fwd, bwd = est.moe_permutation_bytes(job(ep, **layout))
+    assert fwd == sum(n for _, n in forward)
+    assert bwd == sum(n for _, n in backward)

@@ -232,9 +232,11 @@ def test_memory_per_gpu_is_the_fullest_stage(schedule, v):
     held = est.pipeline_in_flight(schedule, 4, 8, v, 0)
     embedding = 2 * 2048 * 2048 / 2
     assert stages[0].activations == pytest.approx(held * 4 * per_layer + (none - per_layer) + held * embedding)
-    # only the last stage keeps logits: vocab-parallel fp32 log-probs per micro-batch in flight + one gradient
-    last_held = est.pipeline_in_flight(schedule, 4, 8, v, 3)
-    assert stages[3].logits == pytest.approx(2048 * 32000 / 2 * (4 * last_held + 4 + 2))
+    # only the last stage keeps logits: vocab-parallel fp32 log-probs, of every micro-batch in flight
+    # under GPipe and of one under the 1F1B schedules (each backward through the last chunk follows its
+    # forward), and what loss_parallel's backward allocates beside them (three fp32 tensors)
+    last_held = 8 if schedule == "gpipe" else 1
+    assert stages[3].logits == pytest.approx(2048 * 32000 / 2 * (4 * last_held + 4 + 4 + 4))
     assert stages[0].logits == stages[1].logits == 0
     # a huge vocabulary makes the last stage the fullest
     wide = dataclasses.replace(job, model=dataclasses.replace(cfg, vocab_size=1_000_000))
@@ -246,10 +248,14 @@ def test_fsdp_under_pipelining_keeps_the_stage_gathered():
     cfg = paper_model(16, 2048, 16)
     job = spec(cfg, 16, "selective", grad_accum=8, tp=2, pp=2)
     stage = est.stage_memory(job, 0)
-    assert stage.unsharded_params == est.stage_parameters(cfg, 2, 2, 0) * (2 + 2)
+    # bf16 weights, and gradients accumulated in fp32 (FSDP2's reduce dtype) until the last micro-batch
+    assert stage.unsharded_params == est.stage_parameters(cfg, 2, 2, 0) * (2 + 4)
     assert stage.states == est.stage_parameters(cfg, 2, 2, 0) * 16 / 4  # sharded over dp_shard=4
     flat = est.stage_memory(relaid(job, grad_accum=1, pp=1, world_size=8), 0)
-    assert flat.unsharded_params == 2 * est.block_parameters_per_gpu(cfg, 2) * (2 + 2)  # two layers, as before
+    # two layers, as before, and the root's weights, gathered: the vocab-parallel table (tied: the head),
+    # the learned positions (2048 x 2048, whole) and the final layernorm's gain and bias
+    root = 51200 * 2048 / 2 + 2048 * 2048 + 2 * 2048
+    assert flat.unsharded_params == 2 * est.block_parameters_per_gpu(cfg, 2) * (2 + 2) + root * 2
 
 
 # --------------------------------------------------------------------------- communication and time
@@ -324,11 +330,13 @@ def _plan_70b(**changes) -> list[est.Estimate]:
     return est.plan_layouts(model, p.seq_len, p.world_size, H100, global_batch=p.micro_batch * p.world_size, top=None)
 
 
-def test_planner_keeps_selective_recompute_for_a_70b_without_dropout_on_64_h100s_with_tp_and_sp():
-    # Without dropout, tensor + sequence parallelism keeps selective recompute.
+def test_planner_keeps_activations_for_a_70b_without_dropout_on_64_h100s_with_tp_and_sp():
+    # Without dropout, tensor + sequence parallelism keeps the activations full recompute would drop: since
+    # the stage's fp32 gradients under pp are counted, tp=8 x pp=2 keeping them all is cheapest (tp=2 x pp=8
+    # with selective recompute was, at 78.9 GiB of 80)
     plans = _plan_70b(dropout=0.0)
     best = plans[0].job
-    assert best.layout.tp > 1 and best.layout.sp and best.recompute == "selective"
+    assert best.layout.tp > 1 and best.layout.sp and best.recompute in ("none", "selective")
     assert plans[0].fits and plans[0].memory.total <= 80 * GIB
     assert best.micro_batch * best.grad_accum * best.layout.dp == 256
     costs = [plan.time.seconds_per_token for plan in plans]

@@ -145,8 +145,9 @@ def test_a_memory_row_equals_a_hand_computation(comparisons):
     kept = 2 * tokens * (2 * h + (h + kv) + h + f) + lse  # input, w2's output; wq's and wv's, the core's, w1's
     none = 2 * tokens * (4 * h + (h + 2 * kv) + h + 4 * f) + lse
     activations = L * kept + (none - kept) + 2 * tokens * h  # + one layer rebuilt + the embedding output
-    logits = tokens * V * (4 + 4 + 2)  # fp32 log-probabilities, their gradient, the 16-bit logits gradient
+    logits = tokens * V * (4 + 4 + 4)  # fp32 log-probabilities, their gradient, the fp32 logits' gradient
     unsharded = 2 * (h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h) * (2 + 2)  # two gathered layers and grads
+    unsharded += 2 * (2 * V * h + h)  # FSDP2's root (table, head, final norm), gathered through backward
     reserved = states + activations + logits + unsharded + a.fragmentation * (activations + logits + unsharded)
     c = _one(comparisons, "torchtitan/t3-8b-fsdp-128", "memory")
     assert c.published == 67.0
@@ -278,3 +279,12 @@ def test_each_torchtitan_row_through_its_command_line_predicts_what_the_table_do
             assert through_cli[c.quantity] == pytest.approx(c.predicted, rel=1e-9), (row.id, c.quantity)
             checked += 1
     assert checked == 36  # 18 rows, throughput and memory each
+
+
+def test_a_row_says_its_framework_runs_sinks_in_a_fused_kernel(rows):
+    """megatron_bridge.yaml's GPT OSS 120B row (sink_attention: fused) is estimated with a fused core;
+    the same row without the key gets the trainer's materialized one."""
+    row = next(r for r in rows if r.key == "megatron_bridge/gpt-oss-120b-64gpus")
+    fused = row.job()
+    assert row.model.attention_sinks and fused.attention == "flash"
+    assert dataclasses.replace(fused, sink_attention="materialized").attention == "materialized"
