@@ -44,7 +44,7 @@ FLOPS_CONVENTIONS = ("megatron_eq3", "perfgpt")
 ROW_KEYS = {
     "id", "table", "model", "system", "seq_len", "gpus", "tp", "pp", "cp", "micro_batch", "grad_accum",
     "global_batch", "strategy", "recompute", "precision", "ep", "pp_schedule", "pp_virtual_stages", "sequence_parallel",
-    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "op_selective_saves", "fp8_scaling", "sink_attention", "compile", "num_params", "memory_gib", "reason",
+    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "zero3_collectives", "op_selective_saves", "fp8_scaling", "sink_attention", "compile", "num_params", "memory_gib", "reason",
     *THROUGHPUT_KEYS,
 }
 SOURCE_KEYS = {"source", "citation", "read_from", "framework", "calibration", "flops_convention", "memory_kind",
@@ -159,6 +159,7 @@ def _load_source(path: Path) -> list[PublishedRow]:
             "tp_overlap": fields.get("tp_overlap", False), "dp_overlap": fields.get("dp_overlap", True),
             "fsdp_reshard_after_forward": fields.get("fsdp_reshard_after_forward", True),
             "zero_reduction": fields.get("zero_reduction", "deepspeed"),
+            "zero3_collectives": fields.get("zero3_collectives", "bucketed"),
             "op_selective_saves": fields.get("op_selective_saves", "every_matmul"),
             "fp8_scaling": fields.get("fp8_scaling", "delayed"),
             "sink_attention": fields.get("sink_attention", "materialized"),

@@ -40,9 +40,12 @@ from analysis.estimator.communication import (
     fsdp_collectives,
     gradient_reductions,
     kv_gather_bytes,
+    parameter_tensors,
     pp_comm_seconds,
     reshards_after_forward,
+    ring_latency_seconds,
     tp_comm_seconds,
+    zero3_collective_count,
 )
 from analysis.estimator.job import (
     ACTIVATION_BYTES,
@@ -61,6 +64,7 @@ from analysis.estimator.job import (
     SINK_ATTENTION,
     STATE_BYTES,
     STRATEGIES,
+    ZERO3_COLLECTIVES,
     ZERO_REDUCTIONS,
     Assumptions,
     EstimatorError,
@@ -135,7 +139,8 @@ from parallel.layout import Layout  # what a JobSpec's layout is
 
 __all__ = [
     "ACTIVATION_BYTES", "ATTENTION_BACKEND_KIND", "ATTENTION_KINDS", "FITTED_PARAMETERS", "FP8_SCALINGS", "GIB", "OP_SELECTIVE_SAVES",
-    "RECOMPUTE_POLICIES", "SINK_ATTENTION", "PP_SCHEDULES", "PRECISION_MODES", "STATE_BYTES", "STRATEGIES", "ZERO_REDUCTIONS",
+    "RECOMPUTE_POLICIES", "SINK_ATTENTION", "PP_SCHEDULES", "PRECISION_MODES", "STATE_BYTES", "STRATEGIES", "ZERO3_COLLECTIVES",
+    "ZERO_REDUCTIONS",
     "Assumptions", "EstimatorError", "JobSpec", "StateBytes", "layout_of", "activation_bytes_per_layer",
     "korthikanti_bytes_per_layer", "saved_bytes_per_layer", "MemoryEstimate", "activation_bytes_total",
     "block_parameters_per_gpu", "cp_attention_bytes_per_layer", "cp_chunk_keys", "estimate_memory", "gathered_bytes",
@@ -143,7 +148,8 @@ __all__ = [
     "pipeline_in_flight", "kv_cache_bytes", "mtp_parameters_per_gpu", "routed_parameters_per_block", "stage_memory", "stage_parameters",
     "stage_routed_parameters", "stage_state_bytes", "CommVolume", "collective_seconds", "comm_volume",
     "cp_comm_seconds", "dp_volume", "expert_all_to_all", "expert_exchanges", "expert_tp_collectives", "fsdp_collectives", "gradient_reductions", "kv_gather_bytes",
-    "pp_comm_seconds", "reshards_after_forward", "tp_comm_seconds", "TimeEstimate", "attention_seconds", "bubble_fraction",
+    "parameter_tensors", "pp_comm_seconds", "reshards_after_forward", "ring_latency_seconds", "tp_comm_seconds",
+    "zero3_collective_count", "TimeEstimate", "attention_seconds", "bubble_fraction",
     "bubble_overhead", "causal_pairs", "estimate_time", "fused_core_share", "gemm_seconds", "layer_gemms", "moe_permutation_bytes", "recompute_flops_per_token", "Estimate",
     "describe_estimate", "estimate", "memory_problems", "CP_SEARCH_FROM", "PLANNER_STRATEGIES",
     "context_parallel_sizes", "describe_plan", "expert_parallel_sizes", "fit_verdict", "fp8_scaling_of", "job_of", "job_verdict", "job_overrides",

@@ -72,6 +72,50 @@ def collective_seconds(
     return intra + inter
 
 
+# NCCL's own cost model of a ring all-gather or reduce-scatter (its tuning model, src/graph/tuning.cc, ring
+# algorithm with the Simple protocol that large messages use), microseconds: a base latency, then one step per
+# rank after the first, each crossing NVLink or, for the steps that leave a node, the network.
+NCCL_RING_BASE_US = 8.4
+NCCL_RING_NVLINK_STEP_US = 5.7
+NCCL_RING_NETWORK_STEP_US = 6.6
+
+
+def ring_latency_seconds(world_size: int, ranks_per_node: int) -> float:
+    """The fixed cost of one ring all-gather or reduce-scatter over ``world_size`` GPUs, whatever its size,
+    as NCCL's tuning model counts it: N - 1 steps, of which nodes - 1 cross the network."""
+    if world_size <= 1:
+        return 0.0
+    nodes = math.ceil(world_size / max(1, min(world_size, ranks_per_node)))
+    steps, network = world_size - 1, nodes - 1
+    return 1e-6 * (NCCL_RING_BASE_US + (steps - network) * NCCL_RING_NVLINK_STEP_US
+                   + network * NCCL_RING_NETWORK_STEP_US)
+
+
+def parameter_tensors(cfg: ModelConfig) -> int:
+    """The parameter tensors of a dense model (model.gpt's, as Megatron-LM's GPT names them too): per
+    block two norms (gain, and bias with a biased LayerNorm), the fused QKV and the output projection
+    (each a weight and, if the model has them, a bias), the query/key norms, the sinks, the MLP's two
+    (SwiGLU: three) matrices and their biases; outside the blocks the token table, learned positions,
+    the final norm and an untied head."""
+    norm = 2 if cfg.norm == "layernorm" and cfg.bias else 1
+    attention = 2 + cfg.has_qkv_bias + cfg.has_proj_bias + 2 * cfg.qk_norm + cfg.attention_sinks
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * (1 + cfg.bias)
+    outside = 1 + (cfg.position == "learned") + norm + (not cfg.tie_embeddings)
+    return cfg.n_layer * (2 * norm + attention + mlp) + outside
+
+
+def zero3_collective_count(job: JobSpec) -> tuple[float, float]:
+    """(all-gathers, reduce-scatters) per step of each parameter tensor under
+    ``zero3_collectives=per_parameter_sync``: DeepSpeed's ZeRO-3 as released in 2021 (deepspeed.zero's
+    partition_parameters.py) gathers every parameter tensor in its own all-gather when a module's forward
+    starts and frees it when the forward ends, gathers it again for the module's backward, and again for a
+    forward recomputed in backward (Megatron-LM's activation checkpointing runs the layer's forward, hooks
+    and all); each gradient is reduce-scattered on its own. Every micro-batch does this."""
+    m, cfg = job.grad_accum, job.model
+    redone = {"full": 1.0, "every_k": checkpointed_layers(cfg.n_layer, cfg.recompute_every_k) / cfg.n_layer}
+    return (2 + redone.get(job.recompute, 0.0)) * m, float(m)
+
+
 def _per_node(job: JobSpec, stride: int, group: int) -> int:
     """Ranks of a mesh group whose members sit ``stride`` ranks apart that share one node."""
     return max(1, min(group, job.device.gpus_per_node // stride))
@@ -177,6 +221,8 @@ def fsdp_collectives(job: JobSpec) -> tuple[int, int]:
     backward until the step ends; with reshard_after_forward every micro-batch's forward gathers again
     (m forwards + 1 backward gather), without it the first gather serves the whole step."""
     m = job.grad_accum
+    if job.zero3_collectives == "per_parameter_sync":
+        return zero3_collective_count(job)
     if job.layout.pp == 1:
         return (2 if job.fsdp_reshard_after_forward else 1) * m, m
     return (m + 1 if reshards_after_forward(job) else 1), 1
@@ -240,6 +286,10 @@ def _dp_comm(job: JobSpec, n_params: float, shard: int | None = None) -> tuple[C
         + collective_seconds(volume.reduce_scatter, group, job.device, frac, **link)
         + collective_seconds(volume.all_gather, group, job.device, frac, **link)
     )
+    if job.layout.strategy in ("zero3", "fsdp") and group > 1 and job.zero3_collectives == "per_parameter_sync":
+        # one collective per parameter tensor: each pays NCCL's fixed ring cost, which grows with the ranks
+        seconds += sum(zero3_collective_count(job)) * parameter_tensors(job.model) * ring_latency_seconds(
+            group, link["ranks_per_node"])
     if volume.replicas > 1:
         outer = dict(ranks_per_node=_per_node(job, job.layout.tp * group, volume.replicas))
         seconds += 2 * collective_seconds(volume.replica_all_reduce, volume.replicas, job.device, frac, **outer)

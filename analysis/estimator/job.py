@@ -24,6 +24,10 @@ ATTENTION_KINDS = ("materialized", "flash")
 # ZeRO-2 every micro-batch; Megatron's distributed optimizer (and the ZeRO paper's count) reduce-scatters
 # the accumulated gradients once per step.
 ZERO_REDUCTIONS = ("deepspeed", "reduce_scatter")
+# How a framework's ZeRO-3/FSDP runs its collectives: over flat buffers, prefetched behind compute (FSDP,
+# the trainer's), or one parameter tensor at a time, each waited for before compute goes on (DeepSpeed's
+# ZeRO-3 as released in 2021: communication.py ``zero3_collective_count``).
+ZERO3_COLLECTIVES = ("bucketed", "per_parameter_sync")
 # What recompute=op_selective keeps of a layer's matmul outputs: all of them (the trainer's policy,
 # model/recompute.py), or torchtitan's per-op policy, which keeps the 1st, 3rd, ... matmul of each block
 # in forward order and recomputes the others (activations.py).
@@ -147,6 +151,7 @@ class JobSpec:
     dp_overlap: bool = True
     fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
     zero_reduction: str = "deepspeed"  # ZERO_REDUCTIONS: how ZeRO-1/2 reduce gradients (communication.py)
+    zero3_collectives: str = "bucketed"  # ZERO3_COLLECTIVES: how ZeRO-3/FSDP gathers and reduces (communication.py)
     ddp_no_sync: bool = True  # DDP reduces once per step (the trainer's no_sync); False: every micro-batch
     optimizer: str = "adamw"  # optim.name: muon keeps one state buffer per hidden matrix instead of two
     op_selective_saves: str = "every_matmul"  # OP_SELECTIVE_SAVES: which matmul outputs op_selective keeps
@@ -160,6 +165,11 @@ class JobSpec:
         check_choice("precision", self.precision, PRECISION_MODES)
         check_choice("pp_schedule", self.layout.pp_schedule, PP_SCHEDULES)
         check_choice("zero_reduction", self.zero_reduction, ZERO_REDUCTIONS)
+        check_choice("zero3_collectives", self.zero3_collectives, ZERO3_COLLECTIVES)
+        if self.zero3_collectives == "per_parameter_sync" and (
+                self.layout.pp > 1 or self.model.is_mla or self.model.moe.experts is not None or self.model.mtp_depth):
+            raise EstimatorError("zero3_collectives=per_parameter_sync counts the parameter tensors of dense blocks "
+                                 "without a pipeline (DeepSpeed's 2021 ZeRO-3); use bucketed for pp, MoE, MLA or MTP")
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("op_selective_saves", self.op_selective_saves, OP_SELECTIVE_SAVES)
         check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)

@@ -535,7 +535,9 @@ def estimate_time(job: JobSpec, state_bytes: float) -> TimeEstimate:
     else:
         # each reduction behind the backward of the micro-batch it reduces (the last one's when once per step)
         hideable = gradient_reductions(job) * 2 / 3 * slowest.compute
-    if not job.dp_overlap:
+    if not job.dp_overlap or job.zero3_collectives == "per_parameter_sync":
+        # DeepSpeed's 2021 ZeRO-3: a module waits for its own gather, and each prefetched gather first
+        # synchronizes the device (compute and the reduce-scatters issued so far)
         hideable = 0.0
     exposed_dp = _exposed(dp_s, hideable, a)
     layers = job.model.n_layer // job.layout.pp
