@@ -97,17 +97,15 @@ class Job:
     peak_memory_gib: float | None
     memory_budget_gib: float | None
     device: str  # "cuda" or "cpu": on a CPU Triton runs only in its interpreter and compile is no remedy
-    tp: int = 1  # under tensor parallelism torch's compiler runs only with op_selective recompute
+    tp: int = 1  # under tensor parallelism the trainer refuses compile
     zero_bubble: bool = False  # a pipeline on the zero_bubble schedule, which compiled blocks do not run
 
 
 def compile_switch(job: Job) -> list[str] | None:
     """The overrides that turn compile on and that the trainer accepts for this job (training/config.py
-    refuses compile under tp with any recompute but op_selective, and with zero_bubble); None if none."""
-    if job.compile or job.device != "cuda" or job.zero_bubble:
+    refuses compile under tp and with zero_bubble); None if none."""
+    if job.compile or job.device != "cuda" or job.zero_bubble or job.tp > 1:
         return None
-    if job.tp > 1 and job.recompute != "op_selective":
-        return ["--train.compile=true", "--model.recompute=op_selective"]
     return ["--train.compile=true"]
 
 
@@ -151,8 +149,7 @@ def verdicts(b: Breakdown, job: Job) -> list[Verdict]:
     if host > HOST_LIMIT:
         switch = compile_switch(job)
         remedy = ("raise train.micro_batch_size so each launch does more work" if switch is None else
-                  "train.compile=true fuses them" + (" (under parallel.tp torch's compiler needs "
-                                                      "model.recompute=op_selective)" if len(switch) > 1 else ""))
+                  "train.compile=true fuses them")
         out.append(Verdict(host, f"host overhead {host:.0%} of step time (> {HOST_LIMIT:.0%}: Python and launch "
                            f"gaps between operators): {remedy} (chapter 8.5)", switch or []))
     opt = b.share("optimizer")

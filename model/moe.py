@@ -95,6 +95,13 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, rou
 TokenMean = Callable[[torch.Tensor], torch.Tensor]
 
 
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(E,) int64: how many of the expert numbers ``experts`` (N,) name each expert. ``torch.bincount``'s
+    length depends on the values it counts, so torch.compile breaks its graph there; this one's is E."""
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=experts.device)
+    return counts.scatter_add_(0, experts, torch.ones_like(experts))
+
+
 def load_balancing_loss(routing: Routing, n_experts: int, sum_counts: TokenMean | None = None,
                         token_mean: TokenMean | None = None) -> torch.Tensor:
     """Switch/GShard auxiliary loss E * sum_i f_i * P_i: 1.0 when load and scores are uniform.
@@ -106,7 +113,7 @@ def load_balancing_loss(routing: Routing, n_experts: int, sum_counts: TokenMean 
     turns this rank's means into those over every rank holding a slice of the same tokens and the
     same loss (``MoE.token_mean``, tensor parallelism's sequence slices).
     """
-    counts = torch.bincount(routing.experts.flatten(), minlength=n_experts)
+    counts = expert_counts(routing.experts.flatten(), n_experts)
     if sum_counts is not None:
         counts = sum_counts(counts)
     means = torch.stack([counts.float() / counts.sum().clamp(min=1), routing.probs.mean(dim=0)])  # (2, E): f, P
@@ -149,7 +156,7 @@ def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: in
     k = experts.shape[1]
     flat = experts.flatten()  # (T*k,)
     slots = torch.argsort(flat, stable=True)  # stable: earlier tokens come first within an expert
-    routed = torch.bincount(flat, minlength=n_experts)
+    routed = expert_counts(flat, n_experts)
     counts = routed
     if capacity is not None:
         starts = torch.cumsum(routed, 0) - routed
@@ -157,7 +164,7 @@ def permute(x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: in
         if earlier is not None:
             position = position + earlier.flatten()[slots]
         slots = slots[position < capacity]
-        counts = routed.clamp(max=capacity) if earlier is None else torch.bincount(flat[slots], minlength=n_experts)
+        counts = routed.clamp(max=capacity) if earlier is None else expert_counts(flat[slots], n_experts)
     return ops.moe_permute(x, slots, k), Dispatch(slots, counts, routed)
 
 
@@ -226,7 +233,19 @@ def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_down
     """The experts' MLPs on token rows sorted by expert (A, C) -> (A, C): SwiGLU with a gate, else GELU.
 
     ``biases``: each expert's (gate, up, down) biases, added to its rows (gpt-oss); ``clamp``:
-    (alpha, limit) of gpt-oss's clamped SwiGLU (kernels/reference.py ``clamped_swiglu``)."""
+    (alpha, limit) of gpt-oss's clamped SwiGLU (kernels/reference.py ``clamped_swiglu``).
+
+    The loop backend runs eagerly inside a torch.compile'd block: its GEMMs take each expert's row
+    count from the host, and a graph traced through them would be specialised on those counts (the
+    compiler recompiled it at nearly every step). One graph break per layer instead."""
+    if backend == "loop":
+        return _eager_expert_mlp(x, counts, w_up, w_down, w_gate, ops, gelu_approximate, backend, biases, clamp)
+    return _expert_mlp(x, counts, w_up, w_down, w_gate, ops, gelu_approximate, backend, biases, clamp)
+
+
+def _expert_mlp(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                w_gate: torch.Tensor | None, ops: KernelOps, gelu_approximate: str, backend: str,
+                biases: ExpertBiases | None = None, clamp: tuple[float, float] | None = None) -> torch.Tensor:
     b_gate, b_up, b_down = biases or (None, None, None)
 
     def plus(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:  # row r gets its expert's bias
@@ -239,6 +258,9 @@ def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_down
     else:
         h = ops.bias_gelu(up, None, gelu_approximate)
     return plus(grouped_matmul(h, w_down, counts, backend), b_down)
+
+
+_eager_expert_mlp = torch.compiler.disable(_expert_mlp)
 
 
 # --------------------------------------------------------------------------- 4. unpermute
@@ -268,6 +290,10 @@ class RouterStats:
         self.since_update: torch.Tensor | None = None
         self.paused = False  # forwards that route no micro-batch (``router_stats_paused``)
 
+    # Eager in a torch.compile'd block: the compiler guards on this Python state (which keys the
+    # window holds, whether two entries are one tensor), which changes between the first forwards
+    # of a window and the rest, and recompiled the layer's tail twice.
+    @torch.compiler.disable
     def add(self, dispatch: Dispatch, aux: torch.Tensor | None) -> None:
         if self.paused:
             return

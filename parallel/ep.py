@@ -190,6 +190,10 @@ class ExpertParallelMoE(MoE):
         # (once per process) that an in-place op on a view would bypass that hook.
         return super().forward(x).clone()
 
+    # Eager inside a torch.compile'd block, as torchtitan keeps its token dispatch outside the
+    # compiled regions: the all_to_alls take their row counts from the host, and a graph traced
+    # through them broke at each and was recompiled whenever the counts changed (every step).
+    @torch.compiler.disable
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w_up, w_down, w_gate, *biases = (self._local(w, rows.dtype) for w in
                                          (self.w_up, self.w_down, self.w_gate, self.b_gate, self.b_up, self.b_down))

@@ -12,7 +12,7 @@ test_cp.py holds its layouts; reduced precision and FP8 within the tolerances na
 Dropout under pp, cp and ep: one process replays the masks the ranks drew (DROPOUT_LAYOUTS), and a
 run resumed from a checkpoint draws the masks the uninterrupted run drew. One 4-rank launch runs the
 4-rank layouts in sequence, one 8-rank launch the HSDP and 3-D ones; torch.compile'd blocks have a
-2-rank launch (after the 2-rank layouts without compile) and a 4-rank one of their own.
+2-rank launch (after the 2-rank layouts without compile), a 4-rank and an 8-rank one of their own.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from parallel.cp import chunk_ids, local_token_index
 from parallel.distributed import DistContext
@@ -154,23 +155,30 @@ TWO_RANKS = {
     "tp2_bf16": ({"tp": 2}, {"precision.mode": "bf16"}),
     "pp2_bf16": ({"pp": 2}, {"precision.mode": "bf16"}),
 }
-# torch.compile'd blocks under FSDP2, tensor parallelism (its DTensor activations; with op_selective
-# recompute, the one policy torch's compiler runs there: training/config.py) and a pipeline, on 2 ranks
-# (a launch of its own: each rank compiles), against one process without compile.
+# torch.compile'd blocks under FSDP2, a pipeline, context and expert parallelism, on 2 ranks (after
+# TWO_RANKS in their launch; each rank compiles), against one process without compile. Tensor
+# parallelism is refused with compile (training/config.py).
 COMPILE = {"train.compile": True}
 COMPILE_LAYOUTS = {
     "fsdp_compile": (FSDP, COMPILE),
-    "tp2_compile_op_selective": ({"tp": 2}, COMPILE | {"model.recompute": "op_selective"}),
     "pp2_compile": ({"pp": 2}, COMPILE),
+    "cp2_compile": (FSDP | {"cp": 2}, COMPILE),
+    "ep2_compile": (FSDP | {"ep": 2}, COMPILE | MOE),
 }
-# The same over HSDP and 2-D layouts, on 4 ranks: a launch of its own too, as torch's compiler keeps
-# state across the layouts of a process (tp2_x_dp2_compile_op_selective equals one process alone or
-# after a few layouts, and drifts by 5e-4 at step 3 after the 4-rank launch's fifty). The first
-# compile takes most of the time; the later ones reuse its code.
+# The same over HSDP and the 2-D layouts, on 4 ranks.
 COMPILE_FOUR_RANKS = {
     "hsdp_compile": (HSDP, COMPILE),
-    "tp2_x_dp2_compile_op_selective": (FSDP | {"tp": 2, "dp_shard": 2}, COMPILE | {"model.recompute": "op_selective"}),
     "pp2_x_dp2_compile": (FSDP | {"pp": 2, "dp_shard": 2}, COMPILE),
+    "cp2_x_ep2_compile": (FSDP | {"cp": 2, "ep": 2}, COMPILE | MOE),
+    "hsdp_x_ep2_compile": (HSDP | {"ep": 2}, COMPILE | MOE),
+    "pp2_x_cp2_compile": ({"pp": 2, "cp": 2}, COMPILE),
+    "pp2_x_ep2_compile": (FSDP | {"pp": 2, "dp_shard": 2, "ep": 2}, COMPILE | MOE),
+}
+# And the 3-D ones, on 8 ranks.
+COMPILE_EIGHT_RANKS = {
+    "hsdp_x_cp2_compile": (HSDP | {"cp": 2}, COMPILE),
+    "hsdp_x_pp2_compile": (HSDP | {"pp": 2}, COMPILE),
+    "pp2_x_dp2_x_cp2_compile": (FSDP | {"pp": 2, "dp_shard": 2, "cp": 2}, COMPILE),
 }
 
 # Reduced precision, against one process in the same mode: both round every matmul alike and only
@@ -205,20 +213,24 @@ def job(parallel: dict, extra: dict):
 
 
 def train(engine, ctx, cfg, steps: range = range(STEPS)) -> dict:
-    """Losses, gradient norms and final weights of STEPS steps, and the class and output dtype of the
-    first linear layer this rank runs (what the precision mode made of it; None where a compiled block
-    from an earlier layout of the launch runs it: torch's compiler does not guard on hooks added later)."""
-    losses, norms, linear = [], [], []
+    """Losses, gradient norms and final weights of STEPS steps, the class and output dtype of the
+    first linear layer this rank runs (what the precision mode made of it; not recorded in compiled
+    blocks, where torch's compiler would trace the recording hook and recompile for each record),
+    and the graphs torch's compiler has compiled after each step."""
+    losses, norms, linear, graphs = [], [], [], []
     first = next(m for m in engine.module().modules() if isinstance(m, torch.nn.Linear))
-    hook = first.register_forward_hook(lambda m, args, out: linear.append((type(m).__name__, str(out.dtype))))
+    hook = None if cfg.train.compile else first.register_forward_hook(
+        lambda m, args, out: linear.append((type(m).__name__, str(out.dtype))))
     n = cfg.train.grad_accum_steps
     for step in steps:
         loss, _ = engine.forward_backward_step(batches(step, ctx.dims.dp_rank, n), n)
         norms.append(float(engine.optimizer_step(cfg.optim.lr, loss).grad_norm))
         losses.append(float(ctx.all_reduce_mean(loss.detach().float().clone())))
-    hook.remove()
+        graphs.append(counters["stats"]["unique_graphs"])
+    if hook is not None:
+        hook.remove()
     return {"losses": losses, "norms": norms, "final": {k: v.float() for k, v in full_params(engine).items()},
-            "dp_size": ctx.layout.dp, "linear": linear[0] if linear else None}
+            "dp_size": ctx.layout.dp, "linear": linear[0] if linear else None, "graphs": graphs}
 
 
 # Dropout where ranks hold different activations: pipeline stages (other layers), cp ranks (other
@@ -266,6 +278,12 @@ def worker(rank: int, world: int, layouts: dict, root: str | None = None) -> dic
     for name, (parallel, extra) in layouts.items():
         cfg = job(parallel, extra)
         ctx = gloo_context(rank, world, parallel=cfg.parallel)
+        if cfg.train.compile:
+            # Each compiled layout compiles afresh (code from earlier layouts of the launch, under
+            # other wrappers, would fill the compiler's per-function cache, past which it runs
+            # blocks eagerly without a word); the compiled graphs are counted from zero.
+            torch._dynamo.reset()
+            counters.clear()
         try:  # one layout's failure is its test's, not the whole launch's
             out[name] = train(build_from_config(cfg, ctx).engine, ctx, cfg)
         except Exception as e:  # noqa: BLE001
@@ -292,6 +310,13 @@ def check(results: list[dict], name: str, layout: tuple[dict, dict]) -> None:
     parallel, extra = layout
     for rank_result in results:
         assert "error" not in rank_result[name], f"{name}: {rank_result[name].get('error')}"
+    if extra.get("train.compile"):
+        # Every graph is compiled in the first step: a recompile later (a guard on a row count or on
+        # Python state that changes from step to step) would cost a compile per step.
+        for rank_result in results:
+            graphs = rank_result[name]["graphs"]
+            assert graphs[0] > 0, f"{name}: no graph compiled"
+            assert graphs[-1] == graphs[0], f"{name}: {graphs[-1] - graphs[0]} graphs compiled after the first step"
     ref = one_process(results[0][name]["dp_size"], parallel, {k: v for k, v in extra.items() if k != "train.compile"})
     mode = extra.get("precision.mode")
     if mode is not None:
@@ -410,6 +435,11 @@ def compile_four_ranks():
 
 
 @pytest.fixture(scope="module")
+def compile_eight_ranks():
+    return run_workers(worker, 8, COMPILE_EIGHT_RANKS)
+
+
+@pytest.fixture(scope="module")
 def eight_ranks():
     return run_workers(worker, 8, EIGHT_RANKS)
 
@@ -432,6 +462,11 @@ def test_compiled_blocks_on_two_rank_layouts_equal_one_process(name, two_ranks):
 @pytest.mark.parametrize("name", list(COMPILE_FOUR_RANKS))
 def test_compiled_blocks_on_hsdp_and_2d_layouts_equal_one_process(name, compile_four_ranks):
     check(compile_four_ranks, name, COMPILE_FOUR_RANKS[name])
+
+
+@pytest.mark.parametrize("name", list(COMPILE_EIGHT_RANKS))
+def test_compiled_blocks_on_3d_layouts_equal_one_process(name, compile_eight_ranks):
+    check(compile_eight_ranks, name, COMPILE_EIGHT_RANKS[name])
 
 
 @pytest.mark.parametrize("name", list(EIGHT_RANKS))

@@ -414,3 +414,33 @@ def test_the_memory_check_counts_a_sharded_share_when_built_on_meta(sixteen_gib)
     with pytest.raises(ConfigError, match=r"need 23\.0 GiB \(a 1/8 share of them in 16-bit floats"):
         check_parameters_fit(cfg, cpu, 8, init_on_meta=True)
     check_parameters_fit(load_config("configs/tiny-moe.yaml").model, cpu, 1, init_on_meta=False)
+
+
+def test_a_compiled_moe_block_compiles_once_and_trains_as_the_eager_one():
+    # torch.compile'd blocks (train.compile): the routing's expert counts have a fixed length (no
+    # graph break on their data-dependent shape), the per-expert loop runs eagerly (its row counts
+    # come from the host, and a graph traced through them was recompiled for new counts at nearly
+    # every step), and so does the router's bookkeeping (Python state that changes between forwards).
+    # backend="eager": dynamo's graphs and guards alone, no code generated.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = GPT(moe_cfg(dict(aux_loss=0.01)), expert_backend="loop")
+    compiled = GPT(moe_cfg(dict(aux_loss=0.01)), expert_backend="loop")
+    compiled.load_state_dict(eager.state_dict())
+    for block in compiled.blocks.values():
+        block.compile(backend="eager")
+    for step in range(4):  # other tokens each step: other expert counts
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            losses = [model(x, x) for model in (eager, compiled)]
+        torch.testing.assert_close(losses[1], losses[0], atol=0, rtol=0)
+        for loss in losses:
+            loss.backward()
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, atol=1e-7, rtol=1e-6, msg=name)
+    assert not [reason for reason in counters["graph_break"] if "bincount" in reason]
+    # The layer's window counted every forward, compiled or not.
+    assert take_moe_metrics(moe_layers([compiled])) == take_moe_metrics(moe_layers([eager]))
