@@ -44,7 +44,7 @@ FLOPS_CONVENTIONS = ("megatron_eq3", "perfgpt")
 ROW_KEYS = {
     "id", "table", "model", "system", "seq_len", "gpus", "tp", "pp", "cp", "micro_batch", "grad_accum",
     "global_batch", "strategy", "recompute", "precision", "ep", "pp_schedule", "pp_virtual_stages", "sequence_parallel",
-    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "zero3_collectives", "op_selective_saves", "fp8_scaling", "fp8_weight_casts", "sink_attention", "compile", "num_params", "memory_gib", "reason",
+    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "zero3_collectives", "op_selective_saves", "fp8_scaling", "fp8_weight_casts", "fp8_cast_kernels", "sink_attention", "compile", "num_params", "memory_gib", "reason",
     *THROUGHPUT_KEYS,
 }
 SOURCE_KEYS = {"source", "citation", "read_from", "framework", "calibration", "flops_convention", "memory_kind",
@@ -163,6 +163,7 @@ def _load_source(path: Path) -> list[PublishedRow]:
             "op_selective_saves": fields.get("op_selective_saves", "every_matmul"),
             "fp8_scaling": fields.get("fp8_scaling", "delayed"),
             "fp8_weight_casts": fields.get("fp8_weight_casts", "per_microbatch"),
+            "fp8_cast_kernels": fields.get("fp8_cast_kernels", "separate"),
             "sink_attention": fields.get("sink_attention", "materialized"),
         }
         if "ep" in fields:
@@ -505,6 +506,8 @@ def cli_command(row: PublishedRow) -> str | None:
         words.append(f"--fp8-scaling {job.fp8_scaling}")
         if job.fp8_weight_casts != "per_microbatch":
             words.append(f"--fp8-weight-casts {job.fp8_weight_casts}")
+        if job.fp8_cast_kernels != "separate":
+            words.append(f"--fp8-cast-kernels {job.fp8_cast_kernels}")
     words += [f"--tp {lay.tp}", f"--pp {lay.pp}", f"--cp {lay.cp}"]
     if lay.pp > 1:
         words += [f"--pp-schedule {lay.pp_schedule}", f"--pp-virtual-stages {lay.pp_virtual_stages}"]

@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--fp8-weight-casts", choices=est.FP8_WEIGHT_CASTS,
                         help="precision=fp8: each weight cast at every micro-batch (the trainer's, default) or once per "
                         "step (Megatron-Core's Transformer Engine layers, is_first_microbatch)")
+    parser.add_argument("--fp8-cast-kernels", choices=est.FP8_CAST_KERNELS,
+                        help="precision=fp8: every operand cast in a pass of its own (the trainer's, default) or as "
+                        "Megatron-Core's Transformer Engine layers run them (norm and cast fused, operands gathered in FP8)")
     parser.add_argument("--op-selective-saves", choices=est.OP_SELECTIVE_SAVES,
                         help="recompute=op_selective: which matmul outputs it keeps, every one (the trainer's) or "
                         "alternate ones (torchtitan's per-op policy); default every_matmul")
@@ -191,6 +194,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         loss_chunk_tokens=loss_chunk_tokens,
         fp8_scaling=args.fp8_scaling or fp8_scaling,
         fp8_weight_casts=args.fp8_weight_casts or "per_microbatch",
+        fp8_cast_kernels=args.fp8_cast_kernels or "separate",
         op_selective_saves=args.op_selective_saves or "every_matmul",
         sink_attention=args.sink_attention or "materialized",
     )

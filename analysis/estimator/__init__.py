@@ -52,6 +52,7 @@ from analysis.estimator.job import (
     ATTENTION_BACKEND_KIND,
     ATTENTION_KINDS,
     FITTED_PARAMETERS,
+    FP8_CAST_KERNELS,
     FP8_SCALINGS,
     FP8_WEIGHT_CASTS,
     GIB,
@@ -139,7 +140,7 @@ from model.flops import count_parameters, flops_per_token, matmul_parameters  # 
 from parallel.layout import Layout  # what a JobSpec's layout is
 
 __all__ = [
-    "ACTIVATION_BYTES", "ATTENTION_BACKEND_KIND", "ATTENTION_KINDS", "FITTED_PARAMETERS", "FP8_SCALINGS", "FP8_WEIGHT_CASTS", "GIB", "OP_SELECTIVE_SAVES",
+    "ACTIVATION_BYTES", "ATTENTION_BACKEND_KIND", "ATTENTION_KINDS", "FITTED_PARAMETERS", "FP8_CAST_KERNELS", "FP8_SCALINGS", "FP8_WEIGHT_CASTS", "GIB", "OP_SELECTIVE_SAVES",
     "RECOMPUTE_POLICIES", "SINK_ATTENTION", "PP_SCHEDULES", "PRECISION_MODES", "STATE_BYTES", "STRATEGIES", "ZERO3_COLLECTIVES",
     "ZERO_REDUCTIONS",
     "Assumptions", "EstimatorError", "JobSpec", "StateBytes", "layout_of", "activation_bytes_per_layer",

@@ -41,6 +41,13 @@ FP8_SCALINGS = ("delayed", "dynamic")
 # or once per step: Megatron-Core's Transformer Engine layers pass is_first_microbatch, so the FP8 weight and
 # its transpose are cast on a step's first micro-batch and reused by the others (published rows that ran it).
 FP8_WEIGHT_CASTS = ("per_microbatch", "per_step")
+# Which kernels cast an FP8 GEMM's operands (time.py ``fp8_cast_bytes``): a cast of its own for every operand
+# over the GEMM's rows (the estimator's count for the trainer; torchao casts so), or Transformer Engine's
+# layers as Megatron-Core builds them (published rows that ran it): the norm feeding QKV and a dense MLP's
+# first matmul (TELayerNormColumnParallelLinear) writes FP8 itself under delayed scaling, or reduces the amax
+# as it writes under current scaling (TE >= 2.7), and under sequence parallelism an all-gathered operand is
+# cast on the GPU's own rows, gathered in FP8 and transposed after the gather.
+FP8_CAST_KERNELS = ("separate", "megatron_te")
 # The optimizers the trainer offers (optim.name): AdamW everywhere, or Muon on the hidden matrices.
 OPTIMIZERS = ("adamw", "muon")
 # Muon as the trainer runs it on a GPU: optim.muon.ns_steps' default, and the Newton-Schulz dtype of
@@ -163,6 +170,7 @@ class JobSpec:
     loss_chunk_tokens: int = 0  # kernels.loss_chunk_tokens: the LM head and loss this many tokens at a time (0: whole)
     fp8_scaling: str = "delayed"  # FP8_SCALINGS: precision.fp8_backend te (delayed) or torchao (dynamic)
     fp8_weight_casts: str = "per_microbatch"  # FP8_WEIGHT_CASTS: a weight cast every micro-batch or once per step
+    fp8_cast_kernels: str = "separate"  # FP8_CAST_KERNELS: every operand cast on its own, or as Megatron-Core's TE layers
     sink_attention: str = "materialized"  # SINK_ATTENTION: the core's kernel with model.attention_sinks
 
     def __post_init__(self) -> None:
@@ -180,6 +188,7 @@ class JobSpec:
         check_choice("op_selective_saves", self.op_selective_saves, OP_SELECTIVE_SAVES)
         check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
         check_choice("fp8_weight_casts", self.fp8_weight_casts, FP8_WEIGHT_CASTS)
+        check_choice("fp8_cast_kernels", self.fp8_cast_kernels, FP8_CAST_KERNELS)
         check_choice("sink_attention", self.sink_attention, SINK_ATTENTION)
         if self.op_selective_saves == "alternate_matmuls" and (self.model.is_mla or self.model.moe.experts is not None):
             raise EstimatorError("op_selective_saves=alternate_matmuls counts a dense grouped-query layer's matmuls "

@@ -420,12 +420,53 @@ def fp8_cast_bytes(job: JobSpec, tokens: float) -> tuple[float, float]:
     casts the saved 16-bit input and weight again in backward, once per layout; counted here is one
     cast per operand writing both layouts, what a fused (compiled) cast reaches. With
     ``fp8_weight_casts=per_step`` (Megatron-Core's is_first_microbatch) a weight is cast on the step's
-    first micro-batch only: its share per micro-batch is 1/grad_accum."""
+    first micro-batch only: its share per micro-batch is 1/grad_accum. With
+    ``fp8_cast_kernels=megatron_te`` some operands move fewer bytes (``_megatron_te_cast_bytes``)."""
     per_element = FP8_CAST_ELEMENT_BYTES[job.fp8_scaling]
     gemms = layer_gemms(job.model, tokens, job.layout.tp, ep=job.layout.ep)
     weight_share = 1 / job.grad_accum if job.fp8_weight_casts == "per_step" else 1.0
-    return (per_element * sum(m * k + weight_share * k * n for m, k, n in gemms),
-            per_element * sum(m * n for m, _, n in gemms))
+    fwd = per_element * sum(m * k + weight_share * k * n for m, k, n in gemms)
+    bwd = per_element * sum(m * n for m, _, n in gemms)
+    if job.fp8_cast_kernels == "megatron_te":
+        fwd_change, bwd_change = _megatron_te_cast_bytes(job, tokens)
+        fwd += fwd_change
+        bwd += bwd_change
+    return fwd, bwd
+
+
+def _megatron_te_cast_bytes(job: JobSpec, tokens: float) -> tuple[float, float]:
+    """What Transformer Engine's layers, as Megatron-Core builds a dense block, change in the separate
+    casts ``fp8_cast_bytes`` counts, (forward, backward) bytes for one layer and micro-batch.
+
+    The input of the fused QKV and of a dense MLP's first matmul is the output of the norm fused into
+    the layer (TELayerNormColumnParallelLinear, TE's LayerNormLinear). Under delayed scaling the norm
+    kernel writes it in FP8 itself, 1 byte for the 16-bit 2 the block's norm is counted with, and the
+    FP8 copy is transposed for the weight gradient (read 1, write 1; TE 1.x ``fp8_transpose`` in
+    backward). Under current scaling (fp8_scaling=dynamic) the norm writes 16 bits and reduces the amax
+    as it writes (TE >= 2.7), so the cast has no amax pass: read 2, write 1 + 1.
+
+    Under sequence parallelism (split s = tp) the GEMM runs on all-gathered rows: that input, and the
+    output gradient of the output projection and of the MLP's second matmul (row-parallel), are cast
+    on the GPU's own 1/s of the rows, row-major only (read 2, write 1; 2 more for the amax under
+    current scaling, unless the norm reduced it), gathered in FP8, and the gathered copy is transposed
+    (read 1, write 1), where the separate count casts all the gathered rows. Latent attention's and
+    the MoE layers' GEMMs keep the separate count (their norms are not fused into a GEMM)."""
+    cfg, per_element = job.model, FP8_CAST_ELEMENT_BYTES[job.fp8_scaling]
+    split = job.layout.tp if job.layout.sp else 1
+    dense = tokens * (1 - cfg.n_moe_layers / cfg.n_layer) if cfg.moe.experts is not None else tokens
+    attention = 0.0 if cfg.is_mla else tokens
+    normed = (attention + dense) * cfg.d_model  # elements of the norm-fed inputs, all rows
+    gathered_grads = (attention + dense) * cfg.d_model if split > 1 else 0.0  # row-parallel output gradients
+    transpose = 2.0
+    if job.fp8_scaling == "delayed":
+        normed_fwd, normed_bwd = -1.0 / split, transpose
+    elif split > 1:
+        normed_fwd, normed_bwd = 3.0 / split, transpose
+    else:
+        normed_fwd, normed_bwd = 4.0, 0.0
+    grad_bytes = (per_element - 1.0) / split + transpose  # a cast without its transpose, then the gathered transpose
+    return (normed * (normed_fwd - per_element),
+            normed * normed_bwd + gathered_grads * (grad_bytes - per_element))
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 
 from analysis import estimator as est
 from analysis.chapter_measurements import count_saved_bytes
-from analysis.estimator.time import _elementwise_bytes
+from analysis.estimator.time import _elementwise_bytes, fp8_cast_bytes
 from common.hardware import DEVICES, lookup_device, peak_tflops_for
 from model.config import ModelConfig, MoEConfig
 from model.flops import block_parameters
@@ -462,6 +462,56 @@ def test_fp8_casts_move_each_gemm_operand_through_memory_once_per_cast(scaling, 
     assert bwd_step - bwd_16 == per_element * outputs
     with pytest.raises(est.EstimatorError, match="fp8_weight_casts='per_layer' is not valid"):
         dataclasses.replace(fp8, fp8_weight_casts="per_layer")
+
+
+# Bytes per element that Megatron-Core's TE layers change against the separate casts, counted by hand:
+# (the norm-fed inputs forward, the same backward, a gathered row-parallel output gradient backward).
+# Delayed: the norm writes FP8 (1 byte for its counted 2, so -1 - 4) and the copy is transposed later (1 + 1).
+# Current scaling: the norm reduces the amax, the cast reads 2 and writes 1 + 1 (4 - 6). Under sequence
+# parallelism (tp=2) the casts run on half the rows without the transpose (2 + 1, +2 for an amax of its own)
+# and the gathered FP8 copy is transposed (1 + 1): delayed -1/2 - 4 and 2; current 3/2 - 6 and 2; the
+# gradients (2 + 1)/2 + 2 - 4 and (2 + 2 + 1)/2 + 2 - 6.
+MEGATRON_TE_CAST_CHANGES = [
+    ("delayed", False, -5.0, 2.0, 0.0),
+    ("dynamic", False, -2.0, 0.0, 0.0),
+    ("delayed", True, -4.5, 2.0, -0.5),
+    ("dynamic", True, -4.5, 2.0, -1.5),
+]
+
+
+@pytest.mark.parametrize("scaling, sp, normed_fwd, normed_bwd, gathered_grad", MEGATRON_TE_CAST_CHANGES)
+def test_megatron_te_casts_fuse_the_norm_and_gather_operands_in_fp8(scaling, sp, normed_fwd, normed_bwd, gathered_grad):
+    """The GELU layer of the test above at tp=2: QKV's and the MLP up-projection's inputs (T x d each) come
+    from the norm fused into TELayerNormColumnParallelLinear; the output projection's and the
+    down-projection's output gradients (T x d each) are the gathered ones under sequence parallelism."""
+    cfg = ModelConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, d_ff=256, mlp="gelu", dropout=0.0)
+    d, tokens = 64, 2 * 128
+    separate = est.JobSpec(cfg, 128, 2, est.layout_of(2, tp=2, sequence_parallel=sp), "none", "fp8", H100,
+                           fp8_scaling=scaling)
+    te = dataclasses.replace(separate, fp8_cast_kernels="megatron_te")
+    (fwd_separate, bwd_separate), (fwd_te, bwd_te) = fp8_cast_bytes(separate, tokens), fp8_cast_bytes(te, tokens)
+    normed = gathered = 2 * tokens * d
+    assert fwd_te - fwd_separate == pytest.approx(normed_fwd * normed)
+    assert bwd_te - bwd_separate == pytest.approx(normed_bwd * normed + gathered_grad * gathered)
+    # the element-wise bytes of a micro-batch carry the same change
+    (fwd_all, bwd_all), (fwd_all_te, bwd_all_te) = _elementwise_bytes(separate), _elementwise_bytes(te)
+    assert (fwd_all_te - fwd_all, bwd_all_te - bwd_all) == pytest.approx((fwd_te - fwd_separate, bwd_te - bwd_separate))
+    with pytest.raises(est.EstimatorError, match="fp8_cast_kernels='fused' is not valid"):
+        dataclasses.replace(separate, fp8_cast_kernels="fused")
+
+
+def test_megatron_te_casts_leave_latent_attention_and_moe_layers_as_counted():
+    """Only a dense block's QKV and MLP up-projection have the norm fused in: a MoE model whose every layer
+    is MoE changes the QKV input only, and latent attention with MoE layers changes nothing (tp=1)."""
+    moe = ModelConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, d_ff=256, moe=MoEConfig(experts=4, top_k=2))
+    separate = est.JobSpec(moe, 128, 1, precision="fp8", device=H100)
+    te = dataclasses.replace(separate, fp8_cast_kernels="megatron_te")
+    (fwd_separate, _), (fwd_te, _) = fp8_cast_bytes(separate, 128), fp8_cast_bytes(te, 128)
+    assert fwd_te - fwd_separate == -5.0 * 128 * 64  # the QKV input only, delayed scaling
+    mla = dataclasses.replace(moe, attention_kind="mla", q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                              qk_rope_head_dim=4, v_head_dim=12)
+    separate, te = dataclasses.replace(separate, model=mla), dataclasses.replace(te, model=mla)
+    assert fp8_cast_bytes(te, 128) == fp8_cast_bytes(separate, 128)
 
 
 def test_torchao_fp8_is_estimated_with_dynamic_scaling_and_te_with_delayed():
