@@ -155,13 +155,13 @@ def _shape_factor(dims: tuple[float, ...], knee: float) -> float:
     return factor
 
 
-def gemm_seconds(job: JobSpec, m: float, k: float, n: float) -> float:
+def gemm_seconds(job: JobSpec, m: float, k: float, n: float, fp8: bool = True) -> float:
     """One (m x k) @ (k x n) GEMM on one GPU, a roofline: 2*m*k*n FLOPs at the device's fitted large-GEMM
-    rate scaled by the output shape factor (FP8 GEMMs at the FP8 peak under precision=fp8), or the
-    operands and the result through HBM, whichever is longer (a short reduction dimension k makes a
-    GEMM memory-bound)."""
+    rate scaled by the output shape factor (FP8 GEMMs at the FP8 peak under precision=fp8, unless
+    ``fp8`` is False: a GEMM left in 16 bits), or the operands and the result through HBM, whichever is
+    longer (a short reduction dimension k makes a GEMM memory-bound)."""
     a = job.assumptions
-    if job.precision == "fp8":
+    if job.precision == "fp8" and fp8:
         rate = job.device.fp8_tflops * 1e12 * a.fp8_gemm_fraction
     else:
         rate = _peak_tflops(job.device, job.precision) * 1e12 * a.gemm_fraction(job.device)
@@ -517,14 +517,15 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     if stage == job.layout.pp - 1:
         # The head and the loss, once and again per multi-token-prediction depth; each depth also runs
         # its 2d -> d projection and one block (never recomputed: model/recompute.py wraps the
-        # model's blocks only), counted as the mean layer.
+        # model's blocks only), counted as the mean layer. The head's GEMM stays in 16 bits under FP8:
+        # parallel/float8.py and model/te.py leave it out, as Megatron-Core's output layer is no TE layer.
         heads = 1 + cfg.mtp_depth
         chunk = min(job.loss_chunk_tokens or tokens, tokens)
         if chunk == tokens:
-            compute += 3 * heads * gemm_seconds(job, tokens, cfg.d_model, cfg.vocab_size / t)
+            compute += 3 * heads * gemm_seconds(job, tokens, cfg.d_model, cfg.vocab_size / t, fp8=False)
         else:  # kernels.loss_chunk_tokens: each chunk's head GEMM runs again in its backward
             whole, rest = divmod(tokens, chunk)
-            compute += 4 * heads * sum(gemm_seconds(job, rows, cfg.d_model, cfg.vocab_size / t)
+            compute += 4 * heads * sum(gemm_seconds(job, rows, cfg.d_model, cfg.vocab_size / t, fp8=False)
                                        for rows in [chunk] * whole + ([rest] if rest else []))
         p = job.activation_dtype_bytes
         memory_bound += heads * tokens * cfg.vocab_size / t * (3 * p + 8) * a.elementwise_scale / hbm

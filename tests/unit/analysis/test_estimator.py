@@ -514,6 +514,18 @@ def test_megatron_te_casts_leave_latent_attention_and_moe_layers_as_counted():
     assert fp8_cast_bytes(te, 128) == fp8_cast_bytes(separate, 128)
 
 
+def test_the_lm_head_runs_in_16_bits_under_fp8():
+    """Neither FP8 path converts the head (parallel/float8.py skips lm_head, model/te.py leaves it a
+    plain Linear): growing the vocabulary adds the same GEMM time to an FP8 step as to a bf16 one."""
+    def compute(vocab: int, precision: str) -> float:
+        cfg = ModelConfig(vocab_size=vocab, n_layer=2, n_head=8, d_model=512, d_ff=2048, dropout=0.0)
+        return est.estimate(est.JobSpec(cfg, 1024, 2, est.Layout(1), "none", precision, H100)).time.compute_s
+
+    fp8 = compute(65536, "fp8") - compute(32768, "fp8")
+    bf16 = compute(65536, "bf16") - compute(32768, "bf16")
+    assert fp8 == pytest.approx(bf16, rel=1e-9) and fp8 > 0
+
+
 def test_torchao_fp8_is_estimated_with_dynamic_scaling_and_te_with_delayed():
     torchao = JobConfig(model=ModelConfig(), precision=PrecisionConfig(mode="fp8", fp8_backend="torchao"))
     te = JobConfig(model=ModelConfig(layers="te"), precision=PrecisionConfig(mode="fp8", fp8_backend="te"))
