@@ -44,7 +44,7 @@ FLOPS_CONVENTIONS = ("megatron_eq3", "perfgpt")
 ROW_KEYS = {
     "id", "table", "model", "system", "seq_len", "gpus", "tp", "pp", "cp", "micro_batch", "grad_accum",
     "global_batch", "strategy", "recompute", "precision", "ep", "pp_schedule", "pp_virtual_stages", "sequence_parallel",
-    "tp_overlap", "dp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "zero3_collectives", "op_selective_saves", "fp8_scaling", "fp8_weight_casts", "fp8_cast_kernels", "sink_attention", "compile", "num_params", "memory_gib", "reason",
+    "tp_overlap", "dp_overlap", "pp_overlap", "fsdp_reshard_after_forward", "zero_reduction", "zero3_collectives", "op_selective_saves", "fp8_scaling", "fp8_weight_casts", "fp8_cast_kernels", "attention_kernel", "sink_attention", "compile", "num_params", "memory_gib", "reason",
     *THROUGHPUT_KEYS,
 }
 SOURCE_KEYS = {"source", "citation", "read_from", "framework", "calibration", "flops_convention", "memory_kind",
@@ -157,6 +157,7 @@ def _load_source(path: Path) -> list[PublishedRow]:
             "precision": fields.get("precision", "bf16_master"), "tp": fields.get("tp", 1), "pp": fields.get("pp", 1),
             "pp_schedule": fields.get("pp_schedule", "1f1b"), "pp_virtual_stages": fields.get("pp_virtual_stages", 1),
             "tp_overlap": fields.get("tp_overlap", False), "dp_overlap": fields.get("dp_overlap", True),
+            "pp_overlap": fields.get("pp_overlap", False),
             "fsdp_reshard_after_forward": fields.get("fsdp_reshard_after_forward", True),
             "zero_reduction": fields.get("zero_reduction", "deepspeed"),
             "zero3_collectives": fields.get("zero3_collectives", "bucketed"),
@@ -165,6 +166,7 @@ def _load_source(path: Path) -> list[PublishedRow]:
             "fp8_weight_casts": fields.get("fp8_weight_casts", "per_microbatch"),
             "fp8_cast_kernels": fields.get("fp8_cast_kernels", "separate"),
             "sink_attention": fields.get("sink_attention", "materialized"),
+            "attention_kernel": fields.get("attention_kernel", "flash_attn2"),
         }
         if "ep" in fields:
             layout["ep"] = fields["ep"]
@@ -515,8 +517,12 @@ def cli_command(row: PublishedRow) -> str | None:
               f"--op-selective-saves {job.op_selective_saves}"]
     if job.sink_attention != "materialized":
         words.append(f"--sink-attention {job.sink_attention}")
+    if job.attention_kernel != "flash_attn2":
+        words.append(f"--attention-kernel {job.attention_kernel}")
     if job.tp_overlap:
         words.append("--tp-overlap")
+    if job.pp_overlap:
+        words.append("--pp-overlap")
     return " ".join(words + ["--allow-refused"])
 
 

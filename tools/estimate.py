@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="model.attention_sinks: the core the trainer runs (materialized, model.attention=auto) or "
                         "a fused kernel with the sink term (Megatron-Core on Transformer Engine's cuDNN attention); "
                         "default materialized")
+    parser.add_argument("--attention-kernel", choices=est.ATTENTION_KERNELS,
+                        help="the kernel of a fused attention core: FlashAttention-2's (flash-attn 2, PyTorch SDPA: the "
+                        "trainer's, default) or Transformer Engine's choice, cuDNN's fused attention on Hopper (te)")
     parser.add_argument("--optimizer", choices=est.OPTIMIZERS, help="default: the config's optim.name, or adamw")
     layout = parser.add_argument_group("layout (default: the config's parallel section, or 1)")
     layout.add_argument("--tp", type=int, help="tensor-parallel GPUs (inside a node)")
@@ -102,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     layout.add_argument("--tp-overlap", action="store_true",
                         help="tensor-parallel collectives hidden behind the GEMMs (Megatron's userbuffers, async TP; "
                         "the trainer does not overlap them)")
+    layout.add_argument("--pp-overlap", action="store_true",
+                        help="pipeline sends hidden behind compute (Megatron-Core's overlap_p2p_comm, interleaved "
+                        "schedule only; the trainer does not overlap them)")
     parser.add_argument("--allow-refused", action="store_true",
                         help="estimate a job train.py refuses (another framework's run: DDP under tp or pp, "
                         "Transformer Engine layers under tp, ...); the output says train.py refuses it and why")
@@ -190,6 +196,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         grad_accum=args.grad_accum or grad_accum,
         fsdp_reshard_after_forward=reshard if args.reshard_after_forward is None else args.reshard_after_forward == "true",
         tp_overlap=args.tp_overlap,
+        pp_overlap=args.pp_overlap,
         optimizer=args.optimizer or optimizer,
         loss_chunk_tokens=loss_chunk_tokens,
         fp8_scaling=args.fp8_scaling or fp8_scaling,
@@ -197,6 +204,7 @@ def build_job(args: argparse.Namespace, overrides: list[str], cfg: JobConfig | N
         fp8_cast_kernels=args.fp8_cast_kernels or "separate",
         op_selective_saves=args.op_selective_saves or "every_matmul",
         sink_attention=args.sink_attention or "materialized",
+        attention_kernel=args.attention_kernel or "flash_attn2",
     )
     problem = est.trainer_refusal(job, cfg)
     if problem and not args.allow_refused:

@@ -50,7 +50,9 @@ from analysis.estimator.communication import (
 from analysis.estimator.job import (
     ACTIVATION_BYTES,
     ATTENTION_BACKEND_KIND,
+    ATTENTION_KERNELS,
     ATTENTION_KINDS,
+    CUDNN_HOPPER_ATTENTION_SPEEDUP,
     FITTED_PARAMETERS,
     FP8_CAST_KERNELS,
     FP8_SCALINGS,
@@ -141,7 +143,7 @@ from parallel.layout import Layout  # what a JobSpec's layout is
 
 __all__ = [
     "ACTIVATION_BYTES", "ATTENTION_BACKEND_KIND", "ATTENTION_KINDS", "FITTED_PARAMETERS", "FP8_CAST_KERNELS", "FP8_SCALINGS", "FP8_WEIGHT_CASTS", "GIB", "OP_SELECTIVE_SAVES",
-    "RECOMPUTE_POLICIES", "SINK_ATTENTION", "PP_SCHEDULES", "PRECISION_MODES", "STATE_BYTES", "STRATEGIES", "ZERO3_COLLECTIVES",
+    "RECOMPUTE_POLICIES", "SINK_ATTENTION", "ATTENTION_KERNELS", "CUDNN_HOPPER_ATTENTION_SPEEDUP", "PP_SCHEDULES", "PRECISION_MODES", "STATE_BYTES", "STRATEGIES", "ZERO3_COLLECTIVES",
     "ZERO_REDUCTIONS",
     "Assumptions", "EstimatorError", "JobSpec", "StateBytes", "layout_of", "activation_bytes_per_layer",
     "korthikanti_bytes_per_layer", "saved_bytes_per_layer", "MemoryEstimate", "activation_bytes_total",

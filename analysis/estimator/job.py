@@ -59,6 +59,15 @@ MUON_PIECE_BYTES = 2
 # or a fused kernel with the sink in its softmax, which stores no scores: Megatron-Core's softmax_type=learnable
 # on Transformer Engine >= 2.8, run by cuDNN's fused attention from 9.13.1 (published rows that ran it).
 SINK_ATTENTION = ("materialized", "fused")
+# Which kernel runs a fused attention core (JobSpec.attention_kernel): FlashAttention-2's, what flash-attn 2 and
+# PyTorch's SDPA flash backend run (the trainer, torchtitan), or the one Transformer Engine's DotProductAttention
+# picks: cuDNN's fused attention on Hopper (TE prefers it over flash-attn there "for performance reasons",
+# transformer_engine/pytorch/attention.py from v1.7), flash-attn 2 elsewhere (published rows that ran it).
+ATTENTION_KERNELS = ("flash_attn2", "te")
+# cuDNN's fused attention against FlashAttention-2 on an H100 SXM5 at head dim 128, sequences of 2k to 16k:
+# 1.59-1.62x forward with a causal mask, 1.60-1.63x backward (Shah et al., FlashAttention-3, 2024, Figures 5
+# and 6, cuDNN 9 beside FlashAttention-2 2.5.8). Stated, never fitted.
+CUDNN_HOPPER_ATTENTION_SPEEDUP = 1.6
 # Attention backends (model.attention) by what they store: only the reference keeps the scores.
 ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_attn": "flash", "auto": "flash"}
 
@@ -117,7 +126,7 @@ class Assumptions:
     gemm_knee: float = 345.0  # an output dimension x runs at x / (x + knee) of that rate
     attention_fraction: float = 0.31  # a fused (flash) attention kernel's rate, relative to a large GEMM's
     elementwise_scale: float = 1.98  # multiplier on the counted element-wise memory traffic
-    fp8_gemm_fraction: float = 0.72  # FP8 GEMMs: share of the dense FP8 peak as the output dims grow
+    fp8_gemm_fraction: float = 0.71  # FP8 GEMMs: share of the dense FP8 peak as the output dims grow
     # stated
     overlap_efficiency: float = 0.5  # share of an overlappable collective that compute really hides
     link_fraction: float = 0.8  # of NVLink / NIC / PCIe one-way peak that a large collective reaches
@@ -145,9 +154,10 @@ class JobSpec:
     and it is checked by the same rules (those of this trainer's implementation aside: the estimator
     also models other frameworks' runs, e.g. Megatron-LM's DDP under tensor parallelism).
     ``grad_accum`` is the number of micro-batches per step (the pipeline's micro-batches under pp).
-    ``tp_overlap`` and ``dp_overlap`` say whether the framework overlaps those collectives with
-    compute: the trainer does not overlap tensor-parallel collectives and overlaps data-parallel ones
-    (other frameworks' published runs set them as they ran).
+    ``tp_overlap``, ``dp_overlap`` and ``pp_overlap`` say whether the framework overlaps those
+    collectives (the pipeline's sends) with compute: the trainer does not overlap tensor-parallel
+    collectives or the pipeline's sends and overlaps data-parallel ones (other frameworks' published
+    runs set them as they ran).
     """
 
     model: ModelConfig
@@ -161,6 +171,7 @@ class JobSpec:
     assumptions: Assumptions = field(default_factory=Assumptions)
     tp_overlap: bool = False
     dp_overlap: bool = True
+    pp_overlap: bool = False  # Megatron-Core's overlap_p2p_comm: an interleaved stage's sends beside its compute
     fsdp_reshard_after_forward: bool = True  # parallel.fsdp_reshard_after_forward
     zero_reduction: str = "deepspeed"  # ZERO_REDUCTIONS: how ZeRO-1/2 reduce gradients (communication.py)
     zero3_collectives: str = "bucketed"  # ZERO3_COLLECTIVES: how ZeRO-3/FSDP gathers and reduces (communication.py)
@@ -172,6 +183,7 @@ class JobSpec:
     fp8_weight_casts: str = "per_microbatch"  # FP8_WEIGHT_CASTS: a weight cast every micro-batch or once per step
     fp8_cast_kernels: str = "separate"  # FP8_CAST_KERNELS: every operand cast on its own, or as Megatron-Core's TE layers
     sink_attention: str = "materialized"  # SINK_ATTENTION: the core's kernel with model.attention_sinks
+    attention_kernel: str = "flash_attn2"  # ATTENTION_KERNELS: which kernel runs a fused core
 
     def __post_init__(self) -> None:
         check_choice("strategy", self.layout.strategy, STRATEGIES)
@@ -190,6 +202,10 @@ class JobSpec:
         check_choice("fp8_weight_casts", self.fp8_weight_casts, FP8_WEIGHT_CASTS)
         check_choice("fp8_cast_kernels", self.fp8_cast_kernels, FP8_CAST_KERNELS)
         check_choice("sink_attention", self.sink_attention, SINK_ATTENTION)
+        check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
+        if self.pp_overlap and (self.layout.pp == 1 or self.layout.pp_schedule != "interleaved_1f1b"):
+            raise EstimatorError("pp_overlap=True is Megatron-Core's overlap_p2p_comm, which runs only with an "
+                                 "interleaved schedule; set pp_schedule=interleaved_1f1b with pp > 1, or pp_overlap=False")
         if self.op_selective_saves == "alternate_matmuls" and (self.model.is_mla or self.model.moe.experts is not None):
             raise EstimatorError("op_selective_saves=alternate_matmuls counts a dense grouped-query layer's matmuls "
                                  "(q, k, v, output, then the MLP's); use every_matmul for latent attention or MoE")

@@ -19,6 +19,7 @@ from analysis.estimator.communication import (
     tp_comm_seconds,
 )
 from analysis.estimator.job import (
+    CUDNN_HOPPER_ATTENTION_SPEEDUP,
     MUON_NS_STEPS,
     MUON_PIECE_BYTES,
     PP_SCHEDULES,
@@ -81,7 +82,7 @@ class TimeEstimate:
     peak_tflops: float | None  # per GPU; None for fp8, where no single peak applies
     world_size: int
     tp_comm_s: float = 0.0  # tensor-parallel collectives (all of them)
-    pp_comm_s: float = 0.0  # pipeline sends between stages, not overlapped
+    pp_comm_s: float = 0.0  # pipeline sends between stages on the critical path (all of them unless pp_overlap)
     bubble_s: float = 0.0  # pipeline fill and drain
     tp_exposed_s: float | None = None  # the part of tp_comm_s on the critical path (None: all of it)
     microbatch_s: float = 0.0  # one micro-batch through the slowest stage (what the bubble is made of)
@@ -268,7 +269,9 @@ def attention_seconds(job: JobSpec, forwards: float) -> tuple[float, float]:
     and @V over the values' v, equal but in latent attention; every query against every key), split
     over tp by heads. A fused (flash) kernel skips the masked half of a causal
     square (and with flash-attn the blocks outside a sliding window: ``fused_core_share``) and its backward
-    recomputes the scores, 2.5x its forward; it runs at ``attention_fraction`` of the large-GEMM rate.
+    recomputes the scores, 2.5x its forward; it runs at ``attention_fraction`` of the large-GEMM rate
+    (FlashAttention-2's kernels), or ``CUDNN_HOPPER_ATTENTION_SPEEDUP`` times that where Transformer
+    Engine runs it on Hopper (``attention_kernel=te``: cuDNN's fused attention).
     A materialized core (model.attention=reference; Megatron's fused softmax) runs both matmuls on the
     whole square as batched GEMMs (the head dim is their reduction dimension) and moves the s x s
     scores through memory: ``_score_traffic_bytes``.
@@ -280,6 +283,8 @@ def attention_seconds(job: JobSpec, forwards: float) -> tuple[float, float]:
     if job.attention == "flash":
         executed = 0.5 * fwd_flops * fused_core_share(cfg, s) * (forwards + 2.5)
         rate = _gemm_rate(job) * a.attention_fraction
+        if job.attention_kernel == "te" and job.device.family == "hopper":
+            rate *= CUDNN_HOPPER_ATTENTION_SPEEDUP  # cuDNN's fused attention, what TE picks on Hopper
         return executed / rate, 0.0
     heads = cfg.n_head / t
     sixteen = dataclasses.replace(job, precision="bf16_master") if job.precision == "fp8" else job
@@ -537,7 +542,12 @@ def _stage_microbatch(job: JobSpec, stage: int) -> _MicroBatch:
     tp_s, _ = tp_comm_seconds(job, stage)
     # Overlapped collectives (Megatron's userbuffers, async TP) hide behind the GEMMs they feed.
     tp_exposed = _exposed(tp_s, compute, a) if job.tp_overlap else tp_s
-    return _MicroBatch(compute, memory_bound, tp_s, tp_exposed, pp_comm_seconds(job)[0], cp_comm_seconds(job)[0])
+    pp_s = pp_comm_seconds(job)[0]
+    if job.pp_overlap:
+        # Megatron-Core's interleaved schedule with overlap_p2p_comm posts the next chunk's receive and this
+        # one's send before it computes and waits on them after (no batched send-receive barrier)
+        pp_s = _exposed(pp_s, compute, a)
+    return _MicroBatch(compute, memory_bound, tp_s, tp_exposed, pp_s, cp_comm_seconds(job)[0])
 
 
 def _exposed(comm: float, hideable: float, a: Assumptions) -> float:

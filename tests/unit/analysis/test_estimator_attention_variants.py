@@ -142,3 +142,35 @@ def test_the_estimate_tool_takes_the_sink_kernel():
     base = ["--config", "configs/gpt-oss-20b.yaml", "--gpus", "8", "--seq-len", "1024", "--micro-batch", "1"]
     jobs = [estimate.build_job(*estimate.parse_args(base + extra)) for extra in ([], ["--sink-attention", "fused"])]
     assert [(j.sink_attention, j.attention) for j in jobs] == [("materialized", "materialized"), ("fused", "flash")]
+
+
+def test_transformer_engines_kernel_runs_a_fused_core_faster_on_hopper_only():
+    """attention_kernel=te: cuDNN's fused attention, what Transformer Engine picks on Hopper, at the
+    stated 1.6x of FlashAttention-2's rate; on an A100 TE picks flash-attn 2 (the same time), and a
+    materialized core, which runs no fused kernel, is unchanged."""
+    cfg, s, b = small(max_seq_len=512), 512, 2
+    flash = est.JobSpec(cfg, s, b, device=H100)
+    te = dataclasses.replace(flash, attention_kernel="te")
+    assert flash.attention_kernel == "flash_attn2"
+    a = est.Assumptions()
+    executed = 2 * b * s * s * (2 * 64) / 2 * 3.5
+    rate = H100.bf16_tflops * 1e12 * a.gemm_fraction_hopper * a.attention_fraction
+    assert est.attention_seconds(flash, 1)[0] == pytest.approx(executed / rate)
+    assert est.attention_seconds(te, 1)[0] == pytest.approx(executed / (rate * 1.6))
+    assert est.estimate(te).time.step_s < est.estimate(flash).time.step_s
+    a100 = DEVICES["A100"]
+    assert (est.attention_seconds(dataclasses.replace(te, device=a100), 1)
+            == est.attention_seconds(dataclasses.replace(flash, device=a100), 1))
+    reference = small(max_seq_len=512, attention="reference")
+    assert (est.attention_seconds(dataclasses.replace(te, model=reference), 1)
+            == est.attention_seconds(dataclasses.replace(flash, model=reference), 1))
+    with pytest.raises(est.EstimatorError, match="attention_kernel='fa3' is not valid; choose one of: flash_attn2, te"):
+        est.JobSpec(cfg, s, b, device=H100, attention_kernel="fa3")
+
+
+def test_the_estimate_tool_takes_the_attention_kernel():
+    from tools import estimate
+
+    base = ["--config", "configs/llama3.1-8b.yaml", "--gpus", "8", "--seq-len", "1024", "--micro-batch", "1"]
+    jobs = [estimate.build_job(*estimate.parse_args(base + extra)) for extra in ([], ["--attention-kernel", "te"])]
+    assert [j.attention_kernel for j in jobs] == ["flash_attn2", "te"]

@@ -219,6 +219,37 @@ def test_stage_parameters_split_the_model():
     assert est.stage_parameters(untied, 4, 4, 3) == middle + 2 * d + 1000 * d / 4
 
 
+def test_overlapped_pipeline_sends_hide_behind_the_stages_compute_as_other_collectives_do():
+    """pp_overlap (Megatron-Core's overlap_p2p_comm): a micro-batch's sends leave on the critical path
+    what overlap_efficiency of the stage's compute does not hide, the bubble shrinking with them;
+    without an interleaved schedule Megatron-Core has no such overlap, so the estimator refuses it."""
+    cfg = paper_model(16, 2048, 16, vocab_size=32000)
+    job = spec(cfg, 32, "none", grad_accum=16, tp=2, pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
+    overlapped = dataclasses.replace(job, pp_overlap=True)
+    sends, _ = est.pp_comm_seconds(job)
+    plain, hidden = est.estimate_time(job, 0.0), est.estimate_time(overlapped, 0.0)
+    assert plain.pp_comm_s == pytest.approx(16 * sends)
+    compute_per_microbatch = hidden.compute_s / 16
+    a = est.Assumptions()
+    assert hidden.pp_comm_s == pytest.approx(16 * (sends - a.overlap_efficiency * min(sends, compute_per_microbatch)))
+    assert 0 < hidden.pp_comm_s < plain.pp_comm_s and hidden.bubble_s < plain.bubble_s
+    assert hidden.compute_s == plain.compute_s and hidden.memory_bound_s == plain.memory_bound_s
+    one_f_one_b = spec(cfg, 32, "none", grad_accum=16, tp=2, pp=4)
+    with pytest.raises(est.EstimatorError, match="pp_overlap=True is Megatron-Core's overlap_p2p_comm, which runs only "
+                                                  "with an interleaved schedule"):
+        dataclasses.replace(one_f_one_b, pp_overlap=True)
+
+
+def test_the_estimate_tool_takes_pipeline_overlap():
+    from tools import estimate
+
+    base = ["--config", "configs/llama3.1-8b.yaml", "--gpus", "8", "--seq-len", "1024", "--micro-batch", "1",
+            "--grad-accum", "8", "--pp", "2", "--pp-schedule", "interleaved_1f1b", "--pp-virtual-stages", "2",
+            "--allow-refused"]
+    jobs = [estimate.build_job(*estimate.parse_args(base + extra)) for extra in ([], ["--pp-overlap"])]
+    assert [j.pp_overlap for j in jobs] == [False, True]
+
+
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)])
 def test_memory_per_gpu_is_the_fullest_stage(schedule, v):
     cfg = paper_model(16, 2048, 16, vocab_size=32000, tie_embeddings=False)

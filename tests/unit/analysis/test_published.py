@@ -288,3 +288,15 @@ def test_a_row_says_its_framework_runs_sinks_in_a_fused_kernel(rows):
     fused = row.job()
     assert row.model.attention_sinks and fused.attention == "flash"
     assert dataclasses.replace(fused, sink_attention="materialized").attention == "materialized"
+
+
+def test_rows_run_the_attention_kernel_and_pipeline_overlap_their_framework_ran(rows):
+    """Transformer Engine's attention (cuDNN's on Hopper) for the Megatron-Core sources, FlashAttention-2
+    for the others; overlapped pipeline sends where Megatron-Bridge sets overlap_p2p_comm (interleaved
+    schedules), nowhere else."""
+    for row in rows:
+        job = row.job()
+        te = row.source.name in ("nemo", "megatron_bridge")
+        assert job.attention_kernel == ("te" if te else "flash_attn2"), row.key
+        interleaved = job.layout.pp > 1 and job.layout.pp_schedule == "interleaved_1f1b"
+        assert job.pp_overlap == (row.source.name == "megatron_bridge" and interleaved), row.key
