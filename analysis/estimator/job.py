@@ -66,7 +66,7 @@ SINK_ATTENTION = ("materialized", "fused")
 ATTENTION_KERNELS = ("flash_attn2", "te")
 # cuDNN's fused attention against FlashAttention-2 on an H100 SXM5 at head dim 128, sequences of 2k to 16k:
 # 1.59-1.62x forward with a causal mask, 1.60-1.63x backward (Shah et al., FlashAttention-3, 2024, Figures 5
-# and 6, cuDNN 9 beside FlashAttention-2 2.5.8). Stated, never fitted.
+# and 6, cuDNN's kernel beside FlashAttention-2's). Stated, never fitted.
 CUDNN_HOPPER_ATTENTION_SPEEDUP = 1.6
 # Attention backends (model.attention) by what they store: only the reference keeps the scores.
 ATTENTION_BACKEND_KIND = {"reference": "materialized", "sdpa": "flash", "flash_attn": "flash", "auto": "flash"}
