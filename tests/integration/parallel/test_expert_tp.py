@@ -38,7 +38,7 @@ LAYOUTS = {2: {"etp2": ETP, "etp2_no_sp": ETP | {"sequence_parallel": False, "lo
 DRIFT = {"etp2_x_pp2_zero_bubble": (5e-5, 5e-4), "etp2_x_pp2_interleaved": (5e-5, 5e-4)}
 # Adam divides by sqrt(v) + eps, so gradients equal within 1e-6 can leave weights a few 1e-5 apart after
 # the steps: the shared expert's fc weight ends 1.5e-5 from one process on an AMD EPYC (oneDNN without
-# avx512_fp16) and within 1e-5 on the Intel machines the other tolerances were set on.
+# avx512_fp16) and within 1e-5 on the machines the other tolerances were set on.
 WEIGHT_DRIFT = {"etp2_shared": 3e-5}
 # test_ep.py's job() takes a layout's model keys from its MODEL_KEYS by the layout's name.
 ep_test.MODEL_KEYS.update({"etp2_shared": {"moe.shared_experts": 1}, "etp2_x_pp2_zero_bubble": {"n_layer": 4},

@@ -197,7 +197,7 @@ def check(results: list[dict], name: str, model: dict, dp_size: int = 1) -> None
         assert set(got["final"]) <= set(ref["final"]), name
         # Ten Adam steps divide by sqrt(v) + eps, which turns equal gradients' last-bit differences into
         # weight differences up to about 1e-5: pp2_x_fsdp2's blocks.0.mlp.fc.weight ends 1.05e-5 from one
-        # process on an AMD EPYC (oneDNN without avx512_fp16), under 1e-5 on Intel machines.
+        # process on an AMD EPYC (oneDNN without avx512_fp16), under 1e-5 on the machines it was set on.
         for key, value in got["final"].items():
             torch.testing.assert_close(value, ref["final"][key], rtol=0, atol=2e-5, msg=f"{name}: {key}")
     held = {key for got in results for key in got[name]["final"]}
